@@ -1,0 +1,60 @@
+"""Synthetic FL2VA samples: random latents and text embeddings of a real H3 geometry.
+
+Sample `i` is a pure function of `(seed, i)`, so every rank that asks for it gets the same tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import SyntheticDataConfig
+from .layout import Geometry, PackedSample, audio_latents_to_rows, video_latents_to_rows
+
+VIDEO_LATENT_CHANNELS = 24
+AUDIO_LATENT_CHANNELS = 32
+
+
+class SyntheticSource:
+    """Indexable source of FL2VA `PackedSample`s (T2VA when no anchors are configured)."""
+
+    def __init__(self, cfg: SyntheticDataConfig, text_dim: int, seed: int) -> None:
+        self.cfg = cfg
+        self.text_dim = text_dim
+        self.seed = seed
+        self.geometry = Geometry(cfg.num_latent_frames, cfg.latent_height, cfg.latent_width, cfg.num_audio_latents)
+
+    def __len__(self) -> int:
+        return self.cfg.num_samples
+
+    def __getitem__(self, index: int) -> PackedSample:
+        cfg, geo = self.cfg, self.geometry
+        g = torch.Generator().manual_seed(self.seed * 7919 + index + 1)
+        video = torch.randn(VIDEO_LATENT_CHANNELS, geo.num_latent_frames, geo.latent_height, geo.latent_width,
+                            generator=g)
+        audio = torch.randn(2, AUDIO_LATENT_CHANNELS, geo.num_audio_latents, generator=g)
+        if not cfg.has_audio:
+            audio.zero_()
+        anchors = tuple(cfg.keyframe_anchors)
+        # Keyframe latents are the target's own first / last latent frame, as when encoded from the clip.
+        frame_of = {"first": 0, "last": geo.num_latent_frames - 1}
+        cond = [video_latents_to_rows(video[:, frame_of[a] : frame_of[a] + 1]) for a in anchors]
+        video_rows = torch.cat([*cond, video_latents_to_rows(video)])
+        tags = torch.ones(cfg.text_len, dtype=torch.long)
+        # Vision tokens of the keyframe presentation sit after the first text token and are tagged video (0).
+        if anchors and cfg.vision_tokens:
+            tags[1 : 1 + cfg.vision_tokens] = 0
+        prompt = torch.randn(cfg.text_len, self.text_dim, generator=g)
+        negative = torch.randn(max(1, cfg.text_len // 3), self.text_dim, generator=g)
+        return PackedSample(
+            sample_id=f"synthetic-{index:06d}",
+            task="fl2va" if anchors else "t2va",
+            geometry=geo,
+            video_rows=video_rows,
+            audio_rows=audio_latents_to_rows(audio),
+            prompt_embeds=prompt,
+            text_token_tags=tags,
+            has_audio=cfg.has_audio,
+            keyframe_anchors=anchors,
+            negative_prompt_embeds=negative,
+            negative_text_token_tags=torch.ones(negative.shape[0], dtype=torch.long),
+        )
