@@ -81,12 +81,13 @@ class LossWeights:
 
 @dataclass
 class TimestepConfig:
-    sampling: str = "logit_normal"
+    # Base sigma distribution; uniform matches H3's inference grid (uniform base index, then shift).
+    sampling: str = "uniform"
     logit_mean: float = 0.0
     logit_std: float = 1.0
     video_shift: float = 12.0
     audio_shift: float = 3.0
-    # Per-sample loss weighting as a function of sigma: none | sigma_sqrt | cosmap.
+    # Per-sample loss weighting as a function of the base sigma: none | cosmap.
     weighting: str = "none"
 
 
@@ -153,7 +154,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("synthetic", "cached"),
     "parallel.backend": ("auto", "gloo", "nccl"),
     "train.timestep.sampling": ("uniform", "logit_normal"),
-    "train.timestep.weighting": ("none", "sigma_sqrt", "cosmap"),
+    "train.timestep.weighting": ("none", "cosmap"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
 }

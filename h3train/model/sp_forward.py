@@ -1,0 +1,177 @@
+"""The sequence-parallel forward of `MiniMaxH3Transformer3DModel`, over the model's own modules.
+
+`SequenceParallelH3` mirrors `MiniMaxH3Transformer3DModel.forward` operation for operation, so at
+sp = 1 it returns exactly what the diffusers forward returns. At sp > 1:
+
+1. the input projections, the time embedding and the text refiner run on the full sequence on every
+   SP rank (they are cheap and the text refiner attends over text only);
+2. the packed sequence is padded to a multiple of sp and each rank keeps its slice of rows through
+   the block stack; `UlyssesAttnProcessor` exchanges heads for rows around attention and drops the
+   padding rows before attention, so padding never reaches a real row;
+3. the output heads run on the local rows and their outputs are gathered back with the gradient
+   scale of the contract in `parallel/ulysses.py`, then the padding is dropped.
+
+This module is the FSDP2 root (it owns the transformer), so the root's unshard / reduce-scatter
+hooks wrap this forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from diffusers import MiniMaxH3Transformer3DModel
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.modeling_utils import get_parameter_dtype
+from diffusers.models.transformers.transformer_minimax_h3 import (
+    MINIMAX_H3_MODALITY_NUM,
+    MiniMaxH3Attention,
+    _apply_rotary_emb,
+)
+from torch.utils.checkpoint import checkpoint
+
+from ..parallel.ulysses import SequenceParallel
+
+FORWARD_ARGS = (
+    "hidden_states",
+    "audio_hidden_states",
+    "encoder_hidden_states",
+    "timestep",
+    "timestep_indices",
+    "token_tags",
+    "position_ids",
+    "video_indices",
+    "audio_indices",
+    "text_indices",
+)
+
+
+class UlyssesAttnProcessor:
+    """Self-attention of one block on this rank's rows, attending over the whole sequence.
+
+    q, k, v `[B, S_pad/sp, H, D]` -> all-to-all -> `[B, S_pad, H/sp, D]` -> drop padding rows ->
+    attention over the `seq_len` real rows -> pad -> all-to-all back -> `[B, S_pad/sp, H, D]`.
+    """
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self, sp: SequenceParallel) -> None:
+        self.sp = sp
+        # Real (unpadded) length of the sequence in flight; set by `SequenceParallelH3.forward`.
+        self.seq_len = 0
+
+    def __call__(
+        self,
+        attn: MiniMaxH3Attention,
+        hidden_states: torch.Tensor,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if attention_mask is not None:
+            raise ValueError("MiniMax H3 attends over one unmasked packed sequence; no mask is expected")
+        if attn.fused_projections:
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query = attn.norm_q(query.unflatten(-1, (attn.heads, -1)))
+        key = attn.norm_k(key.unflatten(-1, (attn.heads, -1)))
+        value = value.unflatten(-1, (attn.heads, -1))
+        if rotary_emb is not None:
+            query = _apply_rotary_emb(query, *rotary_emb)
+            key = _apply_rotary_emb(key, *rotary_emb)
+
+        padded = query.shape[1] * self.sp.size
+        query, key, value = (self.sp.heads_to_sequence(t)[:, : self.seq_len] for t in (query, key, value))
+        out = dispatch_attention_fn(
+            query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
+        )
+        if padded > self.seq_len:
+            out = torch.cat([out, out.new_zeros(out.shape[0], padded - self.seq_len, *out.shape[2:])], dim=1)
+        out = self.sp.sequence_to_heads(out)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class SequenceParallelH3(nn.Module):
+    """Wraps the diffusers transformer; `forward` takes the ten `model.forward` arguments.
+
+    Returns `(video, audio)`: `[B, N_v, 96]` velocity for every video row (conditioning rows first)
+    and `[B, N_a, 32]` for every audio row, as `model.forward(..., return_dict=False)` does.
+    """
+
+    def __init__(
+        self, transformer: MiniMaxH3Transformer3DModel, sp: SequenceParallel, gradient_checkpointing: bool = False
+    ) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.sp = sp
+        self.gradient_checkpointing = gradient_checkpointing
+        heads = transformer.config.num_attention_heads
+        if heads % sp.size:
+            raise ValueError(f"sequence parallel size {sp.size} does not divide {heads} attention heads")
+        self.processors: list[UlyssesAttnProcessor] = []
+        if sp.enabled:
+            for block in transformer.transformer_blocks:
+                proc = UlyssesAttnProcessor(sp)
+                proc._attention_backend = block.attn.processor._attention_backend
+                block.attn.set_processor(proc)
+                self.processors.append(proc)
+
+    def _run(self, module: nn.Module, *args):
+        if self.gradient_checkpointing and torch.is_grad_enabled():
+            return checkpoint(module, *args, use_reentrant=False)
+        return module(*args)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        audio_hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        timestep_indices: torch.Tensor,
+        token_tags: torch.Tensor,
+        position_ids: torch.Tensor,
+        video_indices: torch.Tensor,
+        audio_indices: torch.Tensor,
+        text_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        m, sp = self.transformer, self.sp
+        seq_len = position_ids.shape[0]
+        rotary_emb = m.rope(position_ids)
+
+        video_embeds = m.proj_in(hidden_states.to(get_parameter_dtype(m.proj_in)))
+        audio_embeds = m.audio_proj_in(audio_hidden_states.to(get_parameter_dtype(m.audio_proj_in)))
+        text_embeds = m.context_embedder(encoder_hidden_states.to(get_parameter_dtype(m.context_embedder)))
+        for block in m.token_refiner.refiner_blocks:
+            text_embeds = self._run(block, text_embeds)
+        text_embeds = m.token_refiner.final_norm(text_embeds)
+
+        hidden = text_embeds.new_zeros((text_embeds.shape[0], seq_len, text_embeds.shape[-1]))
+        hidden = hidden.index_copy(1, text_indices, text_embeds)
+        hidden = hidden.index_copy(1, video_indices, video_embeds.to(text_embeds.dtype))
+        hidden = hidden.index_copy(1, audio_indices, audio_embeds.to(text_embeds.dtype))
+
+        temb = m.time_proj(timestep)
+        temb = m.time_embedder(temb.to(get_parameter_dtype(m.time_embedder)))
+        adaln_indices = timestep_indices * MINIMAX_H3_MODALITY_NUM + token_tags
+
+        if sp.enabled:
+            # Padding rows carry index 0 and position 0: valid lookups, dropped before attention and
+            # after the heads, so they never touch a real row or the loss.
+            hidden = sp.split(sp.pad(hidden, 1))
+            adaln_indices = sp.local_slice(sp.pad(adaln_indices, 0))
+            timestep_indices = sp.local_slice(sp.pad(timestep_indices, 0))
+            rotary_emb = tuple(sp.local_slice(sp.pad(t, 0)) for t in rotary_emb)
+            for proc in self.processors:
+                proc.seq_len = seq_len
+
+        for block in m.transformer_blocks:
+            hidden = self._run(block, hidden, temb, adaln_indices, rotary_emb)
+
+        hidden = m.norm_out(hidden, temb, timestep_indices).to(get_parameter_dtype(m.proj_out))
+        video_rows = m.proj_out(hidden)
+        audio_rows = m.audio_proj_out(hidden)
+        if sp.enabled:
+            video_rows = sp.gather(video_rows)[:, :seq_len]
+            audio_rows = sp.gather(audio_rows)[:, :seq_len]
+        return video_rows.index_select(1, video_indices), audio_rows.index_select(1, audio_indices)

@@ -1,0 +1,124 @@
+"""The 3-axis mesh `(dp_replicate, dp_shard, sp)` and every group the trainer reduces over.
+
+- Parameters shard over `dp_shard x sp` (one flattened axis); with `dp_replicate > 1` they are
+  replicated across it (HSDP).
+- Samples differ across `dp_replicate x dp_shard` (the data-parallel rank); every SP rank of a DP
+  group sees the identical sample, noise and timesteps.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..config import ConfigError, ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    sp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
+        """Resolve `dp_shard = -1` and check that the product is the world size."""
+        dp_shard = cfg.dp_shard
+        fixed = cfg.dp_replicate * cfg.sp
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise ConfigError(
+                    f"config key 'parallel.dp_shard' = -1 cannot be inferred: world size {world_size} is not "
+                    f"divisible by dp_replicate*sp = {fixed}"
+                )
+            dp_shard = world_size // fixed
+        if cfg.dp_replicate * dp_shard * cfg.sp != world_size:
+            raise ConfigError(
+                f"config key 'parallel' gives a mesh dp_replicate*dp_shard*sp = {cfg.dp_replicate}*{dp_shard}*"
+                f"{cfg.sp} = {cfg.dp_replicate * dp_shard * cfg.sp}, but the world size is {world_size}; "
+                "set parallel.dp_shard=-1 or change the launch"
+            )
+        return cls(cfg.dp_replicate, dp_shard, cfg.sp, world_size)
+
+    @property
+    def dp(self) -> int:
+        """Number of distinct samples per micro-batch across the job."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks a parameter is sharded over."""
+        return self.dp_shard * self.sp
+
+    def describe(self) -> str:
+        return (
+            f"mesh (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, sp={self.sp}) = "
+            f"{self.world_size} ranks; parameters sharded {self.shard_size}-way"
+            + (f", replicated {self.dp_replicate}x (HSDP)" if self.dp_replicate > 1 else "")
+            + f"; {self.dp} samples per micro-batch"
+        )
+
+
+class ParallelContext:
+    """The built mesh and the groups of this rank."""
+
+    def __init__(self, dims: ParallelDims, device: torch.device) -> None:
+        self.dims = dims
+        self.device = device
+        self.mesh: DeviceMesh = init_device_mesh(
+            device.type,
+            (dims.dp_replicate, dims.dp_shard, dims.sp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "sp"),
+        )
+        shard = self.mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
+        self.fsdp_mesh: DeviceMesh = (
+            self.mesh["dp_replicate", "dp_shard_sp"] if dims.dp_replicate > 1 else shard
+        )
+        self.dp_mesh: DeviceMesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self.sp_group = self.mesh["sp"].get_group() if dims.sp > 1 else None
+        self.dp_rank = self.dp_mesh.get_local_rank()
+        self.sp_rank = self.mesh["sp"].get_local_rank()
+        self.rank = dist.get_rank()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str, timeout_s: int) -> tuple[int, torch.device]:
+    """Join (or, alone, create) the default process group. Returns `(world_size, device)`.
+
+    Launched alone, a one-rank group is created so that one code path (FSDP2, DTensor) serves
+    both cases.
+    """
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("config key 'parallel.backend' is 'nccl' but CUDA is not available; use gloo or auto")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=timeout
+            )
+    return dist.get_world_size(), device

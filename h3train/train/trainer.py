@@ -1,0 +1,166 @@
+"""The training loop: config -> parallel plan -> data -> packed sample -> objective -> step."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config, to_yaml
+from ..data.sampler import DistributedSampler
+from ..model.build import build_model
+from ..model.sp_forward import SequenceParallelH3
+from ..objective import TrainingInputs, flow_matching_loss, make_training_inputs, step_generator
+from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
+from ..parallel.fsdp import apply_fsdp
+from ..parallel.ulysses import SequenceParallel
+from ..tasks.layout import PackedSample
+from .dump import diffusers_state, micro_batch_tensors, write_dump
+from .metrics import MetricsLogger, write_resolved_config
+from .optim import build_optimizer, build_scheduler
+
+
+def build_source(cfg: Config, text_dim: int):
+    """The indexable sample source named by `data.source`."""
+    if cfg.data.source == "synthetic":
+        from ..tasks.synthetic import SyntheticSource
+
+        return SyntheticSource(cfg.data.synthetic, text_dim, cfg.train.seed)
+    from ..data.dataset import CachedDataset
+
+    return CachedDataset(cfg.data.path, cfg.task.name)
+
+
+# FSDP2 warns about every Linear output that is a view; nothing here writes into one in place.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+class Trainer:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        # The mesh is checked against the launch before any process group exists.
+        dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+        _, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+        self.ctx = ParallelContext(dims, device)
+        self.device = device
+
+        transformer = build_model(cfg, cfg.train.seed)
+        transformer.set_attention_backend(cfg.model.attention_backend if cfg.model.attention_backend != "auto"
+                                          else "native")
+        self.model_config = dict(transformer.config)
+        self.model = SequenceParallelH3(
+            transformer, SequenceParallel(self.ctx.sp_group), cfg.model.gradient_checkpointing
+        )
+        apply_fsdp(self.model, self.ctx, cfg.model.dtype)
+        if device.type != "cpu":
+            self.model.to(device)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+
+        self.source = build_source(cfg, self.model_config["text_dim"])
+        self.sampler = DistributedSampler(len(self.source), self.ctx.dp_rank, dims.dp, cfg.train.seed)
+        self.step = 0
+        self.log_dir = Path(cfg.logging.dir)
+
+    # -- one optimizer step ---------------------------------------------------------------------
+
+    def _micro_batch(self, step: int, micro: int) -> tuple[PackedSample, TrainingInputs]:
+        sample = self.source[self.sampler.next_index()]
+        gen = step_generator(self.cfg.train.seed, step, self.ctx.dp_rank, micro)
+        return sample, make_training_inputs(sample, gen, self.cfg.train.timestep, self.cfg.train.loss_weights)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        accum = cfg.train.grad_accum
+        dump = cfg.debug.dump_step == step
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        # [loss, mse_video, mse_audio, audio_count, rows] summed over this rank's micro-batches, kept
+        # on the device so the step has no host sync before the optimizer update.
+        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+        dumped, metas = {}, []
+        for micro in range(accum):
+            sample, ti = self._micro_batch(step, micro)
+            dev = ti.to(self.device)
+            pred_video, pred_audio = self.model(**dev.model_inputs)
+            loss, mse_video, mse_audio = flow_matching_loss(pred_video, pred_audio, dev)
+            (loss / accum).backward()
+            has_audio = float(sample.has_audio)
+            sums += torch.stack([
+                loss.detach().double(), mse_video.detach().double(), mse_audio.detach().double() * has_audio,
+                sums.new_tensor(has_audio), sums.new_tensor(sample.layout.seq_len),
+            ])
+            if dump:
+                dumped.update(micro_batch_tensors(micro, ti))
+                metas.append(sample.meta())
+
+        if dump:
+            self._dump(step, dumped, metas)
+        grad_norm = self._clip_grad_norm()
+        self.optimizer.step()
+        self.scheduler.step()
+
+        dist.all_reduce(sums, group=self.ctx.dp_mesh.get_group())
+        sums = sums.cpu()
+        dt = time.perf_counter() - t0
+        n = accum * self.ctx.dims.dp
+        return {
+            "loss": sums[0].item() / n,
+            "loss_video": sums[1].item() / n,
+            "loss_audio": sums[2].item() / max(sums[3].item(), 1.0),
+            "grad_norm": grad_norm,
+            "lr": self.scheduler.get_last_lr()[0],
+            "seq_len": sums[4].item() / n,
+            "tokens_per_s": sums[4].item() / dt,
+            "step_time_s": dt,
+        }
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.train.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _dump(self, step: int, inputs: dict, metas: list[dict]) -> None:
+        # Unsharding is collective: every rank gathers, rank 0 writes.
+        weights = diffusers_state(self.model, grads=False)
+        grads = diffusers_state(self.model, grads=True)
+        if self.ctx.is_main:
+            meta = {
+                "step": step,
+                "model_config": {k: v for k, v in self.model_config.items() if not k.startswith("_")},
+                "num_micro_batches": len(metas),
+                "dp_size": self.ctx.dims.dp,
+                "sp_size": self.ctx.dims.sp,
+                "micro_batches": metas,
+            }
+            write_dump(self.log_dir / "dump" / f"step_{step}", inputs, weights, grads, meta)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        cfg = self.cfg
+        if self.ctx.is_main:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            write_resolved_config(self.log_dir, to_yaml(cfg))
+        with MetricsLogger(
+            self.log_dir, self.ctx.is_main, cfg.logging.wandb, asdict(cfg), cfg.train.steps,
+            start_step=self.step, progress=cfg.logging.progress,
+        ) as metrics:
+            for step in range(self.step + 1, cfg.train.steps + 1):
+                stats = self.train_step(step)
+                self.step = step
+                metrics.log(step, stats)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            # Ranks leave together: one tearing down gloo while another still talks aborts it.
+            dist.barrier()
+            dist.destroy_process_group()
