@@ -1,0 +1,287 @@
+"""Per-step metrics: an append-only `metrics.jsonl`, a console progress display, optional wandb.
+
+`metrics.jsonl` is the record of truth. wandb is best effort: if it cannot start or a later log call
+fails, one warning is emitted and the run continues with the JSONL file alone, because a
+training job should never die (or hang) over a dashboard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+from tqdm import tqdm
+
+from h3train.config import WandbConfig
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+
+# Without a TTY the bar is replaced by plain lines; this caps how many a run prints.
+_MAX_PLAIN_LINES = 50
+# Keys shown on the console, in this order, when present.
+_CONSOLE_KEYS = ("loss", "grad_norm", "lr")
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` so that readers see either the old or the new file, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_resolved_config(log_dir: str | os.PathLike[str], yaml_text: str) -> Path:
+    """Write the fully resolved run configuration to `<log_dir>/config.yaml` atomically; return its path."""
+    path = Path(log_dir) / CONFIG_FILE
+    _atomic_write_text(path, yaml_text)
+    return path
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain Python scalars for `json.dumps`; 0-d tensors and numpy scalars are unwrapped."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if hasattr(value, "item"):
+        return value.item()
+    return float(value)
+
+
+def _format_value(key: str, value: Any) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return str(value)
+    if key == "lr":
+        return f"{value:.3e}"
+    return f"{value:.4g}" if key == "grad_norm" else f"{value:.4f}"
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        # stderr may be replaced by an object without isatty, or already closed.
+        return False
+
+
+class MetricsLogger:
+    """Log one metrics dict per optimizer step to JSONL, the console and (optionally) wandb.
+
+    Only the main rank does anything; on every other rank each method is a no-op, so callers can
+    construct and call it unconditionally.
+
+    `metrics.jsonl` is opened for appending so a resumed run extends the same file. Lines whose
+    step is after `start_step` belong to steps that the resumed run is about to redo (they were
+    logged after the checkpoint it resumes from) and are removed when the logger opens, keeping
+    the steps in the file strictly increasing. Unparseable lines, e.g. one torn by a crash
+    mid-write, are removed at the same time. Non-finite values are written as `NaN` / `Infinity`,
+    which Python's `json` reads back.
+
+    The console shows a tqdm bar on a TTY when `progress` is true; otherwise (log files, CI) a
+    plain line is printed to stderr every few steps, at most about 50 per run.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str],
+        is_main: bool,
+        wandb_cfg: WandbConfig,
+        run_config: dict[str, Any],
+        total_steps: int,
+        start_step: int = 0,
+        progress: bool = True,
+    ) -> None:
+        self.is_main = is_main
+        self.log_dir = Path(log_dir)
+        self.path = self.log_dir / METRICS_FILE
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self._fh: IO[str] | None = None
+        self._bar: tqdm | None = None
+        self._wandb_run: Any = None
+        self._wandb_warned = False
+        self._closed = False
+        self._exit_code = 0
+        self._plain_every = max(1, math.ceil(max(1, total_steps - start_step) / _MAX_PLAIN_LINES))
+        self._plain_last_time = time.monotonic()
+        self._plain_last_step = start_step
+        if not is_main:
+            return
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._drop_stale_lines()
+        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held open for the whole run
+
+        # wandb first: its start-up output or failure warning would otherwise break the bar's line.
+        if wandb_cfg.enabled and wandb_cfg.mode != "disabled":
+            self._init_wandb(wandb_cfg, run_config)
+
+        # Console s/step should measure training, not wandb start-up.
+        self._plain_last_time = time.monotonic()
+        if progress and _stderr_is_tty():
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def _drop_stale_lines(self) -> None:
+        """Remove lines after `start_step` (and torn lines) from an existing metrics file."""
+        if not self.path.is_file():
+            return
+        text = self.path.read_text(encoding="utf-8")
+        if not text:
+            return
+        kept: list[str] = []
+        dropped = False
+        for line in text.splitlines():
+            if not line.strip():
+                dropped = True
+                continue
+            try:
+                record = json.loads(line)
+                step = record["step"]
+            except (ValueError, TypeError, KeyError):
+                dropped = True
+                continue
+            if isinstance(step, int) and step <= self.start_step:
+                kept.append(line)
+            else:
+                dropped = True
+        # A missing final newline would glue the next appended record onto the last line.
+        if dropped or not text.endswith("\n"):
+            _atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
+
+    def _init_wandb(self, cfg: WandbConfig, run_config: dict[str, Any]) -> None:
+        try:
+            import wandb
+
+            # Online without credentials, wandb.init would show an interactive API-key prompt on a
+            # TTY and block this rank while the others wait in collectives; check without prompting.
+            if cfg.mode == "online" and not wandb.login(prompt=False, verify=False):
+                raise RuntimeError("no API key configured; run `wandb login` or set WANDB_API_KEY")
+            self._wandb_run = wandb.init(
+                project=cfg.project,
+                name=cfg.run_name,
+                mode=cfg.mode,
+                config=run_config,
+                dir=str(self.log_dir),
+                settings=wandb.Settings(init_timeout=cfg.init_timeout_s),
+            )
+        except Exception as exc:  # noqa: BLE001 - no network, bad key, timeout: all non-fatal
+            self._wandb_run = None
+            # Points the warning at the code that constructed the logger.
+            self._warn_wandb("could not start", exc, stacklevel=4)
+
+    def _warn_wandb(self, what: str, exc: BaseException, stacklevel: int = 3) -> None:
+        if self._wandb_warned:
+            return
+        self._wandb_warned = True
+        detail = str(exc).strip().splitlines()
+        reason = f"{type(exc).__name__}: {detail[0]}" if detail else type(exc).__name__
+        warnings.warn(
+            f"wandb {what} ({reason}); wandb logging is off for this run, metrics continue in {self.path}",
+            RuntimeWarning,
+            stacklevel=stacklevel,
+        )
+
+    # -- logging -----------------------------------------------------------------------------
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record `metrics` for optimizer step `step` (1-based: the step just completed)."""
+        if not self.is_main or self._closed:
+            return
+        record: dict[str, Any] = {"step": int(step)}
+        for key, value in metrics.items():
+            if key != "step":
+                record[key] = _jsonable(value)
+
+        assert self._fh is not None
+        self._fh.write(json.dumps(record) + "\n")
+        # Flushed per line so `tail -f` and a crash both see every completed step.
+        self._fh.flush()
+
+        self._console(record)
+
+        if self._wandb_run is not None:
+            try:
+                self._wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            except Exception as exc:  # noqa: BLE001 - a dashboard failure must not stop training
+                self._warn_wandb("failed to log", exc)
+                self._finish_wandb(exit_code=1)
+
+    def _console(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        shown = [(k, record[k]) for k in _CONSOLE_KEYS if k in record]
+        if self._bar is not None:
+            postfix = " ".join(f"{k}={_format_value(k, v)}" for k, v in shown if k != "lr")
+            self._bar.set_postfix_str(postfix, refresh=False)
+            self._bar.update(max(0, step - self._bar.n))
+            return
+        done = step - self.start_step
+        if not (done == 1 or done % self._plain_every == 0 or step >= self.total_steps):
+            return
+        now = time.monotonic()
+        steps = max(1, step - self._plain_last_step)
+        per_step = (now - self._plain_last_time) / steps
+        self._plain_last_time, self._plain_last_step = now, step
+        fields = " ".join(f"{k}={_format_value(k, v)}" for k, v in shown)
+        print(f"step {step}/{self.total_steps} {fields} ({per_step:.2f} s/step)", file=sys.stderr, flush=True)
+
+    # -- teardown ----------------------------------------------------------------------------
+
+    def _finish_wandb(self, exit_code: int) -> None:
+        run, self._wandb_run = self._wandb_run, None
+        if run is None:
+            return
+        try:
+            run.finish(exit_code=exit_code)
+        except Exception as exc:  # noqa: BLE001 - shutdown of an optional logger
+            self._warn_wandb("failed to finish", exc, stacklevel=4)
+
+    def close(self) -> None:
+        """Close the bar, finish wandb, close the file. Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.is_main:
+            return
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        self._finish_wandb(self._exit_code)
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Marks the wandb run as failed when training raised.
+        if exc_type is not None:
+            self._exit_code = 1
+        self.close()

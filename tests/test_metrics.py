@@ -1,0 +1,213 @@
+"""MetricsLogger (JSONL, resume, ranks, wandb fallbacks) and plot_metrics."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from h3train.config import WandbConfig
+from h3train.plot import plot_metrics
+from h3train.train.metrics import MetricsLogger, write_resolved_config
+
+
+@pytest.fixture(autouse=True)
+def _offline_wandb(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Every test here must be unable to reach the network through wandb, whatever it configures.
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_env"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb_cache"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    # No credentials from the developer's home either, so "online" can never log in.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _metrics(step: int) -> dict[str, float]:
+    return {"loss": 1.0 / step, "grad_norm": 0.5 * step, "lr": 1e-5, "loss_video": 0.6 / step}
+
+
+def _logger(log_dir: Path, **kw: Any) -> MetricsLogger:
+    kw.setdefault("is_main", True)
+    kw.setdefault("wandb_cfg", WandbConfig())
+    kw.setdefault("run_config", {"train": {"steps": 6}})
+    kw.setdefault("total_steps", 6)
+    return MetricsLogger(log_dir, **kw)
+
+
+class _FakeRun:
+    """Stand-in for a wandb run whose `log` always fails."""
+
+    def __init__(self) -> None:
+        self.log_calls = 0
+        self.finished = False
+
+    def log(self, data: dict[str, Any], step: int | None = None) -> None:
+        self.log_calls += 1
+        raise ConnectionError("upload refused")
+
+    def finish(self, exit_code: int | None = None) -> None:
+        self.finished = True
+
+
+def _wandb_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if "wandb" in str(w.message)]
+
+
+def test_jsonl_one_line_per_step_with_step_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _logger(tmp_path, total_steps=3) as logger:
+        for step in (1, 2, 3):
+            logger.log(step, _metrics(step))
+            # Flushed per step: a reader sees the line before the logger closes.
+            assert len(_read(tmp_path / "metrics.jsonl")) == step
+    records = _read(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(next(iter(r)) == "step" for r in records)
+    assert records[1]["loss"] == pytest.approx(0.5)
+    # No TTY under pytest, so each step of a short run gets a plain console line.
+    err = capsys.readouterr().err
+    assert err.count("step ") == 3 and "loss=" in err and "grad_norm=" in err
+
+
+def test_resume_appends_and_drops_steps_after_checkpoint(tmp_path: Path) -> None:
+    with _logger(tmp_path) as logger:
+        for step in range(1, 6):
+            logger.log(step, _metrics(step))
+    # The checkpoint was at step 3; steps 4 and 5 are redone by the resumed run.
+    with _logger(tmp_path, start_step=3) as logger:
+        assert [r["step"] for r in _read(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+        for step in (4, 5, 6):
+            logger.log(step, {"loss": 10.0 + step, "grad_norm": 1.0})
+    records = _read(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert records[3]["loss"] == 14.0
+    assert records[0]["loss"] == 1.0
+
+
+def test_resume_removes_torn_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n{"step": 3, "lo')
+    with _logger(tmp_path, start_step=2) as logger:
+        logger.log(3, {"loss": 0.8})
+    assert [r["step"] for r in _read(path)] == [1, 2, 3]
+
+
+def test_non_main_rank_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log_dir = tmp_path / "run"
+    cfg = WandbConfig(enabled=True)
+    with _logger(log_dir, is_main=False, wandb_cfg=cfg) as logger:
+        logger.log(1, _metrics(1))
+    assert not log_dir.exists()
+    assert capsys.readouterr().err == ""
+
+
+def test_wandb_offline_run(tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
+    import wandb
+
+    cfg = WandbConfig(enabled=True, project="h3train-test", run_name="offline-test", mode="offline")
+    with _logger(tmp_path, wandb_cfg=cfg, total_steps=2, run_config={"optim": {"lr": 1e-5}}) as logger:
+        assert logger._wandb_run is not None
+        for step in (1, 2):
+            logger.log(step, _metrics(step))
+    assert wandb.run is None
+    assert _wandb_warnings(list(recwarn)) == []
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert len(_read(tmp_path / "metrics.jsonl")) == 2
+
+
+def test_wandb_init_failure_warns_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import wandb
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise TimeoutError("no network")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    cfg = WandbConfig(enabled=True, mode="offline")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with _logger(tmp_path, wandb_cfg=cfg, total_steps=3) as logger:
+            for step in (1, 2, 3):
+                logger.log(step, _metrics(step))
+    messages = _wandb_warnings(record)
+    assert len(messages) == 1
+    assert "metrics.jsonl" in messages[0] and "no network" in messages[0]
+    assert [r["step"] for r in _read(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_wandb_online_without_credentials_warns_without_prompting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import wandb
+
+    def must_not_init(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("wandb.init reached without credentials")
+
+    monkeypatch.setattr(wandb, "init", must_not_init)
+    cfg = WandbConfig(enabled=True, mode="online")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with _logger(tmp_path, wandb_cfg=cfg, total_steps=1) as logger:
+            logger.log(1, _metrics(1))
+    messages = _wandb_warnings(record)
+    assert len(messages) == 1 and "API key" in messages[0]
+    assert len(_read(tmp_path / "metrics.jsonl")) == 1
+
+
+def test_wandb_log_failure_warns_once_across_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import wandb
+
+    run = _FakeRun()
+    monkeypatch.setattr(wandb, "init", lambda *a, **k: run)
+    cfg = WandbConfig(enabled=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with _logger(tmp_path, wandb_cfg=cfg, total_steps=4) as logger:
+            for step in (1, 2, 3, 4):
+                logger.log(step, _metrics(step))
+    messages = _wandb_warnings(record)
+    assert len(messages) == 1 and "metrics.jsonl" in messages[0]
+    # After the first failure wandb is switched off rather than retried every step.
+    assert run.log_calls == 1 and run.finished
+    assert [r["step"] for r in _read(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_write_resolved_config(tmp_path: Path) -> None:
+    path = write_resolved_config(tmp_path / "run", "train:\n  steps: 3\n")
+    assert path == tmp_path / "run" / "config.yaml"
+    write_resolved_config(tmp_path / "run", "train:\n  steps: 4\n")
+    assert path.read_text() == "train:\n  steps: 4\n"
+    assert [p.name for p in path.parent.iterdir()] == ["config.yaml"]
+
+
+def test_plot_metrics_writes_png(tmp_path: Path) -> None:
+    with _logger(tmp_path, progress=False) as logger:
+        for step in range(1, 7):
+            logger.log(step, _metrics(step))
+    out = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "plots" / "metrics.png")
+    assert out == tmp_path / "plots" / "metrics.png"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [(None, "does not exist"), ("", "is empty"), ('{"step": 1, "grad_norm": 0.3}\n', "no 'loss'")],
+)
+def test_plot_metrics_rejects_bad_input(tmp_path: Path, content: str | None, match: str) -> None:
+    path = tmp_path / "metrics.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=match) as info:
+        plot_metrics(path, tmp_path / "out.png")
+    assert str(path) in str(info.value)
+    assert not (tmp_path / "out.png").exists()
