@@ -1,0 +1,83 @@
+"""Helpers to run h3train as users do and to recompute its numbers with plain diffusers.
+
+The reference is single-process and unsharded: `MiniMaxH3Transformer3DModel.forward` on the same
+weights and the same inputs, the loss built from the dumped targets, masks and weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from diffusers import MiniMaxH3Transformer3DModel
+from safetensors.torch import load_file
+
+from h3train.config import load_config
+from h3train.data.sampler import DistributedSampler
+from h3train.objective import flow_matching_loss, make_training_inputs, step_generator
+from h3train.train.trainer import build_source
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_FL2VA = ROOT / "configs" / "tiny_fl2va.yaml"
+
+
+def run_h3train(args: list[str], nproc: int = 1, timeout: float = 300, check: bool = True):
+    """`h3train ARGS` in a fresh process, under `torchrun --standalone` when nproc > 1."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "h3train", *args]
+    else:
+        cmd = [sys.executable, "-m", "h3train", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"h3train {' '.join(args)} exited {proc.returncode}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_metrics(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def reference_step(config: Path, overrides: list[str], dump_dir: Path, dp: int, step: int = 1):
+    """Unsharded loss, per-parameter gradients and grad norm of optimizer step `step`.
+
+    Rank 0's inputs are read from the dump; the other DP ranks' inputs are rebuilt from the same
+    deterministic sampler and RNG (and rank 0's rebuild is checked against the dump).
+    """
+    cfg = load_config(config, overrides)
+    meta = json.loads((dump_dir / "meta.json").read_text())
+    model = MiniMaxH3Transformer3DModel(**meta["model_config"])
+    model.load_state_dict(load_file(dump_dir / "weights.safetensors"), strict=True)
+    model.float()
+    dumped = load_file(dump_dir / "inputs.safetensors")
+
+    source = build_source(cfg, meta["model_config"]["text_dim"])
+    accum = cfg.train.grad_accum
+    total = torch.zeros((), dtype=torch.float64)
+    for rank in range(dp):
+        sampler = DistributedSampler(len(source), rank, dp, cfg.train.seed)
+        sampler.position = (step - 1) * accum * dp
+        for micro in range(accum):
+            sample = source[sampler.next_index()]
+            ti = make_training_inputs(sample, step_generator(cfg.train.seed, step, rank, micro),
+                                      cfg.train.timestep, cfg.train.loss_weights)
+            if rank == 0:
+                for name, value in ti.model_inputs.items():
+                    assert torch.equal(dumped[f"m{micro}.{name}"], value), f"dumped m{micro}.{name} differs"
+            video, audio = model(**ti.model_inputs, return_dict=False)
+            loss, _, _ = flow_matching_loss(video, audio, ti)
+            (loss / (accum * dp)).backward()
+            total += loss.detach().double()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    norm = torch.sqrt(sum(g.double().square().sum() for g in grads.values()))
+    return float(total / (accum * dp)), grads, float(norm)
+
+
+def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    denom = b.double().norm()
+    return float((a.double() - b.double()).norm() / denom) if denom > 0 else float(a.double().norm())
