@@ -102,6 +102,7 @@ class Trainer:
         if dump:
             self._dump(step, dumped, metas)
         grad_norm = self._clip_grad_norm()
+        lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
 
@@ -114,7 +115,7 @@ class Trainer:
             "loss_video": sums[1].item() / n,
             "loss_audio": sums[2].item() / max(sums[3].item(), 1.0),
             "grad_norm": grad_norm,
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": lr,
             "seq_len": sums[4].item() / n,
             "tokens_per_s": sums[4].item() / dt,
             "step_time_s": dt,

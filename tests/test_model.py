@@ -1,0 +1,56 @@
+"""The sequence-parallel forward against `MiniMaxH3Transformer3DModel.forward` in one process."""
+
+from __future__ import annotations
+
+import torch
+
+from h3train.config import load_config
+from h3train.model.build import build_model, fp32_island_names
+from h3train.model.sp_forward import FORWARD_ARGS, SequenceParallelH3
+from h3train.objective import make_training_inputs, step_generator
+from h3train.parallel.ulysses import SequenceParallel
+from h3train.tasks.synthetic import SyntheticSource
+from reference import TINY_FL2VA
+
+
+def _inputs(cfg, text_dim: int, index: int = 0):
+    sample = SyntheticSource(cfg.data.synthetic, text_dim, cfg.train.seed)[index]
+    return make_training_inputs(sample, step_generator(0, 1, 0, 0), cfg.train.timestep, cfg.train.loss_weights)
+
+
+def test_sp1_forward_equals_diffusers_forward_exactly() -> None:
+    cfg = load_config(TINY_FL2VA)
+    model = build_model(cfg, seed=0)
+    ti = _inputs(cfg, model.config.text_dim)
+    assert set(ti.model_inputs) == set(FORWARD_ARGS)
+    expected = model(**ti.model_inputs, return_dict=False)
+    got = SequenceParallelH3(model, SequenceParallel(None))(**ti.model_inputs)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_sp1_forward_with_checkpointing_gives_same_gradients() -> None:
+    cfg = load_config(TINY_FL2VA)
+    ti = _inputs(cfg, 16)
+    grads = []
+    for ckpt in (False, True):
+        model = build_model(cfg, seed=0)
+        out = SequenceParallelH3(model, SequenceParallel(None), gradient_checkpointing=ckpt)(**ti.model_inputs)
+        (out[0].square().mean() + out[1].square().mean()).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_model_init_is_seeded_and_leaves_global_rng_alone() -> None:
+    cfg = load_config(TINY_FL2VA)
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    a, b = build_model(cfg, seed=5), build_model(cfg, seed=5)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    c = build_model(cfg, seed=6)
+    assert not torch.equal(next(a.parameters()), next(c.parameters()))
+
+
+def test_fp32_islands_are_the_diffusers_keep_list() -> None:
+    model = build_model(load_config(TINY_FL2VA), seed=0)
+    assert fp32_island_names(model) == ["proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out"]

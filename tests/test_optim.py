@@ -1,0 +1,41 @@
+"""AdamW parameter groups and LR schedules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from h3train.config import OptimConfig, load_config
+from h3train.model.build import build_model
+from h3train.train.optim import build_optimizer, lr_factor
+from reference import TINY_FL2VA
+
+
+def test_norms_and_biases_are_not_decayed() -> None:
+    model = build_model(load_config(TINY_FL2VA), seed=0)
+    opt = build_optimizer(model, OptimConfig(weight_decay=0.1))
+    decayed = {id(p) for p in opt.param_groups[0]["params"]}
+    names = {name: id(p) in decayed for name, p in model.named_parameters()}
+    assert opt.param_groups[1]["weight_decay"] == 0.0
+    assert names["transformer_blocks.0.attn.to_q.weight"]
+    assert not names["transformer_blocks.0.norm1.weight"]
+    assert not names["proj_in.bias"]
+    assert not names["transformer_blocks.0.attn.norm_q.weight"]
+    assert sum(names.values()) + sum(not v for v in names.values()) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
+def test_warmup_then_schedule(schedule: str) -> None:
+    cfg = OptimConfig(schedule=schedule, warmup_steps=4, min_lr_ratio=0.1)
+    factors = [lr_factor(s, cfg, total_steps=14) for s in range(14)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    if schedule == "constant":
+        assert set(factors[4:]) == {1.0}
+    else:
+        assert all(a >= b for a, b in zip(factors[4:], factors[5:]))
+        assert factors[4] == 1.0
+        end = lr_factor(14, cfg, 14)
+        assert math.isclose(end, 0.1)
+        if schedule == "cosine":
+            assert math.isclose(lr_factor(9, cfg, 14), 0.1 + 0.9 * 0.5)
