@@ -19,6 +19,7 @@ import torch
 from diffusers.modular_pipelines.minimax_h3.before_denoise import (
     MiniMaxH3PrepareLayoutStep,
     MiniMaxH3Ref2VAPrepareLayoutStep,
+    MiniMaxH3SetTimestepsStep,
     patchify_video_latents,
 )
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
@@ -32,6 +33,11 @@ AUDIO_CHANNELS: int = MINIMAX_H3_AUDIO_CHANNELS
 VIDEO_TAG: int = MINIMAX_H3_VIDEO_TAG
 AUDIO_TAG: int = MINIMAX_H3_AUDIO_TAG
 TASKS = ("t2va", "fl2va", "ref2va")
+# The `t` visual conditioning rows are noised to and held at (diffusers' `keyframe_noise_aug`): the
+# released model was trained with slightly noised anchors, so a clean 1.0 would be off-distribution.
+CONDITION_VIDEO_T: float = 0.999
+# Reference soundtracks condition clean.
+REFERENCE_AUDIO_T: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,26 @@ class Layout:
         return int(self.position_ids.shape[0])
 
 
+def row_timesteps(layout: Layout, video_t: float, audio_t: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transformer's `(timestep, timestep_indices)` for one packed sequence, as the pipeline assigns them.
+
+    Target video and text rows get `video_t`, target audio rows `audio_t`, visual conditioning rows
+    `max(video_t, CONDITION_VIDEO_T)`, reference audio rows `REFERENCE_AUDIO_T`. Returns the sorted distinct
+    float32 timesteps `[T]` and every row's index into them `[S]` (diffusers' `build_row_timesteps`).
+    """
+    return MiniMaxH3SetTimestepsStep.build_row_timesteps(
+        layout.video_indices,
+        layout.audio_indices,
+        layout.num_condition_video_rows,
+        layout.num_condition_audio_rows,
+        layout.text_indices.numel(),
+        float(video_t),
+        float(audio_t),
+        max(float(video_t), CONDITION_VIDEO_T),
+        REFERENCE_AUDIO_T,
+    )
+
+
 def build_layout(
     task: str,
     text_token_tags: torch.Tensor,
@@ -128,9 +154,7 @@ def build_layout(
             if r.is_visual
         ]
         audio = [
-            torch.empty(r.num_audio_latents * AUDIO_CHANNELS, 1, device="meta")
-            for r in references
-            if r.carries_audio
+            torch.empty(r.num_audio_latents * AUDIO_CHANNELS, 1, device="meta") for r in references if r.carries_audio
         ]
         out = MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
             text_token_tags,
@@ -170,7 +194,8 @@ class PackedSample:
     video_rows `[N_v, 24 * 4]`: clean conditioning rows (keyframes / visual references), then clean
     target rows. audio_rows `[N_a, 32]`: clean reference rows, then target rows (zeros when the clip
     has no sound; `has_audio = False` then zeroes the audio loss). prompt_embeds `[L, D]` with
-    text_token_tags `[L]` (vision tokens tagged 0); the negative pair is for CFG.
+    text_token_tags `[L]` (vision tokens tagged 0); the negative pair is for CFG: the prompt " " as
+    text only, and optionally with the conditioning's vision blocks kept (`negative_visual_*`).
     """
 
     sample_id: str
@@ -185,15 +210,16 @@ class PackedSample:
     references: tuple[ReferenceSpec, ...] = ()
     negative_prompt_embeds: torch.Tensor | None = None
     negative_text_token_tags: torch.Tensor | None = None
+    negative_visual_prompt_embeds: torch.Tensor | None = None
+    negative_visual_text_token_tags: torch.Tensor | None = None
     layout: Layout = field(init=False)
 
     def __post_init__(self) -> None:
         self.layout = self.layout_for(self.text_token_tags)
         nv, na = self.layout.video_indices.numel(), self.layout.audio_indices.numel()
-        if self.video_rows.shape[0] != nv:
-            raise ValueError(f"sample {self.sample_id}: {self.video_rows.shape[0]} video rows, layout has {nv}")
-        if self.audio_rows.shape[0] != na:
-            raise ValueError(f"sample {self.sample_id}: {self.audio_rows.shape[0]} audio rows, layout has {na}")
+        for kind, rows, expected in (("video", self.video_rows, nv), ("audio", self.audio_rows, na)):
+            if rows.shape[0] != expected:
+                raise ValueError(f"sample {self.sample_id}: {rows.shape[0]} {kind} rows, layout has {expected}")
 
     def layout_for(self, text_token_tags: torch.Tensor) -> Layout:
         """The layout of this sample under another text prefix (the negative prompt for CFG)."""
