@@ -1,0 +1,716 @@
+"""The cached-sample format: one safetensors file per sample, plus `index.jsonl` per dataset folder.
+
+A sample file holds plain tensors (no pickle) and a JSON header under the metadata key `h3train`:
+
+    video_latents              [24, F, H, W]  float32  target, normalized VAE latents
+    audio_latents              [2, 32, F_a]   float32  target, stereo channel-first (zeros allowed
+                                                       when `has_audio` is false)
+    prompt_embeds              [L, D]         float    Qwen3-VL hidden state of the presentation
+    text_token_tags            [L]            int64    0 for vision tokens, 1 for text
+    negative_prompt_embeds     [L', D]        float    the negative prompt " ", text only
+    negative_text_token_tags   [L']           int64
+    negative_visual_prompt_embeds   [L'', D]  float    optional: " " with the vision blocks kept
+    negative_visual_text_token_tags [L'']     int64    (present together or not at all)
+    keyframe.{i}               [24, 1, H, W]  float32  fl2va: one per anchor, in anchor order
+    ref.{i}.video              [24, f, h, w]  float32  ref2va: image (f = 1) and video reference i
+    ref.{i}.audio              [2, 32, n]     float32  ref2va: audio reference i, or video i's soundtrack
+
+Reference numbers `i` are positions in the request order, which is the packed order. The header
+records the task, anchors, references `[{kind, has_audio}]`, `has_audio`, `num_frames` (pixel frames,
+`17 n + 5` at 24 fps) and the latent geometry, all checked against the tensors on read and on write.
+
+Any problem raises `SampleError` with a one-line message naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+    audio_latent_num_frames,
+    video_latent_num_frames,
+)
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..tasks.layout import (
+    AUDIO_CHANNELS,
+    TASKS,
+    Geometry,
+    PackedSample,
+    ReferenceSpec,
+    audio_latents_to_rows,
+    build_layout,
+    video_latents_to_rows,
+)
+
+FORMAT_VERSION = 1
+METADATA_KEY = "h3train"
+INDEX_NAME = "index.jsonl"
+SAMPLE_SUFFIX = ".safetensors"
+VIDEO_LATENT_CHANNELS = 24
+AUDIO_LATENT_CHANNELS = 32
+# The video VAE encodes `17 n + 5` pixel frames into `5 n + 2` latent frames.
+VAE_FRAMES_PER_CHUNK = 17
+VAE_LATENTS_PER_CHUNK = 5
+ANCHORS = ("first", "last")
+REFERENCE_KINDS = ("image", "video", "audio")
+
+_LATENT_DTYPES = (torch.float32,)
+_EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TAG_DTYPES = (torch.int64,)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_NEGATIVE_VISUAL = ("negative_visual_prompt_embeds", "negative_visual_text_token_tags")
+
+
+class SampleError(ValueError):
+    """A cached sample that cannot be used, reported in one line naming the file and the field."""
+
+
+class DatasetError(ValueError):
+    """A dataset folder or index problem, reported in one line naming the path."""
+
+
+def _fail(where: str, field_name: str, problem: str) -> SampleError:
+    return SampleError(f"sample '{where}': field '{field_name}' {problem}")
+
+
+@dataclass
+class ReferenceLatents:
+    """One ref2va reference in request order.
+
+    `video` `[24, f, h, w]` for an image (`f = 1`) or a video; `audio` `[2, 32, n]` for an audio
+    reference or a video's soundtrack (None for a silent video).
+    """
+
+    kind: str
+    video: torch.Tensor | None = None
+    audio: torch.Tensor | None = None
+
+    @property
+    def has_audio(self) -> bool:
+        return self.kind == "audio" or (self.kind == "video" and self.audio is not None)
+
+
+@dataclass
+class CachedSample:
+    """The tensors and header of one sample file, before packing (see the module docstring for shapes)."""
+
+    sample_id: str
+    task: str
+    num_frames: int
+    video_latents: torch.Tensor
+    audio_latents: torch.Tensor
+    prompt_embeds: torch.Tensor
+    text_token_tags: torch.Tensor
+    negative_prompt_embeds: torch.Tensor
+    negative_text_token_tags: torch.Tensor
+    has_audio: bool = True
+    keyframe_anchors: tuple[str, ...] = ()
+    keyframes: tuple[torch.Tensor, ...] = ()
+    references: tuple[ReferenceLatents, ...] = ()
+    negative_visual_prompt_embeds: torch.Tensor | None = None
+    negative_visual_text_token_tags: torch.Tensor | None = None
+    source: str | None = None
+
+    @property
+    def geometry(self) -> Geometry:
+        return _geometry(tuple(self.video_latents.shape), tuple(self.audio_latents.shape))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The file's tensors by field name."""
+        out = {
+            "video_latents": self.video_latents,
+            "audio_latents": self.audio_latents,
+            "prompt_embeds": self.prompt_embeds,
+            "text_token_tags": self.text_token_tags,
+            "negative_prompt_embeds": self.negative_prompt_embeds,
+            "negative_text_token_tags": self.negative_text_token_tags,
+        }
+        if self.negative_visual_prompt_embeds is not None:
+            out["negative_visual_prompt_embeds"] = self.negative_visual_prompt_embeds
+        if self.negative_visual_text_token_tags is not None:
+            out["negative_visual_text_token_tags"] = self.negative_visual_text_token_tags
+        out.update({f"keyframe.{i}": k for i, k in enumerate(self.keyframes)})
+        for i, ref in enumerate(self.references):
+            if ref.video is not None:
+                out[f"ref.{i}.video"] = ref.video
+            if ref.audio is not None:
+                out[f"ref.{i}.audio"] = ref.audio
+        return out
+
+    def metadata(self) -> dict[str, Any]:
+        """The JSON header."""
+        geo = self.geometry
+        return {
+            "version": FORMAT_VERSION,
+            "sample_id": self.sample_id,
+            "task": self.task,
+            "num_frames": int(self.num_frames),
+            "has_audio": bool(self.has_audio),
+            "keyframe_anchors": list(self.keyframe_anchors),
+            "references": [{"kind": r.kind, "has_audio": r.has_audio} for r in self.references],
+            "geometry": _geometry_json(geo),
+            "source": self.source,
+        }
+
+    def to_packed(self) -> PackedSample:
+        """Pack into model rows in the pipeline's order (`MiniMaxH3Ref2VAPrepareLatentsStep` and kin).
+
+        video rows: keyframes in anchor order, or visual references in request order, then the target.
+        audio rows: audio-bearing references (audio clips and video soundtracks) in request order, then
+        the target.
+        """
+        visual = [*self.keyframes, *(r.video for r in self.references if r.video is not None)]
+        sounds = [r.audio for r in self.references if r.audio is not None]
+        return PackedSample(
+            sample_id=self.sample_id,
+            task=self.task,
+            geometry=self.geometry,
+            video_rows=torch.cat([video_latents_to_rows(v) for v in (*visual, self.video_latents)]),
+            audio_rows=torch.cat([audio_latents_to_rows(a) for a in (*sounds, self.audio_latents)]),
+            prompt_embeds=self.prompt_embeds,
+            text_token_tags=self.text_token_tags,
+            has_audio=self.has_audio,
+            keyframe_anchors=tuple(self.keyframe_anchors),
+            references=tuple(_reference_spec(r.kind, _shape(r.video), _shape(r.audio)) for r in self.references),
+            negative_prompt_embeds=self.negative_prompt_embeds,
+            negative_text_token_tags=self.negative_text_token_tags,
+            negative_visual_prompt_embeds=self.negative_visual_prompt_embeds,
+            negative_visual_text_token_tags=self.negative_visual_text_token_tags,
+        )
+
+
+def _shape(t: torch.Tensor | None) -> tuple[int, ...] | None:
+    return None if t is None else tuple(t.shape)
+
+
+def _geometry(video_shape: tuple[int, ...], audio_shape: tuple[int, ...]) -> Geometry:
+    """Target geometry from `video_latents` `[24, F, H, W]` and `audio_latents` `[2, 32, F_a]` shapes."""
+    _, frames, height, width = video_shape
+    return Geometry(int(frames), int(height), int(width), int(audio_shape[-1]))
+
+
+def _geometry_json(geo: Geometry) -> dict[str, int]:
+    return {
+        "num_latent_frames": geo.num_latent_frames,
+        "latent_height": geo.latent_height,
+        "latent_width": geo.latent_width,
+        "num_audio_latents": geo.num_audio_latents,
+    }
+
+
+def _reference_spec(
+    kind: str, video_shape: tuple[int, ...] | None, audio_shape: tuple[int, ...] | None
+) -> ReferenceSpec:
+    frames, height, width = video_shape[1:] if video_shape is not None else (0, 0, 0)
+    return ReferenceSpec(
+        kind=kind,
+        has_audio=audio_shape is not None,
+        latent_frames=frames,
+        latent_height=height,
+        latent_width=width,
+        num_audio_latents=audio_shape[-1] if audio_shape is not None else 0,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation. It runs on the header (metadata + tensor shapes and dtypes) so that the index can be
+# built without loading tensors, and on the values once they are loaded.
+
+
+@dataclass
+class _TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class SampleHeader:
+    """A sample's validated metadata and tensor specs: enough to plan without loading tensors."""
+
+    meta: dict[str, Any]
+    specs: dict[str, _TensorSpec]
+
+    @property
+    def geometry(self) -> Geometry:
+        return _geometry(self.specs["video_latents"].shape, self.specs["audio_latents"].shape)
+
+    def reference_specs(self) -> tuple[ReferenceSpec, ...]:
+        def shape(name: str) -> tuple[int, ...] | None:
+            spec = self.specs.get(name)
+            return None if spec is None else spec.shape
+
+        return tuple(
+            _reference_spec(r["kind"], shape(f"ref.{i}.video"), shape(f"ref.{i}.audio"))
+            for i, r in enumerate(self.meta["references"])
+        )
+
+    def seq_len(self) -> int:
+        """Packed sequence length, from diffusers' builders (tag values do not change the length)."""
+        text_len = self.specs["text_token_tags"].shape[0]
+        layout = build_layout(
+            self.meta["task"],
+            torch.ones(text_len, dtype=torch.long),
+            self.geometry,
+            tuple(self.meta["keyframe_anchors"]),
+            self.reference_specs(),
+        )
+        return layout.seq_len
+
+
+class _Shapes:
+    """Checks shapes against patterns like `(24, "F", "H", "W")`, binding each symbol on first use."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.bound: dict[str, tuple[int, str]] = {}
+
+    def check(self, name: str, shape: tuple[int, ...], pattern: tuple[int | str, ...]) -> None:
+        expected = "[" + ", ".join(str(p) for p in pattern) + "]"
+        if len(shape) != len(pattern):
+            raise _fail(self.where, name, f"has shape {list(shape)}, expected {expected}")
+        for size, want in zip(shape, pattern):
+            if isinstance(want, int):
+                if size != want:
+                    raise _fail(self.where, name, f"has shape {list(shape)}, expected {expected}")
+            elif want in self.bound and self.bound[want][0] != size:
+                value, origin = self.bound[want]
+                raise _fail(
+                    self.where,
+                    name,
+                    f"has shape {list(shape)}, expected {expected} with {want}={value} (from '{origin}')",
+                )
+            else:
+                self.bound.setdefault(want, (size, name))
+
+
+def _check_dtype(where: str, name: str, spec: _TensorSpec, allowed: tuple[torch.dtype, ...]) -> None:
+    if spec.dtype not in allowed:
+        names = " or ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise _fail(where, name, f"has dtype {str(spec.dtype).removeprefix('torch.')}, expected {names}")
+
+
+def _meta_value(where: str, meta: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    if key not in meta:
+        raise _fail(where, f"metadata.{key}", "is missing")
+    value = meta[key]
+    # bool is an int subclass; a count written as `true` is a bug, not a 1.
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise _fail(where, f"metadata.{key}", f"is {value!r}, expected {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def _check_task_metadata(where: str, meta: Mapping[str, Any]) -> None:
+    version = _meta_value(where, meta, "version", int)
+    if version != FORMAT_VERSION:
+        raise _fail(where, "metadata.version", f"is {version}, this reader understands {FORMAT_VERSION}")
+    if not _meta_value(where, meta, "sample_id", str):
+        raise _fail(where, "metadata.sample_id", "is empty")
+    task = _meta_value(where, meta, "task", str)
+    if task not in TASKS:
+        raise _fail(where, "metadata.task", f"is {task!r}, expected one of {', '.join(TASKS)}")
+    num_frames = _meta_value(where, meta, "num_frames", int)
+    if num_frames < VAE_LATENTS_PER_CHUNK or num_frames % VAE_FRAMES_PER_CHUNK != VAE_LATENTS_PER_CHUNK:
+        raise _fail(where, "metadata.num_frames", f"is {num_frames}, expected 17 n + 5 pixel frames")
+    _meta_value(where, meta, "has_audio", bool)
+    if meta.get("source") is not None:
+        _meta_value(where, meta, "source", str)
+
+    anchors = _meta_value(where, meta, "keyframe_anchors", list)
+    if any(a not in ANCHORS for a in anchors):
+        raise _fail(where, "metadata.keyframe_anchors", f"is {anchors}, expected entries 'first' or 'last'")
+    if (task == "fl2va") != bool(anchors):
+        raise _fail(
+            where,
+            "metadata.keyframe_anchors",
+            f"is {anchors}: fl2va samples need at least one anchor, other tasks none",
+        )
+
+    references = _meta_value(where, meta, "references", list)
+    for i, ref in enumerate(references):
+        _check_reference_metadata(where, i, ref)
+    if (task == "ref2va") != bool(references):
+        raise _fail(
+            where, "metadata.references", "must list the references of a ref2va sample, and be empty for other tasks"
+        )
+    # As in diffusers' Ref2VA setup step: an audio reference must come with a visual one.
+    if references and all(r["kind"] == "audio" for r in references):
+        raise _fail(
+            where, "metadata.references", "holds only audio references; pair them with an image or video reference"
+        )
+
+
+def _check_reference_metadata(where: str, i: int, ref: Any) -> None:
+    name = f"metadata.references[{i}]"
+    if (
+        not isinstance(ref, dict)
+        or ref.get("kind") not in REFERENCE_KINDS
+        or not isinstance(ref.get("has_audio"), bool)
+    ):
+        raise _fail(where, name, f"is {ref!r}, expected {{'kind': image|video|audio, 'has_audio': bool}}")
+    fixed = {"image": False, "audio": True}.get(ref["kind"])
+    if fixed is not None and ref["has_audio"] != fixed:
+        raise _fail(where, name, f"is {ref!r}: an {ref['kind']} reference has has_audio={fixed}")
+
+
+def _expected_fields(meta: Mapping[str, Any], present: set[str]) -> set[str]:
+    fields = {
+        "video_latents",
+        "audio_latents",
+        "prompt_embeds",
+        "text_token_tags",
+        "negative_prompt_embeds",
+        "negative_text_token_tags",
+    }
+    # The visual negative pair is optional, but only as a pair.
+    if present & set(_NEGATIVE_VISUAL):
+        fields |= set(_NEGATIVE_VISUAL)
+    fields |= {f"keyframe.{i}" for i in range(len(meta["keyframe_anchors"]))}
+    for i, ref in enumerate(meta["references"]):
+        if ref["kind"] in ("image", "video"):
+            fields.add(f"ref.{i}.video")
+        if ref["has_audio"]:
+            fields.add(f"ref.{i}.audio")
+    return fields
+
+
+def check_header(where: str, meta: Any, specs: dict[str, _TensorSpec]) -> SampleHeader:
+    """Validate metadata, field names, shapes and dtypes, and their agreement. Raises `SampleError`."""
+    if not isinstance(meta, dict):
+        raise _fail(where, "metadata", f"is {type(meta).__name__}, expected a JSON object")
+    _check_task_metadata(where, meta)
+
+    expected = _expected_fields(meta, set(specs))
+    missing, unexpected = sorted(expected - set(specs)), sorted(set(specs) - expected)
+    if missing:
+        raise _fail(where, missing[0], "is missing")
+    if unexpected:
+        raise _fail(where, unexpected[0], f"is not part of a {meta['task']} sample with this metadata")
+
+    shapes = _Shapes(where)
+    shapes.check("video_latents", specs["video_latents"].shape, (VIDEO_LATENT_CHANNELS, "F", "H", "W"))
+    shapes.check("audio_latents", specs["audio_latents"].shape, (AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, "F_a"))
+    for embeds, tags, length in (
+        ("prompt_embeds", "text_token_tags", "L"),
+        ("negative_prompt_embeds", "negative_text_token_tags", "L'"),
+        (*_NEGATIVE_VISUAL, "L''"),
+    ):
+        if embeds in specs:
+            shapes.check(embeds, specs[embeds].shape, (length, "D"))
+            shapes.check(tags, specs[tags].shape, (length,))
+            _check_dtype(where, embeds, specs[embeds], _EMBED_DTYPES)
+            _check_dtype(where, tags, specs[tags], _TAG_DTYPES)
+            if specs[tags].shape[0] < 1:
+                raise _fail(where, tags, "is empty; a prompt has at least one token")
+    for i in range(len(meta["keyframe_anchors"])):
+        shapes.check(f"keyframe.{i}", specs[f"keyframe.{i}"].shape, (VIDEO_LATENT_CHANNELS, 1, "H", "W"))
+    conditioning = [n for n in specs if n.startswith(("keyframe.", "ref."))]
+    for name in ("video_latents", "audio_latents", *conditioning):
+        _check_dtype(where, name, specs[name], _LATENT_DTYPES)
+    for i, ref in enumerate(meta["references"]):
+        _check_reference_shapes(where, i, ref["kind"], specs)
+
+    header = SampleHeader(meta=meta, specs=specs)
+    _check_geometry(where, meta, header.geometry)
+    return header
+
+
+def _check_reference_shapes(where: str, i: int, kind: str, specs: dict[str, _TensorSpec]) -> None:
+    video, audio = f"ref.{i}.video", f"ref.{i}.audio"
+    if video in specs:
+        frames = 1 if kind == "image" else "f"
+        _Shapes(where).check(video, specs[video].shape, (VIDEO_LATENT_CHANNELS, frames, "h", "w"))
+        _, f, h, w = specs[video].shape
+        if kind == "video" and f % VAE_LATENTS_PER_CHUNK != 2:
+            raise _fail(where, video, f"has {f} latent frames, expected 5 n + 2 (a 17 n + 5 frame clip)")
+        if h < 2 or w < 2 or h % 2 or w % 2:
+            raise _fail(where, video, f"has latent size {h}x{w}, expected even sizes (2x2 patches)")
+    if audio in specs:
+        _Shapes(where).check(audio, specs[audio].shape, (AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, "n"))
+        if specs[audio].shape[-1] < 1:
+            raise _fail(where, audio, "holds no audio latents")
+
+
+def _check_geometry(where: str, meta: Mapping[str, Any], geo: Geometry) -> None:
+    num_frames = meta["num_frames"]
+    want_frames = video_latent_num_frames(num_frames, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK)
+    want_audio = audio_latent_num_frames(num_frames)
+    if geo.num_latent_frames != want_frames:
+        raise _fail(
+            where,
+            "video_latents",
+            f"has {geo.num_latent_frames} latent frames, expected {want_frames} for num_frames={num_frames}",
+        )
+    if geo.num_audio_latents != want_audio:
+        raise _fail(
+            where,
+            "audio_latents",
+            f"has {geo.num_audio_latents} latents per channel, expected {want_audio} for num_frames={num_frames}",
+        )
+    if geo.latent_height < 2 or geo.latent_width < 2 or geo.latent_height % 2 or geo.latent_width % 2:
+        raise _fail(
+            where,
+            "video_latents",
+            f"has latent size {geo.latent_height}x{geo.latent_width}, expected even sizes (2x2 patches)",
+        )
+    recorded = _meta_value(where, meta, "geometry", dict)
+    if recorded != _geometry_json(geo):
+        raise _fail(where, "metadata.geometry", f"is {recorded}, the tensors have {_geometry_json(geo)}")
+
+
+def check_values(where: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Finite floats and 0/1 token tags. Raises `SampleError`."""
+    for name, t in tensors.items():
+        if t.is_floating_point():
+            bad = ~torch.isfinite(t)
+            if bad.any():
+                raise _fail(where, name, f"holds {int(bad.sum())} non-finite values (NaN or inf)")
+        elif name.endswith("token_tags") and not ((t == 0) | (t == 1)).all():
+            raise _fail(where, name, "holds tags other than 0 (vision) and 1 (text)")
+
+
+def _spec_of(t: torch.Tensor) -> _TensorSpec:
+    return _TensorSpec(tuple(t.shape), t.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Files.
+
+
+def write_sample(path: str | os.PathLike, sample: CachedSample) -> None:
+    """Validate and write one sample file atomically.
+
+    The file is written under a hidden temporary name in the same folder, flushed to disk, then
+    renamed over `path`, so a reader never sees a partial file under the final name.
+    """
+    path = Path(path)
+    where = str(path)
+    tensors = sample.tensors()
+    meta = sample.metadata()
+    check_header(where, meta, {name: _spec_of(t) for name, t in tensors.items()})
+    check_values(where, tensors)
+    # safetensors refuses views that share storage (a keyframe sliced from the target, say).
+    payload = {name: t.detach().cpu().contiguous().clone() for name, t in tensors.items()}
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        save_file(payload, str(tmp), metadata={METADATA_KEY: json.dumps(meta)})
+        _fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _open(where: str, path: Path) -> Any:
+    if not path.is_file():
+        raise SampleError(f"sample '{where}': file does not exist")
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - any parse failure is a broken file
+        raise SampleError(f"sample '{where}': not a readable safetensors file ({exc})") from None
+
+
+def _header_of(where: str, handle: Any) -> SampleHeader:
+    raw = (handle.metadata() or {}).get(METADATA_KEY)
+    if raw is None:
+        raise _fail(where, "metadata", f"is missing (no '{METADATA_KEY}' entry in the safetensors header)")
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise _fail(where, "metadata", f"is not valid JSON ({exc})") from None
+    specs = {}
+    for name in handle.keys():  # noqa: SIM118 - a safetensors handle is not iterable
+        piece = handle.get_slice(name)
+        dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+        if dtype is None:
+            raise _fail(where, name, f"has unsupported dtype {piece.get_dtype()}")
+        specs[name] = _TensorSpec(tuple(piece.get_shape()), dtype)
+    return check_header(where, meta, specs)
+
+
+def read_header(path: str | os.PathLike) -> SampleHeader:
+    """Validate a sample's header (metadata, shapes, dtypes) without loading its tensors."""
+    path = Path(path)
+    with _open(str(path), path) as handle:
+        return _header_of(str(path), handle)
+
+
+def read_cached_sample(path: str | os.PathLike) -> CachedSample:
+    """Load and fully validate one sample file. Raises `SampleError`."""
+    path = Path(path)
+    where = str(path)
+    with _open(where, path) as handle:
+        header = _header_of(where, handle)
+        tensors = {name: handle.get_tensor(name) for name in header.specs}
+    check_values(where, tensors)
+    meta = header.meta
+    anchors = tuple(meta["keyframe_anchors"])
+    return CachedSample(
+        sample_id=meta["sample_id"],
+        task=meta["task"],
+        num_frames=meta["num_frames"],
+        video_latents=tensors["video_latents"],
+        audio_latents=tensors["audio_latents"],
+        prompt_embeds=tensors["prompt_embeds"],
+        text_token_tags=tensors["text_token_tags"],
+        negative_prompt_embeds=tensors["negative_prompt_embeds"],
+        negative_text_token_tags=tensors["negative_text_token_tags"],
+        has_audio=meta["has_audio"],
+        keyframe_anchors=anchors,
+        keyframes=tuple(tensors[f"keyframe.{i}"] for i in range(len(anchors))),
+        references=tuple(
+            ReferenceLatents(r["kind"], tensors.get(f"ref.{i}.video"), tensors.get(f"ref.{i}.audio"))
+            for i, r in enumerate(meta["references"])
+        ),
+        negative_visual_prompt_embeds=tensors.get(_NEGATIVE_VISUAL[0]),
+        negative_visual_text_token_tags=tensors.get(_NEGATIVE_VISUAL[1]),
+        source=meta.get("source"),
+    )
+
+
+def read_sample(path: str | os.PathLike) -> PackedSample:
+    """Load, validate and pack one sample file into model rows. Raises `SampleError`."""
+    return read_cached_sample(path).to_packed()
+
+
+# --------------------------------------------------------------------------------------------------
+# index.jsonl
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One line of `index.jsonl`. `file` is relative to the dataset folder; `seq_len` is the packed length."""
+
+    sample_id: str
+    file: str
+    task: str
+    seq_len: int
+    geometry: Geometry
+    has_audio: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.sample_id,
+            "file": self.file,
+            "task": self.task,
+            "seq_len": self.seq_len,
+            "geometry": _geometry_json(self.geometry),
+            "has_audio": self.has_audio,
+        }
+
+
+def resolve_in_folder(folder: Path, relative: str, where: str) -> Path:
+    """`folder / relative`, refusing absolute paths and paths that leave the folder."""
+    rel = Path(relative)
+    if not relative or rel.is_absolute() or ".." in rel.parts:
+        raise DatasetError(f"{where}: file '{relative}' must be a path relative to the dataset folder, without '..'")
+    resolved = (folder / rel).resolve()
+    if not resolved.is_relative_to(folder.resolve()):
+        raise DatasetError(f"{where}: file '{relative}' resolves to '{resolved}', outside the dataset folder")
+    return resolved
+
+
+def write_index(folder: str | os.PathLike) -> list[IndexEntry]:
+    """Rebuild `index.jsonl` from every `*.safetensors` file under `folder` (headers only).
+
+    Files are listed in sorted relative-path order so the index, and with it the sample numbering,
+    is reproducible. Every header is validated; the index is written atomically.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DatasetError(f"dataset folder '{folder}' does not exist")
+    entries, seen = [], {}
+    files = sorted(p for p in folder.rglob(f"*{SAMPLE_SUFFIX}") if not p.name.startswith("."))
+    for path in files:
+        header = read_header(path)
+        meta = header.meta
+        if meta["sample_id"] in seen:
+            raise DatasetError(
+                f"dataset '{folder}': sample id '{meta['sample_id']}' is used by both "
+                f"'{seen[meta['sample_id']]}' and '{path}'"
+            )
+        seen[meta["sample_id"]] = path
+        entries.append(
+            IndexEntry(
+                sample_id=meta["sample_id"],
+                file=path.relative_to(folder).as_posix(),
+                task=meta["task"],
+                seq_len=header.seq_len(),
+                geometry=header.geometry,
+                has_audio=meta["has_audio"],
+            )
+        )
+    target = folder / INDEX_NAME
+    tmp = target.with_name(f".{INDEX_NAME}.{uuid.uuid4().hex}.tmp")
+    try:
+        tmp.write_text("".join(json.dumps(e.to_json()) + "\n" for e in entries))
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return entries
+
+
+def read_index(folder: str | os.PathLike) -> list[IndexEntry]:
+    """Parse `folder/index.jsonl`. Raises `DatasetError` naming the line of any malformed entry."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DatasetError(f"dataset folder '{folder}' does not exist")
+    index = folder / INDEX_NAME
+    if not index.is_file():
+        raise DatasetError(f"dataset folder '{folder}' has no {INDEX_NAME}; build it with write_index")
+    entries = []
+    for number, line in enumerate(index.read_text().splitlines(), start=1):
+        if line.strip():
+            entries.append(_parse_index_line(folder, f"index '{index}' line {number}", line))
+    return entries
+
+
+def _parse_index_line(folder: Path, where: str, line: str) -> IndexEntry:
+    try:
+        row = json.loads(line)
+        geo = row["geometry"]
+        entry = IndexEntry(
+            sample_id=str(row["id"]),
+            file=str(row["file"]),
+            task=str(row["task"]),
+            seq_len=int(row["seq_len"]),
+            geometry=Geometry(
+                int(geo["num_latent_frames"]),
+                int(geo["latent_height"]),
+                int(geo["latent_width"]),
+                int(geo["num_audio_latents"]),
+            ),
+            has_audio=bool(row["has_audio"]),
+        )
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise DatasetError(f"{where}: malformed entry ({type(exc).__name__}: {exc})") from None
+    if entry.task not in TASKS:
+        raise DatasetError(f"{where}: task '{entry.task}' is not one of {', '.join(TASKS)}")
+    resolve_in_folder(folder, entry.file, where)
+    return entry
