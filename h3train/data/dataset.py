@@ -1,0 +1,98 @@
+"""A folder of cached samples, planned from its `index.jsonl` without opening the sample files.
+
+Sample `i` is the `i`-th index entry that passes the task filter, in index order, so every rank that
+reads the same index numbers the samples the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from ..tasks.layout import PackedSample
+from .format import DatasetError, IndexEntry, SampleError, read_index, read_sample, resolve_in_folder
+
+logger = logging.getLogger(__name__)
+
+# Which sample tasks a training task accepts: fl2va training includes text-only (t2va) samples,
+# which the same checkpoint serves.
+TASK_FILTERS: dict[str, tuple[str, ...]] = {
+    "fl2va": ("t2va", "fl2va"),
+    "ref2va": ("ref2va",),
+    "mixed": ("t2va", "fl2va", "ref2va"),
+}
+ON_ERROR = ("raise", "skip")
+
+
+class CachedDataset:
+    """Indexable `PackedSample`s of one dataset folder.
+
+    `task_filter` is `fl2va | ref2va | mixed` (see `TASK_FILTERS`). `on_error="skip"` replaces a sample
+    whose file fails validation (`SampleError`) by the next loadable one in index order, with a warning;
+    the substitute is a function of the index alone, so every SP rank still gets the identical sample.
+    I/O errors (`OSError`) always raise: they can be transient and differ between ranks.
+    """
+
+    def __init__(self, folder: str | os.PathLike, task_filter: str = "mixed", on_error: str = "raise") -> None:
+        if task_filter not in TASK_FILTERS:
+            raise DatasetError(f"task filter '{task_filter}' is not one of {', '.join(TASK_FILTERS)}")
+        if on_error not in ON_ERROR:
+            raise DatasetError(f"on_error '{on_error}' is not one of {', '.join(ON_ERROR)}")
+        self.folder = Path(folder)
+        self.task_filter = task_filter
+        self.on_error = on_error
+        all_entries = read_index(self.folder)
+        accepted = TASK_FILTERS[task_filter]
+        self.entries: list[IndexEntry] = [e for e in all_entries if e.task in accepted]
+        if not self.entries:
+            found = sorted({e.task for e in all_entries}) or ["none"]
+            raise DatasetError(
+                f"dataset '{self.folder}' has no samples for task '{task_filter}' (it accepts "
+                f"{', '.join(accepted)}; the index lists {len(all_entries)} samples of tasks {', '.join(found)})"
+            )
+        self._skipped: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Packed sequence length of every sample, from the index (for bucketing and planning)."""
+        return [e.seq_len for e in self.entries]
+
+    def path(self, index: int) -> Path:
+        return resolve_in_folder(self.folder, self.entries[index].file, f"dataset '{self.folder}'")
+
+    def load(self, index: int) -> PackedSample:
+        """Read sample `index`, checking it is the one the index describes (a stale index raises)."""
+        entry = self.entries[index]
+        path = self.path(index)
+        sample = read_sample(path)
+        if sample.sample_id != entry.sample_id or sample.task != entry.task:
+            raise SampleError(
+                f"sample '{path}': holds {sample.task} sample '{sample.sample_id}', the index lists "
+                f"{entry.task} sample '{entry.sample_id}'; rebuild the index with write_index"
+            )
+        if sample.layout.seq_len != entry.seq_len:
+            raise SampleError(
+                f"sample '{path}': packs to {sample.layout.seq_len} rows, the index says "
+                f"{entry.seq_len}; rebuild the index with write_index"
+            )
+        return sample
+
+    def __getitem__(self, index: int) -> PackedSample:
+        if not 0 <= index < len(self.entries):
+            raise IndexError(f"sample {index} outside [0, {len(self.entries)})")
+        if self.on_error == "raise":
+            return self.load(index)
+        for step in range(len(self.entries)):
+            candidate = (index + step) % len(self.entries)
+            if candidate in self._skipped:
+                continue
+            try:
+                return self.load(candidate)
+            except SampleError as exc:
+                self._skipped.add(candidate)
+                logger.warning("skipping unreadable sample %d: %s", candidate, exc)
+        raise DatasetError(f"dataset '{self.folder}': no sample of task '{self.task_filter}' could be read")
