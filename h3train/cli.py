@@ -19,8 +19,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg)
     try:
         trainer.fit()
-    finally:
-        trainer.close()
+    except BaseException:
+        # No barrier: the other ranks may be blocked in a collective this rank will never join.
+        trainer.close(clean=False)
+        raise
+    trainer.close()
     return 0
 
 

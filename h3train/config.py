@@ -60,7 +60,15 @@ class DataConfig:
     source: str = "synthetic"
     path: str | None = None
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+    # Samples loaded ahead in a background thread.
     prefetch: int = 2
+    # Sort windows of this many samples by packed length (0: off), so DP ranks step together.
+    bucket_size: int = 0
+    # raise: stop on a corrupt sample, naming the file and field; skip: log it and take the next.
+    on_error: str = "raise"
+    # Tiny configs and demos: when `path` holds no dataset yet, write a synthetic one of
+    # `synthetic.num_samples` samples of `task.name` there first.
+    create_synthetic: bool = False
 
 
 @dataclass
@@ -131,6 +139,30 @@ class LoggingConfig:
 
 
 @dataclass
+class CfgConfig:
+    """CFG-calibrated target: train the conditional prediction toward `u + s (v - u)`.
+
+    Per modality `L = s^(2-k) * MSE((p + (s-1) u) / s, v)`, `u` the no-grad prediction under the
+    negative prompt. `scale = 1` is plain flow matching with a single forward.
+    """
+
+    scale: float = 1.0
+    # Per-modality overrides of `scale`.
+    video_scale: float | None = None
+    audio_scale: float | None = None
+    # constant, or sigma: `1 + (s - 1) * sigma_m` with the modality's own (shifted) sigma.
+    schedule: str = "constant"
+    curvature_power: float = 0.0
+    # per_sample: the cached sample's negative embeddings; shared: one file for the whole dataset.
+    negative: str = "per_sample"
+    shared_negative_path: str | None = None
+    # keep: the negative presentation keeps the keyframe / reference vision blocks; drop: plain text.
+    negative_visual: str = "keep"
+    # Fraction of samples whose prompt is replaced by the negative one (classic condition dropout).
+    text_dropout: float = 0.0
+
+
+@dataclass
 class DebugConfig:
     dump_step: int | None = None
 
@@ -143,6 +175,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    cfg: CfgConfig = field(default_factory=CfgConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
@@ -152,11 +185,15 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.attention_backend": ("auto", "native", "flash", "cudnn"),
     "task.name": ("fl2va", "ref2va", "mixed"),
     "data.source": ("synthetic", "cached"),
+    "data.on_error": ("raise", "skip"),
     "parallel.backend": ("auto", "gloo", "nccl"),
     "train.timestep.sampling": ("uniform", "logit_normal"),
     "train.timestep.weighting": ("none", "cosmap"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
+    "cfg.schedule": ("constant", "sigma"),
+    "cfg.negative": ("per_sample", "shared"),
+    "cfg.negative_visual": ("keep", "drop"),
 }
 
 
@@ -242,7 +279,7 @@ def validate(cfg: Config) -> None:
                 "data.synthetic.text_len", "data.synthetic.num_latent_frames"):
         positive(key)
     for key in ("optim.warmup_steps", "optim.weight_decay", "train.max_grad_norm",
-                "train.loss_weights.video", "train.loss_weights.audio", "data.prefetch"):
+                "train.loss_weights.video", "train.loss_weights.audio", "data.prefetch", "data.bucket_size"):
         positive(key, allow_zero=True)
     if cfg.parallel.dp_shard == 0 or cfg.parallel.dp_shard < -1:
         raise ConfigError(f"config key 'parallel.dp_shard' must be -1 (infer) or > 0, got {cfg.parallel.dp_shard}")
@@ -264,9 +301,27 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key 'data.synthetic.keyframe_anchors' holds {anchor!r}; use 'first' or 'last'")
     if syn.vision_tokens > syn.text_len:
         raise ConfigError("config key 'data.synthetic.vision_tokens' must not exceed 'data.synthetic.text_len'")
+    _validate_cfg(cfg.cfg)
     if cfg.data.source == "cached" and not cfg.data.path:
         raise ConfigError("config key 'data.path' must name a cached dataset folder when data.source is 'cached'")
     _validate_model_shape(cfg)
+
+
+def _validate_cfg(c: CfgConfig) -> None:
+    for key, value in (("cfg.scale", c.scale), ("cfg.video_scale", c.video_scale), ("cfg.audio_scale", c.audio_scale)):
+        if value is not None and value < 1.0:
+            raise ConfigError(f"config key '{key}' must be >= 1 (1 = no guidance), got {value}")
+    if not 0.0 <= c.text_dropout < 1.0:
+        raise ConfigError(f"config key 'cfg.text_dropout' must be in [0, 1), got {c.text_dropout}")
+    if c.negative == "shared":
+        if not c.shared_negative_path:
+            raise ConfigError("config key 'cfg.shared_negative_path' must name a safetensors file when cfg.negative "
+                              "is 'shared'")
+        if not Path(c.shared_negative_path).is_file():
+            raise ConfigError(f"config key 'cfg.shared_negative_path': file '{c.shared_negative_path}' does not exist")
+        if c.negative_visual == "keep":
+            raise ConfigError("config key 'cfg.negative_visual' must be 'drop' with cfg.negative=shared: vision "
+                              "blocks are per sample")
 
 
 def model_config_dict(cfg: Config) -> dict[str, Any]:

@@ -7,21 +7,25 @@
 - Visual conditioning rows are noised to t = 0.999 and carry `max(t_v, 0.999)`; audio reference
   rows stay clean at t = 1 (diffusers' `build_row_timesteps`, as the pipeline calls it).
 - Loss: per-modality mean squared error over target rows only.
+
+CFG-calibrated target (the released checkpoints are CFG-distilled; plain flow matching slowly
+un-distills them): with guidance scale `s` and curvature power `k`, per modality
+`L = s^(2-k) * MSE((p + (s-1) u) / s, v)`, `p` the conditional prediction and `u` a no-grad
+prediction on the same rows and timesteps under the negative text prefix. `k = 0` is exactly
+`MSE(p, u + s (v - u))`; `s = 1` is plain flow matching and runs a single forward.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
-from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
 
-from .config import LossWeights, TimestepConfig
-from .tasks.layout import PackedSample
-
-KEYFRAME_NOISE_T = 0.999
-AUDIO_REFERENCE_T = 1.0
+from .config import CfgConfig, LossWeights, TimestepConfig
+from .tasks.layout import CONDITION_VIDEO_T, REFERENCE_AUDIO_T, Layout, PackedSample, row_timesteps
 
 
 def shift_sigma(sigma: float, shift: float) -> float:
@@ -48,14 +52,65 @@ def step_generator(seed: int, step: int, dp_rank: int, micro: int) -> torch.Gene
     return torch.Generator().manual_seed(key % (2**63))
 
 
+@dataclass(frozen=True)
+class Guidance:
+    """Effective CFG scales of one micro-batch (1 = off) and the curvature power `k`."""
+
+    scale_video: float = 1.0
+    scale_audio: float = 1.0
+    curvature_power: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.scale_video != 1.0 or self.scale_audio != 1.0
+
+
+def guidance_for(cfg: CfgConfig, sigma_video: float, sigma_audio: float) -> Guidance:
+    """`constant`: the configured scales; `sigma`: `1 + (s - 1) * sigma_m`, each modality its own sigma."""
+    s_video = cfg.video_scale if cfg.video_scale is not None else cfg.scale
+    s_audio = cfg.audio_scale if cfg.audio_scale is not None else cfg.scale
+    if cfg.schedule == "sigma":
+        s_video = 1.0 + (s_video - 1.0) * sigma_video
+        s_audio = 1.0 + (s_audio - 1.0) * sigma_audio
+    return Guidance(s_video, s_audio, cfg.curvature_power)
+
+
+def negative_prompt(
+    sample: PackedSample, cfg: CfgConfig, shared: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The negative text prefix `(embeds [L', D], tags [L'])` this config asks for."""
+    if cfg.negative == "shared":
+        if shared is None:
+            raise ValueError("cfg.negative is 'shared' but no shared negative was loaded")
+        return shared
+    if cfg.negative_visual == "keep":
+        embeds, tags, field = sample.negative_visual_prompt_embeds, sample.negative_visual_text_token_tags, \
+            "negative_visual_prompt_embeds"
+    else:
+        embeds, tags, field = sample.negative_prompt_embeds, sample.negative_text_token_tags, "negative_prompt_embeds"
+    if embeds is None or tags is None:
+        raise ValueError(f"sample '{sample.sample_id}' has no '{field}' for CFG; re-encode it with negatives or set "
+                         "cfg.negative_visual / cfg.negative=shared")
+    return embeds, tags
+
+
+def text_dropped(seed: int, step: int, sample_id: str, p: float) -> bool:
+    """Condition dropout decision: a function of (seed, step, sample) alone, so all SP ranks agree."""
+    if p <= 0.0:
+        return False
+    key = zlib.crc32(f"{seed}:{step}:{sample_id}".encode())
+    return torch.rand((), generator=torch.Generator().manual_seed(key), dtype=torch.float64).item() < p
+
+
 @dataclass
 class TrainingInputs:
     """One micro-batch, unsharded and unpadded.
 
-    `model_inputs` holds the ten `model.forward` arguments (batch dim 1 on the row tensors).
+    `model_inputs` holds the ten `model.forward` arguments (batch dim 1 on the row tensors);
+    `uncond_inputs` the same rows under the negative text prefix when CFG is active, else None.
     target_video `[N_v, 96]` / target_audio `[N_a, 32]`: velocity targets in the row order of
     `hidden_states` / `audio_hidden_states`; loss masks are 1 on target rows, 0 on conditioning rows.
-    weight_video / weight_audio: the full factor each modality's MSE is multiplied by.
+    weight_video / weight_audio: loss weight times timestep weight (0 for audio without sound).
     """
 
     model_inputs: dict[str, torch.Tensor]
@@ -68,19 +123,71 @@ class TrainingInputs:
     sigma: float
     t_video: float
     t_audio: float
+    guidance: Guidance = Guidance()
+    uncond_inputs: dict[str, torch.Tensor] | None = None
 
     def to(self, device: torch.device) -> TrainingInputs:
-        moved = {k: v.to(device) for k, v in self.model_inputs.items()}
-        return TrainingInputs(
-            moved, self.target_video.to(device), self.target_audio.to(device), self.loss_mask_video.to(device),
-            self.loss_mask_audio.to(device), self.weight_video, self.weight_audio, self.sigma, self.t_video,
-            self.t_audio,
+        def move(d):
+            return None if d is None else {k: v.to(device) for k, v in d.items()}
+
+        return replace(
+            self,
+            model_inputs=move(self.model_inputs),
+            uncond_inputs=move(self.uncond_inputs),
+            target_video=self.target_video.to(device),
+            target_audio=self.target_audio.to(device),
+            loss_mask_video=self.loss_mask_video.to(device),
+            loss_mask_audio=self.loss_mask_audio.to(device),
+        )
+
+    def full_weights(self) -> tuple[float, float]:
+        """The factor each modality's MSE is multiplied by in the loss (`w * s^(2-k)` under CFG)."""
+        g = self.guidance
+        return (
+            self.weight_video * guided_factor(g.scale_video, g.curvature_power),
+            self.weight_audio * guided_factor(g.scale_audio, g.curvature_power),
         )
 
 
+def guided_factor(scale: float, k: float) -> float:
+    return 1.0 if scale == 1.0 else scale ** (2.0 - k)
+
+
+def forward_inputs(
+    layout: Layout,
+    xt_video: torch.Tensor,
+    xt_audio: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    t_video: float,
+    t_audio: float,
+) -> dict[str, torch.Tensor]:
+    """The ten `model.forward` arguments for noised rows under one text prefix and its layout."""
+    timestep, timestep_indices = row_timesteps(layout, t_video, t_audio)
+    return {
+        "hidden_states": xt_video[None],
+        "audio_hidden_states": xt_audio[None],
+        "encoder_hidden_states": prompt_embeds.float()[None],
+        "timestep": timestep,
+        "timestep_indices": timestep_indices,
+        "token_tags": layout.token_tags,
+        "position_ids": layout.position_ids,
+        "video_indices": layout.video_indices,
+        "audio_indices": layout.audio_indices,
+        "text_indices": layout.text_indices,
+    }
+
+
 def make_training_inputs(
-    sample: PackedSample, generator: torch.Generator, tcfg: TimestepConfig, weights: LossWeights
+    sample: PackedSample,
+    generator: torch.Generator,
+    tcfg: TimestepConfig,
+    weights: LossWeights,
+    cfg: CfgConfig | None = None,
+    shared_negative: tuple[torch.Tensor, torch.Tensor] | None = None,
+    drop_text: bool = False,
 ) -> TrainingInputs:
+    """Noise one sample and build its forward inputs (and the negative branch's, under CFG)."""
+    cfg = cfg or CfgConfig()
     layout = sample.layout
     sigma = sample_base_sigma(tcfg, generator)
     t_video = 1.0 - shift_sigma(sigma, tcfg.video_shift)
@@ -93,33 +200,27 @@ def make_training_inputs(
     noise_audio = torch.randn(x0_audio.shape, generator=generator)
 
     t_rows_video = torch.full((x0_video.shape[0], 1), t_video)
-    t_rows_video[:ncv] = KEYFRAME_NOISE_T
+    t_rows_video[:ncv] = CONDITION_VIDEO_T
     t_rows_audio = torch.full((x0_audio.shape[0], 1), t_audio)
-    t_rows_audio[:nca] = AUDIO_REFERENCE_T
+    t_rows_audio[:nca] = REFERENCE_AUDIO_T
     xt_video = t_rows_video * x0_video + (1.0 - t_rows_video) * noise_video
     xt_audio = t_rows_audio * x0_audio + (1.0 - t_rows_audio) * noise_audio
 
-    timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-        layout.video_indices, layout.audio_indices, ncv, nca, layout.text_indices.numel(),
-        t_video, t_audio, max(t_video, KEYFRAME_NOISE_T), AUDIO_REFERENCE_T,
-    )
+    guidance = guidance_for(cfg, 1.0 - t_video, 1.0 - t_audio)
+    negative = negative_prompt(sample, cfg, shared_negative) if guidance.active or drop_text else None
+    if drop_text:
+        inputs = forward_inputs(sample.layout_for(negative[1]), xt_video, xt_audio, negative[0], t_video, t_audio)
+    else:
+        inputs = forward_inputs(layout, xt_video, xt_audio, sample.prompt_embeds, t_video, t_audio)
+    uncond = None
+    if guidance.active:
+        uncond = forward_inputs(sample.layout_for(negative[1]), xt_video, xt_audio, negative[0], t_video, t_audio)
+
     mask_video = torch.ones(x0_video.shape[0])
     mask_video[:ncv] = 0
     mask_audio = torch.ones(x0_audio.shape[0])
     mask_audio[:nca] = 0
     w = timestep_weight(tcfg, sigma)
-    inputs = {
-        "hidden_states": xt_video[None],
-        "audio_hidden_states": xt_audio[None],
-        "encoder_hidden_states": sample.prompt_embeds.float()[None],
-        "timestep": timestep,
-        "timestep_indices": timestep_indices,
-        "token_tags": layout.token_tags,
-        "position_ids": layout.position_ids,
-        "video_indices": layout.video_indices,
-        "audio_indices": layout.audio_indices,
-        "text_indices": layout.text_indices,
-    }
     return TrainingInputs(
         model_inputs=inputs,
         target_video=x0_video - noise_video,
@@ -131,6 +232,8 @@ def make_training_inputs(
         sigma=sigma,
         t_video=t_video,
         t_audio=t_audio,
+        guidance=guidance,
+        uncond_inputs=uncond,
     )
 
 
@@ -140,14 +243,50 @@ def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> 
     return err.sum() / (mask.sum().clamp_min(1) * target.shape[-1])
 
 
-def flow_matching_loss(
-    pred_video: torch.Tensor, pred_audio: torch.Tensor, ti: TrainingInputs
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(loss, mse_video, mse_audio)` with `loss = w_v * mse_video + w_a * mse_audio`.
+def guided_mse(
+    pred: torch.Tensor, uncond: torch.Tensor | None, target: torch.Tensor, mask: torch.Tensor, scale: float, k: float
+) -> torch.Tensor:
+    """`s^(2-k) * MSE((p + (s-1) u) / s, v)`; at `s = 1` exactly the plain `MSE(p, v)`."""
+    if scale == 1.0:
+        return masked_mse(pred, target, mask)
+    calibrated = (pred.float() + (scale - 1.0) * uncond.detach().float()) / scale
+    return guided_factor(scale, k) * masked_mse(calibrated, target, mask)
 
-    A zero audio weight (no soundtrack) still multiplies the audio term, so every rank runs the
-    same backward graph.
+
+@dataclass
+class LossParts:
+    """`loss = w_v * video + w_a * audio`; `*_fm` are the plain flow-matching MSEs `MSE(p, v)`."""
+
+    loss: torch.Tensor
+    video: torch.Tensor
+    audio: torch.Tensor
+    video_fm: torch.Tensor
+    audio_fm: torch.Tensor
+
+
+Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def compute_loss(forward: Forward, ti: TrainingInputs) -> LossParts:
+    """Run the forward(s) of one micro-batch and build its loss.
+
+    `forward(**inputs) -> (video [1, N_v, 96], audio [1, N_a, 32])`. Under CFG the unconditional
+    forward runs first, without gradient. A zero audio weight (no soundtrack) still multiplies the
+    audio term, so every rank runs the same backward graph.
     """
-    mse_video = masked_mse(pred_video, ti.target_video, ti.loss_mask_video)
-    mse_audio = masked_mse(pred_audio, ti.target_audio, ti.loss_mask_audio)
-    return ti.weight_video * mse_video + ti.weight_audio * mse_audio, mse_video, mse_audio
+    u_video = u_audio = None
+    if ti.uncond_inputs is not None:
+        with torch.no_grad():
+            u_video, u_audio = forward(**ti.uncond_inputs)
+    p_video, p_audio = forward(**ti.model_inputs)
+    g = ti.guidance
+    video = guided_mse(p_video, u_video, ti.target_video, ti.loss_mask_video, g.scale_video, g.curvature_power)
+    audio = guided_mse(p_audio, u_audio, ti.target_audio, ti.loss_mask_audio, g.scale_audio, g.curvature_power)
+    loss = ti.weight_video * video + ti.weight_audio * audio
+    if g.active:
+        with torch.no_grad():
+            video_fm = masked_mse(p_video, ti.target_video, ti.loss_mask_video)
+            audio_fm = masked_mse(p_audio, ti.target_audio, ti.loss_mask_audio)
+    else:
+        video_fm, audio_fm = video.detach(), audio.detach()
+    return LossParts(loss, video, audio, video_fm, audio_fm)

@@ -18,14 +18,14 @@ from safetensors.torch import load_file
 
 from h3train.config import load_config
 from h3train.data.sampler import DistributedSampler
-from h3train.objective import flow_matching_loss, make_training_inputs, step_generator
-from h3train.train.trainer import build_source
+from h3train.objective import compute_loss
+from h3train.train.trainer import build_source, load_shared_negative, micro_batch_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_FL2VA = ROOT / "configs" / "tiny_fl2va.yaml"
 
 
-def run_h3train(args: list[str], nproc: int = 1, timeout: float = 300, check: bool = True):
+def run_h3train(args: list[str], nproc: int = 1, timeout: float = 180, check: bool = True):
     """`h3train ARGS` in a fresh process, under `torchrun --standalone` when nproc > 1."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
     if nproc > 1:
@@ -57,6 +57,7 @@ def reference_step(config: Path, overrides: list[str], dump_dir: Path, dp: int, 
     dumped = load_file(dump_dir / "inputs.safetensors")
 
     source = build_source(cfg, meta["model_config"]["text_dim"])
+    shared = load_shared_negative(cfg)
     accum = cfg.train.grad_accum
     total = torch.zeros((), dtype=torch.float64)
     for rank in range(dp):
@@ -64,13 +65,14 @@ def reference_step(config: Path, overrides: list[str], dump_dir: Path, dp: int, 
         sampler.position = (step - 1) * accum * dp
         for micro in range(accum):
             sample = source[sampler.next_index()]
-            ti = make_training_inputs(sample, step_generator(cfg.train.seed, step, rank, micro),
-                                      cfg.train.timestep, cfg.train.loss_weights)
+            ti = micro_batch_inputs(cfg, sample, step, rank, micro, shared)
             if rank == 0:
-                for name, value in ti.model_inputs.items():
-                    assert torch.equal(dumped[f"m{micro}.{name}"], value), f"dumped m{micro}.{name} differs"
-            video, audio = model(**ti.model_inputs, return_dict=False)
-            loss, _, _ = flow_matching_loss(video, audio, ti)
+                branches = {"": ti.model_inputs, "uncond.": ti.uncond_inputs or {}}
+                for prefix, inputs in branches.items():
+                    for name, value in inputs.items():
+                        key = f"m{micro}.{prefix}{name}"
+                        assert torch.equal(dumped[key], value), f"dumped {key} differs"
+            loss = compute_loss(lambda **kw: model(**kw, return_dict=False), ti).loss
             (loss / (accum * dp)).backward()
             total += loss.detach().double()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}

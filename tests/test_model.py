@@ -7,15 +7,16 @@ import torch
 from h3train.config import load_config
 from h3train.model.build import build_model, fp32_island_names
 from h3train.model.sp_forward import FORWARD_ARGS, SequenceParallelH3
-from h3train.objective import make_training_inputs, step_generator
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.tasks.synthetic import SyntheticSource
+from h3train.train.trainer import micro_batch_inputs
+
 from reference import TINY_FL2VA
 
 
 def _inputs(cfg, text_dim: int, index: int = 0):
     sample = SyntheticSource(cfg.data.synthetic, text_dim, cfg.train.seed)[index]
-    return make_training_inputs(sample, step_generator(0, 1, 0, 0), cfg.train.timestep, cfg.train.loss_weights)
+    return micro_batch_inputs(cfg, sample, step=1, dp_rank=0, micro=0)
 
 
 def test_sp1_forward_equals_diffusers_forward_exactly() -> None:

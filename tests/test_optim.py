@@ -9,6 +9,7 @@ import pytest
 from h3train.config import OptimConfig, load_config
 from h3train.model.build import build_model
 from h3train.train.optim import build_optimizer, lr_factor
+
 from reference import TINY_FL2VA
 
 

@@ -10,19 +10,27 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from reference import TINY_FL2VA, read_metrics, reference_step, relative_l2, run_h3train
+from reference import ROOT, TINY_FL2VA, read_metrics, reference_step, relative_l2, run_h3train
 
 TOL = 1e-5
+TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
 
 CASES = {
-    # name: (nproc, overrides, dp)
+    # name: (nproc, overrides, dp); names starting with "ref2va" train tiny_ref2va.yaml on a cached
+    # dataset of images, videos with and without soundtrack, audio clips and mixed references.
     "sp1_single_process": (1, [], 1),
     "sp2_odd_seq": (2, ["parallel.sp=2"], 1),
     "sp2_even_seq": (2, ["parallel.sp=2", "data.synthetic.text_len=12"], 1),
     "sp4_heads_eq_sp": (4, ["parallel.sp=4"], 1),
     "sp2_grad_ckpt": (2, ["parallel.sp=2", "model.gradient_checkpointing=true"], 1),
     "sp2_no_audio": (2, ["parallel.sp=2", "data.synthetic.has_audio=false"], 1),
+    "sp2_cfg_k05": (2, ["parallel.sp=2", "cfg.scale=3", "cfg.curvature_power=0.5"], 1),
+    "sp4_cfg_sigma_drop": (4, ["parallel.sp=4", "cfg.scale=4", "cfg.schedule=sigma", "cfg.negative_visual=drop"], 1),
     "dp_shard2": (2, ["parallel.dp_shard=2"], 2),
+    "ref2va_sp2": (2, ["parallel.sp=2"], 1),
+    "ref2va_sp4_accum3": (4, ["parallel.sp=4", "train.grad_accum=3"], 1),
+    "ref2va_sp2_cfg": (2, ["parallel.sp=2", "cfg.scale=2.5", "cfg.schedule=sigma"], 1),
+    "ref2va_sp2_dp2_cfg_drop": (4, ["parallel.sp=2", "cfg.scale=2", "cfg.negative_visual=drop"], 2),
     "dp_replicate2": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], 2),
     "hsdp2_sp2": (4, ["parallel.dp_replicate=2", "parallel.sp=2"], 2),
 }
@@ -32,11 +40,13 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_gradients_match_unsharded_reference(case: str, tmp_path) -> None:
     nproc, extra, dp = CASES[case]
-    overrides = ["train.steps=1", "debug.dump_step=1", "logging.progress=false", *extra]
-    run_h3train(["train", str(TINY_FL2VA), f"logging.dir={tmp_path}", *overrides], nproc=nproc)
+    config = TINY_REF2VA if case.startswith("ref2va") else TINY_FL2VA
+    overrides = ["train.steps=1", "debug.dump_step=1", "logging.progress=false", f"data.path={tmp_path / 'data'}",
+                 *extra]
+    run_h3train(["train", str(config), f"logging.dir={tmp_path / 'run'}", *overrides], nproc=nproc)
 
-    dump = tmp_path / "dump" / "step_1"
-    ref_loss, ref_grads, ref_norm = reference_step(TINY_FL2VA, overrides, dump, dp=dp)
+    dump = tmp_path / "run" / "dump" / "step_1"
+    ref_loss, ref_grads, ref_norm = reference_step(config, overrides, dump, dp=dp)
     grads = load_file(dump / "grads.safetensors")
     assert set(grads) == set(ref_grads)
     worst = max((relative_l2(grads[n], ref_grads[n]), n) for n in ref_grads if ref_grads[n].abs().sum() > 0)
@@ -45,17 +55,19 @@ def test_gradients_match_unsharded_reference(case: str, tmp_path) -> None:
         if g.abs().sum() == 0:
             assert torch.count_nonzero(grads[name]) == 0, name
 
-    metrics = read_metrics(tmp_path)[0]
+    metrics = read_metrics(tmp_path / "run")[0]
     assert metrics["loss"] == pytest.approx(ref_loss, rel=TOL)
     assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=TOL)
 
 
 @pytest.mark.slow
-def test_cli_runs_agree_across_sp(tmp_path) -> None:
-    """The issue's command pair: one process at sp=1 and two ranks at sp=2, three steps."""
-    common = ["train.steps=3", "logging.progress=false"]
-    run_h3train(["train", str(TINY_FL2VA), f"logging.dir={tmp_path / 'A'}", *common])
-    run_h3train(["train", str(TINY_FL2VA), "parallel.sp=2", f"logging.dir={tmp_path / 'B'}", *common], nproc=2)
+@pytest.mark.parametrize("config", ["tiny_fl2va.yaml", "tiny_ref2va.yaml", "tiny_ref2va_cfg.yaml"])
+def test_cli_runs_agree_across_sp(config: str, tmp_path) -> None:
+    """One process at sp=1 and two ranks at sp=2, three steps: the same loss and grad_norm per step."""
+    path = str(ROOT / "configs" / config)
+    common = ["train.steps=3", "logging.progress=false", f"data.path={tmp_path / 'data'}"]
+    run_h3train(["train", path, f"logging.dir={tmp_path / 'A'}", *common])
+    run_h3train(["train", path, "parallel.sp=2", f"logging.dir={tmp_path / 'B'}", *common], nproc=2)
     a, b = read_metrics(tmp_path / "A"), read_metrics(tmp_path / "B")
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3]
     for ma, mb in zip(a, b):

@@ -26,6 +26,11 @@ class SyntheticSource:
     def __len__(self) -> int:
         return self.cfg.num_samples
 
+    @property
+    def lengths(self) -> list[int]:
+        """Packed length of every sample (all share one geometry and text length)."""
+        return [self[0].layout.seq_len] * len(self)
+
     def __getitem__(self, index: int) -> PackedSample:
         cfg, geo = self.cfg, self.geometry
         g = torch.Generator().manual_seed(self.seed * 7919 + index + 1)
@@ -45,6 +50,12 @@ class SyntheticSource:
             tags[1 : 1 + cfg.vision_tokens] = 0
         prompt = torch.randn(cfg.text_len, self.text_dim, generator=g)
         negative = torch.randn(max(1, cfg.text_len // 3), self.text_dim, generator=g)
+        # The negative presentation that keeps the keyframes' vision blocks: the same vision rows as
+        # the prompt, between the first negative token and the rest.
+        vision = prompt[tags == 0]
+        negative_visual = torch.cat([negative[:1], vision, negative[1:]])
+        negative_visual_tags = torch.ones(negative_visual.shape[0], dtype=torch.long)
+        negative_visual_tags[1 : 1 + vision.shape[0]] = 0
         return PackedSample(
             sample_id=f"synthetic-{index:06d}",
             task="fl2va" if anchors else "t2va",
@@ -57,4 +68,6 @@ class SyntheticSource:
             keyframe_anchors=anchors,
             negative_prompt_embeds=negative,
             negative_text_token_tags=torch.ones(negative.shape[0], dtype=torch.long),
+            negative_visual_prompt_embeds=negative_visual,
+            negative_visual_text_token_tags=negative_visual_tags,
         )

@@ -3,7 +3,8 @@
 `<logging.dir>/dump/step_N/`:
 - inputs.safetensors: `m{m}.<arg>` for the ten forward arguments of each micro-batch of rank 0
   (unsharded, unpadded), `m{m}.target_video|target_audio|loss_mask_video|loss_mask_audio`, and the
-  scalars `m{m}.weight_video|weight_audio`;
+  scalars `m{m}.weight_video|weight_audio` (the full factor of each modality's MSE); under CFG also
+  `m{m}.uncond.<arg>` and `m{m}.cfg_scale_video|cfg_scale_audio|cfg_curvature_power`;
 - weights.safetensors / grads.safetensors: every parameter before the update and its gradient as
   the optimizer receives it (before clipping), unsharded, under diffusers names;
 - meta.json: model config, micro-batch count, DP and SP sizes, each micro-batch's task and geometry.
@@ -40,15 +41,28 @@ def diffusers_state(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
     return out
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    # The two CFG branches share their row tensors; safetensors refuses shared storage.
+    return t.detach().cpu().clone().contiguous()
+
+
 def micro_batch_tensors(m: int, ti: TrainingInputs) -> dict[str, torch.Tensor]:
-    tensors = {f"m{m}.{k}": v.detach().cpu().contiguous() for k, v in ti.model_inputs.items()}
+    tensors = {f"m{m}.{k}": _own(v) for k, v in ti.model_inputs.items()}
+    weight_video, weight_audio = ti.full_weights()
+    if ti.uncond_inputs is not None:
+        tensors.update({f"m{m}.uncond.{k}": _own(v) for k, v in ti.uncond_inputs.items()})
+        tensors.update({
+            f"m{m}.cfg_scale_video": torch.tensor(ti.guidance.scale_video, dtype=torch.float64),
+            f"m{m}.cfg_scale_audio": torch.tensor(ti.guidance.scale_audio, dtype=torch.float64),
+            f"m{m}.cfg_curvature_power": torch.tensor(ti.guidance.curvature_power, dtype=torch.float64),
+        })
     tensors.update({
-        f"m{m}.target_video": ti.target_video.cpu().contiguous(),
-        f"m{m}.target_audio": ti.target_audio.cpu().contiguous(),
-        f"m{m}.loss_mask_video": ti.loss_mask_video.cpu().contiguous(),
-        f"m{m}.loss_mask_audio": ti.loss_mask_audio.cpu().contiguous(),
-        f"m{m}.weight_video": torch.tensor(ti.weight_video, dtype=torch.float64),
-        f"m{m}.weight_audio": torch.tensor(ti.weight_audio, dtype=torch.float64),
+        f"m{m}.target_video": _own(ti.target_video),
+        f"m{m}.target_audio": _own(ti.target_audio),
+        f"m{m}.loss_mask_video": _own(ti.loss_mask_video),
+        f"m{m}.loss_mask_audio": _own(ti.loss_mask_audio),
+        f"m{m}.weight_video": torch.tensor(weight_video, dtype=torch.float64),
+        f"m{m}.weight_audio": torch.tensor(weight_audio, dtype=torch.float64),
     })
     return tensors
 

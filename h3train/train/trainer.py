@@ -11,11 +11,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import Config, to_yaml
+from ..config import Config, ConfigError, to_yaml
+from ..data.prefetch import Prefetcher
 from ..data.sampler import DistributedSampler
 from ..model.build import build_model
 from ..model.sp_forward import SequenceParallelH3
-from ..objective import TrainingInputs, flow_matching_loss, make_training_inputs, step_generator
+from ..objective import TrainingInputs, compute_loss, make_training_inputs, step_generator, text_dropped
 from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
 from ..parallel.fsdp import apply_fsdp
 from ..parallel.ulysses import SequenceParallel
@@ -23,6 +24,36 @@ from ..tasks.layout import PackedSample
 from .dump import diffusers_state, micro_batch_tensors, write_dump
 from .metrics import MetricsLogger, write_resolved_config
 from .optim import build_optimizer, build_scheduler
+
+
+def load_shared_negative(cfg: Config) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`cfg.negative=shared`: one `(negative_prompt_embeds [L, D], negative_text_token_tags [L])` file."""
+    if cfg.cfg.negative != "shared":
+        return None
+    from safetensors.torch import load_file
+
+    path = cfg.cfg.shared_negative_path
+    tensors = load_file(path)
+    for key in ("negative_prompt_embeds", "negative_text_token_tags"):
+        if key not in tensors:
+            raise ConfigError(f"config key 'cfg.shared_negative_path': file '{path}' has no tensor '{key}'")
+    return tensors["negative_prompt_embeds"].float(), tensors["negative_text_token_tags"].long()
+
+
+def micro_batch_inputs(
+    cfg: Config,
+    sample: PackedSample,
+    step: int,
+    dp_rank: int,
+    micro: int,
+    shared_negative: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> TrainingInputs:
+    """Everything random about a micro-batch comes from (seed, step, DP rank, micro-batch, sample)."""
+    gen = step_generator(cfg.train.seed, step, dp_rank, micro)
+    drop = text_dropped(cfg.train.seed, step, sample.sample_id, cfg.cfg.text_dropout)
+    return make_training_inputs(
+        sample, gen, cfg.train.timestep, cfg.train.loss_weights, cfg.cfg, shared_negative, drop_text=drop
+    )
 
 
 def build_source(cfg: Config, text_dim: int):
@@ -33,7 +64,7 @@ def build_source(cfg: Config, text_dim: int):
         return SyntheticSource(cfg.data.synthetic, text_dim, cfg.train.seed)
     from ..data.dataset import CachedDataset
 
-    return CachedDataset(cfg.data.path, cfg.task.name)
+    return CachedDataset(cfg.data.path, cfg.task.name, on_error=cfg.data.on_error)
 
 
 # FSDP2 warns about every Linear output that is a view; nothing here writes into one in place.
@@ -62,17 +93,40 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
 
+        self.shared_negative = load_shared_negative(cfg)
+        self._create_synthetic_dataset()
         self.source = build_source(cfg, self.model_config["text_dim"])
-        self.sampler = DistributedSampler(len(self.source), self.ctx.dp_rank, dims.dp, cfg.train.seed)
+        self.sampler = DistributedSampler(
+            len(self.source), self.ctx.dp_rank, dims.dp, cfg.train.seed,
+            lengths=self.source.lengths if cfg.data.bucket_size > 1 else None, bucket_size=cfg.data.bucket_size,
+        )
+        self._prefetcher: Prefetcher | None = None
         self.step = 0
         self.log_dir = Path(cfg.logging.dir)
+
+    def _create_synthetic_dataset(self) -> None:
+        data = self.cfg.data
+        if data.source != "cached" or not data.create_synthetic or (Path(data.path) / "index.jsonl").is_file():
+            return
+        if self.ctx.is_main:
+            from ..data.synth import write_synthetic_dataset
+
+            write_synthetic_dataset(data.path, task=self.cfg.task.name, num_samples=data.synthetic.num_samples,
+                                    seed=self.cfg.train.seed, text_dim=self.model_config["text_dim"])
+        dist.barrier()
 
     # -- one optimizer step ---------------------------------------------------------------------
 
     def _micro_batch(self, step: int, micro: int) -> tuple[PackedSample, TrainingInputs]:
-        sample = self.source[self.sampler.next_index()]
-        gen = step_generator(self.cfg.train.seed, step, self.ctx.dp_rank, micro)
-        return sample, make_training_inputs(sample, gen, self.cfg.train.timestep, self.cfg.train.loss_weights)
+        if self._prefetcher is None:
+            # Started lazily so that it reads from the sampler state a resume has restored.
+            self._prefetcher = Prefetcher(self.source, self.sampler.iter_indices(), max(1, self.cfg.data.prefetch))
+            self._samples = iter(self._prefetcher)
+        index, sample = next(self._samples)
+        # The sampler state counts consumed samples only, so a checkpoint never skips prefetched ones.
+        expected = self.sampler.next_index()
+        assert index == expected, f"prefetcher delivered sample {index}, the sampler expects {expected}"
+        return sample, micro_batch_inputs(self.cfg, sample, step, self.ctx.dp_rank, micro, self.shared_negative)
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -80,20 +134,21 @@ class Trainer:
         dump = cfg.debug.dump_step == step
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        # [loss, mse_video, mse_audio, audio_count, rows] summed over this rank's micro-batches, kept
-        # on the device so the step has no host sync before the optimizer update.
-        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+        # Summed over this rank's micro-batches and kept on the device, so the step has no host sync
+        # before the optimizer update: [loss, video, audio, has_audio, rows, video_fm, audio_fm,
+        # cfg_scale_video, cfg_scale_audio].
+        sums = torch.zeros(9, dtype=torch.float64, device=self.device)
         dumped, metas = {}, []
         for micro in range(accum):
             sample, ti = self._micro_batch(step, micro)
-            dev = ti.to(self.device)
-            pred_video, pred_audio = self.model(**dev.model_inputs)
-            loss, mse_video, mse_audio = flow_matching_loss(pred_video, pred_audio, dev)
-            (loss / accum).backward()
+            parts = compute_loss(self.model, ti.to(self.device))
+            (parts.loss / accum).backward()
             has_audio = float(sample.has_audio)
             sums += torch.stack([
-                loss.detach().double(), mse_video.detach().double(), mse_audio.detach().double() * has_audio,
-                sums.new_tensor(has_audio), sums.new_tensor(sample.layout.seq_len),
+                parts.loss.detach().double(), parts.video.detach().double(),
+                parts.audio.detach().double() * has_audio, sums.new_tensor(has_audio),
+                sums.new_tensor(sample.layout.seq_len), parts.video_fm.double(), parts.audio_fm.double() * has_audio,
+                sums.new_tensor(ti.guidance.scale_video), sums.new_tensor(ti.guidance.scale_audio),
             ])
             if dump:
                 dumped.update(micro_batch_tensors(micro, ti))
@@ -110,16 +165,30 @@ class Trainer:
         sums = sums.cpu()
         dt = time.perf_counter() - t0
         n = accum * self.ctx.dims.dp
-        return {
+        n_audio = max(sums[3].item(), 1.0)
+        stats = {
             "loss": sums[0].item() / n,
             "loss_video": sums[1].item() / n,
-            "loss_audio": sums[2].item() / max(sums[3].item(), 1.0),
+            "loss_audio": sums[2].item() / n_audio,
             "grad_norm": grad_norm,
             "lr": lr,
             "seq_len": sums[4].item() / n,
             "tokens_per_s": sums[4].item() / dt,
             "step_time_s": dt,
         }
+        if self.cfg_enabled:
+            stats.update({
+                "loss_video_fm": sums[5].item() / n,
+                "loss_audio_fm": sums[6].item() / n_audio,
+                "cfg_scale_video": sums[7].item() / n,
+                "cfg_scale_audio": sums[8].item() / n,
+            })
+        return stats
+
+    @property
+    def cfg_enabled(self) -> bool:
+        c = self.cfg.cfg
+        return c.scale != 1.0 or c.video_scale not in (None, 1.0) or c.audio_scale not in (None, 1.0)
 
     def _clip_grad_norm(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -160,8 +229,13 @@ class Trainer:
                 self.step = step
                 metrics.log(step, stats)
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """Stop the prefetcher and leave the process group (after a barrier when the run ended cleanly)."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
         if dist.is_initialized():
-            # Ranks leave together: one tearing down gloo while another still talks aborts it.
-            dist.barrier()
+            if clean:
+                # Ranks leave together: one tearing down gloo while another still talks aborts it.
+                dist.barrier()
             dist.destroy_process_group()
