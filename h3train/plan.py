@@ -1,0 +1,422 @@
+"""Parameter and per-rank memory arithmetic for a full fine-tune, as `h3train check` prints it.
+
+Pure functions over the transformer's constructor kwargs (`h3train.config.model_dims(cfg)`) and
+the mesh sizes: nothing here builds a model or touches a process group, so the plan can be
+printed on a laptop for a 64-GPU job.
+
+Memory model of one rank (FSDP2 over `dp_shard x sp`, replicated over `dp_replicate`):
+
+- Sharded, resident for the whole run (16 bytes per parameter, divided by `dp_shard * sp`):
+  float32 master weights (4), float32 gradients (4), AdamW `exp_avg` + `exp_avg_sq` (4 + 4).
+  `dp_replicate` does not divide them: HSDP replicas each hold a full sharded copy.
+- Unsharded, transient: the all-gathered parameters of the largest FSDP unit (one transformer
+  block) in the compute dtype, twice (the unit running and the one prefetched), plus that
+  unit's unsharded float32 gradient before the reduce-scatter.
+- Activations for the rank's `ceil(rows / sp)` rows (see `block_activation_row_bytes`).
+- A fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .config import Config
+
+GIB = 1024**3
+
+# Packed rows of the longest released FL2VA clip: 15 s at 768x1344 (362 frames -> 107 latent frames
+# of 24 x 42 rows = 107,856), first + last keyframes (2 x 1,008), stereo audio (2 x 603) and a
+# 2,048-row text prefix (prompt plus the keyframes' Qwen3-VL vision blocks). The 5 s clip at the
+# same canvas (124 frames -> 37 latent frames, 2 x 207 audio rows) packs to 41,774 rows.
+RELEASED_MAX_ROWS = 113_126
+RELEASED_5S_ROWS = 41_774
+
+# AdaLN rows per timestep (video, text, audio) and the six modulation vectors per block.
+_MODALITIES = 3
+_ADALN_VECTORS = 6
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+_FP32 = 4
+
+DEFAULT_DEVICE_MEMORY_GIB = 80.0
+# CUDA context (~0.5 GiB), NCCL communicator buffers (1-2 GiB on multi-node IB jobs) and
+# caching-allocator fragmentation, which grows with the variety of tensor sizes.
+DEFAULT_RESERVE_GIB = 4.0
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Exact parameter counts of `MiniMaxH3Transformer3DModel` for one set of constructor kwargs."""
+
+    total: int
+    # One `MiniMaxH3TransformerBlock`: the largest FSDP unit.
+    block: int
+    # Of which the AdaLN projection (`adaln_proj`), evaluated once per distinct timestep, not per row.
+    block_adaln: int
+    num_layers: int
+    refiner_block: int
+    num_refiner_layers: int
+    # Everything outside the two block stacks: input/output projections, time MLP, norms.
+    other: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-rank parameters and memory of one training configuration. Byte counts are per rank."""
+
+    dp_replicate: int
+    dp_shard: int
+    sp: int
+    dtype: str
+    gradient_checkpointing: bool
+    rows: int
+    local_rows: int
+    params: ParameterCounts
+    params_per_rank: int
+    master_weights_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    unsharded_params_bytes: int
+    unsharded_grads_bytes: int
+    activation_bytes: int
+    reserve_bytes: int
+    device_bytes: int
+    # Where `rows` came from, for the printout.
+    rows_source: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.sp
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks each parameter is sharded over."""
+        return self.dp_shard * self.sp
+
+    @property
+    def sharded_state_bytes(self) -> int:
+        return self.master_weights_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.sharded_state_bytes
+            + self.unsharded_params_bytes
+            + self.unsharded_grads_bytes
+            + self.activation_bytes
+            + self.reserve_bytes
+        )
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.device_bytes - self.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.device_bytes
+
+
+def _dim(dims: Mapping[str, Any], key: str) -> int:
+    try:
+        return int(dims[key])
+    except KeyError:
+        raise ValueError(f"model dims lack '{key}': pass h3train.config.model_dims(cfg)") from None
+
+
+def parameter_counts(dims: Mapping[str, Any]) -> ParameterCounts:
+    """Count the parameters from the constructor kwargs, module by module as `__init__` builds them.
+
+    Linear layers are `in * out (+ out if bias)`; every RMSNorm has one weight vector; the SwiGLU
+    feed-forward is a fused `hidden -> 2 * ffn` projection plus `ffn -> hidden`, both bias-free.
+    """
+    h = _dim(dims, "hidden_size")
+    inner = _dim(dims, "num_attention_heads") * _dim(dims, "attention_head_dim")
+    head_dim = _dim(dims, "attention_head_dim")
+    ffn = _dim(dims, "ffn_dim")
+    t_emb = _dim(dims, "time_embed_dim")
+    t_hidden = _dim(dims, "time_embed_hidden_dim")
+    freq = _dim(dims, "freq_dim")
+    patch = dims["patch_size"]
+    video_patch = _dim(dims, "in_channels") * math.prod(int(p) for p in patch)
+    audio_ch = _dim(dims, "audio_in_channels")
+    text = _dim(dims, "text_dim")
+    layers = _dim(dims, "num_layers")
+    refiner_layers = _dim(dims, "num_refiner_layers")
+
+    attention = 4 * h * inner + 2 * head_dim  # to_q/k/v/out, norm_q/k
+    swiglu = h * 2 * ffn + ffn * h
+    plain_block = 2 * h + attention + swiglu  # norm1, norm2
+    adaln = t_emb * _ADALN_VECTORS * _MODALITIES * h + _ADALN_VECTORS * _MODALITIES * h
+    block = plain_block + adaln
+
+    outside_blocks = {
+        "proj_in": video_patch * h + h,
+        "audio_proj_in": audio_ch * h + h,
+        "context_embedder": text * h + h,
+        "time_embedder": freq * t_hidden + t_hidden + t_hidden * t_emb + t_emb,
+        "token_refiner.final_norm": h,
+        "norm_out": h + t_emb * 2 * h + 2 * h,
+        "proj_out": h * video_patch + video_patch,
+        "audio_proj_out": h * audio_ch + audio_ch,
+    }
+    other = sum(outside_blocks.values())
+    total = layers * block + refiner_layers * plain_block + other
+    return ParameterCounts(
+        total=total,
+        block=block,
+        block_adaln=adaln,
+        num_layers=layers,
+        refiner_block=plain_block,
+        num_refiner_layers=refiner_layers,
+        other=other,
+    )
+
+
+def block_activation_row_bytes(dims: Mapping[str, Any], dtype: str, sp: int = 1) -> int:
+    """Bytes autograd keeps per row of the packed sequence for one `MiniMaxH3TransformerBlock`.
+
+    With h = hidden, a = heads * head_dim, f = ffn, b = bytes of the compute dtype and
+    rot = 6 * rope_freq_dim rotated channels per head, following `MiniMaxH3TransformerBlock.forward`:
+
+        norm1: float32 upcast of its input, float32 normalised, rstd      8h + 4
+        (1 + scale_msa) row and norm1's output (the modulation product)   2bh
+        q/k/v projection input                                            bh
+        norm_q / norm_k: as norm1, per head                               2 (8a + 4 heads)
+        rotary cos / sin cast to the compute dtype, for q and for k       4 b rot   (none in float32)
+        q, k, v and output kept by the attention kernel, its logsumexp    4ab + 4 heads
+        Ulysses: the all-to-all copy of the attention output (sp > 1)     ab
+        gate_msa row, attention projection output                         2bh
+        norm2, its modulation, feed-forward input                         8h + 4 + 3bh
+        SwiGLU projection output (value | gate), silu(gate), their product 4bf
+        gate_mlp row, feed-forward output                                 2bh
+
+    Nothing else survives: the shift rows feed additions, and the rotary multiplications keep only
+    cos / sin. The norm terms are those of torch's composite RMSNorm (CPU, and CUDA builds without a
+    fused kernel); a fused kernel keeps only its input (bh instead of 8h), so on such builds this is
+    an upper bound. The attention terms assume an O(S)-memory kernel (flash, cuDNN, efficient
+    SDPA); a math backend would also keep the (heads / sp) x S x S scores.
+
+    For the 33 B model in bfloat16 (h 5376, a 56 x 128, f 14336, rot 96) that is 481,704 bytes
+    (470 KiB) per row per block, 496,040 bytes with sp > 1.
+    """
+    b = _DTYPE_BYTES[dtype]
+    h = _dim(dims, "hidden_size")
+    heads = _dim(dims, "num_attention_heads")
+    a = heads * _dim(dims, "attention_head_dim")
+    f = _dim(dims, "ffn_dim")
+    rot = 6 * _dim(dims, "rope_freq_dim")
+
+    def norm(width: int, rows: int = 1) -> int:
+        return 8 * width + _FP32 * rows
+
+    terms = {
+        "norm1, its modulation, q/k/v input": norm(h) + 2 * b * h + b * h,
+        "norm_q, norm_k": 2 * norm(a, heads),
+        "rotary tables cast per call": 0 if b == _FP32 else 4 * b * rot,
+        "attention kernel": 4 * a * b + _FP32 * heads,
+        "Ulysses output all-to-all": a * b if sp > 1 else 0,
+        "gate_msa, attention output": 2 * b * h,
+        "norm2, its modulation, feed-forward input": norm(h) + 3 * b * h,
+        "SwiGLU": 4 * b * f,
+        "gate_mlp, feed-forward output": 2 * b * h,
+    }
+    return sum(terms.values())
+
+
+def outside_stack_row_bytes(dims: Mapping[str, Any], dtype: str) -> int:
+    """Bytes per row kept outside the block stack, an upper bound shared by every configuration.
+
+    `norm_out` (composite RMSNorm 8h + 4, modulation 2bh), the float32 cast feeding the two output
+    heads (4h), the float32 rotary tables every block reads (2 x 4 rot) and the float32 inputs of
+    the two patch projections (counted for every row). The text refiner runs over the text rows
+    only and is left out.
+    """
+    b = _DTYPE_BYTES[dtype]
+    h = _dim(dims, "hidden_size")
+    video_patch = _dim(dims, "in_channels") * math.prod(int(p) for p in dims["patch_size"])
+    rot = 6 * _dim(dims, "rope_freq_dim")
+    patch_inputs = _FP32 * (video_patch + _dim(dims, "audio_in_channels"))
+    return 8 * h + _FP32 + 2 * b * h + _FP32 * h + 2 * _FP32 * rot + patch_inputs
+
+
+def activation_bytes(
+    dims: Mapping[str, Any], local_rows: int, dtype: str, gradient_checkpointing: bool, sp: int = 1
+) -> int:
+    """Peak activation memory of one rank holding `local_rows` rows of the packed sequence.
+
+    With checkpointing each block keeps only its input (bh per row) and the backward recomputes
+    one block at a time, so the peak is every block's input plus one block's full activations.
+    Without it every block keeps everything `block_activation_row_bytes` lists.
+    """
+    b = _DTYPE_BYTES[dtype]
+    layers = _dim(dims, "num_layers")
+    block = block_activation_row_bytes(dims, dtype, sp)
+    per_row = layers * _dim(dims, "hidden_size") * b + block if gradient_checkpointing else layers * block
+    return local_rows * (per_row + outside_stack_row_bytes(dims, dtype))
+
+
+def plan_memory(
+    dims: Mapping[str, Any],
+    *,
+    dp_replicate: int,
+    dp_shard: int,
+    sp: int,
+    dtype: str,
+    gradient_checkpointing: bool,
+    rows: int,
+    device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
+    reserve_gib: float = DEFAULT_RESERVE_GIB,
+    rows_source: str = "",
+) -> MemoryPlan:
+    """Per-rank memory of a full AdamW fine-tune on a resolved `(dp_replicate, dp_shard, sp)` mesh.
+
+    `dims` are the constructor kwargs with defaults filled in (`h3train.config.model_dims`);
+    `dtype` is the compute dtype (`model.dtype`); `rows` is the packed sequence length of the
+    longest sample, padded to a multiple of `sp` as the SP forward does.
+    """
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
+    for name, value in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("sp", sp), ("rows", rows)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value} (resolve dp_shard=-1 against the world size first)")
+    counts = parameter_counts(dims)
+    shard = dp_shard * sp
+    per_rank = -(-counts.total // shard)
+    local_rows = -(-rows // sp)
+    b = _DTYPE_BYTES[dtype]
+    return MemoryPlan(
+        dp_replicate=dp_replicate,
+        dp_shard=dp_shard,
+        sp=sp,
+        dtype=dtype,
+        gradient_checkpointing=gradient_checkpointing,
+        rows=rows,
+        local_rows=local_rows,
+        params=counts,
+        params_per_rank=per_rank,
+        master_weights_bytes=per_rank * _FP32,
+        grads_bytes=per_rank * _FP32,
+        optimizer_bytes=per_rank * 2 * _FP32,
+        # Counted at every mesh size: the compute-dtype copy of a unit exists even unsharded, and a
+        # one-rank mesh is not a layout the 33 B model fits in anyway.
+        unsharded_params_bytes=2 * counts.block * b,
+        unsharded_grads_bytes=counts.block * _FP32,
+        activation_bytes=activation_bytes(dims, local_rows, dtype, gradient_checkpointing, sp),
+        reserve_bytes=int(reserve_gib * GIB),
+        device_bytes=int(device_memory_gib * GIB),
+        rows_source=rows_source,
+    )
+
+
+class MeshSizes(Protocol):
+    """A resolved mesh, e.g. `h3train.parallel.dims.ParallelDims`."""
+
+    dp_replicate: int
+    dp_shard: int
+    sp: int
+
+
+def config_rows(cfg: Config) -> tuple[int, str]:
+    """Rows of the longest packed sample `cfg` trains on, and where that number comes from.
+
+    Synthetic data: its one geometry, built with the layout builders. Cached data: the longest
+    entry of the dataset's `index.jsonl` when `data.path` exists here; planning away from the data
+    (a laptop, a login node) falls back to the longest released clip, `RELEASED_MAX_ROWS`.
+    """
+    import torch
+
+    if cfg.data.source == "synthetic":
+        from .tasks.layout import Geometry, build_layout
+
+        syn = cfg.data.synthetic
+        geometry = Geometry(syn.num_latent_frames, syn.latent_height, syn.latent_width, syn.num_audio_latents)
+        anchors = tuple(syn.keyframe_anchors)
+        tags = torch.ones(syn.text_len, dtype=torch.long)
+        return build_layout("fl2va" if anchors else "t2va", tags, geometry, anchors).seq_len, "synthetic geometry"
+    if not cfg.data.path or not Path(cfg.data.path).is_dir():
+        return RELEASED_MAX_ROWS, "longest released clip; data.path is not readable here"
+    from .config import ConfigError
+    from .data.dataset import CachedDataset
+    from .data.format import DatasetError
+
+    try:
+        return max(CachedDataset(cfg.data.path, cfg.task.name).lengths), "longest sample in the dataset index"
+    except DatasetError as exc:
+        raise ConfigError(f"config key 'data.path': {exc}") from None
+
+
+def estimate(
+    dims: Mapping[str, Any],
+    mesh: MeshSizes,
+    cfg: Config,
+    rows: int | None = None,
+    device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
+) -> MemoryPlan:
+    """`plan_memory` for a loaded config on a resolved mesh; `rows` defaults to `config_rows(cfg)`."""
+    rows_source = "given"
+    if rows is None:
+        rows, rows_source = config_rows(cfg)
+    return plan_memory(
+        dims,
+        dp_replicate=mesh.dp_replicate,
+        dp_shard=mesh.dp_shard,
+        sp=mesh.sp,
+        dtype=cfg.model.dtype,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        rows=rows,
+        device_memory_gib=device_memory_gib,
+        rows_source=rows_source,
+    )
+
+
+def _gib(n: int) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size / 10:
+            return f"{n / size:8.2f} {unit}"
+    return f"{n:8d} B  "
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(n)
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """A readable multi-line table of `plan`, one memory line per term, ending in the verdict."""
+    p = plan.params
+    shard = plan.shard_size
+    ckpt = "on" if plan.gradient_checkpointing else "off"
+    lines = [
+        f"mesh          dp_replicate={plan.dp_replicate} dp_shard={plan.dp_shard} sp={plan.sp} "
+        f"({plan.world_size} ranks, parameters sharded {shard}-way)",
+        f"parameters    {p.total:,} total ({_count(p.total)}); {plan.params_per_rank:,} per rank",
+        f"              {p.num_layers} blocks x {p.block:,} (AdaLN {p.block_adaln:,}), "
+        f"{p.num_refiner_layers} refiner x {p.refiner_block:,}, other {p.other:,}",
+        f"sequence      {plan.rows:,} rows{f' ({plan.rows_source})' if plan.rows_source else ''}, "
+        f"{plan.local_rows:,} per rank",
+        f"compute       {plan.dtype}, gradient checkpointing {ckpt}",
+        "memory per rank",
+        f"  master weights fp32           {_gib(plan.master_weights_bytes)}",
+        f"  gradients fp32                {_gib(plan.grads_bytes)}",
+        f"  AdamW exp_avg + exp_avg_sq    {_gib(plan.optimizer_bytes)}",
+        f"  2 unsharded blocks {plan.dtype:<11}{_gib(plan.unsharded_params_bytes)}  (running + prefetched)",
+        f"  unsharded block grad fp32     {_gib(plan.unsharded_grads_bytes)}",
+        f"  activations                   {_gib(plan.activation_bytes)}",
+        f"  reserve (CUDA, NCCL, frag.)   {_gib(plan.reserve_bytes)}",
+        f"  total                         {_gib(plan.total_bytes)} of {plan.device_bytes / GIB:.0f} GiB",
+    ]
+    if plan.fits:
+        lines.append(f"fits: yes, {plan.headroom_bytes / GIB:.1f} GiB headroom")
+    else:
+        lines.append(
+            f"fits: NO, {-plan.headroom_bytes / GIB:.1f} GiB over: shard over more ranks (dp_shard), "
+            "raise sp, enable model.gradient_checkpointing or shorten the clips"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Launch `h3train train` on this node under torchrun, one process per GPU.
+#
+# Usage: scripts/launch.sh CONFIG [key=value ...]
+#
+# Run it once on every node of the job with the same MASTER_ADDR, MASTER_PORT and NNODES; the c10d
+# rendezvous assigns ranks, so nodes may start in any order. Environment [default]:
+#   NNODES         number of nodes [1]
+#   NODE_RANK      this node's index, 0..NNODES-1 [$SLURM_NODEID, else 0]; c10d assigns the
+#                  ranks itself, so this only names the node in torchrun's logs
+#   MASTER_ADDR    host of the rendezvous store, reachable from every node [127.0.0.1]
+#   MASTER_PORT    its TCP port [29500]
+#   GPUS_PER_NODE  processes on this node [the GPUs torch sees, i.e. after CUDA_VISIBLE_DEVICES]
+#   RDZV_ID        rendezvous id shared by all nodes [h3train-$MASTER_PORT]
+#   MAX_RESTARTS   torchrun restarts of the whole worker group after a failure [0]
+#
+# Ranks are numbered node by node, so the innermost mesh axis (sp) stays inside a node whenever sp
+# divides GPUS_PER_NODE: the Ulysses all-to-alls then run over NVLink, never over InfiniBand.
+set -euo pipefail
+
+usage() {
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
+}
+
+if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
+  usage >&2
+  exit 2
+fi
+config="$1"
+shift
+if [[ ! -f "$config" ]]; then
+  echo "launch.sh: config '$config' does not exist" >&2
+  exit 2
+fi
+
+: "${NNODES:=1}"
+: "${NODE_RANK:=${SLURM_NODEID:-0}}"
+: "${MASTER_ADDR:=127.0.0.1}"
+: "${MASTER_PORT:=29500}"
+: "${RDZV_ID:=h3train-${MASTER_PORT}}"
+: "${MAX_RESTARTS:=0}"
+if [[ -z "${GPUS_PER_NODE:-}" ]]; then
+  GPUS_PER_NODE="$(python -c 'import torch; print(torch.cuda.device_count())')"
+  if [[ "$GPUS_PER_NODE" -eq 0 ]]; then
+    echo "launch.sh: torch sees no GPU on $(hostname); set GPUS_PER_NODE to launch CPU ranks" >&2
+    exit 2
+  fi
+fi
+
+# --- NCCL and CUDA settings that matter on A100 clusters ----------------------------------------
+# Each export below is a default: a value already in the environment (site modules, the sbatch
+# file, `docker run -e`) wins.
+#
+# A failed or timed-out collective tears the process down (1) instead of leaving ranks blocked in
+# a broken communicator, so torchrun and Slurm see the failure and the job can be requeued. The
+# pre-2.2 name NCCL_ASYNC_ERROR_HANDLING is deprecated; h3train needs torch >= 2.6.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+# To debug a hang, turn on the NCCL flight recorder: TORCH_FR_BUFFER_SIZE=2000 (named
+# TORCH_NCCL_TRACE_BUFFER_SIZE in older torch) with TORCH_NCCL_DUMP_ON_TIMEOUT=1 makes every rank
+# dump its last collectives on a timeout, showing which rank stopped first and where.
+# WARN prints only problems. For a first run on a new cluster use NCCL_DEBUG=INFO with
+# NCCL_DEBUG_SUBSYS=INIT,NET: the log names the transport per channel ("NET/IB" vs "NET/Socket"),
+# which is how a job silently falling back to TCP is caught.
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+# Site-specific, so left unset here (set them in the sbatch file or the environment):
+#   NCCL_SOCKET_IFNAME  interface for bootstrap and socket traffic, e.g. ib0, bond0 or
+#                       ^docker0,lo; needed when the default route is not the cluster network.
+#   NCCL_IB_HCA         HCAs to use, e.g. mlx5_0,mlx5_1,... (`ibv_devinfo` lists them); unset = all.
+#   NCCL_IB_GID_INDEX   3 on most RoCE fabrics; plain InfiniBand needs nothing.
+#   NCCL_IB_TIMEOUT     22 rides out short link flaps on large fabrics (the NCCL default is lower).
+#   NCCL_IB_DISABLE     1 forces TCP: a diagnostic, an order of magnitude slower for FSDP.
+# CUDA_DEVICE_MAX_CONNECTIONS stays unset (CUDA's default of 8 queues). Megatron sets it to 1 to
+# order tensor-parallel communication before compute; here one queue would serialise FSDP2's
+# all-gather and reduce-scatter streams with the compute stream and lose their overlap.
+#
+# Expandable segments curb the fragmentation that packed samples of a different length every step
+# cause in the caching allocator; the memory plan's 4 GiB reserve assumes them.
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+# One OpenMP thread per rank: the data path is light, and 8 ranks x all cores oversubscribe.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+echo "launch.sh: $(hostname) node ${NODE_RANK}/${NNODES}, ${GPUS_PER_NODE} GPUs," \
+  "rendezvous ${MASTER_ADDR}:${MASTER_PORT} id ${RDZV_ID}" >&2
+exec torchrun \
+  --nnodes="${NNODES}" \
+  --nproc-per-node="${GPUS_PER_NODE}" \
+  --node-rank="${NODE_RANK}" \
+  --rdzv-backend=c10d \
+  --rdzv-endpoint="${MASTER_ADDR}:${MASTER_PORT}" \
+  --rdzv-id="${RDZV_ID}" \
+  --max-restarts="${MAX_RESTARTS}" \
+  -m h3train train "$config" "$@"

@@ -1,0 +1,220 @@
+"""The cluster path: Dockerfile and shell scripts lint clean, pinned versions agree, scripts behave."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+SCRIPTS = sorted([*ROOT.glob("scripts/*.sh"), *ROOT.glob("scripts/*.sbatch")])
+
+
+def _tool(name: str) -> str:
+    """The linter next to this interpreter (the venv's bin) or on PATH; skip when it is missing."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.is_file() else shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} is not installed: pip install {name}-py (the dev extra)")
+    return found
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _requirement(reqs: list[str], name: str) -> Requirement:
+    for r in map(Requirement, reqs):
+        if r.name == name:
+            return r
+    raise AssertionError(f"pyproject.toml declares no {name}")
+
+
+def _dockerfile_args() -> dict[str, str]:
+    """ARG defaults, first declaration wins, with `${VAR}` references resolved."""
+    args: dict[str, str] = {}
+    for m in re.finditer(r"^ARG (\w+)=(\S+)$", DOCKERFILE.read_text(), re.MULTILINE):
+        args.setdefault(m[1], m[2])
+    for key, value in args.items():
+        args[key] = re.sub(r"\$\{(\w+)\}", lambda r: args[r[1]], value)
+    return args
+
+
+def _flash_attn_wheel(args: dict[str, str]) -> str:
+    """The wheel file name the Dockerfile downloads, with the shell's `${X%.*}` applied."""
+    url = re.search(r'"(https://github\.com/Dao-AILab/flash-attention/\S+\.whl)"', DOCKERFILE.read_text())[1]
+
+    def expand(m: re.Match) -> str:
+        value = args[m[1]]
+        return value.rsplit(".", 1)[0] if m[2] == "%.*" else value
+
+    return re.sub(r"\$\{(\w+)(%\.\*)?\}", expand, url).rsplit("/", 1)[1]
+
+
+def test_hadolint_clean() -> None:
+    hadolint = _tool("hadolint")
+    config = ROOT / ".hadolint.yaml"
+    cmd = [hadolint, *(["--config", str(config)] if config.is_file() else []), str(DOCKERFILE)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_shellcheck_clean() -> None:
+    shellcheck = _tool("shellcheck")
+    assert {p.name for p in SCRIPTS} >= {"launch.sh", "slurm.sbatch"}
+    out = subprocess.run([shellcheck, "--shell=bash", *map(str, SCRIPTS)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_dockerfile_pins_agree_with_pyproject() -> None:
+    project = _pyproject()["project"]
+    args = _dockerfile_args()
+    torch = Version(args["TORCH_VERSION"])
+    assert args["TORCH_VERSION"] in args["BASE_IMAGE"]
+    assert _requirement(project["dependencies"], "torch").specifier.contains(torch)
+    flash = Version(args["FLASH_ATTN_VERSION"])
+    assert _requirement(project["optional-dependencies"]["flash"], "flash-attn").specifier.contains(flash)
+    python = re.fullmatch(r"cp3(\d+)", args["PYTHON_TAG"])
+    assert python, args["PYTHON_TAG"]
+    assert SpecifierSet(project["requires-python"]).contains(Version(f"3.{python[1]}"))
+
+
+def test_flash_attn_wheel_matches_the_base_image() -> None:
+    args = _dockerfile_args()
+    wheel = _flash_attn_wheel(args)
+    m = re.fullmatch(
+        r"flash_attn-(?P<ver>[\d.]+(?:\.post\d+)?)\+cu(?P<cuda>\d+)torch(?P<torch>\d+\.\d+)"
+        r"cxx11abi(?P<abi>TRUE|FALSE)-(?P<py>cp\d+)-(?P=py)-linux_x86_64\.whl",
+        wheel,
+    )
+    assert m, wheel
+    torch = Version(args["TORCH_VERSION"])
+    assert m["ver"] == args["FLASH_ATTN_VERSION"]
+    assert m["torch"] == f"{torch.major}.{torch.minor}"
+    assert m["py"] == args["PYTHON_TAG"]
+    # flash-attn's cu12 wheels run on any CUDA 12 runtime; the base must be CUDA 12 as well.
+    assert m["cuda"] == "12" and args["CUDA_VERSION"].split(".")[0] == "12"
+    # PyTorch's pip wheels switched to the C++11 ABI in 2.7; a mismatch fails at import.
+    assert m["abi"] == ("TRUE" if torch >= Version("2.7") else "FALSE")
+
+
+def test_dockerfile_runtime_stage() -> None:
+    text = DOCKERFILE.read_text()
+    final = text[text.rindex("\nFROM ") :]
+    assert 'ENTRYPOINT ["h3train"]' in final
+    assert re.search(r"^USER (?!root|0\b)\S+", final, re.MULTILINE), "the final stage must not run as root"
+    assert "[flash]" in final  # h3train is installed with its flash extra
+    # Every pip call leaves no cache behind in a layer.
+    assert text.count("--no-cache-dir") == len(re.findall(r"pip (?:install|wheel|download)", text))
+    assert not re.search(r"apt-get install|build-essential|nvcc", text), "no build tools in the image"
+
+
+def test_dockerignore_admits_what_the_build_copies() -> None:
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    admitted = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    copied = set()
+    for line in re.findall(r"^COPY (.+)$", DOCKERFILE.read_text(), re.MULTILINE):
+        *sources, _dest = [t for t in line.split() if not t.startswith("--")]
+        copied.update(s.rstrip("/") for s in sources)
+    assert copied <= admitted, copied - admitted
+    assert _pyproject()["project"]["readme"] in admitted  # setuptools reads it to build the wheel
+    assert "*" in ignore  # everything else (.venv, runs, .git) stays out of the context
+
+
+def test_launch_script_usage_errors() -> None:
+    launch = ROOT / "scripts" / "launch.sh"
+    assert os.access(launch, os.X_OK)
+    out = subprocess.run([str(launch)], capture_output=True, text=True)
+    assert out.returncode == 2 and "Usage: scripts/launch.sh CONFIG" in out.stderr
+    out = subprocess.run([str(launch), "missing.yaml"], capture_output=True, text=True)
+    assert out.returncode == 2 and "missing.yaml" in out.stderr
+
+
+@pytest.mark.slow
+def test_launch_script_trains_two_cpu_ranks(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "GPUS_PER_NODE": "2",
+        "MASTER_PORT": str(20000 + os.getpid() % 20000),
+    }
+    out = subprocess.run(
+        [
+            str(ROOT / "scripts" / "launch.sh"),
+            "configs/tiny_fl2va.yaml",
+            "train.steps=1",
+            "parallel.sp=2",
+            f"logging.dir={tmp_path / 'run'}",
+            "logging.progress=false",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "2 GPUs" in out.stderr and "step 1/1" in out.stdout + out.stderr
+
+
+def _fake_slurm(bin_dir: Path, log: Path) -> None:
+    """`scontrol` and `srun` stand-ins: srun records its argv and environment, then runs until killed."""
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"""#!/usr/bin/env bash
+if [[ "$1" == show ]]; then printf 'gpu-a01\\ngpu-a02\\n'; exit 0; fi
+echo "scontrol $*" >> {log}
+kill "$(cat {log}.srun_pid)"
+""")
+    (bin_dir / "srun").write_text(f"""#!/usr/bin/env bash
+echo $$ > {log}.srun_pid
+{{ echo "srun $*"; echo "MASTER_ADDR=$MASTER_ADDR NNODES=$NNODES RDZV_ID=$RDZV_ID"; }} >> {log}
+trap 'exit 143' TERM
+for _ in $(seq 200); do sleep 0.05; done
+""")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+
+
+def test_slurm_script_requeues_on_usr1(tmp_path: Path) -> None:
+    log = tmp_path / "slurm.log"
+    _fake_slurm(tmp_path / "bin", log)
+    env = {
+        **os.environ,
+        "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "gpu-a[01-02]",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_RESTART_COUNT": "1",
+    }
+    proc = subprocess.Popen(
+        ["bash", str(ROOT / "scripts" / "slurm.sbatch"), "configs/h3_a100_16gpu.yaml", "train.steps=5"],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 10
+    while not (log.exists() and "RDZV_ID" in log.read_text()):
+        assert time.monotonic() < deadline, "srun never started"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=10)
+    text = log.read_text()
+    assert "scontrol requeue 4242" in text, stderr
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert "--ntasks-per-node=1" in srun
+    assert srun.endswith("scripts/launch.sh configs/h3_a100_16gpu.yaml checkpoint.resume=auto train.steps=5")
+    assert "MASTER_ADDR=gpu-a01 NNODES=2 RDZV_ID=h3train-4242-1" in text
+    assert proc.returncode != 0  # the requeued run's step was killed, not finished
