@@ -106,6 +106,9 @@ class TrainConfig:
     grad_accum: int = 1
     seed: int = 0
     max_grad_norm: float = 1.0
+    # A step with a non-finite loss or gradient on any rank is skipped by every rank; this many in a
+    # row stop the run, naming the step and the samples.
+    max_consecutive_skips: int = 5
     loss_weights: LossWeights = field(default_factory=LossWeights)
     timestep: TimestepConfig = field(default_factory=TimestepConfig)
 
@@ -163,8 +166,23 @@ class CfgConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # Default: `<logging.dir>/checkpoints`.
+    dir: str | None = None
+    # Save every N optimizer steps and at the last step (0: only on preemption).
+    every: int = 0
+    # Complete checkpoints kept; older ones are deleted after each commit (0: keep all).
+    keep_last: int = 2
+    # auto: newest complete checkpoint in `dir` (a fresh start when there is none); none; or a path.
+    resume: str = "auto"
+
+
+@dataclass
 class DebugConfig:
     dump_step: int | None = None
+    # Fault injection for tests: `nan_loss@STEP`, `nan_grad@STEP:RANK`, `kill@STEP:RANK`,
+    # `sigterm@STEP`, `kill_in_save@STEP`, `corrupt_sample@ID`.
+    fault: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -176,6 +194,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     cfg: CfgConfig = field(default_factory=CfgConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
@@ -302,6 +321,11 @@ def validate(cfg: Config) -> None:
     if syn.vision_tokens > syn.text_len:
         raise ConfigError("config key 'data.synthetic.vision_tokens' must not exceed 'data.synthetic.text_len'")
     _validate_cfg(cfg.cfg)
+    positive("checkpoint.every", allow_zero=True)
+    positive("checkpoint.keep_last", allow_zero=True)
+    from .train.faults import parse_faults
+
+    parse_faults(cfg.debug.fault)
     if cfg.data.source == "cached" and not cfg.data.path:
         raise ConfigError("config key 'data.path' must name a cached dataset folder when data.source is 'cached'")
     _validate_model_shape(cfg)

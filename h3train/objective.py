@@ -46,9 +46,14 @@ def timestep_weight(cfg: TimestepConfig, sigma: float) -> float:
     return 1.0
 
 
-def step_generator(seed: int, step: int, dp_rank: int, micro: int) -> torch.Generator:
-    """The RNG of one micro-batch: a function of (seed, step, DP rank, micro-batch), never the SP rank."""
-    key = ((seed * 1_000_003 + step) * 65_537 + dp_rank) * 1_031 + micro
+def step_generator(seed: int, step: int, slot: int) -> torch.Generator:
+    """The RNG of one micro-batch: a function of (seed, step, slot), never the SP rank.
+
+    `slot = micro * dp + dp_rank` is the sample's place in the step's global batch, the same place the
+    sampler reads it from; so the noise of a sample does not depend on how the batch is split into DP
+    ranks and micro-batches, and a run resumed under another layout draws the same noise.
+    """
+    key = (seed * 1_000_003 + step) * 65_537 + slot
     return torch.Generator().manual_seed(key % (2**63))
 
 

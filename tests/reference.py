@@ -65,7 +65,7 @@ def reference_step(config: Path, overrides: list[str], dump_dir: Path, dp: int, 
         sampler.position = (step - 1) * accum * dp
         for micro in range(accum):
             sample = source[sampler.next_index()]
-            ti = micro_batch_inputs(cfg, sample, step, rank, micro, shared)
+            ti = micro_batch_inputs(cfg, sample, step, micro * dp + rank, shared)
             if rank == 0:
                 branches = {"": ti.model_inputs, "uncond.": ti.uncond_inputs or {}}
                 for prefix, inputs in branches.items():

@@ -28,7 +28,7 @@ def _setup(overrides: list[str], index: int = 0):
     cfg = load_config(TINY_FL2VA, overrides)
     model = build_model(cfg, seed=0)
     sample = SyntheticSource(cfg.data.synthetic, model.config.text_dim, cfg.train.seed)[index]
-    return cfg, model, sample, micro_batch_inputs(cfg, sample, step=3, dp_rank=0, micro=0)
+    return cfg, model, sample, micro_batch_inputs(cfg, sample, step=3, slot=0)
 
 
 def _mse(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -100,7 +100,7 @@ def test_uncond_branch_rebuilds_layout_but_keeps_rows_and_times() -> None:
     assert torch.equal(cond["timestep"], unc["timestep"])
     assert torch.equal(cond["timestep"][cond["timestep_indices"][cond["video_indices"]]],
                        unc["timestep"][unc["timestep_indices"][unc["video_indices"]]])
-    kept = micro_batch_inputs(load_config(TINY_FL2VA, ["cfg.scale=2"]), sample, 3, 0, 0).uncond_inputs
+    kept = micro_batch_inputs(load_config(TINY_FL2VA, ["cfg.scale=2"]), sample, 3, 0).uncond_inputs
     assert (kept["token_tags"][kept["text_indices"]] == 0).sum() == (sample.text_token_tags == 0).sum()
 
 
@@ -122,8 +122,8 @@ def test_text_dropout_is_deterministic_and_replaces_the_prompt() -> None:
     dropped = []
     for i in range(16):
         sample = source[i]
-        a = micro_batch_inputs(cfg, sample, 1, 0, 0)
-        b = micro_batch_inputs(cfg, sample, 1, 1, 0)
+        a = micro_batch_inputs(cfg, sample, 1, 0)
+        b = micro_batch_inputs(cfg, sample, 1, 1)
         is_dropped = torch.equal(a.model_inputs["encoder_hidden_states"][0], sample.negative_prompt_embeds)
         assert is_dropped == torch.equal(b.model_inputs["encoder_hidden_states"][0], sample.negative_prompt_embeds)
         dropped.append(is_dropped)

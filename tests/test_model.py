@@ -16,7 +16,7 @@ from reference import TINY_FL2VA
 
 def _inputs(cfg, text_dim: int, index: int = 0):
     sample = SyntheticSource(cfg.data.synthetic, text_dim, cfg.train.seed)[index]
-    return micro_batch_inputs(cfg, sample, step=1, dp_rank=0, micro=0)
+    return micro_batch_inputs(cfg, sample, step=1, slot=0)
 
 
 def test_sp1_forward_equals_diffusers_forward_exactly() -> None:

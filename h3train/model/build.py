@@ -7,28 +7,34 @@ in float32.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..config import Config, default_subfolder, model_config_dict
+from ..config import Config, ConfigError, default_subfolder, model_config_dict
 
 
 def build_model(cfg: Config, seed: int) -> MiniMaxH3Transformer3DModel:
-    """A float32 model on the CPU, identical on every rank (same seed or same files)."""
-    if cfg.model.pretrained:
-        folder = Path(cfg.model.pretrained)
-        model = MiniMaxH3Transformer3DModel.from_pretrained(
-            folder, subfolder=cfg.model.subfolder or default_subfolder(cfg), torch_dtype=torch.float32,
-            local_files_only=True,
-        )
-    else:
-        # The default RNG is seeded here and restored, so model init never shifts other draws.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = MiniMaxH3Transformer3DModel(**model_config_dict(cfg))
+    """A randomly initialised float32 model (`model.config`) on the CPU, identical on every rank.
+
+    Pretrained weights take the sharded path instead: `build_meta_model` + `load_pretrained_shards`.
+    """
+    # The default RNG is seeded here and restored, so model init never shifts other draws.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MiniMaxH3Transformer3DModel(**model_config_dict(cfg))
     return model.float()
+
+
+def pretrained_folder(cfg: Config) -> Path:
+    return Path(cfg.model.pretrained) / (cfg.model.subfolder or default_subfolder(cfg))
 
 
 def fp32_island_names(model: MiniMaxH3Transformer3DModel) -> list[str]:
@@ -39,3 +45,67 @@ def fp32_island_names(model: MiniMaxH3Transformer3DModel) -> list[str]:
         for name, module in model.named_children()
         if any(k in name for k in keep) and any(True for _ in module.parameters())
     ]
+
+
+def build_meta_model(cfg: Config) -> MiniMaxH3Transformer3DModel:
+    """The architecture on the `meta` device: no memory until FSDP has sharded it."""
+    with torch.device("meta"):
+        return MiniMaxH3Transformer3DModel(**model_config_dict(cfg))
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """Parameter name -> safetensors file of a diffusers model folder (sharded or single-file)."""
+    index = sorted(folder.glob("*.safetensors.index.json"))
+    if index:
+        weight_map = json.loads(index[0].read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"config key 'model.pretrained': no safetensors weights in '{folder}'")
+    out = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            out.update({name: file for name in f.keys()})  # noqa: SIM118 - safe_open is not iterable
+    return out
+
+
+@torch.no_grad()
+def load_pretrained_shards(model: nn.Module, folder: Path, device: torch.device, prefix: str = "transformer.") -> None:
+    """Materialise a meta-initialised, FSDP-sharded model and fill each rank's shards from safetensors.
+
+    Every rank reads only the rows of each tensor it owns (`get_slice`), so no rank ever holds the
+    whole model. Weights are upcast to the float32 master dtype. The rotary `inv_freq` buffer is
+    not stored in checkpoints and is recomputed.
+    """
+    model.to_empty(device=device)
+    files = _weight_files(folder)
+    handles: dict[Path, Any] = {}
+    try:
+        for name, param in model.named_parameters():
+            key = name.removeprefix(prefix)
+            if key not in files:
+                raise ConfigError(f"config key 'model.pretrained': weight '{key}' missing from '{folder}'")
+            file = files[key]
+            if file not in handles:
+                handles[file] = safe_open(file, "pt")
+            tensor_slice = handles[file].get_slice(key)
+            if list(tensor_slice.get_shape()) != list(param.shape):
+                raise ConfigError(f"config key 'model.pretrained': weight '{key}' in '{file.name}' has shape "
+                                  f"{tensor_slice.get_shape()}, the model expects {list(param.shape)}")
+            if isinstance(param, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+                local = param.to_local()
+                if local.numel():
+                    rows = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+                    local.copy_(tensor_slice[rows].to(local.dtype))
+            else:
+                param.copy_(tensor_slice[:].to(param.dtype))
+    finally:
+        handles.clear()
+    transformer = getattr(model, prefix.rstrip(".")) if prefix else model
+    rope = transformer.rope
+    fresh = type(rope)(rope_freq_dim=rope.rope_freq_dim, rope_theta=transformer.config.rope_theta)
+    rope.inv_freq.copy_(fresh.inv_freq.to(device))
+    persistent = {n for n, _ in transformer.named_buffers()} - {"rope.inv_freq"}
+    if persistent:
+        raise RuntimeError(f"buffers {sorted(persistent)} are not restored by the sharded loader")

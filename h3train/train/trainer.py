@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -11,19 +12,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import Config, ConfigError, to_yaml
+from ..config import Config, ConfigError, model_dims, to_yaml
 from ..data.prefetch import Prefetcher
 from ..data.sampler import DistributedSampler
-from ..model.build import build_model
+from ..model.build import build_meta_model, build_model, load_pretrained_shards, pretrained_folder
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import TrainingInputs, compute_loss, make_training_inputs, step_generator, text_dropped
 from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
 from ..parallel.fsdp import apply_fsdp
 from ..parallel.ulysses import SequenceParallel
 from ..tasks.layout import PackedSample
+from .checkpoint import Checkpointer, TrainingState, check_same_model, read_trainer_state, resolve_resume
 from .dump import diffusers_state, micro_batch_tensors, write_dump
+from .faults import FaultInjector
 from .metrics import MetricsLogger, write_resolved_config
 from .optim import build_optimizer, build_scheduler
+from .preemption import Preemption
 
 
 def load_shared_negative(cfg: Config) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -44,12 +48,11 @@ def micro_batch_inputs(
     cfg: Config,
     sample: PackedSample,
     step: int,
-    dp_rank: int,
-    micro: int,
+    slot: int,
     shared_negative: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> TrainingInputs:
-    """Everything random about a micro-batch comes from (seed, step, DP rank, micro-batch, sample)."""
-    gen = step_generator(cfg.train.seed, step, dp_rank, micro)
+    """Everything random about a micro-batch comes from (seed, step, slot in the global batch, sample)."""
+    gen = step_generator(cfg.train.seed, step, slot)
     drop = text_dropped(cfg.train.seed, step, sample.sample_id, cfg.cfg.text_dropout)
     return make_training_inputs(
         sample, gen, cfg.train.timestep, cfg.train.loss_weights, cfg.cfg, shared_negative, drop_text=drop
@@ -71,24 +74,40 @@ def build_source(cfg: Config, text_dim: int):
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. too many consecutive non-finite steps); the message is one line."""
+
+
 class Trainer:
+    """Builds everything from a `Config`; `fit()` runs the loop; `close()` leaves the process group."""
+
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         # The mesh is checked against the launch before any process group exists.
         dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+        self.log_dir = Path(cfg.logging.dir)
+        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.log_dir / "checkpoints"
+        self.resume_from = resolve_resume(self.ckpt_dir, cfg.checkpoint.resume)
+        if self.resume_from is not None:
+            check_same_model(read_trainer_state(self.resume_from)["model_config"], model_dims(cfg), self.resume_from)
+
         _, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
         self.ctx = ParallelContext(dims, device)
         self.device = device
+        self.faults = FaultInjector(cfg.debug.fault, self.ctx.rank)
 
-        transformer = build_model(cfg, cfg.train.seed)
-        transformer.set_attention_backend(cfg.model.attention_backend if cfg.model.attention_backend != "auto"
-                                          else "native")
-        self.model_config = dict(transformer.config)
+        pretrained = pretrained_folder(cfg) if cfg.model.pretrained else None
+        transformer = build_meta_model(cfg) if pretrained else build_model(cfg, cfg.train.seed)
+        transformer.set_attention_backend("native" if cfg.model.attention_backend == "auto"
+                                          else cfg.model.attention_backend)
+        self.model_config = {k: v for k, v in dict(transformer.config).items() if not k.startswith("_")}
         self.model = SequenceParallelH3(
             transformer, SequenceParallel(self.ctx.sp_group), cfg.model.gradient_checkpointing
         )
         apply_fsdp(self.model, self.ctx, cfg.model.dtype)
-        if device.type != "cpu":
+        if pretrained:
+            load_pretrained_shards(self.model, pretrained, device)
+        elif device.type != "cpu":
             self.model.to(device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
@@ -102,7 +121,13 @@ class Trainer:
         )
         self._prefetcher: Prefetcher | None = None
         self.step = 0
-        self.log_dir = Path(cfg.logging.dir)
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self.preempt = Preemption()
+        self.checkpointer = Checkpointer(self.ckpt_dir, cfg.checkpoint.keep_last, self.ctx.is_main)
+        self.checkpointer.clean_incomplete()
+        if self.resume_from is not None:
+            self._resume(self.resume_from)
 
     def _create_synthetic_dataset(self) -> None:
         data = self.cfg.data
@@ -115,6 +140,30 @@ class Trainer:
                                     seed=self.cfg.train.seed, text_dim=self.model_config["text_dim"])
         dist.barrier()
 
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def _resume(self, path: Path) -> None:
+        state = Checkpointer.load(path, self.model, self.optimizer)
+        self.scheduler.load_state_dict(state.scheduler)
+        self.sampler.load_state_dict(state.sampler)
+        self.step = state.step
+        self.skipped_steps = state.extra.get("skipped_steps", 0)
+        if self.ctx.is_main:
+            print(f"resumed from {path} at step {self.step}", flush=True)
+
+    def save_checkpoint(self) -> Path:
+        state = TrainingState(
+            step=self.step,
+            scheduler=self.scheduler.state_dict(),
+            sampler=self.sampler.state_dict(),
+            model_config=self.model_config,
+            config_yaml=to_yaml(self.cfg),
+            extra={"skipped_steps": self.skipped_steps},
+        )
+        return self.checkpointer.save(
+            self.model, self.optimizer, state, before_commit=lambda: self.faults.maybe_die("kill_in_save", self.step)
+        )
+
     # -- one optimizer step ---------------------------------------------------------------------
 
     def _micro_batch(self, step: int, micro: int) -> tuple[PackedSample, TrainingInputs]:
@@ -126,7 +175,8 @@ class Trainer:
         # The sampler state counts consumed samples only, so a checkpoint never skips prefetched ones.
         expected = self.sampler.next_index()
         assert index == expected, f"prefetcher delivered sample {index}, the sampler expects {expected}"
-        return sample, micro_batch_inputs(self.cfg, sample, step, self.ctx.dp_rank, micro, self.shared_negative)
+        slot = micro * self.ctx.dims.dp + self.ctx.dp_rank
+        return sample, micro_batch_inputs(self.cfg, sample, step, slot, self.shared_negative)
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -135,17 +185,21 @@ class Trainer:
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         # Summed over this rank's micro-batches and kept on the device, so the step has no host sync
-        # before the optimizer update: [loss, video, audio, has_audio, rows, video_fm, audio_fm,
+        # before the update decision: [loss, video, audio, has_audio, rows, video_fm, audio_fm,
         # cfg_scale_video, cfg_scale_audio].
         sums = torch.zeros(9, dtype=torch.float64, device=self.device)
-        dumped, metas = {}, []
+        dumped, metas, sample_ids = {}, [], []
         for micro in range(accum):
             sample, ti = self._micro_batch(step, micro)
+            sample_ids.append(sample.sample_id)
             parts = compute_loss(self.model, ti.to(self.device))
-            (parts.loss / accum).backward()
+            loss = parts.loss
+            if self.faults.active("nan_loss", step):
+                loss = loss * float("nan")
+            (loss / accum).backward()
             has_audio = float(sample.has_audio)
             sums += torch.stack([
-                parts.loss.detach().double(), parts.video.detach().double(),
+                loss.detach().double(), parts.video.detach().double(),
                 parts.audio.detach().double() * has_audio, sums.new_tensor(has_audio),
                 sums.new_tensor(sample.layout.seq_len), parts.video_fm.double(), parts.audio_fm.double() * has_audio,
                 sums.new_tensor(ti.guidance.scale_video), sums.new_tensor(ti.guidance.scale_audio),
@@ -153,16 +207,33 @@ class Trainer:
             if dump:
                 dumped.update(micro_batch_tensors(micro, ti))
                 metas.append(sample.meta())
+        if self.faults.active("nan_grad", step):
+            next(p for p in self.model.parameters() if p.grad is not None).grad.to_local().fill_(float("nan"))
 
         if dump:
             self._dump(step, dumped, metas)
+        # Both reductions are global, so every rank reaches the same update decision without an
+        # extra collective: the grad norm covers every parameter shard, the loss every DP rank.
         grad_norm = self._clip_grad_norm()
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-
         dist.all_reduce(sums, group=self.ctx.dp_mesh.get_group())
         sums = sums.cpu()
+        lr = self.scheduler.get_last_lr()[0]
+        finite = math.isfinite(grad_norm) and math.isfinite(sums[0].item())
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.consecutive_skips = 0
+        else:
+            # No rank updates: weights, AdamW moments and the LR schedule stay as they were.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips > cfg.train.max_consecutive_skips:
+                raise TrainingError(
+                    f"step {step}: {self.consecutive_skips} consecutive steps with a non-finite loss or gradient "
+                    f"(train.max_consecutive_skips={cfg.train.max_consecutive_skips}); this rank's samples: "
+                    f"{', '.join(sample_ids)}"
+                )
         dt = time.perf_counter() - t0
         n = accum * self.ctx.dims.dp
         n_audio = max(sums[3].item(), 1.0)
@@ -175,6 +246,7 @@ class Trainer:
             "seq_len": sums[4].item() / n,
             "tokens_per_s": sums[4].item() / dt,
             "step_time_s": dt,
+            "skipped_steps": self.skipped_steps,
         }
         if self.cfg_enabled:
             stats.update({
@@ -183,6 +255,7 @@ class Trainer:
                 "cfg_scale_video": sums[7].item() / n,
                 "cfg_scale_audio": sums[8].item() / n,
             })
+        self.last_sample_ids = sample_ids
         return stats
 
     @property
@@ -205,7 +278,7 @@ class Trainer:
         if self.ctx.is_main:
             meta = {
                 "step": step,
-                "model_config": {k: v for k, v in self.model_config.items() if not k.startswith("_")},
+                "model_config": self.model_config,
                 "num_micro_batches": len(metas),
                 "dp_size": self.ctx.dims.dp,
                 "sp_size": self.ctx.dims.sp,
@@ -220,14 +293,26 @@ class Trainer:
         if self.ctx.is_main:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             write_resolved_config(self.log_dir, to_yaml(cfg))
-        with MetricsLogger(
+        every = cfg.checkpoint.every
+        with self.preempt, MetricsLogger(
             self.log_dir, self.ctx.is_main, cfg.logging.wandb, asdict(cfg), cfg.train.steps,
             start_step=self.step, progress=cfg.logging.progress,
         ) as metrics:
             for step in range(self.step + 1, cfg.train.steps + 1):
+                self.faults.maybe_die("kill", step)
+                self.faults.maybe_die("sigterm", step)
                 stats = self.train_step(step)
                 self.step = step
                 metrics.log(step, stats)
+                preempted = self.preempt.requested(self.device)
+                if preempted or (every and (step % every == 0 or step == cfg.train.steps)):
+                    path = self.save_checkpoint()
+                    if self.ctx.is_main:
+                        print(f"saved checkpoint {path}", flush=True)
+                if preempted:
+                    if self.ctx.is_main:
+                        print(f"preempted: stopped after step {step}; resume with checkpoint.resume=auto", flush=True)
+                    break
 
     def close(self, clean: bool = True) -> None:
         """Stop the prefetcher and leave the process group (after a barrier when the run ended cleanly)."""

@@ -1,0 +1,62 @@
+"""Fault injection (`debug.fault`), so that every failure path has a test that really takes it.
+
+Each entry is `KIND@STEP[:RANK]` (or `corrupt_sample@ID`). Without a rank, every rank is hit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from ..config import ConfigError
+
+STEP_KINDS = ("nan_loss", "nan_grad", "kill", "sigterm", "kill_in_save")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int | None = None
+    rank: int | None = None
+    sample_id: str | None = None
+
+    def hits(self, kind: str, step: int, rank: int) -> bool:
+        return self.kind == kind and self.step == step and (self.rank is None or self.rank == rank)
+
+
+def parse_faults(entries: list[str]) -> list[Fault]:
+    faults = []
+    for entry in entries:
+        kind, sep, where = entry.partition("@")
+        if not sep or not where:
+            raise ConfigError(f"config key 'debug.fault' entry '{entry}' is not KIND@STEP[:RANK] or corrupt_sample@ID")
+        if kind == "corrupt_sample":
+            faults.append(Fault(kind, sample_id=where))
+            continue
+        if kind not in STEP_KINDS:
+            raise ConfigError(f"config key 'debug.fault' entry '{entry}': unknown kind '{kind}'; use one of "
+                              f"{', '.join((*STEP_KINDS, 'corrupt_sample'))}")
+        step, _, rank = where.partition(":")
+        try:
+            faults.append(Fault(kind, int(step), int(rank) if rank else None))
+        except ValueError:
+            raise ConfigError(f"config key 'debug.fault' entry '{entry}': STEP and RANK must be integers") from None
+    return faults
+
+
+class FaultInjector:
+    def __init__(self, entries: list[str], rank: int) -> None:
+        self.faults = parse_faults(entries)
+        self.rank = rank
+
+    def active(self, kind: str, step: int) -> bool:
+        return any(f.hits(kind, step, self.rank) for f in self.faults)
+
+    def corrupt_samples(self) -> set[str]:
+        return {f.sample_id for f in self.faults if f.kind == "corrupt_sample"}
+
+    def maybe_die(self, kind: str, step: int) -> None:
+        """`kill` / `kill_in_save`: die at once as a crashed node would; `sigterm`: ask for preemption."""
+        if self.active(kind, step):
+            os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGKILL)
