@@ -81,7 +81,14 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 echo "launch.sh: $(hostname) node ${NODE_RANK}/${NNODES}, ${GPUS_PER_NODE} GPUs," \
   "rendezvous ${MASTER_ADDR}:${MASTER_PORT} id ${RDZV_ID}" >&2
-exec torchrun \
+
+# --- signals ---------------------------------------------------------------------------------------
+# USR1 (Slurm's warning before the time limit) asks the trainer to finish its step, checkpoint and
+# exit 0. torchrun does not handle USR1, and its default action would kill it and with it the
+# ranks, so torchrun runs with USR1 ignored and this script hands the signal to the ranks, its
+# direct children. (The ranks start with USR1 ignored too, until the trainer installs its handler.)
+# TERM and INT go to torchrun, which passes them on to the ranks.
+( trap '' USR1; exec torchrun \
   --nnodes="${NNODES}" \
   --nproc-per-node="${GPUS_PER_NODE}" \
   --node-rank="${NODE_RANK}" \
@@ -89,4 +96,40 @@ exec torchrun \
   --rdzv-endpoint="${MASTER_ADDR}:${MASTER_PORT}" \
   --rdzv-id="${RDZV_ID}" \
   --max-restarts="${MAX_RESTARTS}" \
-  -m h3train train "$config" "$@"
+  -m h3train train "$config" "$@" ) &
+torchrun_pid=$!
+
+# The ranks run in sessions of their own, so a process-group signal would miss them: find them by
+# parent pid in /proc (no procps needed in the image).
+# shellcheck disable=SC2329  # called from the USR1 trap
+signal_ranks() {
+  local stat line ppid
+  for stat in /proc/[0-9]*/stat; do
+    { read -r line < "$stat"; } 2>/dev/null || continue
+    # Fields after "(comm)", which may itself hold spaces: state, ppid, ...
+    read -r _ ppid _ <<< "${line##*) }"
+    if [[ "$ppid" == "$torchrun_pid" ]]; then
+      kill -s "$1" "${stat//[!0-9]/}" 2>/dev/null || true
+    fi
+  done
+}
+# shellcheck disable=SC2329  # invoked by the traps below
+on_usr1() {
+  echo "launch.sh: USR1 on $(hostname): asking the ranks to checkpoint and exit" >&2
+  signal_ranks USR1
+}
+# shellcheck disable=SC2329
+on_term() {
+  kill -s TERM "$torchrun_pid" 2>/dev/null || true
+}
+trap on_usr1 USR1
+trap on_term TERM INT
+
+# `wait` returns early (status > 128) whenever a trapped signal arrives, so wait until torchrun is
+# gone; bash keeps the exit status of a reaped background job, which the last `wait` returns.
+while kill -0 "$torchrun_pid" 2>/dev/null; do
+  wait "$torchrun_pid" || true
+done
+status=0
+wait "$torchrun_pid" || status=$?
+exit "$status"

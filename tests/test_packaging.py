@@ -169,25 +169,72 @@ def test_launch_script_trains_two_cpu_ranks(tmp_path: Path) -> None:
     assert "2 GPUs" in out.stderr and "step 1/1" in out.stdout + out.stderr
 
 
-def _fake_slurm(bin_dir: Path, log: Path) -> None:
-    """`scontrol` and `srun` stand-ins: srun records its argv and environment, then runs until killed."""
+def _executable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+def test_launch_script_hands_usr1_to_the_ranks(tmp_path: Path) -> None:
+    """torchrun ignores USR1 (its default action would kill it); the ranks, its children, get it."""
+    bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(f"""#!/usr/bin/env bash
+    ready, got = tmp_path / "ready", tmp_path / "got"
+    rank = (
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGUSR1, lambda *a: (open({str(got)!r}, 'w').write('usr1'), sys.exit(0)))\n"
+        f"open({str(ready)!r}, 'w').close()\n"
+        "time.sleep(30)\n"
+    )
+    (tmp_path / "rank.py").write_text(rank)
+    # A stand-in torchrun: one rank as its child; exits 3 after the rank so the status is checked.
+    _executable(
+        bin_dir / "torchrun", f"#!/usr/bin/env bash\n{sys.executable} {tmp_path / 'rank.py'} &\nwait $!\nexit 3\n"
+    )
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "GPUS_PER_NODE": "1"}
+    proc = subprocess.Popen(
+        [str(ROOT / "scripts" / "launch.sh"), "configs/tiny_fl2va.yaml"],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 20
+    while not ready.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the rank never started"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=20)
+    assert got.read_text() == "usr1", stderr
+    assert proc.returncode == 3, stderr  # torchrun's own status, not the interrupted wait's
+
+
+def _fake_slurm(bin_dir: Path, log: Path) -> None:
+    """`scontrol`, `scancel` and `srun` stand-ins. srun records its argv and environment and runs
+    until USR1, which it treats as the ranks checkpointing and exiting 0."""
+    bin_dir.mkdir()
+    _executable(
+        bin_dir / "scontrol",
+        f"""#!/usr/bin/env bash
 if [[ "$1" == show ]]; then printf 'gpu-a01\\ngpu-a02\\n'; exit 0; fi
 echo "scontrol $*" >> {log}
-kill "$(cat {log}.srun_pid)"
-""")
-    (bin_dir / "srun").write_text(f"""#!/usr/bin/env bash
-echo $$ > {log}.srun_pid
-{{ echo "srun $*"; echo "MASTER_ADDR=$MASTER_ADDR NNODES=$NNODES RDZV_ID=$RDZV_ID"; }} >> {log}
-trap 'exit 143' TERM
+""",
+    )
+    _executable(
+        bin_dir / "scancel", f'#!/usr/bin/env bash\necho "scancel $*" >> {log}\nkill -USR1 "$(cat {log}.srun)"\n'
+    )
+    _executable(
+        bin_dir / "srun",
+        f"""#!/usr/bin/env bash
+echo $$ > {log}.srun
+{{ echo "srun $*"; echo "MASTER_ADDR=$MASTER_ADDR NNODES=$NNODES GPUS=$GPUS_PER_NODE RDZV_ID=$RDZV_ID"; }} >> {log}
+trap 'echo "ranks saved" >> {log}; exit 0' USR1
 for _ in $(seq 200); do sleep 0.05; done
-""")
-    for f in bin_dir.iterdir():
-        f.chmod(0o755)
+exit 1
+""",
+    )
 
 
-def test_slurm_script_requeues_on_usr1(tmp_path: Path) -> None:
+def test_slurm_script_checkpoints_then_requeues_on_usr1(tmp_path: Path) -> None:
     log = tmp_path / "slurm.log"
     _fake_slurm(tmp_path / "bin", log)
     env = {
@@ -196,7 +243,9 @@ def test_slurm_script_requeues_on_usr1(tmp_path: Path) -> None:
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": "gpu-a[01-02]",
         "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_GPUS_ON_NODE": "8",
         "SLURM_RESTART_COUNT": "1",
+        "MASTER_ADDR": "stale-host",  # from the submitting shell: must not leak into the job
     }
     proc = subprocess.Popen(
         ["bash", str(ROOT / "scripts" / "slurm.sbatch"), "configs/h3_a100_16gpu.yaml", "train.steps=5"],
@@ -210,11 +259,36 @@ def test_slurm_script_requeues_on_usr1(tmp_path: Path) -> None:
         assert time.monotonic() < deadline, "srun never started"
         time.sleep(0.05)
     proc.send_signal(signal.SIGUSR1)
-    _, stderr = proc.communicate(timeout=10)
-    text = log.read_text()
-    assert "scontrol requeue 4242" in text, stderr
-    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    _, stderr = proc.communicate(timeout=20)
+    lines = log.read_text().splitlines()
+    srun = next(line for line in lines if line.startswith("srun "))
     assert "--ntasks-per-node=1" in srun
     assert srun.endswith("scripts/launch.sh configs/h3_a100_16gpu.yaml checkpoint.resume=auto train.steps=5")
-    assert "MASTER_ADDR=gpu-a01 NNODES=2 RDZV_ID=h3train-4242-1" in text
-    assert proc.returncode != 0  # the requeued run's step was killed, not finished
+    assert "MASTER_ADDR=gpu-a01 NNODES=2 GPUS=8 RDZV_ID=h3train-4242-1" in lines
+    # The ranks are told first, and the job is requeued only once they have exited.
+    assert lines[-3:] == ["scancel --signal=USR1 4242", "ranks saved", "scontrol requeue 4242"], stderr
+    assert proc.returncode == 0, stderr
+
+
+def test_slurm_script_does_not_requeue_a_finished_run(tmp_path: Path) -> None:
+    log = tmp_path / "slurm.log"
+    _fake_slurm(tmp_path / "bin", log)
+    # srun finishing on its own: the stand-in exits 1 after its loop, unsignalled.
+    (tmp_path / "bin" / "srun").write_text("#!/usr/bin/env bash\nexit 0\n")
+    env = {
+        **os.environ,
+        "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "gpu-a01",
+        "SLURM_JOB_NUM_NODES": "1",
+    }
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "slurm.sbatch"), "configs/h3_fl2va_a100.yaml"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert out.returncode == 0, out.stderr
+    assert not log.exists() or "requeue" not in log.read_text()
