@@ -52,6 +52,14 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .train.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_gb * 1024**3))
+    print(f"exported {args.checkpoint} to {out}")
+    return 0
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from .plot import plot_metrics
 
@@ -81,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text-dim", type=int, default=16)
     p.set_defaults(func=_cmd_synth)
+
+    p = sub.add_parser("export", help="write a checkpoint as a diffusers transformer folder")
+    p.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/x/checkpoints/step_00001000")
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "bf16", "fp32"))
+    p.add_argument("--max-shard-gb", type=float, default=5.0)
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("plot", help="plot loss and grad_norm from metrics.jsonl to a PNG")
     p.add_argument("metrics")

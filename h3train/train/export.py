@@ -1,0 +1,86 @@
+"""Export a training checkpoint as a diffusers transformer folder.
+
+`config.json` plus sharded safetensors with an index (`diffusion_pytorch_model-0000k-of-0000n`),
+loadable by `MiniMaxH3Transformer3DModel.from_pretrained`. Runs in one process without a process
+group. Tensors are read from the DCP checkpoint one output shard at a time, so host memory holds one
+shard (plus DCP's read buffers), never the whole model. With `--dtype bfloat16` the
+`_keep_in_fp32_modules` islands stay float32, as in the released checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from diffusers import MiniMaxH3Transformer3DModel
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemReader
+
+from ..config import ConfigError
+from .checkpoint import is_complete, read_trainer_state
+
+MODEL_PREFIX = "model.transformer."
+WEIGHTS_NAME = "diffusion_pytorch_model"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def keeps_fp32(name: str) -> bool:
+    return any(island in name for island in MiniMaxH3Transformer3DModel._keep_in_fp32_modules)
+
+
+def _shard_plan(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    used = 0
+    for key, nbytes in sizes.items():
+        if shards[-1] and used + nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(key)
+        used += nbytes
+    return shards
+
+
+def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "float32", max_shard_bytes: int = 5 * 1024**3) -> Path:
+    checkpoint, out = Path(checkpoint), Path(out)
+    if not is_complete(checkpoint):
+        raise ConfigError(f"checkpoint '{checkpoint}' is not a complete h3train checkpoint folder")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: choose float32 or bfloat16")
+    target = DTYPES[dtype]
+    state = read_trainer_state(checkpoint)
+    reader = FileSystemReader(str(checkpoint))
+    metadata = reader.read_metadata().state_dict_metadata
+    keys = [k for k in metadata if k.startswith(MODEL_PREFIX)]
+
+    def out_dtype(key: str) -> torch.dtype:
+        return torch.float32 if keeps_fp32(key) else target
+
+    sizes = {k: metadata[k].size.numel() * out_dtype(k).itemsize for k in keys}
+    shards = _shard_plan(sizes, max_shard_bytes)
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    for i, group in enumerate(shards, start=1):
+        name = (f"{WEIGHTS_NAME}-{i:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
+                else f"{WEIGHTS_NAME}.safetensors")
+        buffers = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in group}
+        dcp.load(buffers, storage_reader=reader, no_dist=True)
+        tensors = {k.removeprefix(MODEL_PREFIX): v.to(out_dtype(k)).contiguous() for k, v in buffers.items()}
+        _save_atomic(tensors, out / name)
+        weight_map.update(dict.fromkeys(tensors, name))
+        total += sum(sizes[k] for k in group)
+        del buffers, tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / f"{WEIGHTS_NAME}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    with torch.device("meta"):
+        MiniMaxH3Transformer3DModel(**state["model_config"]).save_config(out)
+    return out
+
+
+def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
