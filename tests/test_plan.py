@@ -221,6 +221,7 @@ def test_cluster_config_fits_per_the_plan(name: str, pretrained_folder: Path) ->
     cfg = _load_cluster_config(name, pretrained_folder)
     assert cfg.model.dtype == "bfloat16" and cfg.model.gradient_checkpointing
     assert cfg.data.source == "cached" and cfg.parallel.sp in (4, 8)
+    assert cfg.checkpoint.every > 0 and cfg.checkpoint.resume == "auto"
     mesh = ParallelDims.from_config(cfg.parallel, world)
     plan = estimate(model_dims(cfg), mesh, cfg, rows=rows)
     assert plan.params.total == parameter_counts(_defaults()).total
