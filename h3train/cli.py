@@ -67,6 +67,31 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_encode(args: argparse.Namespace) -> int:
+    from .data.encode import EncodeSettings, encode_manifest
+
+    settings = EncodeSettings(
+        short_edge=args.short_edge,
+        max_pixels=args.max_pixels,
+        reference_short_edge=args.reference_short_edge,
+        min_seconds=args.min_seconds,
+        max_seconds=args.max_seconds,
+    )
+    summary = encode_manifest(
+        args.manifest, args.components, args.out, settings, device=args.device, progress=not args.no_progress
+    )
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(summary.describe())
+    return 0 if summary.ok else 1
+
+
+def _cmd_tiny_components(args: argparse.Namespace) -> int:
+    from .data.components import write_tiny_components
+
+    print(f"wrote tiny random components to {write_tiny_components(args.dir, seed=args.seed)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h3train", description="Train MiniMax H3 with FSDP2 + Ulysses SP.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,6 +126,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("metrics")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser("encode", help="encode a manifest of clips into a cached dataset (alone or under torchrun)")
+    p.add_argument("manifest", help="JSONL, one clip per line (see README: Encoding your data)")
+    p.add_argument("--components", required=True, help="folder with vae, audio_vae, text_encoder, tokenizer, processor")
+    p.add_argument("--out", required=True, help="dataset folder (samples, index.jsonl, errors.jsonl)")
+    p.add_argument("--short-edge", type=int, default=768, help="canvas short edge, a multiple of 32")
+    p.add_argument("--max-pixels", type=int, default=768 * 1344, help="canvas area cap")
+    p.add_argument("--reference-short-edge", type=int, default=2048, help="short edge of image references")
+    p.add_argument("--min-seconds", type=float, default=5.0, help="shorter clips are rejected")
+    p.add_argument("--max-seconds", type=float, default=15.0, help="longer clips are cut")
+    p.add_argument("--device", default=None, help="default: cuda:$LOCAL_RANK if available, else cpu")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_encode)
+
+    p = sub.add_parser("tiny-components", help="write tiny random encoders in the MiniMax-H3 layout (tests, demos)")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_tiny_components)
     return parser
 
 

@@ -1,0 +1,280 @@
+"""The encoders of MiniMax H3 in its diffusers layout, and tiny random stand-ins for tests and demos.
+
+A components folder holds five subfolders, as the released repository does:
+
+    vae/           AutoencoderKLMiniMaxH3        video VAE, 24 latent channels, 16x spatial
+    audio_vae/     AutoencoderKLMiniMaxH3Audio   32 kHz mono VAE, 40 latents/s, 32 channels
+    text_encoder/  Qwen3VLForConditionalGeneration
+    tokenizer/     Qwen2Tokenizer
+    processor/     Qwen3VLProcessor
+
+Everything is loaded with `from_pretrained(..., local_files_only=True)`: nothing is downloaded.
+`write_tiny_components` writes randomly initialised versions of all five (a few MB) with the same
+classes and the special tokens the prompt presentations use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+from transformers import (
+    AutoImageProcessor,
+    AutoTokenizer,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
+)
+from transformers.utils import is_torchvision_available
+
+from ..config import ConfigError
+
+COMPONENT_NAMES = ("vae", "audio_vae", "text_encoder", "tokenizer", "processor")
+# The tokens MiniMax H3's presentations and Qwen3-VL's processor look up by name.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# diffusers' pipeline conditions on `hidden_states[50]` of the text encoder (`text_encoder_layer`), so
+# even the tiny encoder has 51 decoder layers: the tiny path reads exactly the layer the real one does.
+TINY_TEXT_LAYERS = 51
+TINY_TEXT_HIDDEN = 64
+
+
+class ComponentsError(ConfigError):
+    """A components folder that cannot be loaded, in one line naming the folder."""
+
+
+@dataclass
+class Components:
+    """The five encoders, loaded and in eval mode."""
+
+    vae: AutoencoderKLMiniMaxH3
+    audio_vae: AutoencoderKLMiniMaxH3Audio
+    text_encoder: Qwen3VLForConditionalGeneration
+    tokenizer: Any
+    processor: Qwen3VLProcessor
+
+    @property
+    def supports_video_references(self) -> bool:
+        """Whether the processor can read reference videos (transformers needs torchvision for that)."""
+        return getattr(self.processor, "video_processor", None) is not None
+
+
+class _Qwen3VLProcessorWithoutVideo(Qwen3VLProcessor):
+    """Qwen3-VL's processor assembled from its parts, with or without a video processor.
+
+    transformers builds Qwen3-VL's video processor on torchvision; without torchvision it cannot even
+    construct the processor (its argument check looks the video class up in a registry that is then a
+    stub). Images, token ids and `create_mm_token_type_ids` need none of that, so this keeps them working
+    and leaves reference videos unsupported (`Components.supports_video_references`).
+    """
+
+    def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+        if argument_name == "video_processor":
+            return type(argument)
+        return super().check_argument_for_proper_class(argument_name, argument)
+
+
+def check_components_folder(root: str | os.PathLike) -> Path:
+    """The folder, if it has the five subfolders. Raises `ComponentsError` otherwise."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ComponentsError(f"components folder '{root}' does not exist")
+    missing = [name for name in COMPONENT_NAMES if not (root / name).is_dir()]
+    if missing:
+        raise ComponentsError(
+            f"components folder '{root}' has no {', '.join(missing)} subfolder; expected {', '.join(COMPONENT_NAMES)} "
+            "(the MiniMax-H3 diffusers layout, or `h3train tiny-components DIR`)"
+        )
+    return root
+
+
+def load_components(
+    root: str | os.PathLike, device: str | torch.device = "cpu", text_encoder_dtype: torch.dtype = torch.float32
+) -> Components:
+    """Load the five components from a local folder. The VAEs stay float32 (their released precision)."""
+    root = check_components_folder(root)
+    kwargs = {"local_files_only": True}
+    try:
+        vae = AutoencoderKLMiniMaxH3.from_pretrained(root, subfolder="vae", **kwargs)
+        audio_vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(root, subfolder="audio_vae", **kwargs)
+        text_encoder = Qwen3VLForConditionalGeneration.from_pretrained(
+            root, subfolder="text_encoder", dtype=text_encoder_dtype, **kwargs
+        )
+        tokenizer = AutoTokenizer.from_pretrained(root, subfolder="tokenizer", **kwargs)
+        processor = _load_processor(root / "processor")
+    except (OSError, ValueError, KeyError) as exc:
+        raise ComponentsError(f"components folder '{root}': {type(exc).__name__}: {_first_line(exc)}") from None
+    for model in (vae, audio_vae, text_encoder):
+        model.to(device).eval().requires_grad_(False)
+    return Components(vae, audio_vae, text_encoder, tokenizer, processor)
+
+
+def _load_processor(folder: Path) -> Qwen3VLProcessor:
+    if is_torchvision_available():
+        return Qwen3VLProcessor.from_pretrained(folder, local_files_only=True)
+    return _Qwen3VLProcessorWithoutVideo(
+        image_processor=AutoImageProcessor.from_pretrained(folder, local_files_only=True),
+        tokenizer=AutoTokenizer.from_pretrained(folder, local_files_only=True),
+        video_processor=None,
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def components_fingerprint(root: str | os.PathLike) -> str:
+    """A cheap identity of a components folder: every file's path and size, and the content of its JSON files.
+
+    Weights are not hashed (tens of GB for the real text encoder); a retrained component that keeps
+    its file sizes needs a new folder or a new output folder to be re-encoded.
+    """
+    root = Path(root)
+    digest = hashlib.sha256()
+    for name in COMPONENT_NAMES:
+        for path in sorted(p for p in (root / name).rglob("*") if p.is_file()):
+            digest.update(f"{path.relative_to(root).as_posix()}\0{path.stat().st_size}\0".encode())
+            if path.suffix == ".json":
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# Tiny random components.
+
+
+def write_tiny_components(root: str | os.PathLike, seed: int = 0) -> Path:
+    """Write randomly initialised tiny versions of the five components into `root`; return it.
+
+    Same classes and geometry rules as the released ones (24 video / 32 audio latent channels, 16x
+    spatial and 17 -> 5 temporal video compression, 800-sample audio hop, 51 text layers), with tiny
+    widths: the text encoder's hidden size, the `text_dim` a model trained on its embeddings needs,
+    is `TINY_TEXT_HIDDEN`. The same seed writes the same weights.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tiny_tokenizer()
+    tokenizer.save_pretrained(root / "tokenizer")
+    _save_processor(_tiny_processor(tokenizer), root / "processor")
+    torch.manual_seed(seed)
+    _tiny_text_encoder(tokenizer).save_pretrained(root / "text_encoder")
+    torch.manual_seed(seed + 1)
+    _tiny_video_vae().save_pretrained(root / "vae")
+    torch.manual_seed(seed + 2)
+    _tiny_audio_vae().save_pretrained(root / "audio_vae")
+    return root
+
+
+def _tiny_tokenizer() -> Any:
+    """A byte-level BPE over the 256 byte symbols, no merges: every string encodes, one token per byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    vocab = {symbol: i for i, symbol in enumerate(bytes_to_unicode().values())}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
+    return tokenizer
+
+
+def _tiny_processor(tokenizer: Any) -> Qwen3VLProcessor:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    # Small pixel budgets keep vision blocks to a handful of tokens: 32x32 pixels per token.
+    geometry = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2}
+    image = Qwen2VLImageProcessorPil(size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128}, **geometry)
+    video = Qwen3VLVideoProcessor(size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128 * 8}, **geometry)
+    return _Qwen3VLProcessorWithoutVideo(image_processor=image, tokenizer=tokenizer, video_processor=video)
+
+
+def _save_processor(processor: Qwen3VLProcessor, folder: Path) -> None:
+    processor.save_pretrained(folder)
+    # Saved through the permissive subclass; the files name the class that loads them.
+    for path in folder.glob("*.json"):
+        config = json.loads(path.read_text())
+        if config.get("processor_class") == type(processor).__name__:
+            config["processor_class"] = Qwen3VLProcessor.__name__
+            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _tiny_text_encoder(tokenizer: Any) -> Qwen3VLForConditionalGeneration:
+    ids = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))))
+    head_dim = 16
+    config = Qwen3VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": TINY_TEXT_HIDDEN,
+            "intermediate_size": 2 * TINY_TEXT_HIDDEN,
+            "num_hidden_layers": TINY_TEXT_LAYERS,
+            "num_attention_heads": TINY_TEXT_HIDDEN // head_dim,
+            "num_key_value_heads": 2,
+            "head_dim": head_dim,
+            # The (t, h, w) rotary sections must add up to head_dim / 2.
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": TINY_TEXT_HIDDEN,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0],
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    return Qwen3VLForConditionalGeneration(config)
+
+
+def _tiny_video_vae() -> AutoencoderKLMiniMaxH3:
+    # Released spatial (2, 2, 2, 2) and temporal (2, 2) downsampling: the geometry rules stay exact.
+    return AutoencoderKLMiniMaxH3(
+        block_out_channels=(8, 8, 16, 16, 16, 16),
+        layers_per_block=1,
+        norm_num_groups=4,
+        decoder_num_layers=1,
+        decoder_num_attention_heads=2,
+        decoder_attention_head_dim=8,
+        decoder_num_register_tokens=1,
+        decoder_ffn_mult=1,
+    )
+
+
+def _tiny_audio_vae() -> AutoencoderKLMiniMaxH3Audio:
+    # The released encoder hop (2*4*4*5*5 = 800 samples: 40 latents/s at 32 kHz) with three decoder
+    # stages of the same product; the decoder needs `decoder_dim >= 2 ** len(decoder_rates)`.
+    return AutoencoderKLMiniMaxH3Audio(
+        encoder_dim=4,
+        latent_dim=32,
+        latent_channels=32,
+        num_attention_heads=2,
+        decoder_dim=8,
+        decoder_rates=(8, 10, 10),
+        decoder_kernel_sizes=(16, 20, 20),
+        resblock_kernel_sizes=(3,),
+        resblock_dilation_sizes=((1, 3, 5),),
+        # The pipeline normalizes with these; identity statistics for a random VAE.
+        latents_mean=[0.0] * 32,
+        latents_std=[1.0] * 32,
+    )

@@ -1,0 +1,489 @@
+"""Stage-1 encoding: media files and prompts -> cached samples, with diffusers' own pipeline blocks.
+
+Per clip (`encode_entry`):
+
+    target video  [T, H, W, 3] uint8, T = 17 n + 5 at 24 fps  -> video_latents [24, 5 n + 2, H/16, W/16]
+                  the video VAE's posterior mean, ImageNet-normalized pixels in, latents normalized by
+                  the VAE's `latents_mean` / `latents_std` (the inverse of `MiniMaxH3VideoDecodeStep`)
+    target audio  [2, N] at 32 kHz                           -> audio_latents [2, 32, round(T / 24 * 40)]
+                  as `MiniMaxH3Ref2VAReferenceEncoderStep` encodes a soundtrack (posterior mean,
+                  normalized); zeros and `has_audio = False` for a clip without an audio track
+    fl2va         `MiniMaxH3ResizeStep` puts the keyframes on the canvas, `MiniMaxH3KeyframeVaeEncoderStep`
+                  encodes them (`encode_vae_condition`), `MiniMaxH3FL2VATextEncoderStep` presents them
+    ref2va        `MiniMaxH3Ref2VASetupStep` normalizes the references, `MiniMaxH3Ref2VAReferenceEncoderStep`
+                  encodes them, `MiniMaxH3Ref2VATextEncoderStep` presents them
+    t2va          `MiniMaxH3TextEncoderStep`
+    negatives     the negative prompt through `MiniMaxH3TextEncoderStep` (text only) and, for fl2va and
+                  ref2va, through the task's own text step with the same vision blocks (`negative_visual_*`)
+
+The blocks run on a `MiniMaxH3ModularPipeline` holding the loaded components, so the canvas rules,
+the prompt presentations (labels, vision blocks tagged 0) and the conditioning recipes are the
+pipeline's, not a copy of them.
+
+`encode_manifest` runs a whole manifest, alone or under torchrun (rank r takes entries r, r + W, ...):
+a sample already written from the same inputs and settings is skipped (`<id>.inputs.json` beside it
+holds the digest), a failing clip is appended to `errors.jsonl` and the run goes on, samples are
+written atomically, and `index.jsonl` is rebuilt at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from diffusers.modular_pipelines import PipelineState
+from diffusers.modular_pipelines.minimax_h3 import (
+    MiniMaxH3AudioReference,
+    MiniMaxH3ImageReference,
+    MiniMaxH3VideoReference,
+)
+from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep, MiniMaxH3ResizeStep
+from diffusers.modular_pipelines.minimax_h3.encoders import (
+    MiniMaxH3FL2VATextEncoderStep,
+    MiniMaxH3KeyframeVaeEncoderStep,
+    MiniMaxH3Ref2VAReferenceEncoderStep,
+    MiniMaxH3Ref2VATextEncoderStep,
+    MiniMaxH3TextEncoderStep,
+)
+from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+    MINIMAX_H3_FPS,
+    MiniMaxH3ModularPipeline,
+    audio_latent_num_frames,
+)
+from PIL import Image
+from tqdm import tqdm
+
+from ..config import ConfigError
+from .components import Components, check_components_folder, components_fingerprint, load_components
+from .format import SAMPLE_SUFFIX, CachedSample, ReferenceLatents, read_header, write_index, write_sample
+from .manifest import ManifestEntry, Reference, read_manifest
+from .media import MediaError, fit_audio, load_audio, load_clip, load_still, load_video
+
+# Bump when the encoding recipe changes, so that resuming re-encodes what an older recipe wrote.
+ENCODER_VERSION = 1
+ERRORS_NAME = "errors.jsonl"
+INPUTS_SUFFIX = ".inputs.json"
+CANVAS_MULTIPLE = 32
+
+
+@dataclass(frozen=True)
+class EncodeSettings:
+    """Geometry of the encoded data. Defaults are the released checkpoint's.
+
+    `short_edge` / `max_pixels`: the canvas rule of the target and of video references (multiples of
+    32); `reference_short_edge`: the short edge image references are encoded at (no area cap, as in the
+    pipeline); `min_seconds` / `max_seconds`: the clip durations kept (the frame count is the largest
+    `17 n + 5` within the clip and `max_seconds`); `video_sample_fps`: the rate the text encoder reads
+    reference videos at.
+    """
+
+    short_edge: int = 768
+    max_pixels: int = 768 * 1344
+    reference_short_edge: int = 2048
+    min_seconds: float = 5.0
+    max_seconds: float = 15.0
+    video_sample_fps: float = 2.0
+
+    def validate(self) -> None:
+        """Raise `ConfigError` naming the first bad setting."""
+        for name in ("short_edge", "reference_short_edge"):
+            value = getattr(self, name)
+            if value < CANVAS_MULTIPLE or value % CANVAS_MULTIPLE:
+                raise ConfigError(f"encode setting '{name}' is {value}, expected a positive multiple of 32")
+        if self.max_pixels < self.short_edge * self.short_edge:
+            raise ConfigError(f"encode setting 'max_pixels' is {self.max_pixels}, below short_edge^2")
+        if not 0 <= self.min_seconds <= self.max_seconds:
+            raise ConfigError(
+                f"encode settings 'min_seconds' / 'max_seconds' are {self.min_seconds} / {self.max_seconds}, "
+                "expected 0 <= min <= max"
+            )
+        if self.video_sample_fps <= 0:
+            raise ConfigError(f"encode setting 'video_sample_fps' is {self.video_sample_fps}, expected > 0")
+
+    @property
+    def min_frames(self) -> int:
+        return math.ceil(self.min_seconds * MINIMAX_H3_FPS)
+
+    @property
+    def max_frames(self) -> int:
+        return math.floor(self.max_seconds * MINIMAX_H3_FPS)
+
+
+class EncodingPipeline(MiniMaxH3ModularPipeline):
+    """The released pipeline's components, properties and canvas configs.
+
+    Its setup step refuses durations outside 5-15 s; here the clip length is chosen by
+    `EncodeSettings.min_seconds` / `max_seconds` instead, before the blocks run.
+    """
+
+    min_duration = 0.0
+    max_duration = math.inf
+
+
+def build_pipeline(components: Components, settings: EncodeSettings) -> EncodingPipeline:
+    """A pipeline holding the loaded components, with the settings' canvas rules as its configs."""
+    pipe = EncodingPipeline()
+    pipe.update_components(
+        vae=components.vae,
+        audio_vae=components.audio_vae,
+        text_encoder=components.text_encoder,
+        tokenizer=components.tokenizer,
+        processor=components.processor,
+        canvas_short_edge=settings.short_edge,
+        canvas_max_pixels=settings.max_pixels,
+        reference_image_short_edge=settings.reference_short_edge,
+    )
+    return pipe
+
+
+def _run(block: Any, pipe: MiniMaxH3ModularPipeline, **inputs: Any) -> PipelineState:
+    """Run one pipeline block on a fresh state holding `inputs`; return the state."""
+    state = PipelineState()
+    for key, value in inputs.items():
+        state.set(key, value)
+    block(pipe, state)
+    return state
+
+
+# --------------------------------------------------------------------------------------------------
+# Recipes.
+
+
+@torch.no_grad()
+def encode_video_latents(pipe: MiniMaxH3ModularPipeline, frames: np.ndarray) -> torch.Tensor:
+    """`[T, H, W, 3]` uint8 (T = 17 n + 5) -> `[24, 5 n + 2, H / 16, W / 16]` float32 normalized posterior mean."""
+    vae, device = pipe.vae, pipe._execution_device
+    pixel_mean = torch.tensor(pipe.pixel_mean, device=device).view(1, -1, 1, 1, 1)
+    pixel_std = torch.tensor(pipe.pixel_std, device=device).view(1, -1, 1, 1, 1)
+    pixels = torch.from_numpy(frames).to(device).permute(3, 0, 1, 2)[None]
+    pixels = (pixels.to(torch.float32).div(255.0) - pixel_mean) / pixel_std
+    latents = vae.encode(pixels).latent_dist.mode().float().cpu()
+    latents_mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    latents_std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    return ((latents - latents_mean) / latents_std)[0]
+
+
+def audio_rows_to_latents(rows: torch.Tensor, channels: int = 2) -> torch.Tensor:
+    """The pipeline's channel-major soundtrack rows `[2 n, C]` -> `[2, C, n]` latents."""
+    return rows.reshape(channels, -1, rows.shape[-1]).transpose(1, 2).contiguous()
+
+
+def encode_audio_latents(pipe: MiniMaxH3ModularPipeline, waveform: torch.Tensor) -> torch.Tensor:
+    """`[2, N]` at the audio VAE's rate -> `[2, 32, ceil(N / 800)]`, encoded as the pipeline encodes a soundtrack."""
+    reference = MiniMaxH3AudioReference(audio=waveform, sample_rate=pipe.audio_sampling_rate)
+    rows = _run(MiniMaxH3Ref2VAReferenceEncoderStep(), pipe, normalized_references=[reference])
+    return audio_rows_to_latents(rows.get("audio_condition_latents")[0], pipe.audio_channels)
+
+
+@dataclass
+class _Prompts:
+    """Prompt embeddings `[L, D]` and tags `[L]` of the presentation, and of the negative prompt two ways."""
+
+    embeds: torch.Tensor
+    tags: torch.Tensor
+    negative_embeds: torch.Tensor
+    negative_tags: torch.Tensor
+    negative_visual_embeds: torch.Tensor | None = None
+    negative_visual_tags: torch.Tensor | None = None
+
+
+def _presentation(state: PipelineState) -> tuple[torch.Tensor, torch.Tensor]:
+    return state.get("prompt_embeds")[0].cpu(), state.get("text_token_tags").cpu().long()
+
+
+def _prompts(pipe: MiniMaxH3ModularPipeline, entry: ManifestEntry, visual_step: Any = None, **vision: Any) -> _Prompts:
+    """Encode the prompt with `visual_step` (the task's text block, given `vision`) or as plain text (t2va).
+
+    The negative prompt is encoded as plain text, and with `visual_step` too: its vision blocks kept.
+    """
+    embeds, tags = _presentation(_run(visual_step or MiniMaxH3TextEncoderStep(), pipe, prompt=entry.prompt, **vision))
+    negative = _presentation(_run(MiniMaxH3TextEncoderStep(), pipe, prompt=entry.negative_prompt))
+    visual = (None, None)
+    if visual_step is not None:
+        visual = _presentation(_run(visual_step, pipe, prompt=entry.negative_prompt, **vision))
+    return _Prompts(embeds, tags, *negative, *visual)
+
+
+def _fl2va(
+    pipe: MiniMaxH3ModularPipeline, entry: ManifestEntry, frames: np.ndarray
+) -> tuple[tuple[str, ...], tuple[torch.Tensor, ...], _Prompts]:
+    """Keyframes (the clip's own first / last frame, or an image) -> anchors, latents `[24, 1, h, w]`, prompts."""
+    clip_frame = {"first": frames[0], "last": frames[-1]}
+    images = {
+        k.anchor: load_still(k.image.path) if k.image else Image.fromarray(clip_frame[k.anchor])
+        for k in entry.keyframes
+    }
+    height, width = frames.shape[1:3]
+    resized = _run(
+        MiniMaxH3ResizeStep(),
+        pipe,
+        image=images.get("first"),
+        last_image=images.get("last"),
+        height=height,
+        width=width,
+    )
+    keyframes = resized.get("keyframes")
+    latents = _run(MiniMaxH3KeyframeVaeEncoderStep(), pipe, keyframes=keyframes).get("condition_latents")
+    prompts = _prompts(pipe, entry, MiniMaxH3FL2VATextEncoderStep(), keyframes=keyframes)
+    return tuple(resized.get("keyframe_anchors")), tuple(latent[0] for latent in latents), prompts
+
+
+def _pipeline_reference(pipe: MiniMaxH3ModularPipeline, ref: Reference, seconds: float) -> Any:
+    """Decode one manifest reference into the pipeline's reference type (at most `seconds` of its media)."""
+    rate = pipe.audio_sampling_rate
+    if ref.kind == "image":
+        return MiniMaxH3ImageReference(image=load_still(ref.media.path))
+    if ref.kind == "audio":
+        return MiniMaxH3AudioReference(audio=load_audio(ref.media.path, rate, seconds), sample_rate=rate)
+    video = load_video(ref.media.path, rate, seconds)
+    return MiniMaxH3VideoReference(frames=video.frames, fps=video.fps, audio=video.audio, sample_rate=rate)
+
+
+def _ref2va(
+    pipe: MiniMaxH3ModularPipeline, entry: ManifestEntry, settings: EncodeSettings, frames: np.ndarray
+) -> tuple[tuple[ReferenceLatents, ...], _Prompts]:
+    """References in request order -> their latents (visual `[24, f, h, w]`, audio `[2, 32, n]`) and prompts."""
+    num_frames, height, width = frames.shape[:3]
+    refs = [_pipeline_reference(pipe, ref, num_frames / pipe.fps) for ref in entry.references]
+    try:
+        setup = _run(
+            MiniMaxH3Ref2VASetupStep(), pipe, references=refs, height=height, width=width, num_frames=num_frames
+        )
+    except ValueError as exc:
+        raise MediaError(f"references: {exc}") from None
+    normalized = setup.get("normalized_references")
+    encoded = _run(MiniMaxH3Ref2VAReferenceEncoderStep(), pipe, normalized_references=normalized)
+    visual = iter(encoded.get("condition_latents"))
+    sounds = iter(encoded.get("audio_condition_latents"))
+    latents = tuple(
+        ReferenceLatents(
+            kind=ref.kind,
+            video=next(visual)[0] if ref.kind in ("image", "video") else None,
+            audio=audio_rows_to_latents(next(sounds), pipe.audio_channels) if ref.has_audio else None,
+        )
+        for ref in normalized
+    )
+    step = MiniMaxH3Ref2VATextEncoderStep(video_sample_fps=settings.video_sample_fps)
+    return latents, _prompts(pipe, entry, step, normalized_references=normalized)
+
+
+def encode_entry(pipe: EncodingPipeline, entry: ManifestEntry, settings: EncodeSettings) -> CachedSample:
+    """Encode one manifest clip into a `CachedSample`. Raises `MediaError` (or the blocks' errors) for a bad clip."""
+    if any(r.kind == "video" for r in entry.references) and getattr(pipe.processor, "video_processor", None) is None:
+        raise MediaError("video references need Qwen3-VL's video processor, which transformers builds on torchvision")
+    clip = load_clip(
+        entry.video.path,
+        settings.short_edge,
+        settings.max_pixels,
+        pipe.canvas_multiple,
+        settings.min_frames,
+        settings.max_frames,
+        pipe.audio_sampling_rate,
+    )
+    num_audio = audio_latent_num_frames(clip.num_frames, pipe.fps)
+    if clip.audio is None:
+        audio = torch.zeros(pipe.audio_channels, pipe.audio_latent_channels, num_audio)
+    else:
+        audio = encode_audio_latents(pipe, fit_audio(clip.audio, num_audio * pipe.audio_vae.hop_length))
+
+    anchors, keyframes, references = (), (), ()
+    if entry.task == "fl2va":
+        anchors, keyframes, prompts = _fl2va(pipe, entry, clip.frames)
+    elif entry.task == "ref2va":
+        references, prompts = _ref2va(pipe, entry, settings, clip.frames)
+    else:
+        prompts = _prompts(pipe, entry)
+    return CachedSample(
+        sample_id=entry.sample_id,
+        task=entry.task,
+        num_frames=clip.num_frames,
+        video_latents=encode_video_latents(pipe, clip.frames),
+        audio_latents=audio,
+        prompt_embeds=prompts.embeds,
+        text_token_tags=prompts.tags,
+        negative_prompt_embeds=prompts.negative_embeds,
+        negative_text_token_tags=prompts.negative_tags,
+        has_audio=clip.audio is not None,
+        keyframe_anchors=anchors,
+        keyframes=keyframes,
+        references=references,
+        negative_visual_prompt_embeds=prompts.negative_visual_embeds,
+        negative_visual_text_token_tags=prompts.negative_visual_tags,
+        source=entry.video.relative,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# A whole manifest.
+
+
+@dataclass
+class EncodeSummary:
+    """Counts over all ranks: samples written now, already up to date, and clips that failed."""
+
+    encoded: int
+    skipped: int
+    failed: int
+    out: Path
+
+    @property
+    def ok(self) -> bool:
+        """At least one sample of the manifest is in the dataset."""
+        return self.encoded + self.skipped > 0
+
+    def describe(self) -> str:
+        line = f"encoded {self.encoded}, up to date {self.skipped}, failed {self.failed} -> {self.out}"
+        return line + (f" (reasons in {self.out / ERRORS_NAME})" if self.failed else "")
+
+
+def input_digest(entry: ManifestEntry, settings: EncodeSettings, components_id: str, text_dtype: torch.dtype) -> str:
+    """Digest of everything a sample depends on: the entry and its media files, settings, components, recipe."""
+    payload = {
+        "encoder_version": ENCODER_VERSION,
+        "entry": entry.fingerprint(),
+        "settings": asdict(settings),
+        "components": components_id,
+        "text_encoder_dtype": str(text_dtype),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def default_device() -> torch.device:
+    """`cuda:LOCAL_RANK` where there is a GPU, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def encode_manifest(
+    manifest: str | os.PathLike,
+    components: str | os.PathLike,
+    out: str | os.PathLike,
+    settings: EncodeSettings | None = None,
+    device: str | torch.device | None = None,
+    text_encoder_dtype: torch.dtype | None = None,
+    progress: bool = True,
+) -> EncodeSummary:
+    """Encode every clip of `manifest` into the dataset folder `out`, alone or as one rank of torchrun.
+
+    Raises `ConfigError` for a bad manifest, settings or components folder (before any process group);
+    a failing clip is recorded in `out/errors.jsonl` and does not stop the run. `text_encoder_dtype`
+    defaults to bfloat16 on a GPU and float32 on the CPU.
+    """
+    settings = settings or EncodeSettings()
+    settings.validate()
+    entries = read_manifest(manifest)
+    check_components_folder(components)
+    device = torch.device(device) if device is not None else default_device()
+    text_dtype = text_encoder_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    out = Path(out)
+
+    with _process_group() as (rank, world):
+        if rank == 0:
+            _prepare_output(out)
+        _barrier(world)
+        pipe = build_pipeline(load_components(components, device, text_dtype), settings)
+        components_id = components_fingerprint(components)
+        counts = torch.zeros(3, dtype=torch.long)  # encoded, skipped, failed
+        mine = entries[rank::world]
+        bar = tqdm(mine, desc=f"encode (rank {rank})", unit="clip", disable=not progress or rank != 0)
+        for entry in bar:
+            digest = input_digest(entry, settings, components_id, text_dtype)
+            counts[_encode_to_folder(pipe, entry, settings, out, digest, bar)] += 1
+        if world > 1:
+            dist.all_reduce(counts)
+        if rank == 0:
+            write_index(out)
+        _barrier(world)
+    return EncodeSummary(*(int(c) for c in counts), out=out)
+
+
+def _encode_to_folder(
+    pipe: EncodingPipeline, entry: ManifestEntry, settings: EncodeSettings, out: Path, digest: str, bar: tqdm
+) -> int:
+    """Encode and write one entry unless it is up to date. Returns 0 (encoded), 1 (skipped) or 2 (failed)."""
+    sample_path = out / f"{entry.sample_id}{SAMPLE_SUFFIX}"
+    inputs_path = out / f"{entry.sample_id}{INPUTS_SUFFIX}"
+    if _up_to_date(sample_path, inputs_path, digest):
+        return 1
+    try:
+        sample = encode_entry(pipe, entry, settings)
+        write_sample(sample_path, sample)
+    except Exception as exc:  # noqa: BLE001 - one bad clip must not stop the run; the reason is recorded
+        # A sample left from older inputs no longer matches the manifest.
+        sample_path.unlink(missing_ok=True)
+        inputs_path.unlink(missing_ok=True)
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        _append_error(out, entry, reason)
+        bar.write(f"h3train encode: {entry.sample_id} (manifest line {entry.line}): {reason}", file=sys.stderr)
+        return 2
+    # Written after the sample: a run killed in between re-encodes the clip rather than trusting it.
+    _write_atomic(inputs_path, json.dumps({"digest": digest, "inputs": entry.fingerprint()}, indent=1) + "\n")
+    return 0
+
+
+def _up_to_date(sample_path: Path, inputs_path: Path, digest: str) -> bool:
+    try:
+        recorded = json.loads(inputs_path.read_text()).get("digest")
+        read_header(sample_path)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return recorded == digest
+
+
+def _prepare_output(out: Path) -> None:
+    """Create the folder, drop temporary files of an interrupted run, and start a fresh `errors.jsonl`."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(".*.tmp"):
+        stale.unlink(missing_ok=True)
+    (out / ERRORS_NAME).write_text("")
+
+
+def _append_error(out: Path, entry: ManifestEntry, reason: str) -> None:
+    record = {"id": entry.sample_id, "line": entry.line, "video": entry.video.relative, "error": reason}
+    # One write per line in append mode: ranks appending at once do not interleave within a line.
+    with open(out / ERRORS_NAME, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def _process_group() -> Iterator[tuple[int, int]]:
+    """`(rank, world)`; under torchrun (WORLD_SIZE > 1) a gloo group for the barriers and the final counts."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        yield 0, 1
+        return
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo")
+    try:
+        yield dist.get_rank(), dist.get_world_size()
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()

@@ -1,0 +1,347 @@
+"""Media decoding with PyAV, onto MiniMax H3's clock, canvas and sample rate (and small writers for demos).
+
+Frames are `uint8` RGB arrays `[T, H, W, 3]`; waveforms are float32 `[2, N]` stereo at the audio VAE's
+rate. Geometry rules are diffusers' own (`resolve_canvas_size`, `align_num_frames`'s `17 n + 5`), and
+the frame-rate conversion is the one the pipeline applies to reference videos (`ffmpeg`'s `fps` filter:
+a source frame is held until the slot of the next one).
+
+Every problem with a file raises `MediaError` with a one-line reason; the encoder records it for that
+clip and goes on.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+import torch
+from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_FPS, resolve_canvas_size
+from diffusers.utils import load_image
+from PIL import Image
+
+from .format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
+
+FPS = MINIMAX_H3_FPS
+AUDIO_CHANNELS = 2
+
+
+class MediaError(ValueError):
+    """A media file that cannot be used for this clip, with the reason in one line."""
+
+
+@dataclass
+class Clip:
+    """A target clip on H3's geometry.
+
+    frames `[T, H, W, 3]` uint8 at 24 fps on the canvas, `T = 17 n + 5`; audio `[2, N]` float32 at
+    `sample_rate` covering the clip from its start (None when the file has no audio track).
+    """
+
+    frames: np.ndarray
+    audio: torch.Tensor | None
+    sample_rate: int
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.frames.shape[0])
+
+
+@dataclass
+class DecodedVideo:
+    """A video at its own rate and size: frames `[T, H, W, 3]` uint8, `fps`, soundtrack `[2, N]` or None."""
+
+    frames: np.ndarray
+    fps: float
+    audio: torch.Tensor | None
+    sample_rate: int
+
+
+def aligned_frame_count(available: int, min_frames: int, max_frames: int) -> int:
+    """The largest `17 n + 5` frame count within `available` and `max_frames`; never more frames than exist.
+
+    Raises `MediaError` when it falls short of `min_frames` (or of 5, the shortest clip the VAE encodes).
+    """
+    limit = min(available, max_frames)
+    if limit < VAE_LATENTS_PER_CHUNK:
+        count = 0
+    else:
+        count = (limit - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
+    floor = max(min_frames, VAE_LATENTS_PER_CHUNK)
+    if count < floor:
+        raise MediaError(
+            f"clip too short: {available} frames at {FPS} fps ({available / FPS:.2f} s), at most {max_frames} used; "
+            f"needs a 17 n + 5 frame count of at least {floor} ({floor / FPS:.2f} s)"
+        )
+    return count
+
+
+def fps_slots(num_source: int, source_fps: float, target_fps: float = FPS) -> np.ndarray:
+    """Source frame index of every output frame when `num_source` frames at `source_fps` are put on `target_fps`.
+
+    The same arithmetic as diffusers' `MiniMaxH3Ref2VASetupStep._normalize_video_condition`: frame `i`
+    starts at slot `floor(i * target / source + 0.5)` and is held until the next frame's slot.
+    """
+    if source_fps <= 0:
+        raise MediaError(f"video reports a frame rate of {source_fps}, expected a positive one")
+    if source_fps == target_fps:
+        return np.arange(num_source)
+    scale = target_fps / source_fps
+    starts = np.floor(np.arange(num_source) * scale + 0.5).astype(np.int64)
+    holds = np.diff(starts, append=math.floor(num_source * scale + 0.5))
+    return np.repeat(np.arange(num_source), holds)
+
+
+def canvas_size(width: int, height: int, short_edge: int, max_pixels: int, multiple: int) -> tuple[int, int]:
+    """`(height, width)` of the canvas a `width x height` source is put on (diffusers' `resolve_canvas_size`)."""
+    try:
+        return resolve_canvas_size(width, height, multiple, short_edge, max_pixels)
+    except ValueError as exc:
+        raise MediaError(str(exc)) from None
+
+
+def cover_crop(image: Image.Image, width: int, height: int) -> Image.Image:
+    """Resize `image` to cover `width x height` (LANCZOS), then crop the centre.
+
+    The arithmetic of the pipeline's follower keyframe (`MiniMaxH3ResizeStep`): sizes rounded, the crop
+    offset `(resized - canvas) // 2`, so a frame and a keyframe cut from it land on the same pixels.
+    """
+    if image.size == (width, height):
+        return image
+    scale = max(width / image.size[0], height / image.size[1])
+    resized = (max(width, round(image.size[0] * scale)), max(height, round(image.size[1] * scale)))
+    left, top = max(0, (resized[0] - width) // 2), max(0, (resized[1] - height) // 2)
+    return image.resize(resized, Image.Resampling.LANCZOS).crop((left, top, left + width, top + height))
+
+
+def load_clip(
+    path: str | os.PathLike,
+    short_edge: int,
+    max_pixels: int,
+    canvas_multiple: int,
+    min_frames: int,
+    max_frames: int,
+    sample_rate: int,
+) -> Clip:
+    """Decode a target clip onto 24 fps and its canvas, and its soundtrack onto `sample_rate` stereo.
+
+    The canvas comes from the clip's own (display) aspect ratio; frames are cover-cropped onto it. The
+    frame count is the largest `17 n + 5` the clip holds, capped at `max_frames`. Decoding stops once
+    enough frames are read, so a long clip costs no more than the part that is used.
+    """
+    with _open(path) as container:
+        stream = _video_stream(path, container)
+        fps = _frame_rate(stream)
+        scale = FPS / fps
+        frames: list[np.ndarray] = []
+        canvas: tuple[int, int] | None = None
+        for image in _decoded_images(path, container, stream):
+            if canvas is None:
+                canvas = canvas_size(image.size[0], image.size[1], short_edge, max_pixels, canvas_multiple)
+            frames.append(np.asarray(cover_crop(image, canvas[1], canvas[0])))
+            # Enough source frames to fill `max_frames` slots, the last one held for a full slot.
+            if len(frames) * scale >= max_frames + 1:
+                break
+        if not frames:
+            raise MediaError(f"'{path}' holds no decodable video frames")
+        slots = fps_slots(len(frames), fps)
+        num_frames = aligned_frame_count(len(slots), min_frames, max_frames)
+        audio = _soundtrack(path, container, sample_rate, num_frames / FPS)
+    return Clip(np.stack([frames[i] for i in slots[:num_frames]]), audio, sample_rate)
+
+
+def load_video(path: str | os.PathLike, sample_rate: int, max_seconds: float | None = None) -> DecodedVideo:
+    """Decode a video at its own frame rate and size (a reference), up to `max_seconds` of it."""
+    with _open(path) as container:
+        stream = _video_stream(path, container)
+        fps = _frame_rate(stream)
+        limit = math.inf if max_seconds is None else math.ceil(max_seconds * fps) + 1
+        frames = []
+        for image in _decoded_images(path, container, stream):
+            frames.append(np.asarray(image))
+            if len(frames) >= limit:
+                break
+        if not frames:
+            raise MediaError(f"'{path}' holds no decodable video frames")
+        audio = _soundtrack(path, container, sample_rate, max_seconds)
+    return DecodedVideo(np.stack(frames), fps, audio, sample_rate)
+
+
+def load_audio(path: str | os.PathLike, sample_rate: int, max_seconds: float | None = None) -> torch.Tensor:
+    """Decode an audio file (or a video's soundtrack) to `[2, N]` float32 at `sample_rate`."""
+    with _open(path) as container:
+        audio = _soundtrack(path, container, sample_rate, max_seconds)
+    if audio is None:
+        raise MediaError(f"'{path}' has no audio track")
+    return audio
+
+
+def load_still(path: str | os.PathLike) -> Image.Image:
+    """An image file as RGB PIL (diffusers' `load_image`: EXIF orientation applied)."""
+    try:
+        return load_image(str(path))
+    except Exception as exc:  # noqa: BLE001 - PIL raises many types for a bad file
+        raise MediaError(f"cannot read image '{path}': {type(exc).__name__}: {exc}") from None
+
+
+def fit_audio(waveform: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """`[2, N]` -> `[2, num_samples]`: cut, or padded with silence when the soundtrack ends early."""
+    if waveform.shape[-1] >= num_samples:
+        return waveform[:, :num_samples].contiguous()
+    return torch.nn.functional.pad(waveform, (0, num_samples - waveform.shape[-1]))
+
+
+# --------------------------------------------------------------------------------------------------
+# PyAV plumbing.
+
+
+def _open(path: str | os.PathLike) -> av.container.InputContainer:
+    if not os.path.isfile(path):
+        raise MediaError(f"'{path}' does not exist")
+    try:
+        return av.open(str(path))
+    except (av.error.FFmpegError, ValueError, OSError) as exc:
+        raise MediaError(f"cannot open '{path}': {exc}") from None
+
+
+def _video_stream(path: str | os.PathLike, container: av.container.InputContainer) -> av.video.stream.VideoStream:
+    if not container.streams.video:
+        raise MediaError(f"'{path}' has no video stream")
+    return container.streams.video[0]
+
+
+def _frame_rate(stream: av.video.stream.VideoStream) -> float:
+    rate = stream.average_rate or stream.guessed_rate
+    if not rate or float(rate) <= 0:
+        raise MediaError("the video stream reports no frame rate")
+    return float(rate)
+
+
+def _decoded_images(
+    path: str | os.PathLike, container: av.container.InputContainer, stream: av.video.stream.VideoStream
+) -> Iterator[Image.Image]:
+    """Yield the stream's frames as upright RGB PIL images (display-matrix rotation undone, like ffmpeg)."""
+    try:
+        for frame in container.decode(stream):
+            image = frame.to_image()
+            # PyAV reports the counterclockwise rotation; diffusers' reference decoder snaps it to quarter turns.
+            turns = round(frame.rotation / 90.0) % 4 if frame.rotation else 0
+            yield image.rotate(-90 * turns, expand=True) if turns else image
+    except av.error.FFmpegError as exc:
+        raise MediaError(f"cannot decode '{path}': {exc}") from None
+
+
+def _soundtrack(
+    path: str | os.PathLike, container: av.container.InputContainer, sample_rate: int, max_seconds: float | None
+) -> torch.Tensor | None:
+    """The first audio stream as `[2, N]` float32 at `sample_rate`, or None without one.
+
+    Mono is duplicated onto both channels (as the pipeline upmixes reference audio); more than two
+    channels are downmixed to stereo by ffmpeg's resampler.
+    """
+    if not container.streams.audio:
+        return None
+    stream = container.streams.audio[0]
+    mono = stream.codec_context.channels == 1
+    resampler = av.AudioResampler(format="fltp", layout="mono" if mono else "stereo", rate=sample_rate)
+    limit = math.inf if max_seconds is None else math.ceil(max_seconds * sample_rate)
+    chunks, total = [], 0
+    try:
+        container.seek(0)
+        for frame in container.decode(stream):
+            for out in resampler.resample(frame):
+                chunks.append(torch.from_numpy(out.to_ndarray()))
+                total += chunks[-1].shape[-1]
+            if total >= limit:
+                break
+        else:
+            chunks += [torch.from_numpy(out.to_ndarray()) for out in resampler.resample(None)]
+    except av.error.FFmpegError as exc:
+        raise MediaError(f"cannot decode the audio of '{path}': {exc}") from None
+    if not chunks or sum(c.shape[-1] for c in chunks) == 0:
+        return None
+    waveform = torch.cat(chunks, dim=-1).to(torch.float32)
+    if mono:
+        waveform = waveform.expand(AUDIO_CHANNELS, -1)
+    if limit != math.inf:
+        waveform = waveform[:, :limit]
+    return waveform.contiguous()
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing media: the demo and the tests make their clips with these.
+
+
+def write_video(
+    path: str | os.PathLike,
+    frames: np.ndarray,
+    fps: float,
+    audio: np.ndarray | None = None,
+    sample_rate: int = 44100,
+) -> Path:
+    """Write `[T, H, W, 3]` uint8 frames (H.264) and optionally `[C, N]` float audio (AAC) to `path`."""
+    path = Path(path)
+    with av.open(str(path), mode="w") as container:
+        video = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+        video.height, video.width = frames.shape[1:3]
+        video.pix_fmt = "yuv420p"
+        sound = None
+        if audio is not None:
+            sound = container.add_stream("aac", rate=sample_rate, layout="mono" if audio.shape[0] == 1 else "stereo")
+        for image in frames:
+            container.mux(video.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
+        container.mux(video.encode())
+        if sound is not None:
+            _mux_audio(container, sound, audio, sample_rate)
+    return path
+
+
+def write_audio(path: str | os.PathLike, audio: np.ndarray, sample_rate: int) -> Path:
+    """Write `[C, N]` float audio as 16-bit PCM WAV."""
+    path = Path(path)
+    with av.open(str(path), mode="w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=sample_rate, layout="mono" if audio.shape[0] == 1 else "stereo")
+        _mux_audio(container, stream, audio, sample_rate)
+    return path
+
+
+def _mux_audio(container: av.container.OutputContainer, stream: Any, audio: np.ndarray, sample_rate: int) -> None:
+    layout = "mono" if audio.shape[0] == 1 else "stereo"
+    planar = np.ascontiguousarray(audio, dtype=np.float32)
+    step = 1024
+    for start in range(0, planar.shape[1], step):
+        frame = av.AudioFrame.from_ndarray(planar[:, start : start + step], format="fltp", layout=layout)
+        frame.sample_rate = sample_rate
+        frame.pts = start
+        container.mux(stream.encode(frame))
+    container.mux(stream.encode())
+
+
+def moving_pattern(num_frames: int, height: int, width: int, seed: int = 0) -> np.ndarray:
+    """`[T, H, W, 3]` uint8: a coloured square crossing a gradient background, different per `seed`."""
+    rng = np.random.default_rng(seed)
+    color = rng.integers(64, 256, size=3)
+    ys, xs = np.mgrid[0:height, 0:width]
+    background = np.stack([xs * 255 // max(width - 1, 1), ys * 255 // max(height - 1, 1), 0 * xs + 64], -1)
+    frames = np.repeat(background[None].astype(np.uint8), num_frames, axis=0)
+    side = max(4, min(height, width) // 3)
+    dx, dy = rng.choice([-3, -2, 2, 3], size=2)
+    x0, y0 = rng.integers(0, width - side), rng.integers(0, height - side)
+    for t in range(num_frames):
+        x = int(x0 + dx * t) % (width - side)
+        y = int(y0 + dy * t) % (height - side)
+        frames[t, y : y + side, x : x + side] = color
+    return frames
+
+
+def sine_tone(seconds: float, frequency: float, sample_rate: int, channels: int = 2) -> np.ndarray:
+    """`[channels, N]` float32 sine at half amplitude (right channel a fifth above, to tell them apart)."""
+    t = np.arange(int(round(seconds * sample_rate))) / sample_rate
+    tones = [0.5 * np.sin(2 * np.pi * frequency * (1.5**c) * t) for c in range(channels)]
+    return np.stack(tones).astype(np.float32)
