@@ -14,11 +14,30 @@ from .config import ConfigError, load_config
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    from .train.trainer import Trainer
+    from .data.format import DatasetError, SampleError
+    from .train.trainer import Trainer, TrainingError
 
     trainer = Trainer(cfg)
     try:
         trainer.fit()
+    except TrainingError as exc:
+        print(f"h3train: error: {exc}", file=sys.stderr)
+        trainer.close(clean=False)
+        return 1
+    except (SampleError, DatasetError) as exc:
+        print(f"h3train: error: {exc}", file=sys.stderr)
+        trainer.close(clean=False)
+        return 2
+    except RuntimeError as exc:
+        if not _is_collective_failure(exc):
+            trainer.close(clean=False)
+            raise
+        # A peer died or a collective timed out (parallel.timeout_s): say what this rank waited for.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"h3train: error: rank {trainer.ctx.rank}: collective failed during {trainer.phase} "
+              f"(parallel.timeout_s={cfg.parallel.timeout_s}): {first}", file=sys.stderr, flush=True)
+        trainer.close(clean=False)
+        return 1
     except BaseException:
         # No barrier: the other ranks may be blocked in a collective this rank will never join.
         trainer.close(clean=False)
@@ -27,13 +46,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+_COLLECTIVE_FAILURE_MARKS = ("gloo", "nccl", "connection closed by peer", "timed out", "timeout")
+
+
+def _is_collective_failure(exc: RuntimeError) -> bool:
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError) or any(m in str(exc).lower() for m in _COLLECTIVE_FAILURE_MARKS)
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     from .config import model_dims
     from .parallel.dims import ParallelDims
+    from .preflight import preflight
 
     world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     dims = ParallelDims.from_config(cfg.parallel, world)
+    preflight(cfg)
     print(f"config ok: {args.config}")
     print(dims.describe())
     from .plan import estimate, format_plan

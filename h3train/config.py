@@ -109,6 +109,10 @@ class TrainConfig:
     # A step with a non-finite loss or gradient on any rank is skipped by every rank; this many in a
     # row stop the run, naming the step and the samples.
     max_consecutive_skips: int = 5
+    # Loss-spike report: a micro-batch loss above `spike_factor` x the running median of the last
+    # `spike_window` step losses is logged with its sample id to <logging.dir>/loss_spikes.jsonl (0: off).
+    spike_factor: float = 0.0
+    spike_window: int = 50
     loss_weights: LossWeights = field(default_factory=LossWeights)
     timestep: TimestepConfig = field(default_factory=TimestepConfig)
 
@@ -322,6 +326,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'data.synthetic.vision_tokens' must not exceed 'data.synthetic.text_len'")
     _validate_cfg(cfg.cfg)
     positive("checkpoint.every", allow_zero=True)
+    positive("train.spike_factor", allow_zero=True)
+    positive("train.spike_window")
+    positive("train.max_consecutive_skips", allow_zero=True)
     positive("checkpoint.keep_last", allow_zero=True)
     from .train.faults import parse_faults
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..tasks.layout import PackedSample
@@ -34,7 +35,14 @@ class CachedDataset:
     I/O errors (`OSError`) always raise: they can be transient and differ between ranks.
     """
 
-    def __init__(self, folder: str | os.PathLike, task_filter: str = "mixed", on_error: str = "raise") -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        task_filter: str = "mixed",
+        on_error: str = "raise",
+        on_skip: Callable[[str, str], None] | None = None,
+        injected_corrupt: Iterable[str] = (),
+    ) -> None:
         if task_filter not in TASK_FILTERS:
             raise DatasetError(f"task filter '{task_filter}' is not one of {', '.join(TASK_FILTERS)}")
         if on_error not in ON_ERROR:
@@ -52,6 +60,10 @@ class CachedDataset:
                 f"{', '.join(accepted)}; the index lists {len(all_entries)} samples of tasks {', '.join(found)})"
             )
         self._skipped: set[int] = set()
+        # Called as `on_skip(sample_id, reason)` for every sample `skip` passes over.
+        self.on_skip = on_skip
+        # Sample ids that fail validation as a corrupt file would (`debug.fault=corrupt_sample@ID`).
+        self.injected_corrupt = frozenset(injected_corrupt)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -68,6 +80,8 @@ class CachedDataset:
         """Read sample `index`, checking it is the one the index describes (a stale index raises)."""
         entry = self.entries[index]
         path = self.path(index)
+        if entry.sample_id in self.injected_corrupt:
+            raise SampleError(f"sample '{path}': field 'video_latents' is corrupt (injected by debug.fault)")
         sample = read_sample(path)
         if sample.sample_id != entry.sample_id or sample.task != entry.task:
             raise SampleError(
@@ -95,4 +109,6 @@ class CachedDataset:
             except SampleError as exc:
                 self._skipped.add(candidate)
                 logger.warning("skipping unreadable sample %d: %s", candidate, exc)
+                if self.on_skip is not None:
+                    self.on_skip(self.entries[candidate].sample_id, str(exc))
         raise DatasetError(f"dataset '{self.folder}': no sample of task '{self.task_filter}' could be read")

@@ -57,6 +57,9 @@ class FaultInjector:
         return {f.sample_id for f in self.faults if f.kind == "corrupt_sample"}
 
     def maybe_die(self, kind: str, step: int) -> None:
-        """`kill` / `kill_in_save`: die at once as a crashed node would; `sigterm`: ask for preemption."""
-        if self.active(kind, step):
+        """`kill` / `kill_in_save`: die at once as a crashed node would; `sigterm`: ask for preemption.
+
+        Only in a job's first attempt: a job that `torchrun --max-restarts` restarted must get past it.
+        """
+        if self.active(kind, step) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
             os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGKILL)

@@ -21,9 +21,11 @@ from ..objective import TrainingInputs, compute_loss, make_training_inputs, step
 from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
 from ..parallel.fsdp import apply_fsdp
 from ..parallel.ulysses import SequenceParallel
+from ..preflight import preflight, resolve_attention_backend
 from ..tasks.layout import PackedSample
 from .checkpoint import Checkpointer, TrainingState, check_same_model, read_trainer_state, resolve_resume
 from .dump import diffusers_state, micro_batch_tensors, write_dump
+from .events import EventLog, SpikeDetector
 from .faults import FaultInjector
 from .metrics import MetricsLogger, write_resolved_config
 from .optim import build_optimizer, build_scheduler
@@ -59,15 +61,17 @@ def micro_batch_inputs(
     )
 
 
-def build_source(cfg: Config, text_dim: int):
-    """The indexable sample source named by `data.source`."""
+def build_source(cfg: Config, text_dim: int, on_skip=None):
+    """The indexable sample source named by `data.source`; `on_skip(sample_id, reason)` hears skipped samples."""
     if cfg.data.source == "synthetic":
         from ..tasks.synthetic import SyntheticSource
 
         return SyntheticSource(cfg.data.synthetic, text_dim, cfg.train.seed)
     from ..data.dataset import CachedDataset
 
-    return CachedDataset(cfg.data.path, cfg.task.name, on_error=cfg.data.on_error)
+    corrupt = FaultInjector(cfg.debug.fault, rank=0).corrupt_samples()
+    return CachedDataset(cfg.data.path, cfg.task.name, on_error=cfg.data.on_error, on_skip=on_skip,
+                         injected_corrupt=corrupt)
 
 
 # FSDP2 warns about every Linear output that is a view; nothing here writes into one in place.
@@ -85,6 +89,7 @@ class Trainer:
         self.cfg = cfg
         # The mesh is checked against the launch before any process group exists.
         dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+        preflight(cfg)
         self.log_dir = Path(cfg.logging.dir)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.log_dir / "checkpoints"
         self.resume_from = resolve_resume(self.ckpt_dir, cfg.checkpoint.resume)
@@ -98,8 +103,7 @@ class Trainer:
 
         pretrained = pretrained_folder(cfg) if cfg.model.pretrained else None
         transformer = build_meta_model(cfg) if pretrained else build_model(cfg, cfg.train.seed)
-        transformer.set_attention_backend("native" if cfg.model.attention_backend == "auto"
-                                          else cfg.model.attention_backend)
+        transformer.set_attention_backend(resolve_attention_backend(cfg.model.attention_backend, device.type))
         self.model_config = {k: v for k, v in dict(transformer.config).items() if not k.startswith("_")}
         self.model = SequenceParallelH3(
             transformer, SequenceParallel(self.ctx.sp_group), cfg.model.gradient_checkpointing
@@ -114,12 +118,22 @@ class Trainer:
 
         self.shared_negative = load_shared_negative(cfg)
         self._create_synthetic_dataset()
-        self.source = build_source(cfg, self.model_config["text_dim"])
+        # Every rank of an SP group skips the same samples; one of them writes the record.
+        self.data_errors = EventLog(self.log_dir / "data_errors.jsonl" if self.ctx.sp_rank == 0 else None)
+        self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
+        self.spike_log = EventLog(self.log_dir / "loss_spikes.jsonl" if self.ctx.sp_rank == 0 else None)
+        self.source = build_source(
+            cfg, self.model_config["text_dim"],
+            on_skip=lambda sample_id, reason: self.data_errors.write(step=self.step + 1, sample_id=sample_id,
+                                                                     reason=reason),
+        )
         self.sampler = DistributedSampler(
             len(self.source), self.ctx.dp_rank, dims.dp, cfg.train.seed,
             lengths=self.source.lengths if cfg.data.bucket_size > 1 else None, bucket_size=cfg.data.bucket_size,
         )
         self._prefetcher: Prefetcher | None = None
+        # What this rank is doing, so a failed collective can say what it waited for.
+        self.phase = "start-up"
         self.step = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0
@@ -187,22 +201,26 @@ class Trainer:
         # Summed over this rank's micro-batches and kept on the device, so the step has no host sync
         # before the update decision: [loss, video, audio, has_audio, rows, video_fm, audio_fm,
         # cfg_scale_video, cfg_scale_audio].
-        sums = torch.zeros(9, dtype=torch.float64, device=self.device)
-        dumped, metas, sample_ids = {}, [], []
+        sums = torch.zeros(10, dtype=torch.float64, device=self.device)
+        dumped, metas, sample_ids, losses = {}, [], [], []
         for micro in range(accum):
+            self.phase = f"loading micro-batch {micro} of step {step}"
             sample, ti = self._micro_batch(step, micro)
             sample_ids.append(sample.sample_id)
+            self.phase = f"forward of step {step}"
             parts = compute_loss(self.model, ti.to(self.device))
             loss = parts.loss
             if self.faults.active("nan_loss", step):
                 loss = loss * float("nan")
+            self.phase = f"backward of step {step}"
             (loss / accum).backward()
+            losses.append(loss.detach())
             has_audio = float(sample.has_audio)
             sums += torch.stack([
                 loss.detach().double(), parts.video.detach().double(),
                 parts.audio.detach().double() * has_audio, sums.new_tensor(has_audio),
                 sums.new_tensor(sample.layout.seq_len), parts.video_fm.double(), parts.audio_fm.double() * has_audio,
-                sums.new_tensor(ti.guidance.scale_video), sums.new_tensor(ti.guidance.scale_audio),
+                sums.new_tensor(ti.guidance.scale_video), sums.new_tensor(ti.guidance.scale_audio), sums.new_zeros(()),
             ])
             if dump:
                 dumped.update(micro_batch_tensors(micro, ti))
@@ -214,7 +232,10 @@ class Trainer:
             self._dump(step, dumped, metas)
         # Both reductions are global, so every rank reaches the same update decision without an
         # extra collective: the grad norm covers every parameter shard, the loss every DP rank.
+        self.phase = f"gradient norm of step {step}"
         grad_norm = self._clip_grad_norm()
+        sums[9] = self.data_errors.count
+        self.phase = f"loss all-reduce of step {step}"
         dist.all_reduce(sums, group=self.ctx.dp_mesh.get_group())
         sums = sums.cpu()
         lr = self.scheduler.get_last_lr()[0]
@@ -247,6 +268,7 @@ class Trainer:
             "tokens_per_s": sums[4].item() / dt,
             "step_time_s": dt,
             "skipped_steps": self.skipped_steps,
+            "data_errors": int(sums[9].item()),
         }
         if self.cfg_enabled:
             stats.update({
@@ -255,8 +277,18 @@ class Trainer:
                 "cfg_scale_video": sums[7].item() / n,
                 "cfg_scale_audio": sums[8].item() / n,
             })
-        self.last_sample_ids = sample_ids
+        self._report_spikes(step, sample_ids, losses, stats["loss"])
         return stats
+
+    def _report_spikes(self, step: int, sample_ids: list[str], losses: list[torch.Tensor], step_loss: float) -> None:
+        median = self.spikes.median()
+        for sample_id, loss in zip(sample_ids, losses):
+            value = loss.item()
+            if self.spikes.is_spike(value):
+                self.spike_log.write(step=step, sample_id=sample_id, loss=value, median=median,
+                                     dp_rank=self.ctx.dp_rank)
+        if math.isfinite(step_loss):
+            self.spikes.update(step_loss)
 
     @property
     def cfg_enabled(self) -> bool:
@@ -304,8 +336,10 @@ class Trainer:
                 stats = self.train_step(step)
                 self.step = step
                 metrics.log(step, stats)
+                self.phase = f"preemption check after step {step}"
                 preempted = self.preempt.requested(self.device)
                 if preempted or (every and (step % every == 0 or step == cfg.train.steps)):
+                    self.phase = f"checkpoint save at step {step}"
                     path = self.save_checkpoint()
                     if self.ctx.is_main:
                         print(f"saved checkpoint {path}", flush=True)
@@ -315,12 +349,15 @@ class Trainer:
                     break
 
     def close(self, clean: bool = True) -> None:
-        """Stop the prefetcher and leave the process group (after a barrier when the run ended cleanly)."""
+        """Stop the prefetcher and leave the process group.
+
+        After a failure the group is left as it is: a peer may be dead or blocked in a collective,
+        and tearing gloo down under it aborts this process before its error is reported.
+        """
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
-        if dist.is_initialized():
-            if clean:
-                # Ranks leave together: one tearing down gloo while another still talks aborts it.
-                dist.barrier()
+        if clean and dist.is_initialized():
+            # Ranks leave together: one tearing down gloo while another still talks aborts it.
+            dist.barrier()
             dist.destroy_process_group()

@@ -1,0 +1,46 @@
+"""Append-only JSONL logs of events worth finding later: skipped data and loss spikes."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+from collections import deque
+from pathlib import Path
+
+
+class EventLog:
+    """Thread-safe JSONL appender (the prefetch thread reports skipped samples); inactive when `path` is None."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def write(self, **record) -> None:
+        with self._lock:
+            self.count += 1
+            if self.path is None:
+                return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+class SpikeDetector:
+    """Flags a loss above `factor` x the running median of the last `window` step losses."""
+
+    def __init__(self, factor: float, window: int) -> None:
+        self.factor = factor
+        self.history: deque[float] = deque(maxlen=window)
+
+    def median(self) -> float | None:
+        # A handful of steps gives no stable median yet.
+        return statistics.median(self.history) if len(self.history) >= 5 else None
+
+    def is_spike(self, loss: float) -> bool:
+        median = self.median()
+        return self.factor > 0 and median is not None and loss > self.factor * median
+
+    def update(self, step_loss: float) -> None:
+        self.history.append(step_loss)

@@ -1,0 +1,168 @@
+"""Failures end in a clear message and a run that carries on correctly or stops without losing work.
+
+Every path is exercised for real through `debug.fault` (or a really corrupted file / a really killed rank).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from h3train.data.format import read_index
+
+from reference import ROOT, TINY_FL2VA, read_metrics, run_h3train
+
+TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
+
+
+def _tensors(checkpoint) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint (model and optimizer state), read in this process."""
+    reader = FileSystemReader(str(checkpoint))
+    metadata = reader.read_metadata().state_dict_metadata
+    out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items() if hasattr(m, "size")}
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["nan_loss@2:1", "nan_grad@2:0"])
+def test_non_finite_step_is_skipped_by_every_rank(tmp_path, fault) -> None:
+    run_h3train(["train", str(TINY_FL2VA), f"logging.dir={tmp_path}", "train.steps=3", "parallel.dp_shard=2",
+                 "checkpoint.every=1", "checkpoint.keep_last=0", f"debug.fault=[{fault}]",
+                 "logging.progress=false"], nproc=2)
+    metrics = read_metrics(tmp_path)
+    assert [m["skipped_steps"] for m in metrics] == [0, 1, 1]
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in (metrics[0], metrics[2]))
+    ckpt = tmp_path / "checkpoints"
+    before, after, later = (_tensors(ckpt / f"step_0000000{i}") for i in (1, 2, 3))
+    assert before.keys() == after.keys() and any(k.startswith("optim.") for k in before)
+    assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step changed weights or AdamW state"
+    assert any(not torch.equal(after[k], later[k]) for k in after), "training did not continue after the skip"
+
+
+@pytest.mark.slow
+def test_consecutive_non_finite_steps_stop_the_run_naming_the_step(tmp_path) -> None:
+    proc = run_h3train(["train", str(TINY_FL2VA), f"logging.dir={tmp_path}", "train.steps=5",
+                        "train.max_consecutive_skips=1", "debug.fault=[nan_loss@2,nan_loss@3]",
+                        "logging.progress=false"], check=False)
+    assert proc.returncode == 1
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "step 3" in err and "synthetic-" in err
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
+
+
+def _corrupt_one_sample(data_dir) -> str:
+    entry = read_index(data_dir)[0]
+    path = data_dir / entry.file
+    raw = bytearray(path.read_bytes())
+    raw[-64:] = b"\xff" * 64  # tensor payload garbage: non-finite values
+    path.write_bytes(bytes(raw))
+    return entry.sample_id
+
+
+@pytest.mark.slow
+def test_on_error_skip_records_a_corrupt_sample_and_finishes(tmp_path) -> None:
+    data = tmp_path / "data"
+    common = ["logging.progress=false", f"data.path={data}", "data.synthetic.num_samples=6", "train.grad_accum=1"]
+    run_h3train(["synth", "--out", str(data), "--task", "ref2va", "--num-samples", "6", "--text-dim", "16"])
+    bad = _corrupt_one_sample(data)
+
+    run = tmp_path / "skip"
+    run_h3train(["train", str(TINY_REF2VA), f"logging.dir={run}", "train.steps=6", "data.on_error=skip", *common])
+    records = (run / "data_errors.jsonl").read_text().splitlines()
+    assert len(records) == 1 and bad in records[0]
+    assert read_metrics(run)[-1]["data_errors"] == 1 and len(read_metrics(run)) == 6
+
+    proc = run_h3train(["train", str(TINY_REF2VA), f"logging.dir={tmp_path / 'raise'}", "train.steps=6",
+                        "data.on_error=raise", *common], check=False)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("h3train: error: sample") and bad in last and "field" in last
+
+
+@pytest.mark.slow
+def test_injected_corrupt_sample_is_skipped_on_every_sp_rank(tmp_path) -> None:
+    data = tmp_path / "data"
+    run_h3train(["synth", "--out", str(data), "--task", "ref2va", "--num-samples", "4", "--text-dim", "16"])
+    bad = read_index(data)[1].sample_id
+    run_h3train(["train", str(TINY_REF2VA), f"logging.dir={tmp_path / 'run'}", f"data.path={data}",
+                 "train.steps=2", "train.grad_accum=2", "parallel.sp=2", "data.on_error=skip",
+                 f"debug.fault=[corrupt_sample@{bad}]", "logging.progress=false"], nproc=2)
+    records = (tmp_path / "run" / "data_errors.jsonl").read_text().splitlines()
+    assert len(records) == 1 and bad in records[0]  # one SP rank writes, none hangs
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "needle"),
+    [
+        (["model.pretrained=/nonexistent/H3", "model.config={}"], {}, "'model.pretrained'"),
+        (["data.source=cached", "data.path=/nonexistent/data"], {}, "'data.path'"),
+        (["model.attention_backend=flash"], {}, "'model.attention_backend'"),
+        (["parallel.backend=nccl"], {}, "'parallel.backend'"),
+        (["parallel.sp=2"], {"WORLD_SIZE": "3"}, "'parallel"),
+        (["debug.fault=[explode@1]"], {}, "'debug.fault'"),
+    ],
+    ids=["missing_pretrained", "missing_dataset", "flash_on_cpu", "nccl_on_cpu", "world_size", "bad_fault"],
+)
+def test_bad_setup_exits_2_with_one_line(tmp_path, overrides, env, needle) -> None:
+    cmd = [sys.executable, "-m", "h3train", "train", str(TINY_FL2VA), f"logging.dir={tmp_path}", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, **env), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0]
+
+
+def test_yaml_cannot_run_code(tmp_path) -> None:
+    marker = tmp_path / "pwned"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"train:\n  steps: !!python/object/apply:os.system ['touch {marker}']\n")
+    proc = run_h3train(["check", str(bad)], check=False)
+    assert proc.returncode == 2 and not marker.exists()
+
+
+@pytest.mark.slow
+def test_dead_rank_makes_the_survivor_exit_naming_what_it_waited_for(tmp_path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    cmd = [sys.executable, "-m", "h3train", "train", str(TINY_FL2VA), f"logging.dir={tmp_path}", "train.steps=5",
+           "parallel.dp_shard=2", "parallel.timeout_s=30", "debug.fault=[kill@3:1]", "logging.progress=false"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=150) for p in procs]
+    assert procs[1].returncode == -9
+    assert procs[0].returncode == 1
+    last = outs[0][1].strip().splitlines()[-1]
+    assert "rank 0: collective failed during" in last and "step 3" in last
+
+
+@pytest.mark.slow
+def test_torchrun_restart_resumes_and_matches_uninterrupted_run(tmp_path) -> None:
+    common = ["train.steps=6", "checkpoint.every=2", "parallel.sp=2", "logging.progress=false"]
+    run_h3train(["train", str(TINY_FL2VA), f"logging.dir={tmp_path / 'straight'}", *common], nproc=2)
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           "-m", "h3train", "train", str(TINY_FL2VA), f"logging.dir={tmp_path / 'killed'}", *common,
+           "debug.fault=[kill@5:1]"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "step_00000004" in proc.stdout
+    straight, killed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "killed")
+    assert [m["step"] for m in killed] == [1, 2, 3, 4, 5, 6]
+    assert killed[-1]["loss"] == straight[-1]["loss"]
+    assert killed[-1]["grad_norm"] == straight[-1]["grad_norm"]
+
+
+def test_wandb_that_cannot_start_does_not_stop_training(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    env.update(HOME=str(tmp_path), OMP_NUM_THREADS="1", WANDB_SILENT="true", NETRC=str(tmp_path / "netrc"))
+    cmd = [sys.executable, "-m", "h3train", "train", str(TINY_FL2VA), f"logging.dir={tmp_path / 'run'}",
+           "train.steps=2", "logging.wandb.enabled=true", "logging.wandb.mode=online", "logging.progress=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("wandb") >= 1 and "metrics.jsonl" in proc.stderr
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
