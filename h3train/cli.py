@@ -178,7 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come after options (`check CONFIG --world-size 8 parallel.sp=4`): argparse leaves
+    # such trailing `key=value` items unparsed, so they are appended to the overrides here.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or not all("=" in item and not item.startswith("-") for item in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
     except ConfigError as exc:

@@ -128,3 +128,23 @@ def test_text_dropout_is_deterministic_and_replaces_the_prompt() -> None:
         assert is_dropped == torch.equal(b.model_inputs["encoder_hidden_states"][0], sample.negative_prompt_embeds)
         dropped.append(is_dropped)
     assert 0 < sum(dropped) < 16
+
+
+def test_full_size_ref2va_cfg_config_loads_and_fits(tmp_path) -> None:
+    import inspect
+    import json
+
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from h3train.config import model_dims
+    from h3train.parallel.dims import ParallelDims
+    from h3train.plan import estimate
+
+    sig = inspect.signature(MiniMaxH3Transformer3DModel.__init__)
+    dims = {n: p.default for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    (tmp_path / "transformer_ref").mkdir()
+    (tmp_path / "transformer_ref" / "config.json").write_text(json.dumps(dims, default=list))
+    cfg = load_config(TINY_FL2VA.parent / "h3_ref2va_cfg_a100.yaml", [f"model.pretrained={tmp_path}"])
+    assert cfg.task.name == "ref2va" and cfg.cfg.scale > 1 and cfg.model.dtype == "bfloat16"
+    plan = estimate(model_dims(cfg), ParallelDims.from_config(cfg.parallel, 8), cfg, rows=41_774)
+    assert plan.fits
