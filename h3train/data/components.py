@@ -250,7 +250,7 @@ def _tiny_text_encoder(tokenizer: Any) -> Qwen3VLForConditionalGeneration:
 def _tiny_video_vae() -> AutoencoderKLMiniMaxH3:
     # Released spatial (2, 2, 2, 2) and temporal (2, 2) downsampling: the geometry rules stay exact.
     return AutoencoderKLMiniMaxH3(
-        block_out_channels=(8, 8, 16, 16, 16, 16),
+        block_out_channels=(4, 4, 8, 8, 8, 8),
         layers_per_block=1,
         norm_num_groups=4,
         decoder_num_layers=1,

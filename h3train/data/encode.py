@@ -13,8 +13,8 @@ Per clip (`encode_entry`):
     ref2va        `MiniMaxH3Ref2VASetupStep` normalizes the references, `MiniMaxH3Ref2VAReferenceEncoderStep`
                   encodes them, `MiniMaxH3Ref2VATextEncoderStep` presents them
     t2va          `MiniMaxH3TextEncoderStep`
-    negatives     the negative prompt through `MiniMaxH3TextEncoderStep` (text only) and, for fl2va and
-                  ref2va, through the task's own text step with the same vision blocks (`negative_visual_*`)
+    negatives     the negative prompt through `MiniMaxH3TextEncoderStep` (text only) and through the task's
+                  own text step with the same vision blocks (`negative_visual_*`; for t2va the two agree)
 
 The blocks run on a `MiniMaxH3ModularPipeline` holding the loaded components, so the canvas rules,
 the prompt presentations (labels, vision blocks tagged 0) and the conditioning recipes are the
@@ -195,8 +195,8 @@ class _Prompts:
     tags: torch.Tensor
     negative_embeds: torch.Tensor
     negative_tags: torch.Tensor
-    negative_visual_embeds: torch.Tensor | None = None
-    negative_visual_tags: torch.Tensor | None = None
+    negative_visual_embeds: torch.Tensor
+    negative_visual_tags: torch.Tensor
 
 
 def _presentation(state: PipelineState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +210,9 @@ def _prompts(pipe: MiniMaxH3ModularPipeline, entry: ManifestEntry, visual_step: 
     """
     embeds, tags = _presentation(_run(visual_step or MiniMaxH3TextEncoderStep(), pipe, prompt=entry.prompt, **vision))
     negative = _presentation(_run(MiniMaxH3TextEncoderStep(), pipe, prompt=entry.negative_prompt))
-    visual = (None, None)
+    # Without vision blocks (t2va) the visual variant is the text one; writing it lets every sample
+    # train under either `cfg.negative_visual` choice.
+    visual = negative
     if visual_step is not None:
         visual = _presentation(_run(visual_step, pipe, prompt=entry.negative_prompt, **vision))
     return _Prompts(embeds, tags, *negative, *visual)

@@ -22,7 +22,11 @@ from typing import Any
 import av
 import numpy as np
 import torch
-from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_FPS, resolve_canvas_size
+from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+    MINIMAX_H3_FPS,
+    align_num_frames,
+    resolve_canvas_size,
+)
 from diffusers.utils import load_image
 from PIL import Image
 
@@ -73,7 +77,7 @@ def aligned_frame_count(available: int, min_frames: int, max_frames: int) -> int
         count = 0
     else:
         count = (limit - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
-    floor = max(min_frames, VAE_LATENTS_PER_CHUNK)
+    floor = align_num_frames(max(min_frames, 1), VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK)
     if count < floor:
         raise MediaError(
             f"clip too short: {available} frames at {FPS} fps ({available / FPS:.2f} s), at most {max_frames} used; "

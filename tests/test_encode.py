@@ -1,0 +1,299 @@
+"""`h3train encode`: media files -> cached samples, with tiny random components and generated clips.
+
+One module-wide dataset is encoded once: an fl2va clip with a stereo tone (first keyframe from the
+clip, last from an image), a silent t2va clip, a ref2va clip with a mono tone (an image and an audio
+reference), a corrupt file and a clip too short to encode.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers.modular_pipelines import PipelineState
+from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference
+from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import (
+    MiniMaxH3AutoBeforeEncodeStep,
+    MiniMaxH3AutoTextEncoderStep,
+    MiniMaxH3AutoVaeEncoderStep,
+)
+from PIL import Image
+from test_layouts_match_diffusers import TinyClipPipeline, _check_against_pipeline
+
+from h3train.cli import main
+from h3train.config import load_config
+from h3train.data.components import COMPONENT_NAMES, TINY_TEXT_HIDDEN, load_components, write_tiny_components
+from h3train.data.encode import ERRORS_NAME, EncodeSettings, audio_rows_to_latents, encode_manifest
+from h3train.data.format import CachedSample, read_cached_sample, read_index, read_sample, write_index
+from h3train.data.manifest import ManifestError, read_manifest
+from h3train.data.media import load_audio, load_clip, load_still, moving_pattern, sine_tone, write_audio, write_video
+from h3train.model.build import build_model
+from h3train.objective import compute_loss
+from h3train.train.trainer import micro_batch_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+# Small canvases keep the VAEs cheap: 3:2 clips land on 32x64 (2x4 latents), the 4:3 still on 32x32.
+SETTINGS = EncodeSettings(short_edge=32, max_pixels=32 * 64, reference_short_edge=32, min_seconds=0, max_seconds=2)
+# Vision blocks: <|vision_start|>, one token per merged 32x32 patch, <|vision_end|>.
+KEYFRAME_BLOCK_ROWS = 2 + 2
+IMAGE_BLOCK_ROWS = 1 + 2
+ROWS = [
+    {"video": "clips/tone.mp4", "prompt": "a square drifts", "task": "fl2va", "id": "fl2va-tone",
+     "keyframes": {"first": None, "last": "still.png"}},
+    {"video": "clips/silent.mp4", "prompt": "a quiet square", "task": "t2va"},
+    {"video": "clips/mono.mp4", "prompt": "a square hums", "task": "ref2va", "id": "ref2va",
+     "references": [{"kind": "image", "path": "still.png"}, {"kind": "audio", "path": "voice.wav"}],
+     "negative_prompt": "blurry"},
+    {"video": "broken.mp4", "prompt": "nothing", "task": "t2va"},
+    {"video": "clips/short.mp4", "prompt": "too short", "task": "t2va"},
+]  # fmt: skip
+
+
+def _write_manifest(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def components(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_components(tmp_path_factory.mktemp("components"))
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "clips").mkdir()
+    write_video(folder / "clips/tone.mp4", moving_pattern(30, 80, 120, 1), 30, sine_tone(1.0, 440, 44100), 44100)
+    write_video(folder / "clips/silent.mp4", moving_pattern(40, 96, 144, 2), 24)
+    write_video(folder / "clips/mono.mp4", moving_pattern(24, 64, 96, 3), 24, sine_tone(1.0, 220, 48000, 1), 48000)
+    write_video(folder / "clips/short.mp4", moving_pattern(3, 64, 96, 4), 24)
+    write_audio(folder / "voice.wav", sine_tone(2.0, 330, 22050), 22050)
+    Image.fromarray(moving_pattern(1, 90, 120, 5)[0]).save(folder / "still.png")
+    (folder / "broken.mp4").write_bytes(b"not a video at all" * 64)
+    _write_manifest(folder / "manifest.jsonl", ROWS)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def encoded(media: Path, components: Path) -> Path:
+    summary = encode_manifest(media / "manifest.jsonl", components, media / "out", SETTINGS, progress=False)
+    assert (summary.encoded, summary.skipped, summary.failed) == (3, 0, 2)
+    return media / "out"
+
+
+def _sample(out: Path, sample_id: str) -> CachedSample:
+    return read_cached_sample(out / f"{sample_id}.safetensors")
+
+
+def test_latent_shapes_follow_h3_geometry(encoded: Path) -> None:
+    # 30 frames at 30 fps -> 24 at 24 fps -> 22 = 17 + 5; 40 frames at 24 fps -> 39 = 2 * 17 + 5.
+    for sample_id, frames, n in (("fl2va-tone", 22, 1), ("clips--silent", 39, 2), ("ref2va", 22, 1)):
+        sample = _sample(encoded, sample_id)
+        assert sample.num_frames == frames == 17 * n + 5
+        assert tuple(sample.video_latents.shape) == (24, 5 * n + 2, 2, 4)
+        # 40 audio latents per second of video, per stereo channel.
+        assert tuple(sample.audio_latents.shape) == (2, 32, round(frames / 24 * 40))
+        assert sample.prompt_embeds.shape[1] == TINY_TEXT_HIDDEN
+    fl2va = _sample(encoded, "fl2va-tone")
+    assert fl2va.keyframe_anchors == ("first", "last")
+    assert [tuple(k.shape) for k in fl2va.keyframes] == [(24, 1, 2, 4)] * 2
+    refs = _sample(encoded, "ref2va").references
+    assert [(r.kind, r.has_audio) for r in refs] == [("image", False), ("audio", True)]
+    assert tuple(refs[0].video.shape) == (24, 1, 2, 2) and tuple(refs[1].audio.shape) == (2, 32, 37)
+
+
+def test_clip_without_audio_track_has_no_audio(encoded: Path) -> None:
+    silent = _sample(encoded, "clips--silent")
+    assert not silent.has_audio and silent.audio_latents.abs().max() == 0
+    assert _sample(encoded, "fl2va-tone").has_audio and _sample(encoded, "ref2va").has_audio
+    entries = {e.sample_id: e.has_audio for e in read_index(encoded)}
+    assert entries == {"fl2va-tone": True, "clips--silent": False, "ref2va": True}
+
+
+def test_vision_tokens_are_tagged_video(encoded: Path) -> None:
+    fl2va, ref2va, t2va = (_sample(encoded, i) for i in ("fl2va-tone", "ref2va", "clips--silent"))
+    assert int((fl2va.text_token_tags == 0).sum()) == 2 * KEYFRAME_BLOCK_ROWS
+    assert int((ref2va.text_token_tags == 0).sum()) == IMAGE_BLOCK_ROWS  # the image; audio has no vision block
+    assert bool((t2va.text_token_tags == 1).all())
+    assert torch.equal(t2va.negative_visual_prompt_embeds, t2va.negative_prompt_embeds)
+    for sample in (fl2va, ref2va):
+        # The negative " " keeps the same vision blocks in its visual variant, none in its text variant.
+        visual = sample.negative_visual_text_token_tags
+        assert int((visual == 0).sum()) == int((sample.text_token_tags == 0).sum())
+        assert bool((sample.negative_text_token_tags == 1).all())
+
+
+def test_failures_are_recorded_and_the_rest_encoded(encoded: Path) -> None:
+    errors = {e["id"]: e for e in map(json.loads, (encoded / ERRORS_NAME).read_text().splitlines())}
+    assert set(errors) == {"broken", "clips--short"}
+    assert "cannot open" in errors["broken"]["error"] and errors["broken"]["line"] == 4
+    assert "clip too short: 3 frames" in errors["clips--short"]["error"]
+    assert sorted(e.sample_id for e in read_index(encoded)) == ["clips--silent", "fl2va-tone", "ref2va"]
+
+
+def test_rerun_skips_what_is_done_and_redoes_what_changed(encoded: Path, media: Path, components: Path) -> None:
+    out = media / "out-rerun"
+    shutil.copytree(encoded, out)
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
+    summary = encode_manifest(media / "manifest.jsonl", components, out, SETTINGS, progress=False)
+    assert (summary.encoded, summary.skipped, summary.failed) == (0, 3, 2)
+    assert stamps == {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
+
+    changed = [dict(row) for row in ROWS]
+    changed[1]["prompt"] = "a louder square"
+    manifest = _write_manifest(media / "manifest-changed.jsonl", changed)
+    summary = encode_manifest(manifest, components, out, SETTINGS, progress=False)
+    assert (summary.encoded, summary.skipped, summary.failed) == (1, 2, 2)
+    assert out.joinpath("clips--silent.safetensors").stat().st_mtime_ns != stamps["clips--silent.safetensors"]
+
+
+def test_killed_writer_leaves_no_readable_half_sample(media: Path, components: Path) -> None:
+    manifest = _write_manifest(media / "manifest-kill.jsonl", [ROWS[1] | {"video": "clips/mono.mp4", "id": "k"}])
+    out = media / "out-kill"
+    # Dies by SIGKILL right after the sample's bytes are on disk under their temporary name.
+    script = textwrap.dedent(f"""
+        import os, signal
+        import h3train.data.format as fmt
+        from h3train.data.encode import EncodeSettings, encode_manifest
+        synced = fmt._fsync
+        def die(path):
+            synced(path)
+            os.kill(os.getpid(), signal.SIGKILL)
+        fmt._fsync = die
+        encode_manifest({str(manifest)!r}, {str(components)!r}, {str(out)!r}, EncodeSettings(**{asdict(SETTINGS)!r}),
+                        progress=False)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert list(out.glob(".k.safetensors.*.tmp")), "the kill should have hit mid-write"
+    assert not list(out.glob("*.safetensors")) and write_index(out) == []
+
+    summary = encode_manifest(manifest, components, out, SETTINGS, progress=False)
+    assert (summary.encoded, summary.failed) == (1, 0)
+    assert not list(out.glob(".*.tmp")) and [e.sample_id for e in read_index(out)] == ["k"]
+
+
+def _pipeline_request(media: Path, sample: CachedSample) -> dict:
+    """The pipeline's own inputs for the same clip: its first frame as decoded, the same still and references."""
+    geo = sample.geometry
+    request = {"height": geo.latent_height * 16, "width": geo.latent_width * 16, "num_frames": sample.num_frames}
+    if sample.task == "fl2va":
+        frames = load_clip(media / ROWS[0]["video"], 32, 32 * 64, 32, 0, 48, 32000).frames
+        return request | {"prompt": ROWS[0]["prompt"], "image": Image.fromarray(frames[0]),
+                          "last_image": load_still(media / "still.png")}  # fmt: skip
+    references = [
+        MiniMaxH3ImageReference(image=load_still(media / "still.png")),
+        # At the audio VAE's rate already: the pipeline would resample with torchaudio, not installed here.
+        MiniMaxH3AudioReference(audio=load_audio(media / "voice.wav", 32000), sample_rate=32000),
+    ]
+    return request | {"prompt": ROWS[2]["prompt"], "references": references}
+
+
+@pytest.mark.parametrize("sample_id", ["fl2va-tone", "ref2va"])
+def test_encoded_samples_pack_as_the_pipeline_builds_them(
+    sample_id: str, encoded: Path, media: Path, components: Path, tmp_path: Path
+) -> None:
+    sample = _sample(encoded, sample_id)
+    pipe = TinyClipPipeline()
+    loaded = load_components(components)
+    pipe.update_components(
+        **{name: getattr(loaded, name) for name in COMPONENT_NAMES},
+        canvas_short_edge=SETTINGS.short_edge,
+        canvas_max_pixels=SETTINGS.max_pixels,
+        reference_image_short_edge=SETTINGS.reference_short_edge,
+    )
+    state = PipelineState()
+    for key, value in _pipeline_request(media, sample).items():
+        state.set(key, value)
+    for block in (MiniMaxH3AutoBeforeEncodeStep, MiniMaxH3AutoTextEncoderStep, MiniMaxH3AutoVaeEncoderStep):
+        block()(pipe, state)
+
+    # The conditioning the pipeline encodes from the same media is what the sample holds ...
+    assert torch.equal(state.get("text_token_tags"), sample.text_token_tags)
+    assert torch.equal(state.get("prompt_embeds")[0], sample.prompt_embeds)
+    visual = [*sample.keyframes, *(r.video for r in sample.references if r.video is not None)]
+    assert all(torch.equal(a[0], b) for a, b in zip(state.get("condition_latents"), visual, strict=True))
+    sounds = [audio_rows_to_latents(rows) for rows in state.get("audio_condition_latents") or []]
+    assert all(torch.equal(a, r.audio) for a, r in zip(sounds, [r for r in sample.references if r.has_audio]))
+    # ... and it packs, positive and both negatives, to the layouts and rows the pipeline's blocks build.
+    _check_against_pipeline(sample, tmp_path)
+
+
+def test_encoded_sample_trains(encoded: Path) -> None:
+    cfg = load_config(ROOT / "configs" / "tiny_demo.yaml", ["cfg.scale=2.0", "cfg.negative_visual=keep"])
+    model = build_model(cfg, seed=0)
+    for sample_id in ("fl2va-tone", "ref2va", "clips--silent"):
+        inputs = micro_batch_inputs(cfg, read_sample(encoded / f"{sample_id}.safetensors"), step=0, slot=0)
+        assert inputs.uncond_inputs is not None
+        loss = compute_loss(lambda **kw: model(**kw, return_dict=False), inputs).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+
+
+def test_tiny_components_match_the_demo_model(components: Path) -> None:
+    assert all((components / name).is_dir() for name in COMPONENT_NAMES)
+    cfg = load_config(ROOT / "configs" / "tiny_demo.yaml", [])
+    assert cfg.model.config["text_dim"] == TINY_TEXT_HIDDEN
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"video": "../outside.mp4", "prompt": "x", "task": "t2va"}, "must stay inside the manifest folder"),
+        ({"video": "/abs.mp4", "prompt": "x", "task": "t2va"}, "must stay inside the manifest folder"),
+        ({"video": "a.mp4", "prompt": "x", "task": "i2v"}, "field 'task' is 'i2v'"),
+        ({"video": "a.mp4", "prompt": "x", "task": "fl2va"}, "field 'keyframes' is missing"),
+        ({"video": "a.mp4", "prompt": "x", "task": "fl2va", "keyframes": "middle"}, "field 'keyframes'"),
+        ({"video": "a.mp4", "prompt": "x", "task": "ref2va", "references": [{"kind": "smell", "path": "a"}]},
+         "references[0].kind"),
+        ({"video": "a.mp4", "prompt": "x", "task": "t2va", "fps": 30}, "field 'fps' is not a manifest field"),
+        ({"video": "a.mp4", "task": "t2va"}, "field 'prompt' is missing"),
+        ({"video": "a.mp4", "prompt": "x", "task": "t2va", "id": "a/b"}, "field 'id'"),
+    ],
+)  # fmt: skip
+def test_bad_manifest_exits_2_with_one_line(
+    row: dict, message: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    manifest = _write_manifest(tmp_path / "m.jsonl", [{"video": "ok.mp4", "prompt": "fine", "task": "t2va"}, row])
+    with pytest.raises(ManifestError, match="line 2"):
+        read_manifest(manifest)
+    assert main(["encode", str(manifest), "--components", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and err.startswith("h3train: error: ")
+
+
+def test_manifest_ids_and_keyframes(tmp_path: Path) -> None:
+    rows = [
+        {"video": "clips/a b.mp4", "prompt": "x", "task": "fl2va", "keyframes": ["last", "first"]},
+        {"video": "clips/a b.mp4", "prompt": "y", "task": "t2va"},
+    ]
+    with pytest.raises(ManifestError, match="id 'clips--a_b' is already used on line 1"):
+        read_manifest(_write_manifest(tmp_path / "m.jsonl", rows))
+    rows[1]["id"] = "second"
+    first, second = read_manifest(_write_manifest(tmp_path / "m.jsonl", rows))
+    assert first.sample_id == "clips--a_b" and second.sample_id == "second"
+    assert [k.anchor for k in first.keyframes] == ["first", "last"] and second.negative_prompt == " "
+
+
+def test_bad_components_folder_exits_2(media: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "vae").mkdir()
+    args = ["encode", str(media / "manifest.jsonl"), "--components", str(tmp_path), "--out", str(tmp_path / "o")]
+    assert main(args) == 2
+    assert "has no audio_vae, text_encoder, tokenizer, processor subfolder" in capsys.readouterr().err
+
+
+def test_nothing_encoded_exits_nonzero(media: Path, components: Path, tmp_path: Path) -> None:
+    manifest = _write_manifest(media / "manifest-bad.jsonl", ROWS[3:])
+    args = ["encode", str(manifest), "--components", str(components), "--out", str(tmp_path / "o"), "--no-progress"]
+    assert main(args) == 1
+    assert len((tmp_path / "o" / ERRORS_NAME).read_text().splitlines()) == 2
+    assert read_index(tmp_path / "o") == []
