@@ -1,17 +1,65 @@
-"""`make demo`: train the tiny H3 on 2 CPU ranks with sp=2, then plot loss and grad_norm.
+"""`make demo`: the whole path on CPU, from media files to a trained tiny H3 and its loss plot.
 
-Everything is built locally (tiny random model, synthetic samples); nothing is downloaded.
+1. `h3train tiny-components`: random tiny encoders in the MiniMax-H3 layout (video and audio VAEs,
+   Qwen3-VL, tokenizer, processor).
+2. A handful of short clips made with PyAV (moving squares, most with a tone, one silent, one too short
+   on purpose), two stills and a voice track, and a manifest mixing t2va, fl2va and ref2va.
+3. `h3train encode` under torchrun, 2 ranks splitting the manifest.
+4. `h3train train` under torchrun, 2 CPU ranks with sp=2, on the encoded clips (CFG on).
+5. `h3train plot`: loss and grad_norm per step.
+
+Everything is built locally; nothing is downloaded. Re-running reuses the encoded clips.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from PIL import Image
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from h3train.data.media import moving_pattern, sine_tone, write_audio, write_video  # noqa: E402
+
 OUT = ROOT / "demo_out"
+MEDIA = OUT / "media"
+# 3:2 clips land on a 64x96 canvas: 4x6 latents, 2x3 rows per latent frame.
+ENCODE_FLAGS = ["--short-edge", "64", "--max-pixels", str(64 * 96), "--reference-short-edge", "64",
+                "--min-seconds", "0", "--max-seconds", "2"]  # fmt: skip
+STEPS = 40
+
+# (file, frames, fps, tone: (Hz, sample rate, channels) or None)
+CLIPS = [
+    ("orbit.mp4", 40, 30, (440, 44100, 2)),
+    ("drift.mp4", 42, 24, (220, 48000, 1)),
+    ("hover.mp4", 24, 24, None),
+    ("chirp.mp4", 30, 25, (660, 32000, 2)),
+    ("bounce.mp4", 26, 24, (330, 44100, 2)),
+    ("sweep.mp4", 60, 30, (550, 44100, 2)),
+    ("blink.mp4", 3, 24, None),
+]
+MANIFEST = [
+    {"video": "clips/orbit.mp4", "prompt": "a yellow square orbits a gradient, with a steady hum",
+     "task": "fl2va", "keyframes": "both"},
+    {"video": "clips/drift.mp4", "prompt": "a square drifts down and to the left over a low tone",
+     "task": "fl2va", "keyframes": {"first": None, "last": "stills/dusk.png"}},
+    {"video": "clips/hover.mp4", "prompt": "a silent square hovers", "task": "t2va"},
+    {"video": "clips/chirp.mp4", "prompt": "the pictured square sings in the voice of the reference",
+     "task": "ref2va", "references": [{"kind": "image", "path": "stills/dawn.png"},
+                                      {"kind": "audio", "path": "audio/voice.wav"}]},
+    {"video": "clips/bounce.mp4", "prompt": "the two pictured squares bounce", "task": "ref2va",
+     "references": [{"kind": "image", "path": "stills/dawn.png"}, {"kind": "image", "path": "stills/dusk.png"}],
+     "negative_prompt": "blurry, static"},
+    {"video": "clips/sweep.mp4", "prompt": "a square sweeps across with a bright tone", "task": "t2va"},
+    {"video": "clips/blink.mp4", "prompt": "three frames are too short to train on", "task": "t2va"},
+]  # fmt: skip
 
 
 def run(*args: str) -> None:
@@ -19,13 +67,58 @@ def run(*args: str) -> None:
     subprocess.run(args, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+def torchrun(*args: str) -> None:
+    run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "h3train", *args)
+
+
+def write_media() -> Path:
+    """The clips, stills, voice track and manifest; returns the manifest.
+
+    Files already there are kept: the encoder recognises unchanged media and skips them.
+    """
+    for folder in ("clips", "stills", "audio"):
+        (MEDIA / folder).mkdir(parents=True, exist_ok=True)
+    for seed, (name, frames, fps, tone) in enumerate(CLIPS):
+        path = MEDIA / "clips" / name
+        if path.exists():
+            continue
+        audio, rate = None, 44100
+        if tone is not None:
+            hz, rate, channels = tone
+            audio = sine_tone(frames / fps, hz, rate, channels)
+        write_video(path, moving_pattern(frames, 96, 144, seed), fps, audio, rate)
+    for seed, name in ((10, "dawn.png"), (11, "dusk.png")):
+        if not (MEDIA / "stills" / name).exists():
+            Image.fromarray(moving_pattern(1, 90, 120, seed)[0]).save(MEDIA / "stills" / name)
+    if not (MEDIA / "audio" / "voice.wav").exists():
+        write_audio(MEDIA / "audio" / "voice.wav", sine_tone(2.0, 300, 22050), 22050)
+    manifest = MEDIA / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(row) + "\n" for row in MANIFEST))
+    return manifest
+
+
 def main() -> int:
-    run_dir = OUT / "train_sp2"
-    run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "-m", "h3train", "train", "configs/tiny_fl2va.yaml", "parallel.sp=2", "train.steps=40",
-        f"logging.dir={run_dir}")
-    run(sys.executable, "-m", "h3train", "plot", str(run_dir / "metrics.jsonl"), "--out", str(run_dir / "loss.png"))
-    print(f"\nmetrics: {run_dir / 'metrics.jsonl'}\nplot:    {run_dir / 'loss.png'}\nconfig:  {run_dir / 'config.yaml'}")
+    start = time.monotonic()
+    components, data, run_dir = OUT / "components", OUT / "data", OUT / "train"
+    run(sys.executable, "-m", "h3train", "tiny-components", str(components))
+    manifest = write_media()
+    torchrun("encode", str(manifest), "--components", str(components), "--out", str(data), *ENCODE_FLAGS)
+    # A fresh training run each time; the encoded data above is reused when its inputs are unchanged.
+    shutil.rmtree(run_dir, ignore_errors=True)
+    torchrun("train", "configs/tiny_demo.yaml", "parallel.sp=2", f"train.steps={STEPS}",
+             f"data.path={data}", f"logging.dir={run_dir}")  # fmt: skip
+    plot = run_dir / "loss.png"
+    run(sys.executable, "-m", "h3train", "plot", str(run_dir / "metrics.jsonl"), "--out", str(plot))
+
+    errors = (data / "errors.jsonl").read_text().splitlines()
+    print(f"\ndemo finished in {time.monotonic() - start:.0f} s")
+    print(f"components: {components}  (tiny random vae, audio_vae, text_encoder, tokenizer, processor)")
+    print(f"media:      {MEDIA}  (manifest.jsonl, clips/, stills/, audio/)")
+    print(f"dataset:    {data}  (index.jsonl, one .safetensors per clip)")
+    print(f"rejected:   {data / 'errors.jsonl'}  ({len(errors)} clip(s); blink.mp4 is too short on purpose)")
+    print(f"metrics:    {run_dir / 'metrics.jsonl'}")
+    print(f"plot:       {plot}")
+    print(f"config:     {run_dir / 'config.yaml'}")
     return 0
 
 
