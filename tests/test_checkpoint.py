@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,11 @@ from h3train.train.checkpoint import complete_checkpoints
 from reference import ROOT, TINY_FL2VA, read_metrics, run_h3train
 
 COMMON = ["train.steps=6", "logging.progress=false", "optim.schedule=cosine", "optim.warmup_steps=2"]
+SP2 = (2, ("parallel.sp=2",))
+SP1 = (1, ())
+DP2 = (2, ("parallel.dp_shard=2", "train.grad_accum=1"))
+# The global batch of DP2 (2 ranks x 1 micro-batch) in one rank: 2 micro-batches.
+DP1 = (1, ("train.grad_accum=2",))
 
 
 def _train(log_dir, extra=(), nproc=1, check=True):
@@ -26,35 +32,54 @@ def _curve(log_dir) -> list[tuple[int, float, float]]:
     return [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(log_dir)]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("nproc", "layout"), [(1, []), (2, ["parallel.sp=2"])])
-def test_interrupted_run_resumes_bitwise(tmp_path, nproc, layout) -> None:
-    _train(tmp_path / "straight", layout, nproc)
-    # Preempted at step 3 (a SIGTERM raised by the run itself), then a fresh process resumes.
-    first = _train(tmp_path / "resumed", [*layout, "debug.fault=[sigterm@3]"], nproc)
-    assert "preempted" in first.stdout
-    assert [m["step"] for m in read_metrics(tmp_path / "resumed")] == [1, 2, 3]
-    second = _train(tmp_path / "resumed", layout, nproc)
-    assert "resumed from" in second.stdout and "step_00000003" in second.stdout
-    assert _curve(tmp_path / "resumed") == _curve(tmp_path / "straight")
+class Runs:
+    """Straight runs and runs preempted at step 3, each launched once per session and copied on use."""
+
+    def __init__(self, root) -> None:
+        self.root = root
+        self.done: dict = {}
+
+    def _get(self, kind: str, layout: tuple) -> object:
+        key = (kind, layout)
+        if key not in self.done:
+            nproc, overrides = layout
+            path = self.root / f"{kind}_{len(self.done)}"
+            extra = [*overrides, "debug.fault=[sigterm@3]"] if kind == "preempted" else list(overrides)
+            proc = _train(path, extra, nproc)
+            if kind == "preempted":
+                assert "preempted" in proc.stdout
+                assert [m["step"] for m in read_metrics(path)] == [1, 2, 3]
+            self.done[key] = path
+        return self.done[key]
+
+    def straight(self, layout: tuple):
+        return self._get("straight", layout)
+
+    def preempted_copy(self, layout: tuple, dest):
+        shutil.copytree(self._get("preempted", layout), dest)
+        return dest
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("runs"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("saved", "resumed"),
-    [
-        ((2, ["parallel.sp=2", "train.grad_accum=2"]), (1, ["train.grad_accum=2"])),
-        # The global batch stays 2 samples: 2 DP ranks x 1 micro-batch = 1 rank x 2 micro-batches.
-        ((2, ["parallel.dp_shard=2", "train.grad_accum=1"]), (1, ["train.grad_accum=2"])),
-        ((1, ["train.grad_accum=2"]), (2, ["parallel.sp=2", "train.grad_accum=2"])),
-    ],
-    ids=["sp2_to_sp1", "dp_shard2_to_1", "sp1_to_sp2"],
-)
-def test_resume_on_another_layout_continues_the_same_run(tmp_path, saved, resumed) -> None:
-    _train(tmp_path / "straight", saved[1], saved[0])
-    _train(tmp_path / "resumed", [*saved[1], "debug.fault=[sigterm@3]"], saved[0])
-    _train(tmp_path / "resumed", resumed[1], resumed[0])
-    straight, other = _curve(tmp_path / "straight"), _curve(tmp_path / "resumed")
+@pytest.mark.parametrize("layout", [SP1, SP2], ids=["sp1", "sp2"])
+def test_interrupted_run_resumes_bitwise(runs, tmp_path, layout) -> None:
+    resumed = runs.preempted_copy(layout, tmp_path / "resumed")
+    proc = _train(resumed, layout[1], layout[0])
+    assert "resumed from" in proc.stdout and "step_00000003" in proc.stdout
+    assert _curve(resumed) == _curve(runs.straight(layout))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("saved", "resumed"), [(SP2, SP1), (DP2, DP1)], ids=["sp2_to_sp1", "dp_shard2_to_1"])
+def test_resume_on_another_layout_continues_the_same_run(runs, tmp_path, saved, resumed) -> None:
+    path = runs.preempted_copy(saved, tmp_path / "resumed")
+    _train(path, resumed[1], resumed[0])
+    straight, other = _curve(runs.straight(saved)), _curve(path)
     assert [s for s, _, _ in other] == [1, 2, 3, 4, 5, 6]
     for (_, loss_a, norm_a), (_, loss_b, norm_b) in zip(straight, other):
         assert loss_b == pytest.approx(loss_a, rel=1e-6)
@@ -62,8 +87,7 @@ def test_resume_on_another_layout_continues_the_same_run(tmp_path, saved, resume
 
 
 @pytest.mark.slow
-def test_kill_during_save_keeps_previous_checkpoint(tmp_path) -> None:
-    _train(tmp_path / "straight")
+def test_kill_during_save_keeps_previous_checkpoint(runs, tmp_path) -> None:
     run = tmp_path / "crashed"
     proc = _train(run, ["checkpoint.every=1", "debug.fault=[kill_in_save@2]"], check=False)
     assert proc.returncode == -signal.SIGKILL
@@ -76,7 +100,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path) -> None:
     assert not (ckpt / ".tmp-step_00000002").exists()
     assert [p.name for p in complete_checkpoints(ckpt)] == ["step_00000004", "step_00000005", "step_00000006"]
     # Step 2 was redone: the log has each step once and ends where the straight run ends.
-    assert _curve(run) == _curve(tmp_path / "straight")
+    assert _curve(run) == _curve(runs.straight(SP1))
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
+from h3train.cli import main
 from h3train.data.format import read_index
 
 from reference import ROOT, TINY_FL2VA, read_metrics, run_h3train
@@ -110,11 +111,13 @@ def test_injected_corrupt_sample_is_skipped_on_every_sp_rank(tmp_path) -> None:
     ],
     ids=["missing_pretrained", "missing_dataset", "flash_on_cpu", "nccl_on_cpu", "world_size", "bad_fault"],
 )
-def test_bad_setup_exits_2_with_one_line(tmp_path, overrides, env, needle) -> None:
-    cmd = [sys.executable, "-m", "h3train", "train", str(TINY_FL2VA), f"logging.dir={tmp_path}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, **env), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
+def test_bad_setup_exits_2_with_one_line(tmp_path, overrides, env, needle, monkeypatch, capsys) -> None:
+    # In-process: each of these must fail before a process group or a model exists.
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["train", str(TINY_FL2VA), f"logging.dir={tmp_path}", *overrides]) == 2
+    assert not torch.distributed.is_initialized()
+    lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0]
 
 
