@@ -26,11 +26,12 @@ from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import (
 )
 from PIL import Image
 from test_layouts_match_diffusers import TinyClipPipeline, _check_against_pipeline
+from transformers.utils import is_torchvision_available
 
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.data.components import COMPONENT_NAMES, TINY_TEXT_HIDDEN, load_components, write_tiny_components
-from h3train.data.encode import ERRORS_NAME, EncodeSettings, audio_rows_to_latents, encode_manifest
+from h3train.data.encode import ERRORS_NAME, EncodeSettings, EncodeSummary, audio_rows_to_latents, encode_manifest
 from h3train.data.format import CachedSample, read_cached_sample, read_index, read_sample, write_index
 from h3train.data.manifest import ManifestError, read_manifest
 from h3train.data.media import load_audio, load_clip, load_still, moving_pattern, sine_tone, write_audio, write_video
@@ -54,6 +55,11 @@ ROWS = [
     {"video": "broken.mp4", "prompt": "nothing", "task": "t2va"},
     {"video": "clips/short.mp4", "prompt": "too short", "task": "t2va"},
 ]  # fmt: skip
+
+
+def _encode(manifest: Path, components: Path, out: Path) -> EncodeSummary:
+    # On the CPU in float32 wherever the tests run, so samples compare exactly with the pipeline's blocks.
+    return encode_manifest(manifest, components, out, SETTINGS, device="cpu", progress=False)
 
 
 def _write_manifest(path: Path, rows: list[dict]) -> Path:
@@ -83,7 +89,7 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def encoded(media: Path, components: Path) -> Path:
-    summary = encode_manifest(media / "manifest.jsonl", components, media / "out", SETTINGS, progress=False)
+    summary = _encode(media / "manifest.jsonl", components, media / "out")
     assert (summary.encoded, summary.skipped, summary.failed) == (3, 0, 2)
     return media / "out"
 
@@ -142,14 +148,14 @@ def test_rerun_skips_what_is_done_and_redoes_what_changed(encoded: Path, media: 
     out = media / "out-rerun"
     shutil.copytree(encoded, out)
     stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
-    summary = encode_manifest(media / "manifest.jsonl", components, out, SETTINGS, progress=False)
+    summary = _encode(media / "manifest.jsonl", components, out)
     assert (summary.encoded, summary.skipped, summary.failed) == (0, 3, 2)
     assert stamps == {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
 
     changed = [dict(row) for row in ROWS]
     changed[1]["prompt"] = "a louder square"
     manifest = _write_manifest(media / "manifest-changed.jsonl", changed)
-    summary = encode_manifest(manifest, components, out, SETTINGS, progress=False)
+    summary = _encode(manifest, components, out)
     assert (summary.encoded, summary.skipped, summary.failed) == (1, 2, 2)
     assert out.joinpath("clips--silent.safetensors").stat().st_mtime_ns != stamps["clips--silent.safetensors"]
 
@@ -168,14 +174,14 @@ def test_killed_writer_leaves_no_readable_half_sample(media: Path, components: P
             os.kill(os.getpid(), signal.SIGKILL)
         fmt._fsync = die
         encode_manifest({str(manifest)!r}, {str(components)!r}, {str(out)!r}, EncodeSettings(**{asdict(SETTINGS)!r}),
-                        progress=False)
+                        device="cpu", progress=False)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert list(out.glob(".k.safetensors.*.tmp")), "the kill should have hit mid-write"
     assert not list(out.glob("*.safetensors")) and write_index(out) == []
 
-    summary = encode_manifest(manifest, components, out, SETTINGS, progress=False)
+    summary = _encode(manifest, components, out)
     assert (summary.encoded, summary.failed) == (1, 0)
     assert not list(out.glob(".*.tmp")) and [e.sample_id for e in read_index(out)] == ["k"]
 
@@ -185,7 +191,8 @@ def _pipeline_request(media: Path, sample: CachedSample) -> dict:
     geo = sample.geometry
     request = {"height": geo.latent_height * 16, "width": geo.latent_width * 16, "num_frames": sample.num_frames}
     if sample.task == "fl2va":
-        frames = load_clip(media / ROWS[0]["video"], 32, 32 * 64, 32, 0, 48, 32000).frames
+        options = (SETTINGS.short_edge, SETTINGS.max_pixels, 32, SETTINGS.min_frames, SETTINGS.max_frames, 32000)
+        frames = load_clip(media / ROWS[0]["video"], *options).frames
         return request | {"prompt": ROWS[0]["prompt"], "image": Image.fromarray(frames[0]),
                           "last_image": load_still(media / "still.png")}  # fmt: skip
     references = [
@@ -293,7 +300,17 @@ def test_bad_components_folder_exits_2(media: Path, tmp_path: Path, capsys: pyte
 
 def test_nothing_encoded_exits_nonzero(media: Path, components: Path, tmp_path: Path) -> None:
     manifest = _write_manifest(media / "manifest-bad.jsonl", ROWS[3:])
-    args = ["encode", str(manifest), "--components", str(components), "--out", str(tmp_path / "o"), "--no-progress"]
+    args = ["encode", str(manifest), "--components", str(components), "--out", str(tmp_path / "o"), "--no-progress",
+            "--device", "cpu"]  # fmt: skip
     assert main(args) == 1
     assert len((tmp_path / "o" / ERRORS_NAME).read_text().splitlines()) == 2
     assert read_index(tmp_path / "o") == []
+
+
+@pytest.mark.skipif(is_torchvision_available(), reason="with torchvision, video references encode")
+def test_video_reference_without_torchvision_is_a_clip_error(media: Path, components: Path, tmp_path: Path) -> None:
+    row = ROWS[2] | {"id": "video-ref", "references": [{"kind": "video", "path": "clips/tone.mp4"}]}
+    manifest = _write_manifest(media / "manifest-video-ref.jsonl", [row, ROWS[1]])
+    summary = _encode(manifest, components, tmp_path / "o")
+    assert (summary.encoded, summary.failed) == (1, 1)
+    assert "torchvision" in json.loads((tmp_path / "o" / ERRORS_NAME).read_text())["error"]

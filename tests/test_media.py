@@ -122,3 +122,10 @@ def test_generated_frames_survive_the_codec(tmp_path: Path) -> None:
     frames = moving_pattern(24, 64, 96, seed=9)
     decoded = _clip(write_video(tmp_path / "p.mp4", frames, 24)).frames
     assert np.abs(decoded.astype(int) - frames[:22].astype(int)).mean() < 8
+
+
+def test_reference_video_keeps_its_rate_size_and_sound(tmp_path: Path) -> None:
+    path = write_video(tmp_path / "r.mp4", moving_pattern(50, 48, 80), 25, sine_tone(2.0, 500, 44100), 44100)
+    video = load_video(path, RATE, max_seconds=1.0)
+    assert video.fps == 25.0 and video.frames.shape[1:] == (48, 80, 3)
+    assert 25 <= video.frames.shape[0] <= 27 and video.audio.shape == (2, RATE)

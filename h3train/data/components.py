@@ -67,10 +67,10 @@ class Components:
     tokenizer: Any
     processor: Qwen3VLProcessor
 
-    @property
-    def supports_video_references(self) -> bool:
-        """Whether the processor can read reference videos (transformers needs torchvision for that)."""
-        return getattr(self.processor, "video_processor", None) is not None
+
+def reads_videos(processor: Qwen3VLProcessor) -> bool:
+    """Whether the processor can present reference videos (transformers builds that part on torchvision)."""
+    return getattr(processor, "video_processor", None) is not None
 
 
 class _Qwen3VLProcessorWithoutVideo(Qwen3VLProcessor):
@@ -79,7 +79,7 @@ class _Qwen3VLProcessorWithoutVideo(Qwen3VLProcessor):
     transformers builds Qwen3-VL's video processor on torchvision; without torchvision it cannot even
     construct the processor (its argument check looks the video class up in a registry that is then a
     stub). Images, token ids and `create_mm_token_type_ids` need none of that, so this keeps them working
-    and leaves reference videos unsupported (`Components.supports_video_references`).
+    and leaves reference videos unsupported (`reads_videos`).
     """
 
     def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:

@@ -66,7 +66,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from ..config import ConfigError
-from .components import Components, check_components_folder, components_fingerprint, load_components
+from .components import Components, check_components_folder, components_fingerprint, load_components, reads_videos
 from .format import SAMPLE_SUFFIX, CachedSample, ReferenceLatents, read_header, write_index, write_sample
 from .manifest import ManifestEntry, Reference, read_manifest
 from .media import MediaError, fit_audio, load_audio, load_clip, load_still, load_video
@@ -283,7 +283,7 @@ def _ref2va(
 
 def encode_entry(pipe: EncodingPipeline, entry: ManifestEntry, settings: EncodeSettings) -> CachedSample:
     """Encode one manifest clip into a `CachedSample`. Raises `MediaError` (or the blocks' errors) for a bad clip."""
-    if any(r.kind == "video" for r in entry.references) and getattr(pipe.processor, "video_processor", None) is None:
+    if any(r.kind == "video" for r in entry.references) and not reads_videos(pipe.processor):
         raise MediaError("video references need Qwen3-VL's video processor, which transformers builds on torchvision")
     clip = load_clip(
         entry.video.path,
@@ -391,6 +391,8 @@ def encode_manifest(
     device = torch.device(device) if device is not None else default_device()
     text_dtype = text_encoder_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output '{out}' exists and is not a folder")
 
     with _process_group() as (rank, world):
         if rank == 0:
