@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import h3train.atomic as atomic
 import h3train.data.format as fmt
 from h3train.data.format import (
     METADATA_KEY,
@@ -148,7 +149,7 @@ def test_atomic_write_never_exposes_a_partial_file(tmp_path: Path, monkeypatch: 
     old = _sample("fl2va", 0)
     write_sample(path, old)
     original = path.read_bytes()
-    real_save = fmt.save_file
+    real_save = atomic.save_file
     written_to = []
 
     def save_then_crash(tensors: dict, filename: str, metadata: dict) -> None:
@@ -157,7 +158,7 @@ def test_atomic_write_never_exposes_a_partial_file(tmp_path: Path, monkeypatch: 
         Path(filename).write_bytes(Path(filename).read_bytes()[:100])  # a torn write
         raise OSError("disk full")
 
-    monkeypatch.setattr(fmt, "save_file", save_then_crash)
+    monkeypatch.setattr(atomic, "save_file", save_then_crash)
     with pytest.raises(OSError, match="disk full"):
         write_sample(path, _sample())
     assert written_to and written_to[0].parent == tmp_path and written_to[0].name != path.name

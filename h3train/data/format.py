@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +37,8 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     video_latent_num_frames,
 )
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from ..atomic import atomic_save_file, atomic_write_text
 from ..tasks.layout import (
     AUDIO_CHANNELS,
     TASKS,
@@ -510,21 +509,7 @@ def write_sample(path: str | os.PathLike, sample: CachedSample) -> None:
     check_values(where, tensors)
     # safetensors refuses views that share storage (a keyframe sliced from the target, say).
     payload = {name: t.detach().cpu().contiguous().clone() for name, t in tensors.items()}
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        save_file(payload, str(tmp), metadata={METADATA_KEY: json.dumps(meta)})
-        _fsync(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    atomic_save_file(payload, path, metadata={METADATA_KEY: json.dumps(meta)})
 
 
 def _open(where: str, path: Path) -> Any:
@@ -666,13 +651,7 @@ def write_index(folder: str | os.PathLike) -> list[IndexEntry]:
                 has_audio=meta["has_audio"],
             )
         )
-    target = folder / INDEX_NAME
-    tmp = target.with_name(f".{INDEX_NAME}.{uuid.uuid4().hex}.tmp")
-    try:
-        tmp.write_text("".join(json.dumps(e.to_json()) + "\n" for e in entries))
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_text(folder / INDEX_NAME, "".join(json.dumps(e.to_json()) + "\n" for e in entries))
     return entries
 
 

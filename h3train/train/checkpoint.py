@@ -30,6 +30,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ..atomic import atomic_write_text, fsync_path
+
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "trainer_state.json"
 
@@ -127,7 +129,7 @@ class Checkpointer:
         rank = dist.get_rank()
         save_file({"cpu": torch.get_rng_state()}, str(tmp / f"rng_rank{rank}.safetensors"))
         if self.is_main:
-            _write_json_durably(tmp / STATE_FILE, state.__dict__)
+            atomic_write_text(tmp / STATE_FILE, json.dumps(state.__dict__, indent=2, default=str))
         dist.barrier()
         if before_commit is not None:
             before_commit()
@@ -135,7 +137,7 @@ class Checkpointer:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _fsync_dir(self.root)
+            fsync_path(self.root)
             self._prune()
         dist.barrier()
         return final
@@ -157,18 +159,3 @@ class Checkpointer:
             # The layout may have changed (more ranks than saved ones): then the default RNG keeps its seed.
             torch.set_rng_state(load_file(str(rng))["cpu"])
         return TrainingState(**read_trainer_state(path))
-
-
-def _write_json_durably(path: Path, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -10,15 +10,14 @@ shard (plus DCP's read buffers), never the whole model. With `--dtype bfloat16` 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from diffusers import MiniMaxH3Transformer3DModel
-from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 
+from ..atomic import atomic_save_file, atomic_write_text
 from ..config import ConfigError
 from .checkpoint import is_complete, read_trainer_state
 
@@ -68,19 +67,13 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "float32", max_s
         buffers = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in group}
         dcp.load(buffers, storage_reader=reader, no_dist=True)
         tensors = {k.removeprefix(MODEL_PREFIX): v.to(out_dtype(k)).contiguous() for k, v in buffers.items()}
-        _save_atomic(tensors, out / name)
+        atomic_save_file(tensors, out / name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
         total += sum(sizes[k] for k in group)
         del buffers, tensors
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / f"{WEIGHTS_NAME}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        atomic_write_text(out / f"{WEIGHTS_NAME}.safetensors.index.json", json.dumps(index, indent=2))
     with torch.device("meta"):
         MiniMaxH3Transformer3DModel(**state["model_config"]).save_config(out)
     return out
-
-
-def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path)

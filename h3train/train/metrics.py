@@ -11,7 +11,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -20,7 +19,8 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from h3train.config import WandbConfig
+from ..atomic import atomic_write_text
+from ..config import WandbConfig
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
@@ -31,25 +31,10 @@ _MAX_PLAIN_LINES = 50
 _CONSOLE_KEYS = ("loss", "grad_norm", "lr")
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` so that readers see either the old or the new file, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_resolved_config(log_dir: str | os.PathLike[str], yaml_text: str) -> Path:
     """Write the fully resolved run configuration to `<log_dir>/config.yaml` atomically; return its path."""
     path = Path(log_dir) / CONFIG_FILE
-    _atomic_write_text(path, yaml_text)
+    atomic_write_text(path, yaml_text)
     return path
 
 
@@ -168,7 +153,7 @@ class MetricsLogger:
                 dropped = True
         # A missing final newline would glue the next appended record onto the last line.
         if dropped or not text.endswith("\n"):
-            _atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
+            atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
 
     def _init_wandb(self, cfg: WandbConfig, run_config: dict[str, Any]) -> None:
         try:
