@@ -70,7 +70,8 @@ def test_save_pretrained_model_loads_sharded_at_sp2(tmp_path) -> None:
     config.model.pretrained = str(folder)
     path = tmp_path / "pretrained.yaml"
     OmegaConf.save(config, path)
-    overrides = ["train.steps=1", "debug.dump_step=1", "logging.progress=false", "parallel.sp=2"]
+    overrides = ["train.steps=1", "debug.dump_step=1", "logging.progress=false", "parallel.sp=2",
+                 "checkpoint.every=1", "optim.schedule=constant"]
     run_h3train(["train", str(path), f"logging.dir={tmp_path / 'run'}", *overrides], nproc=2)
 
     dump = tmp_path / "run" / "dump" / "step_1"
@@ -80,3 +81,11 @@ def test_save_pretrained_model_loads_sharded_at_sp2(tmp_path) -> None:
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
     ref_loss, _, _ = reference_step(path, overrides, dump, dp=1)
     assert read_metrics(tmp_path / "run")[0]["loss"] == pytest.approx(ref_loss, rel=1e-5)
+
+    # Resuming a pretrained run skips the pretrained read: the checkpoint fills every shard, and the
+    # computed rotary buffer is rebuilt (a wrong one would change the loss against the reference).
+    resumed = [*overrides[:-2], "train.steps=2", "debug.dump_step=2", "checkpoint.every=1", "optim.schedule=constant"]
+    proc = run_h3train(["train", str(path), f"logging.dir={tmp_path / 'run'}", *resumed], nproc=2)
+    assert "resumed from" in proc.stdout
+    ref_loss, _, _ = reference_step(path, resumed, tmp_path / "run" / "dump" / "step_2", dp=1, step=2)
+    assert read_metrics(tmp_path / "run")[1]["loss"] == pytest.approx(ref_loss, rel=1e-5)

@@ -70,14 +70,30 @@ def _weight_files(folder: Path) -> dict[str, Path]:
 
 
 @torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, prefix: str = "transformer.") -> None:
+    """Allocate a meta-initialised (and sharded) model on `device`, values uninitialised.
+
+    The rotary `inv_freq` buffer is computed, not stored in checkpoints, so it is recomputed here;
+    every other value must come from a checkpoint.
+    """
+    model.to_empty(device=device)
+    transformer = getattr(model, prefix.rstrip(".")) if prefix else model
+    rope = transformer.rope
+    fresh = type(rope)(rope_freq_dim=rope.rope_freq_dim, rope_theta=transformer.config.rope_theta)
+    rope.inv_freq.copy_(fresh.inv_freq.to(device))
+    persistent = {n for n, _ in transformer.named_buffers()} - {"rope.inv_freq"}
+    if persistent:
+        raise RuntimeError(f"buffers {sorted(persistent)} are not restored by the sharded loader")
+
+
+@torch.no_grad()
 def load_pretrained_shards(model: nn.Module, folder: Path, device: torch.device, prefix: str = "transformer.") -> None:
     """Materialise a meta-initialised, FSDP-sharded model and fill each rank's shards from safetensors.
 
     Every rank reads only the rows of each tensor it owns (`get_slice`), so no rank ever holds the
-    whole model. Weights are upcast to the float32 master dtype. The rotary `inv_freq` buffer is
-    not stored in checkpoints and is recomputed.
+    whole model. Weights are upcast to the float32 master dtype.
     """
-    model.to_empty(device=device)
+    materialize(model, device, prefix)
     files = _weight_files(folder)
     handles: dict[Path, Any] = {}
     try:
@@ -102,10 +118,3 @@ def load_pretrained_shards(model: nn.Module, folder: Path, device: torch.device,
                 param.copy_(tensor_slice[:].to(param.dtype))
     finally:
         handles.clear()
-    transformer = getattr(model, prefix.rstrip(".")) if prefix else model
-    rope = transformer.rope
-    fresh = type(rope)(rope_freq_dim=rope.rope_freq_dim, rope_theta=transformer.config.rope_theta)
-    rope.inv_freq.copy_(fresh.inv_freq.to(device))
-    persistent = {n for n, _ in transformer.named_buffers()} - {"rope.inv_freq"}
-    if persistent:
-        raise RuntimeError(f"buffers {sorted(persistent)} are not restored by the sharded loader")

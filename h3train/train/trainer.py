@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..config import Config, ConfigError, model_dims, to_yaml
 from ..data.prefetch import Prefetcher
 from ..data.sampler import DistributedSampler
-from ..model.build import build_meta_model, build_model, load_pretrained_shards, pretrained_folder
+from ..model.build import build_meta_model, build_model, load_pretrained_shards, materialize, pretrained_folder
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import TrainingInputs, compute_loss, make_training_inputs, step_generator, text_dropped
 from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
@@ -108,11 +108,12 @@ class Trainer:
         self.model = SequenceParallelH3(
             transformer, SequenceParallel(self.ctx.sp_group), cfg.model.gradient_checkpointing
         )
+        # fully_shard moves the (CPU-initialised) shards to the mesh's device.
         apply_fsdp(self.model, self.ctx, cfg.model.dtype)
-        if pretrained:
+        if pretrained and self.resume_from is not None:
+            materialize(self.model, device)  # the checkpoint fills every value; the 33 B read is skipped
+        elif pretrained:
             load_pretrained_shards(self.model, pretrained, device)
-        elif device.type != "cpu":
-            self.model.to(device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
 
