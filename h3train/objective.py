@@ -132,17 +132,26 @@ class TrainingInputs:
     uncond_inputs: dict[str, torch.Tensor] | None = None
 
     def to(self, device: torch.device) -> TrainingInputs:
-        def move(d):
-            return None if d is None else {k: v.to(device) for k, v in d.items()}
+        """Copy to `device`. To CUDA the copies go through pinned memory and do not block: a pageable
+        copy would make the host wait for the previous micro-batch's backward to drain."""
+        if device.type == "cpu":
+            return self
+        pinned = device.type == "cuda"
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return (t.pin_memory() if pinned else t).to(device, non_blocking=pinned)
+
+        def move_all(d):
+            return None if d is None else {k: move(v) for k, v in d.items()}
 
         return replace(
             self,
-            model_inputs=move(self.model_inputs),
-            uncond_inputs=move(self.uncond_inputs),
-            target_video=self.target_video.to(device),
-            target_audio=self.target_audio.to(device),
-            loss_mask_video=self.loss_mask_video.to(device),
-            loss_mask_audio=self.loss_mask_audio.to(device),
+            model_inputs=move_all(self.model_inputs),
+            uncond_inputs=move_all(self.uncond_inputs),
+            target_video=move(self.target_video),
+            target_audio=move(self.target_audio),
+            loss_mask_video=move(self.loss_mask_video),
+            loss_mask_audio=move(self.loss_mask_audio),
         )
 
     def full_weights(self) -> tuple[float, float]:

@@ -199,10 +199,11 @@ class Trainer:
         dump = cfg.debug.dump_step == step
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        # Summed over this rank's micro-batches and kept on the device, so the step has no host sync
-        # before the update decision: [loss, video, audio, has_audio, rows, video_fm, audio_fm,
-        # cfg_scale_video, cfg_scale_audio].
-        sums = torch.zeros(10, dtype=torch.float64, device=self.device)
+        # Loss terms are summed on the device, so no micro-batch waits for the host; the host-side
+        # counts join them once per step: [loss, video, audio, video_fm, audio_fm] and
+        # [has_audio, rows, cfg_scale_video, cfg_scale_audio].
+        device_sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+        host_sums = [0.0, 0.0, 0.0, 0.0]
         dumped, metas, sample_ids, losses = {}, [], [], []
         for micro in range(accum):
             self.phase = f"loading micro-batch {micro} of step {step}"
@@ -217,12 +218,13 @@ class Trainer:
             (loss / accum).backward()
             losses.append(loss.detach())
             has_audio = float(sample.has_audio)
-            sums += torch.stack([
-                loss.detach().double(), parts.video.detach().double(),
-                parts.audio.detach().double() * has_audio, sums.new_tensor(has_audio),
-                sums.new_tensor(sample.layout.seq_len), parts.video_fm.double(), parts.audio_fm.double() * has_audio,
-                sums.new_tensor(ti.guidance.scale_video), sums.new_tensor(ti.guidance.scale_audio), sums.new_zeros(()),
-            ])
+            device_sums += torch.stack([
+                loss.detach(), parts.video.detach(), parts.audio.detach() * has_audio, parts.video_fm,
+                parts.audio_fm * has_audio,
+            ]).double()
+            for i, value in enumerate((has_audio, sample.layout.seq_len, ti.guidance.scale_video,
+                                       ti.guidance.scale_audio)):
+                host_sums[i] += value
             if dump:
                 dumped.update(micro_batch_tensors(micro, ti))
                 metas.append(sample.meta())
@@ -235,12 +237,14 @@ class Trainer:
         # extra collective: the grad norm covers every parameter shard, the loss every DP rank.
         self.phase = f"gradient norm of step {step}"
         grad_norm = self._clip_grad_norm()
-        sums[9] = self.data_errors.count
+        # [loss, video, audio, video_fm, audio_fm, has_audio, rows, scale_video, scale_audio, data_errors]
+        extra = torch.tensor([*host_sums, self.data_errors.count], dtype=torch.float64).to(self.device)
+        sums = torch.cat([device_sums, extra])
         self.phase = f"loss all-reduce of step {step}"
         dist.all_reduce(sums, group=self.ctx.dp_mesh.get_group())
         sums = sums.cpu()
         lr = self.scheduler.get_last_lr()[0]
-        finite = math.isfinite(grad_norm) and math.isfinite(sums[0].item())
+        finite = math.isfinite(grad_norm) and math.isfinite(float(sums[0]))
         if finite:
             self.optimizer.step()
             self.scheduler.step()
@@ -258,25 +262,26 @@ class Trainer:
                 )
         dt = time.perf_counter() - t0
         n = accum * self.ctx.dims.dp
-        n_audio = max(sums[3].item(), 1.0)
+        s = sums.tolist()
+        n_audio = max(s[5], 1.0)
         stats = {
-            "loss": sums[0].item() / n,
-            "loss_video": sums[1].item() / n,
-            "loss_audio": sums[2].item() / n_audio,
+            "loss": s[0] / n,
+            "loss_video": s[1] / n,
+            "loss_audio": s[2] / n_audio,
             "grad_norm": grad_norm,
             "lr": lr,
-            "seq_len": sums[4].item() / n,
-            "tokens_per_s": sums[4].item() / dt,
+            "seq_len": s[6] / n,
+            "tokens_per_s": s[6] / dt,
             "step_time_s": dt,
             "skipped_steps": self.skipped_steps,
-            "data_errors": int(sums[9].item()),
+            "data_errors": int(s[9]),
         }
         if self.cfg_enabled:
             stats.update({
-                "loss_video_fm": sums[5].item() / n,
-                "loss_audio_fm": sums[6].item() / n_audio,
-                "cfg_scale_video": sums[7].item() / n,
-                "cfg_scale_audio": sums[8].item() / n,
+                "loss_video_fm": s[3] / n,
+                "loss_audio_fm": s[4] / n_audio,
+                "cfg_scale_video": s[7] / n,
+                "cfg_scale_audio": s[8] / n,
             })
         self._report_spikes(step, sample_ids, losses, stats["loss"])
         return stats
