@@ -166,13 +166,13 @@ def test_killed_writer_leaves_no_readable_half_sample(media: Path, components: P
     # Dies by SIGKILL right after the sample's bytes are on disk under their temporary name.
     script = textwrap.dedent(f"""
         import os, signal
-        import h3train.data.format as fmt
+        import h3train.atomic as atomic
         from h3train.data.encode import EncodeSettings, encode_manifest
-        synced = fmt._fsync
+        synced = atomic.fsync_path
         def die(path):
             synced(path)
             os.kill(os.getpid(), signal.SIGKILL)
-        fmt._fsync = die
+        atomic.fsync_path = die
         encode_manifest({str(manifest)!r}, {str(components)!r}, {str(out)!r}, EncodeSettings(**{asdict(SETTINGS)!r}),
                         device="cpu", progress=False)
     """)

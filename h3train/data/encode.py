@@ -33,7 +33,6 @@ import json
 import math
 import os
 import sys
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -65,6 +64,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
 from PIL import Image
 from tqdm import tqdm
 
+from ..atomic import atomic_write_text
 from ..config import ConfigError
 from .components import Components, check_components_folder, components_fingerprint, load_components, reads_videos
 from .format import SAMPLE_SUFFIX, CachedSample, ReferenceLatents, read_header, write_index, write_sample
@@ -434,7 +434,7 @@ def _encode_to_folder(
         bar.write(f"h3train encode: {entry.sample_id} (manifest line {entry.line}): {reason}", file=sys.stderr)
         return 2
     # Written after the sample: a run killed in between re-encodes the clip rather than trusting it.
-    _write_atomic(inputs_path, json.dumps({"digest": digest, "inputs": entry.fingerprint()}, indent=1) + "\n")
+    atomic_write_text(inputs_path, json.dumps({"digest": digest, "inputs": entry.fingerprint()}, indent=1) + "\n")
     return 0
 
 
@@ -460,15 +460,6 @@ def _append_error(out: Path, entry: ManifestEntry, reason: str) -> None:
     # One write per line in append mode: ranks appending at once do not interleave within a line.
     with open(out / ERRORS_NAME, "a") as handle:
         handle.write(json.dumps(record) + "\n")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 @contextmanager

@@ -135,7 +135,8 @@ def load_clip(
 ) -> Clip:
     """Decode a target clip onto 24 fps and its canvas, and its soundtrack onto `sample_rate` stereo.
 
-    The canvas comes from the clip's own (display) aspect ratio; frames are cover-cropped onto it. The
+    The canvas comes from the clip's own aspect ratio (upright; a non-square pixel aspect ratio is not
+    applied, as in diffusers' reference decoder); frames are cover-cropped onto it. The
     frame count is the largest `17 n + 5` the clip holds, capped at `max_frames`. Decoding stops once
     enough frames are read, so a long clip costs no more than the part that is used.
     """
