@@ -1,4 +1,4 @@
-"""`h3train` command line: train, check, synth, plot.
+"""`h3train` command line: train, check, synth, plot, bench.
 
 A bad config or bad input exits 2 with one line on stderr, before any process group or model.
 """
@@ -122,6 +122,12 @@ def _cmd_tiny_components(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import bench_command
+
+    return bench_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h3train", description="Train MiniMax H3 with FSDP2 + Ulysses SP.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +180,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_tiny_components)
+
+    p = sub.add_parser("bench", help="one training step per attention backend: tokens/s, MFU, memory, grad parity")
+    p.add_argument("--layers", type=int, default=None, help="transformer blocks (default 4; 2 when reduced)")
+    p.add_argument("--out", default=None, help="write every figure to this JSON file")
+    p.add_argument("--reduced", action="store_true", help="tiny widths and a short clip (always on CPU)")
+    p.add_argument("--backends", default=None, help="comma list of flash, cudnn, native, math (default: available)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak for MFU (default: by device name)")
+    p.add_argument("--gradient-checkpointing", default="auto", choices=("auto", "on", "off"))
+    p.add_argument("--parity-tol", type=float, default=None, help="default 2e-2 in bf16, 1e-4 in float32")
+    p.add_argument("--frames", type=int, default=None, help="17 n + 5 (default 124; 22 when reduced)")
+    p.add_argument("--height", type=int, default=None, help="pixels, multiple of 32 (default 768)")
+    p.add_argument("--width", type=int, default=None, help="pixels, multiple of 32 (default 1344)")
+    p.add_argument("--text-len", type=int, default=None, help="text prefix rows (default 2048)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

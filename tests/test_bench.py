@@ -1,0 +1,172 @@
+"""`h3train bench` in its reduced CPU mode, and the FLOP arithmetic behind its MFU."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from h3train import bench, plan
+from h3train.cli import main
+from h3train.config import LossWeights, TimestepConfig
+from h3train.model.sp_forward import SequenceParallelH3
+from h3train.objective import compute_loss, make_training_inputs
+from h3train.parallel.ulysses import SequenceParallel
+
+
+def _training_inputs(clip: bench.Clip, dims: dict):
+    sample = bench.bench_sample(clip, int(dims["text_dim"]), seed=0)
+    return make_training_inputs(sample, torch.Generator().manual_seed(0), TimestepConfig(), LossWeights())
+
+
+def test_reduced_bench_runs_through_the_cli_and_writes_its_figures(tmp_path, capsys) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--reduced", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "result: ok" in printed and "gradient parity vs native" in printed
+
+    report = json.loads(out.read_text())
+    assert report["ok"] is True and report["mode"] == "reduced" and report["device"] == "cpu"
+    assert [b["name"] for b in report["backends"]] == ["native", "math"]
+    for b in report["backends"]:
+        assert b["status"] == "ok" and b["sync_check"] == "n/a" and b["mfu"] is None
+        assert math.isfinite(b["tokens_per_s"]) and b["tokens_per_s"] > 0
+        assert math.isfinite(b["loss"]) and b["loss"] > 0
+        assert b["tokens_per_s"] == pytest.approx(report["layout"]["seq_len"] / b["step_time_s"])
+    # The same weights and inputs under both kernels: the same loss to float32 rounding.
+    assert report["backends"][0]["loss"] == pytest.approx(report["backends"][1]["loss"], rel=1e-5)
+
+    (parity,) = report["parity"]
+    assert parity["backend"] == "math" and parity["reference"] == "native"
+    assert math.isfinite(parity["max_rel_l2"]) and parity["max_rel_l2"] <= parity["tolerance"] == 1e-4
+    assert parity["global_rel_l2"] <= parity["max_rel_l2"] and parity["ok"] is True
+    assert parity["parameters"] > 0
+
+    lay = report["layout"]
+    assert lay["seq_len"] == lay["text"] + lay["video"] + lay["audio"]
+    assert lay["video"] == lay["keyframe"] + lay["target_video"] and lay["keyframe"] == 2 * 4 * 6
+    assert report["flops"]["total"] == sum(v for k, v in report["flops"].items() if isinstance(v, int) and k != "total")
+
+
+def test_failed_parity_exits_1(tmp_path, capsys) -> None:
+    # A zero tolerance cannot hold between two different kernels.
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--reduced", "--parity-tol", "0", "--out", str(out)]) == 1
+    assert "FAILED" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["ok"] is False and report["parity"][0]["max_rel_l2"] > 0
+
+
+def test_unavailable_backend_exits_2_with_one_line(capsys) -> None:
+    assert main(["bench", "--reduced", "--backends", "native,flash"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--backends" in err and "'flash'" in err and "CUDA" in err
+
+
+def test_step_flops_match_torch_flop_counter_on_the_reduced_model() -> None:
+    dims = bench.model_dims({**bench.REDUCED_DIMS, "num_layers": 2})
+    ti = _training_inputs(bench.REDUCED_CLIP, dims)
+    model = bench.build_bench_model(dims, torch.device("cpu"), torch.float32, seed=0)
+    # The math kernel decomposes into matmuls the counter sees, forward and backward.
+    bench.set_backend(model, "_native_math")
+    with FlopCounterMode(display=False) as counter:
+        compute_loss(SequenceParallelH3(model, SequenceParallel(None)), ti).loss.backward()
+    assert bench.step_flops(dims, bench.rows_of(ti)).total == counter.get_total_flops()
+
+
+def test_full_bench_layout_is_the_released_5s_clip_and_its_flops() -> None:
+    dims = bench.model_dims({"num_layers": 4})
+    assert (dims["hidden_size"], dims["num_attention_heads"], dims["attention_head_dim"]) == (5376, 56, 128)
+    assert (dims["ffn_dim"], dims["text_dim"]) == (14336, 5120)
+    rows = bench.rows_of(_training_inputs(bench.FULL_CLIP, dims))
+    assert rows.seq_len == plan.RELEASED_5S_ROWS == 41_774
+    assert (rows.video - rows.keyframe, rows.keyframe, rows.audio, rows.text) == (37 * 24 * 42, 2 * 1008, 2 * 207, 2048)
+
+    flops = bench.step_flops(dims, rows)
+    # H3_NOTES: about 38.5 GFLOP per row forward for the linears of 50 blocks.
+    per_row_fwd_50 = flops.blocks_linear / 3 / rows.seq_len / 4 * 50
+    assert per_row_fwd_50 == pytest.approx(38.5e9, rel=1e-3)
+    assert flops.blocks_attention == 3 * 4 * 4 * rows.seq_len**2 * 56 * 128
+    assert flops.total == pytest.approx(9.9745e14, rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_peak_table(name: str, peak: float | None) -> None:
+    assert bench.peak_tflops_for(name) == peak
+
+
+def test_a_sync_in_the_timed_step_is_reported_with_its_phase_and_the_mode_restored(monkeypatch) -> None:
+    # No CUDA here: the CUDA calls around the step are stand-ins; the step itself raises the error
+    # torch raises under set_sync_debug_mode("error").
+    modes: list = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: SimpleNamespace(record=lambda: None))
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def syncing_loss(forward, ti):
+        raise RuntimeError("called a synchronizing CUDA operation\nmore detail")
+
+    monkeypatch.setattr(bench, "compute_loss", syncing_loss)
+    loss, seconds, sync = bench._timed_step(None, None, torch.device("cuda"), sync_check=True)
+    assert loss is None and seconds == 0.0
+    assert sync.phase.startswith("forward") and sync.message == "called a synchronizing CUDA operation"
+    assert any("syncing_loss" in frame for frame in sync.frames)
+    assert modes == ["error", 0]
+
+    res = bench.BackendResult(
+        name="flash",
+        backend="flash",
+        step_time_s=1.0,
+        tokens_per_s=1.0,
+        achieved_tflops=1.0,
+        loss=1.0,
+        sync_check="sync",
+        sync_error=sync,
+    )
+    table = bench.format_report(_report_with(res))
+    assert "host-device sync during forward" in table and "result: FAILED" in table
+
+
+def _report_with(res: bench.BackendResult) -> bench.BenchReport:
+    report = bench.BenchReport(
+        device="test",
+        mode="reduced",
+        dtype="bfloat16",
+        precision="",
+        gradient_checkpointing=False,
+        model={"num_layers": 1, "num_refiner_layers": 1},
+        parameters=1,
+        layout={
+            "height": 32,
+            "width": 32,
+            "frames": 22,
+            "seq_len": 1,
+            "text": 1,
+            "keyframe": 0,
+            "audio": 0,
+            "target_video": 0,
+            "timesteps": 1,
+        },
+        flops={"total": 1},
+        peak_tflops=None,
+        peak_tflops_source="",
+        plan_memory_bytes=0,
+        backends=[res],
+    )
+    assert report.ok is False
+    return report
