@@ -27,7 +27,7 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check h3train tests scripts
+	$(BIN)/ruff format --check .
 
 docker:
 	docker build -f docker/Dockerfile -t h3train:latest .

@@ -34,8 +34,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise
         # A peer died or a collective timed out (parallel.timeout_s): say what this rank waited for.
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"h3train: error: rank {trainer.ctx.rank}: collective failed during {trainer.phase} "
-              f"(parallel.timeout_s={cfg.parallel.timeout_s}): {first}", file=sys.stderr, flush=True)
+        print(
+            f"h3train: error: rank {trainer.ctx.rank}: collective failed during {trainer.phase} "
+            f"(parallel.timeout_s={cfg.parallel.timeout_s}): {first}",
+            file=sys.stderr,
+            flush=True,
+        )
         trainer.close(clean=False)
         return 1
     except BaseException:

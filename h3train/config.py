@@ -296,13 +296,31 @@ def validate(cfg: Config) -> None:
         if value < 0 or (value == 0 and not allow_zero):
             raise ConfigError(f"config key '{key}' must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
-    for key in ("train.steps", "train.grad_accum", "parallel.sp", "parallel.dp_replicate",
-                "parallel.timeout_s", "optim.lr", "optim.eps", "train.timestep.video_shift",
-                "train.timestep.audio_shift", "train.timestep.logit_std", "data.synthetic.num_samples",
-                "data.synthetic.text_len", "data.synthetic.num_latent_frames"):
+    for key in (
+        "train.steps",
+        "train.grad_accum",
+        "parallel.sp",
+        "parallel.dp_replicate",
+        "parallel.timeout_s",
+        "optim.lr",
+        "optim.eps",
+        "train.timestep.video_shift",
+        "train.timestep.audio_shift",
+        "train.timestep.logit_std",
+        "data.synthetic.num_samples",
+        "data.synthetic.text_len",
+        "data.synthetic.num_latent_frames",
+    ):
         positive(key)
-    for key in ("optim.warmup_steps", "optim.weight_decay", "train.max_grad_norm",
-                "train.loss_weights.video", "train.loss_weights.audio", "data.prefetch", "data.bucket_size"):
+    for key in (
+        "optim.warmup_steps",
+        "optim.weight_decay",
+        "train.max_grad_norm",
+        "train.loss_weights.video",
+        "train.loss_weights.audio",
+        "data.prefetch",
+        "data.bucket_size",
+    ):
         positive(key, allow_zero=True)
     if cfg.parallel.dp_shard == 0 or cfg.parallel.dp_shard < -1:
         raise ConfigError(f"config key 'parallel.dp_shard' must be -1 (infer) or > 0, got {cfg.parallel.dp_shard}")
@@ -311,13 +329,16 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError(f"config key 'optim.min_lr_ratio' must be in [0, 1], got {cfg.optim.min_lr_ratio}")
     if cfg.model.pretrained is None and not cfg.model.config:
-        raise ConfigError("config key 'model' needs either 'model.pretrained' (a diffusers folder) or "
-                          "'model.config' (constructor kwargs for a random init)")
+        raise ConfigError(
+            "config key 'model' needs either 'model.pretrained' (a diffusers folder) or "
+            "'model.config' (constructor kwargs for a random init)"
+        )
     if cfg.model.pretrained is not None and cfg.model.config:
         raise ConfigError("config keys 'model.pretrained' and 'model.config' are exclusive: set one of them")
     if cfg.debug.dump_step is not None and not 1 <= cfg.debug.dump_step <= cfg.train.steps:
-        raise ConfigError(f"config key 'debug.dump_step' must be in [1, train.steps={cfg.train.steps}], "
-                          f"got {cfg.debug.dump_step}")
+        raise ConfigError(
+            f"config key 'debug.dump_step' must be in [1, train.steps={cfg.train.steps}], got {cfg.debug.dump_step}"
+        )
     syn = cfg.data.synthetic
     for anchor in syn.keyframe_anchors:
         if anchor not in ("first", "last"):
@@ -346,13 +367,15 @@ def _validate_cfg(c: CfgConfig) -> None:
         raise ConfigError(f"config key 'cfg.text_dropout' must be in [0, 1), got {c.text_dropout}")
     if c.negative == "shared":
         if not c.shared_negative_path:
-            raise ConfigError("config key 'cfg.shared_negative_path' must name a safetensors file when cfg.negative "
-                              "is 'shared'")
+            raise ConfigError(
+                "config key 'cfg.shared_negative_path' must name a safetensors file when cfg.negative is 'shared'"
+            )
         if not Path(c.shared_negative_path).is_file():
             raise ConfigError(f"config key 'cfg.shared_negative_path': file '{c.shared_negative_path}' does not exist")
         if c.negative_visual == "keep":
-            raise ConfigError("config key 'cfg.negative_visual' must be 'drop' with cfg.negative=shared: vision "
-                              "blocks are per sample")
+            raise ConfigError(
+                "config key 'cfg.negative_visual' must be 'drop' with cfg.negative=shared: vision blocks are per sample"
+            )
 
 
 def model_config_dict(cfg: Config) -> dict[str, Any]:
@@ -365,14 +388,18 @@ def model_config_dict(cfg: Config) -> dict[str, Any]:
         known = set(MiniMaxH3Transformer3DModel._get_init_keys(MiniMaxH3Transformer3DModel)) - {"self"}
         unknown = sorted(set(cfg.model.config) - known)
         if unknown:
-            raise ConfigError(f"unknown config key 'model.config.{unknown[0]}': not a "
-                              "MiniMaxH3Transformer3DModel constructor argument")
+            raise ConfigError(
+                f"unknown config key 'model.config.{unknown[0]}': not a "
+                "MiniMaxH3Transformer3DModel constructor argument"
+            )
         return dict(cfg.model.config)
     folder = Path(cfg.model.pretrained) / (cfg.model.subfolder or default_subfolder(cfg))
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
-        raise ConfigError(f"config key 'model.pretrained': no transformer config at '{cfg_file}'; point it at a "
-                          "local diffusers folder (nothing is downloaded)")
+        raise ConfigError(
+            f"config key 'model.pretrained': no transformer config at '{cfg_file}'; point it at a "
+            "local diffusers folder (nothing is downloaded)"
+        )
     data = json.loads(cfg_file.read_text())
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
@@ -397,5 +424,7 @@ def _validate_model_shape(cfg: Config) -> None:
     dims = model_dims(cfg)
     heads = int(dims["num_attention_heads"])
     if heads % cfg.parallel.sp:
-        raise ConfigError(f"config key 'parallel.sp' = {cfg.parallel.sp} does not divide the model's "
-                          f"{heads} attention heads; choose a divisor of {heads}")
+        raise ConfigError(
+            f"config key 'parallel.sp' = {cfg.parallel.sp} does not divide the model's "
+            f"{heads} attention heads; choose a divisor of {heads}"
+        )

@@ -89,13 +89,18 @@ def negative_prompt(
             raise ValueError("cfg.negative is 'shared' but no shared negative was loaded")
         return shared
     if cfg.negative_visual == "keep":
-        embeds, tags, field = sample.negative_visual_prompt_embeds, sample.negative_visual_text_token_tags, \
-            "negative_visual_prompt_embeds"
+        embeds, tags, field = (
+            sample.negative_visual_prompt_embeds,
+            sample.negative_visual_text_token_tags,
+            "negative_visual_prompt_embeds",
+        )
     else:
         embeds, tags, field = sample.negative_prompt_embeds, sample.negative_text_token_tags, "negative_prompt_embeds"
     if embeds is None or tags is None:
-        raise ValueError(f"sample '{sample.sample_id}' has no '{field}' for CFG; re-encode it with negatives or set "
-                         "cfg.negative_visual / cfg.negative=shared")
+        raise ValueError(
+            f"sample '{sample.sample_id}' has no '{field}' for CFG; re-encode it with negatives or set "
+            "cfg.negative_visual / cfg.negative=shared"
+        )
     return embeds, tags
 
 

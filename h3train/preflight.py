@@ -25,11 +25,15 @@ def resolve_attention_backend(name: str, device_type: str) -> str:
     if name == "auto":
         name = "flash" if device_type == "cuda" and flash_attn_available() else "native"
     if name in ("flash", "cudnn") and device_type != "cuda":
-        raise ConfigError(f"config key 'model.attention_backend' is '{name}', which needs a CUDA device; "
-                          "use 'native' or 'auto' on this machine")
+        raise ConfigError(
+            f"config key 'model.attention_backend' is '{name}', which needs a CUDA device; "
+            "use 'native' or 'auto' on this machine"
+        )
     if name == "flash" and not flash_attn_available():
-        raise ConfigError("config key 'model.attention_backend' is 'flash' but flash-attn is not installed; "
-                          "install the 'flash' extra or use 'auto'")
+        raise ConfigError(
+            "config key 'model.attention_backend' is 'flash' but flash-attn is not installed; "
+            "install the 'flash' extra or use 'auto'"
+        )
     return ATTENTION_BACKENDS[name]
 
 
@@ -41,8 +45,10 @@ def preflight(cfg: Config) -> None:
     """Inputs and device capabilities the config names exist, before any heavy work."""
     data = cfg.data
     if data.source == "cached" and not data.create_synthetic and not (Path(data.path) / "index.jsonl").is_file():
-        raise ConfigError(f"config key 'data.path': no dataset at '{data.path}' (no index.jsonl); encode one with "
-                          "'h3train encode' or write a synthetic one with 'h3train synth'")
+        raise ConfigError(
+            f"config key 'data.path': no dataset at '{data.path}' (no index.jsonl); encode one with "
+            "'h3train encode' or write a synthetic one with 'h3train synth'"
+        )
     kind = device_type(cfg)
     resolve_attention_backend(cfg.model.attention_backend, kind)
     if cfg.model.dtype == "bfloat16" and kind == "cuda" and not torch.cuda.is_bf16_supported():

@@ -29,8 +29,16 @@ def run_h3train(args: list[str], nproc: int = 1, timeout: float = 180, check: bo
     """`h3train ARGS` in a fresh process, under `torchrun --standalone` when nproc > 1."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "h3train", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "h3train",
+            *args,
+        ]
     else:
         cmd = [sys.executable, "-m", "h3train", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

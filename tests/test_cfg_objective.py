@@ -47,8 +47,9 @@ def test_scale_one_is_plain_flow_matching_with_one_forward() -> None:
 
     model.zero_grad()
     video, audio = model(**ti.model_inputs, return_dict=False)
-    plain = ti.weight_video * _mse(video, ti.target_video, ti.loss_mask_video) + \
-        ti.weight_audio * _mse(audio, ti.target_audio, ti.loss_mask_audio)
+    plain = ti.weight_video * _mse(video, ti.target_video, ti.loss_mask_video) + ti.weight_audio * _mse(
+        audio, ti.target_audio, ti.loss_mask_audio
+    )
     plain.backward()
     assert torch.allclose(parts.loss, plain, rtol=1e-6, atol=0)
     assert all(torch.allclose(a, p.grad, rtol=1e-5, atol=1e-8) for a, p in zip(got, model.parameters()))
@@ -80,8 +81,9 @@ def test_k0_is_guided_target_and_u_is_constant() -> None:
     p_v, p_a = model(**ti.model_inputs, return_dict=False)
     target_v = u_v[0] + s * (ti.target_video - u_v[0])
     target_a = u_a[0] + s * (ti.target_audio - u_a[0])
-    ref = ti.weight_video * _mse(p_v, target_v, ti.loss_mask_video) + \
-        ti.weight_audio * _mse(p_a, target_a, ti.loss_mask_audio)
+    ref = ti.weight_video * _mse(p_v, target_v, ti.loss_mask_video) + ti.weight_audio * _mse(
+        p_a, target_a, ti.loss_mask_audio
+    )
     ref.backward()
     assert torch.allclose(parts.loss, ref, rtol=1e-5)
     for a, p in zip(got, model.parameters()):
@@ -94,12 +96,16 @@ def test_uncond_branch_rebuilds_layout_but_keeps_rows_and_times() -> None:
     assert torch.equal(cond["hidden_states"], unc["hidden_states"])
     assert torch.equal(cond["audio_hidden_states"], unc["audio_hidden_states"])
     assert torch.equal(unc["encoder_hidden_states"][0], sample.negative_prompt_embeds)
-    assert unc["position_ids"].shape[0] == cond["position_ids"].shape[0] - sample.text_token_tags.numel() + \
-        sample.negative_prompt_embeds.shape[0]
+    assert (
+        unc["position_ids"].shape[0]
+        == cond["position_ids"].shape[0] - sample.text_token_tags.numel() + sample.negative_prompt_embeds.shape[0]
+    )
     # Same distinct timesteps; each row keeps its time (text rows follow the video time).
     assert torch.equal(cond["timestep"], unc["timestep"])
-    assert torch.equal(cond["timestep"][cond["timestep_indices"][cond["video_indices"]]],
-                       unc["timestep"][unc["timestep_indices"][unc["video_indices"]]])
+    assert torch.equal(
+        cond["timestep"][cond["timestep_indices"][cond["video_indices"]]],
+        unc["timestep"][unc["timestep_indices"][unc["video_indices"]]],
+    )
     kept = micro_batch_inputs(load_config(TINY_FL2VA, ["cfg.scale=2"]), sample, 3, 0).uncond_inputs
     assert (kept["token_tags"][kept["text_indices"]] == 0).sum() == (sample.text_token_tags == 0).sum()
 

@@ -24,8 +24,7 @@ DP1 = (1, ("train.grad_accum=2",))
 
 
 def _train(log_dir, extra=(), nproc=1, check=True):
-    return run_h3train(["train", str(TINY_FL2VA), f"logging.dir={log_dir}", *COMMON, *extra], nproc=nproc,
-                       check=check)
+    return run_h3train(["train", str(TINY_FL2VA), f"logging.dir={log_dir}", *COMMON, *extra], nproc=nproc, check=check)
 
 
 def _curve(log_dir) -> list[tuple[int, float, float]]:
@@ -107,8 +106,16 @@ def test_kill_during_save_keeps_previous_checkpoint(runs, tmp_path) -> None:
 def test_sigterm_saves_and_exits_zero(tmp_path) -> None:
     log_dir = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    cmd = [sys.executable, "-m", "h3train", "train", str(TINY_FL2VA), f"logging.dir={log_dir}",
-           "train.steps=100000", "logging.progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "h3train",
+        "train",
+        str(TINY_FL2VA),
+        f"logging.dir={log_dir}",
+        "train.steps=100000",
+        "logging.progress=false",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = log_dir / "metrics.jsonl"
     deadline = time.time() + 120

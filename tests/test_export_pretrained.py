@@ -19,8 +19,18 @@ from reference import TINY_FL2VA, read_metrics, reference_step, run_h3train
 def _forward_inputs(dump_dir, micro: int = 0) -> dict[str, torch.Tensor]:
     tensors = load_file(dump_dir / "inputs.safetensors")
     prefix = f"m{micro}."
-    names = ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "timestep", "timestep_indices",
-             "token_tags", "position_ids", "video_indices", "audio_indices", "text_indices")
+    names = (
+        "hidden_states",
+        "audio_hidden_states",
+        "encoder_hidden_states",
+        "timestep",
+        "timestep_indices",
+        "token_tags",
+        "position_ids",
+        "video_indices",
+        "audio_indices",
+        "text_indices",
+    )
     return {n: tensors[prefix + n] for n in names}
 
 
@@ -28,11 +38,31 @@ def _forward_inputs(dump_dir, micro: int = 0) -> dict[str, torch.Tensor]:
 def test_export_loads_in_diffusers_and_forwards_like_the_trained_model(tmp_path) -> None:
     run = tmp_path / "run"
     # The dump at step 2 holds the weights before step 2's update: those saved at step 1.
-    run_h3train(["train", str(TINY_FL2VA), f"logging.dir={run}", "train.steps=2", "checkpoint.every=1",
-                 "checkpoint.keep_last=0", "debug.dump_step=2", "logging.progress=false", "parallel.sp=2"], nproc=2)
+    run_h3train(
+        [
+            "train",
+            str(TINY_FL2VA),
+            f"logging.dir={run}",
+            "train.steps=2",
+            "checkpoint.every=1",
+            "checkpoint.keep_last=0",
+            "debug.dump_step=2",
+            "logging.progress=false",
+            "parallel.sp=2",
+        ],
+        nproc=2,
+    )
     out = tmp_path / "export"
-    run_h3train(["export", str(run / "checkpoints" / "step_00000001"), "--out", str(out), "--max-shard-gb",
-                 str(20_000 / 1024**3)])
+    run_h3train(
+        [
+            "export",
+            str(run / "checkpoints" / "step_00000001"),
+            "--out",
+            str(out),
+            "--max-shard-gb",
+            str(20_000 / 1024**3),
+        ]
+    )
     assert len(json.loads((out / "diffusion_pytorch_model.safetensors.index.json").read_text())["weight_map"]) > 0
     exported = MiniMaxH3Transformer3DModel.from_pretrained(out, torch_dtype=torch.float32)
 
@@ -70,8 +100,14 @@ def test_save_pretrained_model_loads_sharded_at_sp2(tmp_path) -> None:
     config.model.pretrained = str(folder)
     path = tmp_path / "pretrained.yaml"
     OmegaConf.save(config, path)
-    overrides = ["train.steps=1", "debug.dump_step=1", "logging.progress=false", "parallel.sp=2",
-                 "checkpoint.every=1", "optim.schedule=constant"]
+    overrides = [
+        "train.steps=1",
+        "debug.dump_step=1",
+        "logging.progress=false",
+        "parallel.sp=2",
+        "checkpoint.every=1",
+        "optim.schedule=constant",
+    ]
     run_h3train(["train", str(path), f"logging.dir={tmp_path / 'run'}", *overrides], nproc=2)
 
     dump = tmp_path / "run" / "dump" / "step_1"

@@ -34,9 +34,20 @@ def _tensors(checkpoint) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["nan_loss@2:1", "nan_grad@2:0"])
 def test_non_finite_step_is_skipped_by_every_rank(tmp_path, fault) -> None:
-    run_h3train(["train", str(TINY_FL2VA), f"logging.dir={tmp_path}", "train.steps=3", "parallel.dp_shard=2",
-                 "checkpoint.every=1", "checkpoint.keep_last=0", f"debug.fault=[{fault}]",
-                 "logging.progress=false"], nproc=2)
+    run_h3train(
+        [
+            "train",
+            str(TINY_FL2VA),
+            f"logging.dir={tmp_path}",
+            "train.steps=3",
+            "parallel.dp_shard=2",
+            "checkpoint.every=1",
+            "checkpoint.keep_last=0",
+            f"debug.fault=[{fault}]",
+            "logging.progress=false",
+        ],
+        nproc=2,
+    )
     metrics = read_metrics(tmp_path)
     assert [m["skipped_steps"] for m in metrics] == [0, 1, 1]
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in (metrics[0], metrics[2]))
@@ -49,9 +60,18 @@ def test_non_finite_step_is_skipped_by_every_rank(tmp_path, fault) -> None:
 
 @pytest.mark.slow
 def test_consecutive_non_finite_steps_stop_the_run_naming_the_step(tmp_path) -> None:
-    proc = run_h3train(["train", str(TINY_FL2VA), f"logging.dir={tmp_path}", "train.steps=5",
-                        "train.max_consecutive_skips=1", "debug.fault=[nan_loss@2,nan_loss@3]",
-                        "logging.progress=false"], check=False)
+    proc = run_h3train(
+        [
+            "train",
+            str(TINY_FL2VA),
+            f"logging.dir={tmp_path}",
+            "train.steps=5",
+            "train.max_consecutive_skips=1",
+            "debug.fault=[nan_loss@2,nan_loss@3]",
+            "logging.progress=false",
+        ],
+        check=False,
+    )
     assert proc.returncode == 1
     err = proc.stderr.strip().splitlines()[-1]
     assert "step 3" in err and "synthetic-" in err
@@ -80,8 +100,17 @@ def test_on_error_skip_records_a_corrupt_sample_and_finishes(tmp_path) -> None:
     assert len(records) == 1 and bad in records[0]
     assert read_metrics(run)[-1]["data_errors"] == 1 and len(read_metrics(run)) == 6
 
-    proc = run_h3train(["train", str(TINY_REF2VA), f"logging.dir={tmp_path / 'raise'}", "train.steps=6",
-                        "data.on_error=raise", *common], check=False)
+    proc = run_h3train(
+        [
+            "train",
+            str(TINY_REF2VA),
+            f"logging.dir={tmp_path / 'raise'}",
+            "train.steps=6",
+            "data.on_error=raise",
+            *common,
+        ],
+        check=False,
+    )
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("h3train: error: sample") and bad in last and "field" in last
@@ -92,9 +121,21 @@ def test_injected_corrupt_sample_is_skipped_on_every_sp_rank(tmp_path) -> None:
     data = tmp_path / "data"
     run_h3train(["synth", "--out", str(data), "--task", "ref2va", "--num-samples", "4", "--text-dim", "16"])
     bad = read_index(data)[1].sample_id
-    run_h3train(["train", str(TINY_REF2VA), f"logging.dir={tmp_path / 'run'}", f"data.path={data}",
-                 "train.steps=2", "train.grad_accum=2", "parallel.sp=2", "data.on_error=skip",
-                 f"debug.fault=[corrupt_sample@{bad}]", "logging.progress=false"], nproc=2)
+    run_h3train(
+        [
+            "train",
+            str(TINY_REF2VA),
+            f"logging.dir={tmp_path / 'run'}",
+            f"data.path={data}",
+            "train.steps=2",
+            "train.grad_accum=2",
+            "parallel.sp=2",
+            "data.on_error=skip",
+            f"debug.fault=[corrupt_sample@{bad}]",
+            "logging.progress=false",
+        ],
+        nproc=2,
+    )
     records = (tmp_path / "run" / "data_errors.jsonl").read_text().splitlines()
     assert len(records) == 1 and bad in records[0]  # one SP rank writes, none hangs
 
@@ -132,10 +173,30 @@ def test_yaml_cannot_run_code(tmp_path) -> None:
 @pytest.mark.slow
 def test_dead_rank_makes_the_survivor_exit_naming_what_it_waited_for(tmp_path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
-    cmd = [sys.executable, "-m", "h3train", "train", str(TINY_FL2VA), f"logging.dir={tmp_path}", "train.steps=5",
-           "parallel.dp_shard=2", "parallel.timeout_s=30", "debug.fault=[kill@3:1]", "logging.progress=false"]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "h3train",
+        "train",
+        str(TINY_FL2VA),
+        f"logging.dir={tmp_path}",
+        "train.steps=5",
+        "parallel.dp_shard=2",
+        "parallel.timeout_s=30",
+        "debug.fault=[kill@3:1]",
+        "logging.progress=false",
+    ]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=150) for p in procs]
     assert procs[1].returncode == -9
     assert procs[0].returncode == 1
@@ -148,9 +209,21 @@ def test_torchrun_restart_resumes_and_matches_uninterrupted_run(tmp_path) -> Non
     common = ["train.steps=6", "checkpoint.every=2", "parallel.sp=2", "logging.progress=false"]
     run_h3train(["train", str(TINY_FL2VA), f"logging.dir={tmp_path / 'straight'}", *common], nproc=2)
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           "-m", "h3train", "train", str(TINY_FL2VA), f"logging.dir={tmp_path / 'killed'}", *common,
-           "debug.fault=[kill@5:1]"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        "-m",
+        "h3train",
+        "train",
+        str(TINY_FL2VA),
+        f"logging.dir={tmp_path / 'killed'}",
+        *common,
+        "debug.fault=[kill@5:1]",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "step_00000004" in proc.stdout
@@ -163,8 +236,18 @@ def test_torchrun_restart_resumes_and_matches_uninterrupted_run(tmp_path) -> Non
 def test_wandb_that_cannot_start_does_not_stop_training(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
     env.update(HOME=str(tmp_path), OMP_NUM_THREADS="1", WANDB_SILENT="true", NETRC=str(tmp_path / "netrc"))
-    cmd = [sys.executable, "-m", "h3train", "train", str(TINY_FL2VA), f"logging.dir={tmp_path / 'run'}",
-           "train.steps=2", "logging.wandb.enabled=true", "logging.wandb.mode=online", "logging.progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "h3train",
+        "train",
+        str(TINY_FL2VA),
+        f"logging.dir={tmp_path / 'run'}",
+        "train.steps=2",
+        "logging.wandb.enabled=true",
+        "logging.wandb.mode=online",
+        "logging.progress=false",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.count("wandb") >= 1 and "metrics.jsonl" in proc.stderr

@@ -20,15 +20,29 @@ CASES = {
     # dataset of images, videos with and without soundtrack, audio clips and mixed references.
     # tiny_fl2va packs 51 rows (odd); text_len=12 makes it 50 (even). It has 4 heads, so sp=4 is heads == sp.
     "sp2_odd_seq": (2, ["parallel.sp=2"], 1),
-    "sp2_even_seq_ckpt_no_audio": (2, ["parallel.sp=2", "data.synthetic.text_len=12",
-                                       "model.gradient_checkpointing=true", "data.synthetic.has_audio=false"], 1),
+    "sp2_even_seq_ckpt_no_audio": (
+        2,
+        [
+            "parallel.sp=2",
+            "data.synthetic.text_len=12",
+            "model.gradient_checkpointing=true",
+            "data.synthetic.has_audio=false",
+        ],
+        1,
+    ),
     "sp1_no_audio": (1, ["data.synthetic.has_audio=false"], 1),
-    "sp4_heads_eq_sp_cfg_no_audio": (4, ["parallel.sp=4", "cfg.scale=3", "cfg.curvature_power=0.5",
-                                         "data.synthetic.has_audio=false"], 1),
+    "sp4_heads_eq_sp_cfg_no_audio": (
+        4,
+        ["parallel.sp=4", "cfg.scale=3", "cfg.curvature_power=0.5", "data.synthetic.has_audio=false"],
+        1,
+    ),
     "dp_shard2": (2, ["parallel.dp_shard=2"], 2),
     "dp_replicate2": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], 2),
-    "hsdp2_sp2_cfg_sigma": (4, ["parallel.dp_replicate=2", "parallel.sp=2", "cfg.scale=4", "cfg.schedule=sigma",
-                                "cfg.negative_visual=drop"], 2),
+    "hsdp2_sp2_cfg_sigma": (
+        4,
+        ["parallel.dp_replicate=2", "parallel.sp=2", "cfg.scale=4", "cfg.schedule=sigma", "cfg.negative_visual=drop"],
+        2,
+    ),
     "ref2va_sp1_cfg": (1, ["cfg.scale=2.5", "cfg.schedule=sigma"], 1),
     "ref2va_sp2_cfg": (2, ["parallel.sp=2", "cfg.scale=2.5", "cfg.schedule=sigma"], 1),
     "ref2va_sp4_accum3": (4, ["parallel.sp=4", "train.grad_accum=3"], 1),
@@ -40,8 +54,13 @@ CASES = {
 def test_gradients_match_unsharded_reference(case: str, tmp_path) -> None:
     nproc, extra, dp = CASES[case]
     config = TINY_REF2VA if case.startswith("ref2va") else TINY_FL2VA
-    overrides = ["train.steps=1", "debug.dump_step=1", "logging.progress=false", f"data.path={tmp_path / 'data'}",
-                 *extra]
+    overrides = [
+        "train.steps=1",
+        "debug.dump_step=1",
+        "logging.progress=false",
+        f"data.path={tmp_path / 'data'}",
+        *extra,
+    ]
     run_h3train(["train", str(config), f"logging.dir={tmp_path / 'run'}", *overrides], nproc=nproc)
 
     dump = tmp_path / "run" / "dump" / "step_1"

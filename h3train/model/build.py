@@ -106,8 +106,10 @@ def load_pretrained_shards(model: nn.Module, folder: Path, device: torch.device,
                 handles[file] = safe_open(file, "pt")
             tensor_slice = handles[file].get_slice(key)
             if list(tensor_slice.get_shape()) != list(param.shape):
-                raise ConfigError(f"config key 'model.pretrained': weight '{key}' in '{file.name}' has shape "
-                                  f"{tensor_slice.get_shape()}, the model expects {list(param.shape)}")
+                raise ConfigError(
+                    f"config key 'model.pretrained': weight '{key}' in '{file.name}' has shape "
+                    f"{tensor_slice.get_shape()}, the model expects {list(param.shape)}"
+                )
             if isinstance(param, DTensor):
                 shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
                 local = param.to_local()

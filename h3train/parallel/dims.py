@@ -78,9 +78,7 @@ class ParallelContext:
             mesh_dim_names=("dp_replicate", "dp_shard", "sp"),
         )
         shard = self.mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
-        self.fsdp_mesh: DeviceMesh = (
-            self.mesh["dp_replicate", "dp_shard_sp"] if dims.dp_replicate > 1 else shard
-        )
+        self.fsdp_mesh: DeviceMesh = self.mesh["dp_replicate", "dp_shard_sp"] if dims.dp_replicate > 1 else shard
         self.dp_mesh: DeviceMesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self.sp_group = self.mesh["sp"].get_group() if dims.sp > 1 else None
         self.dp_rank = self.dp_mesh.get_local_rank()

@@ -34,8 +34,9 @@ class SyntheticSource:
     def __getitem__(self, index: int) -> PackedSample:
         cfg, geo = self.cfg, self.geometry
         g = torch.Generator().manual_seed(self.seed * 7919 + index + 1)
-        video = torch.randn(VIDEO_LATENT_CHANNELS, geo.num_latent_frames, geo.latent_height, geo.latent_width,
-                            generator=g)
+        video = torch.randn(
+            VIDEO_LATENT_CHANNELS, geo.num_latent_frames, geo.latent_height, geo.latent_width, generator=g
+        )
         audio = torch.randn(2, AUDIO_LATENT_CHANNELS, geo.num_audio_latents, generator=g)
         if not cfg.has_audio:
             audio.zero_()

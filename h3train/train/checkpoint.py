@@ -41,9 +41,12 @@ def step_dir_name(step: int) -> str:
 
 
 def is_complete(path: Path) -> bool:
-    return path.is_dir() and STEP_DIR.match(path.name) is not None and (path / STATE_FILE).is_file() and (
-        path / ".metadata"
-    ).is_file()
+    return (
+        path.is_dir()
+        and STEP_DIR.match(path.name) is not None
+        and (path / STATE_FILE).is_file()
+        and (path / ".metadata").is_file()
+    )
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -64,8 +67,10 @@ def resolve_resume(root: Path, resume: str) -> Path | None:
     if not is_complete(path):
         from ..config import ConfigError
 
-        raise ConfigError(f"config key 'checkpoint.resume': '{resume}' is not a complete checkpoint folder "
-                          f"(expected {step_dir_name(0)[:5]}NNNNNNNN with {STATE_FILE} and .metadata)")
+        raise ConfigError(
+            f"config key 'checkpoint.resume': '{resume}' is not a complete checkpoint folder "
+            f"(expected {step_dir_name(0)[:5]}NNNNNNNN with {STATE_FILE} and .metadata)"
+        )
     return path
 
 
@@ -115,8 +120,9 @@ class Checkpointer:
                     shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainingState,
-             before_commit=None) -> Path:
+    def save(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainingState, before_commit=None
+    ) -> Path:
         """Write every rank's shards to a temporary folder, then commit it by an atomic rename."""
         final = self.root / step_dir_name(state.step)
         tmp = self.root / f".tmp-{final.name}"

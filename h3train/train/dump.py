@@ -51,19 +51,23 @@ def micro_batch_tensors(m: int, ti: TrainingInputs) -> dict[str, torch.Tensor]:
     weight_video, weight_audio = ti.full_weights()
     if ti.uncond_inputs is not None:
         tensors.update({f"m{m}.uncond.{k}": _own(v) for k, v in ti.uncond_inputs.items()})
-        tensors.update({
-            f"m{m}.cfg_scale_video": torch.tensor(ti.guidance.scale_video, dtype=torch.float64),
-            f"m{m}.cfg_scale_audio": torch.tensor(ti.guidance.scale_audio, dtype=torch.float64),
-            f"m{m}.cfg_curvature_power": torch.tensor(ti.guidance.curvature_power, dtype=torch.float64),
-        })
-    tensors.update({
-        f"m{m}.target_video": _own(ti.target_video),
-        f"m{m}.target_audio": _own(ti.target_audio),
-        f"m{m}.loss_mask_video": _own(ti.loss_mask_video),
-        f"m{m}.loss_mask_audio": _own(ti.loss_mask_audio),
-        f"m{m}.weight_video": torch.tensor(weight_video, dtype=torch.float64),
-        f"m{m}.weight_audio": torch.tensor(weight_audio, dtype=torch.float64),
-    })
+        tensors.update(
+            {
+                f"m{m}.cfg_scale_video": torch.tensor(ti.guidance.scale_video, dtype=torch.float64),
+                f"m{m}.cfg_scale_audio": torch.tensor(ti.guidance.scale_audio, dtype=torch.float64),
+                f"m{m}.cfg_curvature_power": torch.tensor(ti.guidance.curvature_power, dtype=torch.float64),
+            }
+        )
+    tensors.update(
+        {
+            f"m{m}.target_video": _own(ti.target_video),
+            f"m{m}.target_audio": _own(ti.target_audio),
+            f"m{m}.loss_mask_video": _own(ti.loss_mask_video),
+            f"m{m}.loss_mask_audio": _own(ti.loss_mask_audio),
+            f"m{m}.weight_video": torch.tensor(weight_video, dtype=torch.float64),
+            f"m{m}.weight_audio": torch.tensor(weight_audio, dtype=torch.float64),
+        }
+    )
     return tensors
 
 

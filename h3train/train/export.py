@@ -62,8 +62,11 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "float32", max_s
     out.mkdir(parents=True, exist_ok=True)
     weight_map, total = {}, 0
     for i, group in enumerate(shards, start=1):
-        name = (f"{WEIGHTS_NAME}-{i:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
-                else f"{WEIGHTS_NAME}.safetensors")
+        name = (
+            f"{WEIGHTS_NAME}-{i:05d}-of-{len(shards):05d}.safetensors"
+            if len(shards) > 1
+            else f"{WEIGHTS_NAME}.safetensors"
+        )
         buffers = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in group}
         dcp.load(buffers, storage_reader=reader, no_dist=True)
         tensors = {k.removeprefix(MODEL_PREFIX): v.to(out_dtype(k)).contiguous() for k, v in buffers.items()}

@@ -35,8 +35,10 @@ def parse_faults(entries: list[str]) -> list[Fault]:
             faults.append(Fault(kind, sample_id=where))
             continue
         if kind not in STEP_KINDS:
-            raise ConfigError(f"config key 'debug.fault' entry '{entry}': unknown kind '{kind}'; use one of "
-                              f"{', '.join((*STEP_KINDS, 'corrupt_sample'))}")
+            raise ConfigError(
+                f"config key 'debug.fault' entry '{entry}': unknown kind '{kind}'; use one of "
+                f"{', '.join((*STEP_KINDS, 'corrupt_sample'))}"
+            )
         step, _, rank = where.partition(":")
         try:
             faults.append(Fault(kind, int(step), int(rank) if rank else None))

@@ -70,8 +70,9 @@ def build_source(cfg: Config, text_dim: int, on_skip=None):
     from ..data.dataset import CachedDataset
 
     corrupt = FaultInjector(cfg.debug.fault, rank=0).corrupt_samples()
-    return CachedDataset(cfg.data.path, cfg.task.name, on_error=cfg.data.on_error, on_skip=on_skip,
-                         injected_corrupt=corrupt)
+    return CachedDataset(
+        cfg.data.path, cfg.task.name, on_error=cfg.data.on_error, on_skip=on_skip, injected_corrupt=corrupt
+    )
 
 
 # FSDP2 warns about every Linear output that is a view; nothing here writes into one in place.
@@ -124,13 +125,19 @@ class Trainer:
         self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
         self.spike_log = EventLog(self.log_dir / "loss_spikes.jsonl" if self.ctx.sp_rank == 0 else None)
         self.source = build_source(
-            cfg, self.model_config["text_dim"],
-            on_skip=lambda sample_id, reason: self.data_errors.write(step=self.step + 1, sample_id=sample_id,
-                                                                     reason=reason),
+            cfg,
+            self.model_config["text_dim"],
+            on_skip=lambda sample_id, reason: self.data_errors.write(
+                step=self.step + 1, sample_id=sample_id, reason=reason
+            ),
         )
         self.sampler = DistributedSampler(
-            len(self.source), self.ctx.dp_rank, dims.dp, cfg.train.seed,
-            lengths=self.source.lengths if cfg.data.bucket_size > 1 else None, bucket_size=cfg.data.bucket_size,
+            len(self.source),
+            self.ctx.dp_rank,
+            dims.dp,
+            cfg.train.seed,
+            lengths=self.source.lengths if cfg.data.bucket_size > 1 else None,
+            bucket_size=cfg.data.bucket_size,
         )
         self._prefetcher: Prefetcher | None = None
         # What this rank is doing, so a failed collective can say what it waited for.
@@ -151,8 +158,13 @@ class Trainer:
         if self.ctx.is_main:
             from ..data.synth import write_synthetic_dataset
 
-            write_synthetic_dataset(data.path, task=self.cfg.task.name, num_samples=data.synthetic.num_samples,
-                                    seed=self.cfg.train.seed, text_dim=self.model_config["text_dim"])
+            write_synthetic_dataset(
+                data.path,
+                task=self.cfg.task.name,
+                num_samples=data.synthetic.num_samples,
+                seed=self.cfg.train.seed,
+                text_dim=self.model_config["text_dim"],
+            )
         dist.barrier()
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -218,12 +230,18 @@ class Trainer:
             (loss / accum).backward()
             losses.append(loss.detach())
             has_audio = float(sample.has_audio)
-            device_sums += torch.stack([
-                loss.detach(), parts.video.detach(), parts.audio.detach() * has_audio, parts.video_fm,
-                parts.audio_fm * has_audio,
-            ]).double()
-            for i, value in enumerate((has_audio, sample.layout.seq_len, ti.guidance.scale_video,
-                                       ti.guidance.scale_audio)):
+            device_sums += torch.stack(
+                [
+                    loss.detach(),
+                    parts.video.detach(),
+                    parts.audio.detach() * has_audio,
+                    parts.video_fm,
+                    parts.audio_fm * has_audio,
+                ]
+            ).double()
+            for i, value in enumerate(
+                (has_audio, sample.layout.seq_len, ti.guidance.scale_video, ti.guidance.scale_audio)
+            ):
                 host_sums[i] += value
             if dump:
                 dumped.update(micro_batch_tensors(micro, ti))
@@ -277,12 +295,14 @@ class Trainer:
             "data_errors": int(s[9]),
         }
         if self.cfg_enabled:
-            stats.update({
-                "loss_video_fm": s[3] / n,
-                "loss_audio_fm": s[4] / n_audio,
-                "cfg_scale_video": s[7] / n,
-                "cfg_scale_audio": s[8] / n,
-            })
+            stats.update(
+                {
+                    "loss_video_fm": s[3] / n,
+                    "loss_audio_fm": s[4] / n_audio,
+                    "cfg_scale_video": s[7] / n,
+                    "cfg_scale_audio": s[8] / n,
+                }
+            )
         self._report_spikes(step, sample_ids, losses, stats["loss"])
         return stats
 
@@ -291,8 +311,9 @@ class Trainer:
         for sample_id, loss in zip(sample_ids, losses):
             value = loss.item()
             if self.spikes.is_spike(value):
-                self.spike_log.write(step=step, sample_id=sample_id, loss=value, median=median,
-                                     dp_rank=self.ctx.dp_rank)
+                self.spike_log.write(
+                    step=step, sample_id=sample_id, loss=value, median=median, dp_rank=self.ctx.dp_rank
+                )
         if math.isfinite(step_loss):
             self.spikes.update(step_loss)
 
@@ -332,10 +353,18 @@ class Trainer:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             write_resolved_config(self.log_dir, to_yaml(cfg))
         every = cfg.checkpoint.every
-        with self.preempt, MetricsLogger(
-            self.log_dir, self.ctx.is_main, cfg.logging.wandb, asdict(cfg), cfg.train.steps,
-            start_step=self.step, progress=cfg.logging.progress,
-        ) as metrics:
+        with (
+            self.preempt,
+            MetricsLogger(
+                self.log_dir,
+                self.ctx.is_main,
+                cfg.logging.wandb,
+                asdict(cfg),
+                cfg.train.steps,
+                start_step=self.step,
+                progress=cfg.logging.progress,
+            ) as metrics,
+        ):
             for step in range(self.step + 1, cfg.train.steps + 1):
                 self.faults.maybe_die("kill", step)
                 self.faults.maybe_die("sigterm", step)
