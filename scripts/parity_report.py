@@ -15,8 +15,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from reference import TINY_FL2VA, read_metrics, reference_step, relative_l2, run_h3train  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+
+from reference import TINY_FL2VA, read_metrics, reference_step, relative_l2, run_h3train  # noqa: E402
 
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
 LAYOUTS = [
