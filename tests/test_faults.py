@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from h3train.cli import main
 from h3train.data.format import read_index
 
-from reference import ROOT, TINY_FL2VA, read_metrics, run_h3train
+from reference import ROOT, TINY_FL2VA, read_metrics, run_h3train, run_process_group
 
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
 
@@ -224,7 +224,7 @@ def test_torchrun_restart_resumes_and_matches_uninterrupted_run(tmp_path) -> Non
         *common,
         "debug.fault=[kill@5:1]",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_process_group(cmd, env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "step_00000004" in proc.stdout
     straight, killed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "killed")

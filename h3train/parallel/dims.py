@@ -96,6 +96,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _attempt_store(timeout: timedelta) -> dist.Store:
+    """The rendezvous store of this torchrun attempt, under a prefix of its own.
+
+    After `torchrun --max-restarts` restarts a job, the store can still hold the previous attempt's
+    keys, among them the dead ranks' addresses: a restarted rank that reads one of those fails to
+    connect. Prefixing every key with the restart count keeps each attempt's keys apart.
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=not agent_store and int(os.environ["RANK"]) == 0,
+        timeout=timeout,
+        multi_tenant=not agent_store,
+    )
+    return dist.PrefixStore(f"h3train/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
 def init_distributed(backend: str, timeout_s: int) -> tuple[int, torch.device]:
     """Join (or, alone, create) the default process group. Returns `(world_size, device)`.
 
@@ -113,7 +132,15 @@ def init_distributed(backend: str, timeout_s: int) -> tuple[int, torch.device]:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            dist.init_process_group(
+                backend,
+                store=_attempt_store(timeout),
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timeout,
+            )
+        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(
