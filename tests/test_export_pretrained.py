@@ -12,26 +12,14 @@ from safetensors.torch import load_file
 
 from h3train.config import load_config
 from h3train.model.build import build_model
+from h3train.model.sp_forward import FORWARD_ARGS
 
 from reference import TINY_FL2VA, read_metrics, reference_step, run_h3train
 
 
 def _forward_inputs(dump_dir, micro: int = 0) -> dict[str, torch.Tensor]:
     tensors = load_file(dump_dir / "inputs.safetensors")
-    prefix = f"m{micro}."
-    names = (
-        "hidden_states",
-        "audio_hidden_states",
-        "encoder_hidden_states",
-        "timestep",
-        "timestep_indices",
-        "token_tags",
-        "position_ids",
-        "video_indices",
-        "audio_indices",
-        "text_indices",
-    )
-    return {n: tensors[prefix + n] for n in names}
+    return {name: tensors[f"m{micro}.{name}"] for name in FORWARD_ARGS}
 
 
 @pytest.mark.slow
