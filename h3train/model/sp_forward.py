@@ -58,6 +58,9 @@ class UlyssesAttnProcessor:
     def __init__(self, sp: SequenceParallel) -> None:
         self.sp = sp
         # Real (unpadded) length of the sequence in flight; set by `SequenceParallelH3.forward`.
+        # Checkpointed blocks recompute in backward with the value of the last forward, so a
+        # no-grad forward of another length (CFG's negative branch) must run before, not between,
+        # the forward and backward it would otherwise disturb (`objective.compute_loss` does so).
         self.seq_len = 0
 
     def __call__(
