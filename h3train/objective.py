@@ -70,10 +70,16 @@ class Guidance:
         return self.scale_video != 1.0 or self.scale_audio != 1.0
 
 
-def guidance_for(cfg: CfgConfig, sigma_video: float, sigma_audio: float) -> Guidance:
-    """`constant`: the configured scales; `sigma`: `1 + (s - 1) * sigma_m`, each modality its own sigma."""
+def configured_scales(cfg: CfgConfig) -> tuple[float, float]:
+    """`(video, audio)` guidance scales before any schedule; (1, 1) means CFG is off."""
     s_video = cfg.video_scale if cfg.video_scale is not None else cfg.scale
     s_audio = cfg.audio_scale if cfg.audio_scale is not None else cfg.scale
+    return s_video, s_audio
+
+
+def guidance_for(cfg: CfgConfig, sigma_video: float, sigma_audio: float) -> Guidance:
+    """`constant`: the configured scales; `sigma`: `1 + (s - 1) * sigma_m`, each modality its own sigma."""
+    s_video, s_audio = configured_scales(cfg)
     if cfg.schedule == "sigma":
         s_video = 1.0 + (s_video - 1.0) * sigma_video
         s_audio = 1.0 + (s_audio - 1.0) * sigma_audio

@@ -20,10 +20,19 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def resolve_attention_backend(name: str, device_type: str) -> str:
-    """The diffusers backend for `model.attention_backend`; `auto` picks flash-attn on CUDA when installed."""
+def resolve_attention_backend(name: str, device_type: str, dtype: str = "bfloat16") -> str:
+    """The diffusers backend for `model.attention_backend`.
+
+    `auto` picks flash-attn on CUDA when it is installed and the blocks compute in bf16 (flash-attn
+    and cuDNN attention take half precision only), else PyTorch SDPA.
+    """
     if name == "auto":
-        name = "flash" if device_type == "cuda" and flash_attn_available() else "native"
+        name = "flash" if device_type == "cuda" and dtype == "bfloat16" and flash_attn_available() else "native"
+    if name in ("flash", "cudnn") and dtype != "bfloat16":
+        raise ConfigError(
+            f"config key 'model.attention_backend' is '{name}', which computes in half precision "
+            f"only, but model.dtype is '{dtype}'; use model.dtype=bfloat16 or 'native'"
+        )
     if name in ("flash", "cudnn") and device_type != "cuda":
         raise ConfigError(
             f"config key 'model.attention_backend' is '{name}', which needs a CUDA device; "
@@ -50,6 +59,6 @@ def preflight(cfg: Config) -> None:
             "'h3train encode' or write a synthetic one with 'h3train synth'"
         )
     kind = device_type(cfg)
-    resolve_attention_backend(cfg.model.attention_backend, kind)
+    resolve_attention_backend(cfg.model.attention_backend, kind, cfg.model.dtype)
     if cfg.model.dtype == "bfloat16" and kind == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("config key 'model.dtype' is 'bfloat16' but this GPU has no bf16 support; use float32")

@@ -131,3 +131,12 @@ def test_backend_set_before_wrapping_reaches_every_processor() -> None:
     assert len(wrapped.processors) == len(transformer.transformer_blocks)
     for block, proc in zip(transformer.transformer_blocks, wrapped.processors):
         assert block.attn.processor is proc and proc._attention_backend == "_native_math"
+
+
+def test_half_precision_kernels_need_bf16(monkeypatch) -> None:
+    monkeypatch.setattr(preflight, "flash_attn_available", lambda: True)
+    assert preflight.resolve_attention_backend("auto", "cuda", "bfloat16") == "flash"
+    assert preflight.resolve_attention_backend("auto", "cuda", "float32") == "native"
+    for name in ("flash", "cudnn"):
+        with pytest.raises(ConfigError, match="model.dtype"):
+            preflight.resolve_attention_backend(name, "cuda", "float32")

@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -135,3 +136,21 @@ def test_checkpoint_of_another_model_is_refused(tmp_path) -> None:
     proc = _train(tmp_path, ["model.config.hidden_size=48"], check=False)
     assert proc.returncode == 2
     assert "'model.config.hidden_size'" in proc.stderr and proc.stderr.strip().count("\n") == 0
+
+
+def test_prune_keeps_the_newest_commits_not_the_highest_steps(tmp_path) -> None:
+    from h3train.train.checkpoint import STATE_FILE, Checkpointer
+
+    # Resumed from step 100 while 200 and 300 exist: 150 is the newest commit.
+    for i, step in enumerate((100, 200, 300, 150)):
+        path = tmp_path / f"step_{step:08d}"
+        path.mkdir()
+        (path / ".metadata").write_text("")
+        (path / STATE_FILE).write_text("{}")
+        os.utime(path / STATE_FILE, (1000 + i, 1000 + i))
+    Checkpointer(tmp_path, keep_last=2, is_main=True)._prune(keep=tmp_path / "step_00000150")
+    for thread in threading.enumerate():
+        if thread.name == "checkpoint-prune":
+            thread.join()
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000300", "step_00000150"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000150", "step_00000300"]

@@ -23,6 +23,7 @@ def test_norms_and_biases_are_not_decayed() -> None:
     assert not names["transformer_blocks.0.norm1.weight"]
     assert not names["proj_in.bias"]
     assert not names["transformer_blocks.0.attn.norm_q.weight"]
+    assert names["norm_out.linear.weight"]  # a projection, despite "norm" in its name
     assert sum(names.values()) + sum(not v for v in names.values()) == len(list(model.parameters()))
 
 

@@ -81,9 +81,9 @@ def materialize(model: nn.Module, device: torch.device, prefix: str = "transform
     rope = transformer.rope
     fresh = type(rope)(rope_freq_dim=rope.rope_freq_dim, rope_theta=transformer.config.rope_theta)
     rope.inv_freq.copy_(fresh.inv_freq.to(device))
-    persistent = {n for n, _ in transformer.named_buffers()} - {"rope.inv_freq"}
-    if persistent:
-        raise RuntimeError(f"buffers {sorted(persistent)} are not restored by the sharded loader")
+    others = {n for n, _ in transformer.named_buffers()} - {"rope.inv_freq"}
+    if others:
+        raise RuntimeError(f"buffers {sorted(others)} are not restored by the sharded loader")
 
 
 @torch.no_grad()

@@ -17,6 +17,8 @@ hooks wrap this forward.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn as nn
 from diffusers import MiniMaxH3Transformer3DModel
@@ -57,10 +59,8 @@ class UlyssesAttnProcessor:
 
     def __init__(self, sp: SequenceParallel) -> None:
         self.sp = sp
-        # Real (unpadded) length of the sequence in flight; set by `SequenceParallelH3.forward`.
-        # Checkpointed blocks recompute in backward with the value of the last forward, so a
-        # no-grad forward of another length (CFG's negative branch) must run before, not between,
-        # the forward and backward it would otherwise disturb (`objective.compute_loss` does so).
+        # Real (unpadded) length of the sequence in flight, set right before each block runs (also
+        # inside a checkpointed block's recompute, which may follow a forward of another length).
         self.seq_len = 0
 
     def __call__(
@@ -120,10 +120,15 @@ class SequenceParallelH3(nn.Module):
                 block.attn.set_processor(proc)
                 self.processors.append(proc)
 
-    def _run(self, module: nn.Module, *args):
+    def _run(self, fn, *args):
         if self.gradient_checkpointing and torch.is_grad_enabled():
-            return checkpoint(module, *args, use_reentrant=False)
-        return module(*args)
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    def _block(self, block: nn.Module, seq_len: int, *args) -> torch.Tensor:
+        if self.sp.enabled:
+            block.attn.processor.seq_len = seq_len
+        return block(*args)
 
     def forward(
         self,
@@ -165,11 +170,9 @@ class SequenceParallelH3(nn.Module):
             adaln_indices = sp.local_slice(sp.pad(adaln_indices, 0))
             timestep_indices = sp.local_slice(sp.pad(timestep_indices, 0))
             rotary_emb = tuple(sp.local_slice(sp.pad(t, 0)) for t in rotary_emb)
-            for proc in self.processors:
-                proc.seq_len = seq_len
 
         for block in m.transformer_blocks:
-            hidden = self._run(block, hidden, temb, adaln_indices, rotary_emb)
+            hidden = self._run(partial(self._block, block, seq_len), hidden, temb, adaln_indices, rotary_emb)
 
         hidden = m.norm_out(hidden, temb, timestep_indices).to(get_parameter_dtype(m.proj_out))
         video_rows = m.proj_out(hidden)

@@ -2,7 +2,8 @@
 
 Master weights are float32 everywhere. With `model.dtype = bfloat16` the units compute in bf16
 (`param_dtype`) and reduce gradients in float32, except the `_keep_in_fp32_modules` islands, which
-are their own units with a float32 policy: `fully_shard` needs one parameter dtype per unit.
+are their own units with a float32 policy: a mixed-precision policy applies to a whole unit, and
+the islands must compute in float32.
 `cast_forward_inputs=False` everywhere: FSDP's input cast would turn float64 positions and float32
 timesteps into bf16 (0.999 becomes 1.0).
 """

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,10 +51,16 @@ def is_complete(path: Path) -> bool:
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
+    """Complete checkpoints under `root`, in commit order (oldest first).
+
+    Commit order, not step order: after resuming from an older checkpoint, the run's new saves are
+    the newest, and the abandoned later steps are the first to be pruned.
+    """
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if is_complete(p)), key=lambda p: p.name)
+    return sorted(
+        (p for p in root.iterdir() if is_complete(p)), key=lambda p: ((p / STATE_FILE).stat().st_mtime, p.name)
+    )
 
 
 def resolve_resume(root: Path, resume: str) -> Path | None:
@@ -144,14 +151,31 @@ class Checkpointer:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             fsync_path(self.root)
-            self._prune()
         dist.barrier()
+        if self.is_main:
+            self._prune(keep=final)
         return final
 
-    def _prune(self) -> None:
-        if self.keep_last > 0:
-            for old in complete_checkpoints(self.root)[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+    def _prune(self, keep: Path) -> None:
+        """Retire all but the newest `keep_last` checkpoints; delete them in the background.
+
+        A retired checkpoint is first renamed to `.tmp-*` (atomic), so an interrupted deletion never
+        leaves a half checkpoint under a valid name; deleting hundreds of GB must not hold up training.
+        """
+        if self.keep_last <= 0:
+            return
+        retired = []
+        for old in complete_checkpoints(self.root)[: -self.keep_last]:
+            if old != keep:
+                target = old.with_name(f".tmp-retired-{old.name}")
+                os.replace(old, target)
+                retired.append(target)
+        if retired:
+            threading.Thread(
+                target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in retired],
+                name="checkpoint-prune",
+                daemon=False,
+            ).start()
 
     @staticmethod
     def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainingState:

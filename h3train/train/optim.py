@@ -12,7 +12,8 @@ from ..config import OptimConfig
 
 def no_decay(name: str, param: torch.Tensor) -> bool:
     """Norm scales and biases are not decayed: shrinking them changes the function, not its capacity."""
-    return param.ndim < 2 or "norm" in name or name.endswith(".bias")
+    # 1-D covers every norm scale; a name test would also catch 2-D projections such as norm_out.linear.
+    return param.ndim < 2 or name.endswith(".bias")
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:

@@ -17,13 +17,27 @@ from ..data.prefetch import Prefetcher
 from ..data.sampler import DistributedSampler
 from ..model.build import build_meta_model, build_model, load_pretrained_shards, materialize, pretrained_folder
 from ..model.sp_forward import SequenceParallelH3
-from ..objective import TrainingInputs, compute_loss, make_training_inputs, step_generator, text_dropped
+from ..objective import (
+    TrainingInputs,
+    compute_loss,
+    configured_scales,
+    make_training_inputs,
+    step_generator,
+    text_dropped,
+)
 from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
 from ..parallel.fsdp import apply_fsdp
 from ..parallel.ulysses import SequenceParallel
 from ..preflight import preflight, resolve_attention_backend
 from ..tasks.layout import PackedSample
-from .checkpoint import Checkpointer, TrainingState, check_same_model, read_trainer_state, resolve_resume
+from .checkpoint import (
+    Checkpointer,
+    TrainingState,
+    check_same_model,
+    is_complete,
+    read_trainer_state,
+    resolve_resume,
+)
 from .dump import diffusers_state, micro_batch_tensors, write_dump
 from .events import EventLog, SpikeDetector
 from .faults import FaultInjector
@@ -102,17 +116,22 @@ class Trainer:
         self.device = device
         self.faults = FaultInjector(cfg.debug.fault, self.ctx.rank)
 
+        self.resume_from = self._agree_on_resume(self.resume_from)
         pretrained = pretrained_folder(cfg) if cfg.model.pretrained else None
-        transformer = build_meta_model(cfg) if pretrained else build_model(cfg, cfg.train.seed)
-        transformer.set_attention_backend(resolve_attention_backend(cfg.model.attention_backend, device.type))
+        # A resumed run gets every value from its checkpoint: no rank builds or reads a full model.
+        from_meta = pretrained is not None or self.resume_from is not None
+        transformer = build_meta_model(cfg) if from_meta else build_model(cfg, cfg.train.seed)
+        transformer.set_attention_backend(
+            resolve_attention_backend(cfg.model.attention_backend, device.type, cfg.model.dtype)
+        )
         self.model_config = {k: v for k, v in dict(transformer.config).items() if not k.startswith("_")}
         self.model = SequenceParallelH3(
             transformer, SequenceParallel(self.ctx.sp_group), cfg.model.gradient_checkpointing
         )
         # fully_shard moves the (CPU-initialised) shards to the mesh's device.
         apply_fsdp(self.model, self.ctx, cfg.model.dtype)
-        if pretrained and self.resume_from is not None:
-            materialize(self.model, device)  # the checkpoint fills every value; the 33 B read is skipped
+        if self.resume_from is not None:
+            materialize(self.model, device)
         elif pretrained:
             load_pretrained_shards(self.model, pretrained, device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -150,6 +169,24 @@ class Trainer:
         self.checkpointer.clean_incomplete()
         if self.resume_from is not None:
             self._resume(self.resume_from)
+
+    def _agree_on_resume(self, path: Path | None) -> Path | None:
+        """Every rank resumes from rank 0's choice.
+
+        Nodes can list a shared checkpoint folder differently for a moment (directory caches on
+        network filesystems); ranks loading different steps would mix shards silently.
+        """
+        chosen = [str(path) if path is not None else ""]
+        dist.broadcast_object_list(chosen, src=0)
+        if not chosen[0]:
+            return None
+        agreed = Path(chosen[0])
+        if not is_complete(agreed):
+            raise ConfigError(
+                f"config key 'checkpoint.resume': rank {self.ctx.rank} cannot see the complete "
+                f"checkpoint '{agreed}' that rank 0 resumes from; check the shared filesystem"
+            )
+        return agreed
 
     def _create_synthetic_dataset(self) -> None:
         data = self.cfg.data
@@ -227,6 +264,9 @@ class Trainer:
             if self.faults.active("nan_loss", step):
                 loss = loss * float("nan")
             self.phase = f"backward of step {step}"
+            if self.ctx.dims.dp_replicate > 1:
+                # HSDP: reduce-scatter every micro-batch, all-reduce across replicas once per step.
+                self.model.set_requires_all_reduce(micro == accum - 1)
             (loss / accum).backward()
             losses.append(loss.detach())
             has_audio = float(sample.has_audio)
@@ -319,8 +359,7 @@ class Trainer:
 
     @property
     def cfg_enabled(self) -> bool:
-        c = self.cfg.cfg
-        return c.scale != 1.0 or c.video_scale not in (None, 1.0) or c.audio_scale not in (None, 1.0)
+        return configured_scales(self.cfg.cfg) != (1.0, 1.0)
 
     def _clip_grad_norm(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
