@@ -115,6 +115,13 @@ class Trainer:
         self.ctx = ParallelContext(dims, device)
         self.device = device
         self.faults = FaultInjector(cfg.debug.fault, self.ctx.rank)
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
+        if self.ctx.is_main and dims.sp > 1 and per_node % dims.sp:
+            warnings.warn(
+                f"parallel.sp={dims.sp} does not divide the {per_node} ranks per node: Ulysses all-to-alls "
+                "will cross nodes, which is far slower than NVLink; prefer an sp that divides the GPUs per node",
+                stacklevel=2,
+            )
 
         self.resume_from = self._agree_on_resume(self.resume_from)
         pretrained = pretrained_folder(cfg) if cfg.model.pretrained else None
@@ -139,7 +146,8 @@ class Trainer:
 
         self.shared_negative = load_shared_negative(cfg)
         self._create_synthetic_dataset()
-        # Every rank of an SP group skips the same samples; one of them writes the record.
+        # Every rank of an SP group skips the same samples; one of them writes the record. The step
+        # recorded is the one being trained when the sample was read, up to data.prefetch samples early.
         self.data_errors = EventLog(self.log_dir / "data_errors.jsonl" if self.ctx.sp_rank == 0 else None)
         self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
         self.spike_log = EventLog(self.log_dir / "loss_spikes.jsonl" if self.ctx.sp_rank == 0 else None)
