@@ -69,6 +69,7 @@ from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames, video_latent_num_frames
 
 from . import plan
+from .atomic import atomic_write_text
 from .config import ConfigError, LossWeights, SyntheticDataConfig, TimestepConfig
 from .data.format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
 from .model.sp_forward import SequenceParallelH3
@@ -701,7 +702,6 @@ def bench_command(args: argparse.Namespace) -> int:
     print(format_report(report), flush=True)
     if args.out:
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report.to_json(), indent=2, allow_nan=True) + "\n")
+        atomic_write_text(out, json.dumps(report.to_json(), indent=2, allow_nan=True) + "\n")
         print(f"wrote {out}")
     return 0 if report.ok else 1

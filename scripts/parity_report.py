@@ -15,9 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from safetensors.torch import load_file  # noqa: E402
 
-from reference import TINY_FL2VA, read_metrics, reference_step, relative_l2, run_h3train  # noqa: E402
+from reference import TINY_FL2VA, parity_step  # noqa: E402
 
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
 LAYOUTS = [
@@ -37,22 +36,10 @@ def main() -> int:
     root = Path(args.out or tempfile.mkdtemp(prefix="h3train-parity-"))
     print(f"{'layout':32} {'loss ratio':>12} {'grad_norm ratio':>16} {'worst rel L2':>13}  parameter")
     for i, (name, config, nproc, extra, dp) in enumerate(LAYOUTS):
-        run = root / f"case{i}"
-        overrides = [
-            "train.steps=1",
-            "debug.dump_step=1",
-            "logging.progress=false",
-            f"data.path={run / 'data'}",
-            *extra,
-        ]
-        run_h3train(["train", str(config), f"logging.dir={run}", *overrides], nproc=nproc)
-        dump = run / "dump" / "step_1"
-        ref_loss, ref_grads, ref_norm = reference_step(config, overrides, dump, dp=dp)
-        grads = load_file(dump / "grads.safetensors")
-        worst, param = max((relative_l2(grads[n], g), n) for n, g in ref_grads.items() if g.abs().sum() > 0)
-        metrics = read_metrics(run)[0]
+        result = parity_step(config, extra, root / f"case{i}", nproc, dp)
+        worst, param = result.worst()
         print(
-            f"{name:32} {metrics['loss'] / ref_loss:12.9f} {metrics['grad_norm'] / ref_norm:16.9f} "
+            f"{name:32} {result.loss / result.ref_loss:12.9f} {result.grad_norm / result.ref_norm:16.9f} "
             f"{worst:13.3e}  {param}",
             flush=True,
         )

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,23 +27,35 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_FL2VA = ROOT / "configs" / "tiny_fl2va.yaml"
 
 
-def run_h3train(args: list[str], nproc: int = 1, timeout: float = 180, check: bool = True):
-    """`h3train ARGS` in a fresh process, under `torchrun --standalone` when nproc > 1."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
-    if nproc > 1:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "h3train",
-            *args,
-        ]
-    else:
-        cmd = [sys.executable, "-m", "h3train", *args]
-    proc = run_process_group(cmd, env, timeout)
+def h3train_command(args: list[str], nproc: int = 1, launcher_args: tuple[str, ...] = ()) -> list[str]:
+    """`python -m h3train ARGS`, or under `torchrun --standalone` when nproc > 1."""
+    if nproc == 1:
+        return [sys.executable, "-m", "h3train", *args]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*torchrun, *launcher_args, "-m", "h3train", *args]
+
+
+def run_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a launched run: one thread per rank, wandb offline, unbuffered output."""
+    return {
+        **(os.environ if base is None else base),
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
+
+
+def run_h3train(
+    args: list[str],
+    nproc: int = 1,
+    timeout: float = 180,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    launcher_args: tuple[str, ...] = (),
+):
+    """Run `h3train ARGS` in a fresh process (see `h3train_command`), in the environment of `run_env`."""
+    proc = run_process_group(h3train_command(args, nproc, launcher_args), env or run_env(), timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"h3train {' '.join(args)} exited {proc.returncode}\n{proc.stderr[-4000:]}")
     return proc
@@ -101,6 +114,40 @@ def reference_step(config: Path, overrides: list[str], dump_dir: Path, dp: int, 
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     norm = torch.sqrt(sum(g.double().square().sum() for g in grads.values()))
     return float(total / (accum * dp)), grads, float(norm)
+
+
+@dataclass
+class Parity:
+    """One dumped step of a launched run against the unsharded reference."""
+
+    loss: float
+    ref_loss: float
+    grad_norm: float
+    ref_norm: float
+    grads: dict[str, torch.Tensor]
+    ref_grads: dict[str, torch.Tensor]
+
+    def worst(self) -> tuple[float, str]:
+        """The largest per-parameter relative L2 gradient error, and its parameter."""
+        return max((relative_l2(self.grads[n], g), n) for n, g in self.ref_grads.items() if g.abs().sum() > 0)
+
+
+def parity_step(config: Path, extra: list[str], run_dir: Path, nproc: int, dp: int) -> Parity:
+    """Train one step of `config` with a debug dump on `nproc` ranks, then recompute it unsharded."""
+    overrides = [
+        "train.steps=1",
+        "debug.dump_step=1",
+        "logging.progress=false",
+        f"data.path={run_dir / 'data'}",
+        *extra,
+    ]
+    run_h3train(["train", str(config), f"logging.dir={run_dir}", *overrides], nproc=nproc)
+    dump = run_dir / "dump" / "step_1"
+    ref_loss, ref_grads, ref_norm = reference_step(config, overrides, dump, dp=dp)
+    metrics = read_metrics(run_dir)[0]
+    return Parity(
+        metrics["loss"], ref_loss, metrics["grad_norm"], ref_norm, load_file(dump / "grads.safetensors"), ref_grads
+    )
 
 
 def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -6,7 +6,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -14,7 +13,7 @@ import pytest
 
 from h3train.train.checkpoint import complete_checkpoints
 
-from reference import ROOT, TINY_FL2VA, read_metrics, run_h3train
+from reference import ROOT, TINY_FL2VA, h3train_command, read_metrics, run_env, run_h3train
 
 COMMON = ["train.steps=6", "logging.progress=false", "optim.schedule=cosine", "optim.warmup_steps=2"]
 SP2 = (2, ("parallel.sp=2",))
@@ -106,18 +105,10 @@ def test_kill_during_save_keeps_previous_checkpoint(runs, tmp_path) -> None:
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_zero(tmp_path) -> None:
     log_dir = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    cmd = [
-        sys.executable,
-        "-m",
-        "h3train",
-        "train",
-        str(TINY_FL2VA),
-        f"logging.dir={log_dir}",
-        "train.steps=100000",
-        "logging.progress=false",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = h3train_command(
+        ["train", str(TINY_FL2VA), f"logging.dir={log_dir}", "train.steps=100000", "logging.progress=false"]
+    )
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = log_dir / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):

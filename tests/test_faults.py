@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from h3train.cli import main
 from h3train.data.format import read_index
 
-from reference import ROOT, TINY_FL2VA, read_metrics, run_h3train, run_process_group
+from reference import ROOT, TINY_FL2VA, h3train_command, read_metrics, run_env, run_h3train
 
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
 
@@ -172,20 +171,20 @@ def test_yaml_cannot_run_code(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_dead_rank_makes_the_survivor_exit_naming_what_it_waited_for(tmp_path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
-    cmd = [
-        sys.executable,
-        "-m",
-        "h3train",
-        "train",
-        str(TINY_FL2VA),
-        f"logging.dir={tmp_path}",
-        "train.steps=5",
-        "parallel.dp_shard=2",
-        "parallel.timeout_s=30",
-        "debug.fault=[kill@3:1]",
-        "logging.progress=false",
-    ]
+    # Two ranks launched by hand: under torchrun the agent would stop the survivor itself.
+    env = run_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    cmd = h3train_command(
+        [
+            "train",
+            str(TINY_FL2VA),
+            f"logging.dir={tmp_path}",
+            "train.steps=5",
+            "parallel.dp_shard=2",
+            "parallel.timeout_s=30",
+            "debug.fault=[kill@3:1]",
+            "logging.progress=false",
+        ]
+    )
     procs = [
         subprocess.Popen(
             cmd,
@@ -208,23 +207,13 @@ def test_dead_rank_makes_the_survivor_exit_naming_what_it_waited_for(tmp_path) -
 def test_torchrun_restart_resumes_and_matches_uninterrupted_run(tmp_path) -> None:
     common = ["train.steps=6", "checkpoint.every=2", "parallel.sp=2", "logging.progress=false"]
     run_h3train(["train", str(TINY_FL2VA), f"logging.dir={tmp_path / 'straight'}", *common], nproc=2)
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "--max-restarts=1",
-        "-m",
-        "h3train",
-        "train",
-        str(TINY_FL2VA),
-        f"logging.dir={tmp_path / 'killed'}",
-        *common,
-        "debug.fault=[kill@5:1]",
-    ]
-    proc = run_process_group(cmd, env, timeout=300)
+    proc = run_h3train(
+        ["train", str(TINY_FL2VA), f"logging.dir={tmp_path / 'killed'}", *common, "debug.fault=[kill@5:1]"],
+        nproc=2,
+        launcher_args=("--max-restarts=1",),
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "step_00000004" in proc.stdout
     straight, killed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "killed")
@@ -235,11 +224,8 @@ def test_torchrun_restart_resumes_and_matches_uninterrupted_run(tmp_path) -> Non
 
 def test_wandb_that_cannot_start_does_not_stop_training(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
-    env.update(HOME=str(tmp_path), OMP_NUM_THREADS="1", WANDB_SILENT="true", NETRC=str(tmp_path / "netrc"))
-    cmd = [
-        sys.executable,
-        "-m",
-        "h3train",
+    env = run_env(env, HOME=str(tmp_path), WANDB_SILENT="true", NETRC=str(tmp_path / "netrc"))
+    args = [
         "train",
         str(TINY_FL2VA),
         f"logging.dir={tmp_path / 'run'}",
@@ -248,7 +234,7 @@ def test_wandb_that_cannot_start_does_not_stop_training(tmp_path) -> None:
         "logging.wandb.mode=online",
         "logging.progress=false",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    proc = run_h3train(args, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.count("wandb") >= 1 and "metrics.jsonl" in proc.stderr
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from reference import ROOT, TINY_FL2VA, read_metrics, reference_step, relative_l2, run_h3train
+from reference import ROOT, TINY_FL2VA, parity_step, read_metrics, run_h3train
 
 TOL = 1e-5
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
@@ -54,28 +53,15 @@ CASES = {
 def test_gradients_match_unsharded_reference(case: str, tmp_path) -> None:
     nproc, extra, dp = CASES[case]
     config = TINY_REF2VA if case.startswith("ref2va") else TINY_FL2VA
-    overrides = [
-        "train.steps=1",
-        "debug.dump_step=1",
-        "logging.progress=false",
-        f"data.path={tmp_path / 'data'}",
-        *extra,
-    ]
-    run_h3train(["train", str(config), f"logging.dir={tmp_path / 'run'}", *overrides], nproc=nproc)
-
-    dump = tmp_path / "run" / "dump" / "step_1"
-    ref_loss, ref_grads, ref_norm = reference_step(config, overrides, dump, dp=dp)
-    grads = load_file(dump / "grads.safetensors")
-    assert set(grads) == set(ref_grads)
-    worst = max((relative_l2(grads[n], ref_grads[n]), n) for n in ref_grads if ref_grads[n].abs().sum() > 0)
-    assert worst[0] <= TOL, f"{case}: gradient of {worst[1]} off by relative L2 {worst[0]:.3e}"
-    for name, g in ref_grads.items():
+    result = parity_step(config, extra, tmp_path / "run", nproc, dp)
+    assert set(result.grads) == set(result.ref_grads)
+    worst, name = result.worst()
+    assert worst <= TOL, f"{case}: gradient of {name} off by relative L2 {worst:.3e}"
+    for name, g in result.ref_grads.items():
         if g.abs().sum() == 0:
-            assert torch.count_nonzero(grads[name]) == 0, name
-
-    metrics = read_metrics(tmp_path / "run")[0]
-    assert metrics["loss"] == pytest.approx(ref_loss, rel=TOL)
-    assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=TOL)
+            assert torch.count_nonzero(result.grads[name]) == 0, name
+    assert result.loss == pytest.approx(result.ref_loss, rel=TOL)
+    assert result.grad_norm == pytest.approx(result.ref_norm, rel=TOL)
 
 
 @pytest.mark.slow
