@@ -70,8 +70,9 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent
 
 from . import plan
 from .atomic import atomic_write_text
-from .config import ConfigError, LossWeights, SyntheticDataConfig, TimestepConfig
+from .config import LossWeights, SyntheticDataConfig, TimestepConfig
 from .data.format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
+from .errors import ConfigError
 from .model.sp_forward import SequenceParallelH3
 from .objective import TrainingInputs, compute_loss, make_training_inputs
 from .parallel.ulysses import SequenceParallel

@@ -9,13 +9,14 @@ import argparse
 import os
 import sys
 
-from .config import ConfigError, load_config
+from .config import load_config
+from .errors import H3TrainError
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    from .data.format import DatasetError, SampleError
-    from .train.trainer import Trainer, TrainingError
+    from .errors import DatasetError, SampleError, TrainingError
+    from .train.trainer import Trainer
 
     trainer = Trainer(cfg)
     try:
@@ -213,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
-    except ConfigError as exc:
+    except H3TrainError as exc:
         print(f"h3train: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-class ConfigError(ValueError):
-    """A configuration problem, reported as a single line naming the key."""
+from .errors import ConfigError
 
 
 @dataclass

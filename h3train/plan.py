@@ -340,9 +340,8 @@ def config_rows(cfg: Config) -> tuple[int, str]:
         return build_layout("fl2va" if anchors else "t2va", tags, geometry, anchors).seq_len, "synthetic geometry"
     if not cfg.data.path or not Path(cfg.data.path).is_dir():
         return RELEASED_MAX_ROWS, "longest released clip; data.path is not readable here"
-    from .config import ConfigError
     from .data.dataset import CachedDataset
-    from .data.format import DatasetError
+    from .errors import ConfigError, DatasetError
 
     try:
         return max(CachedDataset(cfg.data.path, cfg.task.name).lengths), "longest sample in the dataset index"

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .config import Config, ConfigError
+from .config import Config
+from .errors import ConfigError
 
 # `model.attention_backend` -> diffusers' `dispatch_attention_fn` backend name.
 ATTENTION_BACKENDS = {"native": "native", "flash": "flash", "cudnn": "_native_cudnn"}

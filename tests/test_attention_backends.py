@@ -10,7 +10,8 @@ from diffusers.models.transformers import transformer_minimax_h3
 
 from h3train import preflight
 from h3train.cli import main
-from h3train.config import ConfigError, LossWeights, TimestepConfig, load_config
+from h3train.config import LossWeights, TimestepConfig, load_config
+from h3train.errors import ConfigError
 from h3train.model import sp_forward
 from h3train.model.build import build_model
 from h3train.model.sp_forward import SequenceParallelH3, UlyssesAttnProcessor

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from h3train.cli import main
-from h3train.config import ConfigError, load_config
+from h3train.config import load_config
+from h3train.errors import ConfigError
 from h3train.parallel.dims import ParallelDims
 
 from reference import TINY_FL2VA, run_h3train

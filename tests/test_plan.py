@@ -240,7 +240,7 @@ def test_cluster_configs_keep_the_global_batch(pretrained_folder: Path) -> None:
 
 
 def test_cluster_configs_need_the_model_folder(tmp_path: Path) -> None:
-    from h3train.config import ConfigError
+    from h3train.errors import ConfigError
 
     with pytest.raises(ConfigError, match="model.pretrained"):
         _load_cluster_config("h3_a100_16gpu.yaml", tmp_path)
@@ -271,7 +271,7 @@ def test_estimate_uses_the_longest_cached_sample(tmp_path: Path) -> None:
 
 
 def test_unreadable_dataset_index_is_a_config_error(tmp_path: Path) -> None:
-    from h3train.config import ConfigError
+    from h3train.errors import ConfigError
     from h3train.parallel.dims import ParallelDims
 
     (tmp_path / "data").mkdir()

@@ -33,7 +33,7 @@ from transformers import (
 )
 from transformers.utils import is_torchvision_available
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 COMPONENT_NAMES = ("vae", "audio_vae", "text_encoder", "tokenizer", "processor")
 # The tokens MiniMax H3's presentations and Qwen3-VL's processor look up by name.

@@ -65,7 +65,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from ..atomic import atomic_write_text
-from ..config import ConfigError
+from ..errors import ConfigError
 from .components import Components, check_components_folder, components_fingerprint, load_components, reads_videos
 from .format import SAMPLE_SUFFIX, CachedSample, ReferenceLatents, read_header, write_index, write_sample
 from .manifest import ManifestEntry, Reference, read_manifest

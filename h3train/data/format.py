@@ -39,6 +39,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
 from safetensors import safe_open
 
 from ..atomic import atomic_save_file, atomic_write_text
+from ..errors import DatasetError, SampleError
 from ..tasks.layout import (
     AUDIO_CHANNELS,
     TASKS,
@@ -78,14 +79,6 @@ _SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 _NEGATIVE_VISUAL = ("negative_visual_prompt_embeds", "negative_visual_text_token_tags")
-
-
-class SampleError(ValueError):
-    """A cached sample that cannot be used, reported in one line naming the file and the field."""
-
-
-class DatasetError(ValueError):
-    """A dataset folder or index problem, reported in one line naming the path."""
 
 
 def _fail(where: str, field_name: str, problem: str) -> SampleError:

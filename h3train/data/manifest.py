@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .format import ANCHORS, REFERENCE_KINDS
 
 MANIFEST_TASKS = ("t2va", "fl2va", "ref2va")

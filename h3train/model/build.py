@@ -18,7 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..config import Config, ConfigError, default_subfolder, model_config_dict
+from ..config import Config, default_subfolder, model_config_dict
+from ..errors import ConfigError
 
 
 def build_model(cfg: Config, seed: int) -> MiniMaxH3Transformer3DModel:

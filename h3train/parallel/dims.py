@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..config import ConfigError, ParallelConfig
+from ..config import ParallelConfig
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..atomic import atomic_write_text, fsync_path
+from ..errors import ConfigError
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "trainer_state.json"
@@ -72,8 +73,6 @@ def resolve_resume(root: Path, resume: str) -> Path | None:
         return found[-1] if found else None
     path = Path(resume)
     if not is_complete(path):
-        from ..config import ConfigError
-
         raise ConfigError(
             f"config key 'checkpoint.resume': '{resume}' is not a complete checkpoint folder "
             f"(expected {step_dir_name(0)[:5]}NNNNNNNN with {STATE_FILE} and .metadata)"
@@ -87,7 +86,6 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
 
 def check_same_model(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
     """A checkpoint resumes only into the architecture it was saved from (JSON-normalised compare)."""
-    from ..config import ConfigError
 
     def norm(d: dict[str, Any]) -> dict[str, Any]:
         return json.loads(json.dumps({k: v for k, v in d.items() if not k.startswith("_")}))

@@ -18,7 +18,7 @@ from diffusers import MiniMaxH3Transformer3DModel
 from torch.distributed.checkpoint import FileSystemReader
 
 from ..atomic import atomic_save_file, atomic_write_text
-from ..config import ConfigError
+from ..errors import ConfigError
 from .checkpoint import is_complete, read_trainer_state
 
 MODEL_PREFIX = "model.transformer."

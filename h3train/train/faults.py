@@ -9,7 +9,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 STEP_KINDS = ("nan_loss", "nan_grad", "kill", "sigterm", "kill_in_save")
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import Config, ConfigError, model_dims, to_yaml
+from ..config import Config, model_dims, to_yaml
 from ..data.prefetch import Prefetcher
 from ..data.sampler import DistributedSampler
+from ..errors import ConfigError, TrainingError
 from ..model.build import build_meta_model, build_model, load_pretrained_shards, materialize, pretrained_folder
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import (
@@ -91,10 +92,6 @@ def build_source(cfg: Config, text_dim: int, on_skip=None):
 
 # FSDP2 warns about every Linear output that is a view; nothing here writes into one in place.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. too many consecutive non-finite steps); the message is one line."""
 
 
 class Trainer:
