@@ -185,6 +185,8 @@ class DebugConfig:
     # Fault injection for tests: `nan_loss@STEP`, `nan_grad@STEP:RANK`, `kill@STEP:RANK`,
     # `sigterm@STEP`, `kill_in_save@STEP`, `corrupt_sample@ID`.
     fault: list[str] = field(default_factory=list)
+    # `[first, last]`: a torch.profiler trace of steps first..last per rank under <logging.dir>/profile.
+    profile_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -336,6 +338,11 @@ def validate(cfg: Config) -> None:
     if cfg.debug.dump_step is not None and not 1 <= cfg.debug.dump_step <= cfg.train.steps:
         raise ConfigError(
             f"config key 'debug.dump_step' must be in [1, train.steps={cfg.train.steps}], got {cfg.debug.dump_step}"
+        )
+    prof = cfg.debug.profile_steps
+    if prof and (len(prof) != 2 or not 1 <= prof[0] <= prof[1]):
+        raise ConfigError(
+            f"config key 'debug.profile_steps' must be [first, last] with 1 <= first <= last, got {list(prof)}"
         )
     syn = cfg.data.synthetic
     for anchor in syn.keyframe_anchors:

@@ -6,6 +6,7 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from .checkpoint import (
 from .dump import diffusers_state, micro_batch_tensors, write_dump
 from .events import EventLog, SpikeDetector
 from .faults import FaultInjector
+from .hooks import ModelTransform, TrainerHook, model_transforms, step_hooks
 from .metrics import MetricsLogger, write_resolved_config
 from .optim import build_optimizer, build_scheduler
 from .preemption import Preemption
@@ -97,7 +99,13 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 class Trainer:
     """Builds everything from a `Config`; `fit()` runs the loop; `close()` leaves the process group."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        transforms: Sequence[ModelTransform] | None = None,
+        hooks: Sequence[TrainerHook] | None = None,
+    ) -> None:
+        """`transforms` / `hooks` default to what the config asks for (`model_transforms`, `step_hooks`)."""
         self.cfg = cfg
         # The mesh is checked against the launch before any process group exists.
         dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
@@ -128,6 +136,8 @@ class Trainer:
         transformer.set_attention_backend(
             resolve_attention_backend(cfg.model.attention_backend, device.type, cfg.model.dtype)
         )
+        for transform in model_transforms(cfg) if transforms is None else transforms:
+            transform(transformer, cfg)
         self.model_config = {k: v for k, v in dict(transformer.config).items() if not k.startswith("_")}
         self.model = SequenceParallelH3(
             transformer, SequenceParallel(self.ctx.sp_group), cfg.model.gradient_checkpointing
@@ -170,10 +180,24 @@ class Trainer:
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.preempt = Preemption()
+        self.hooks: list[TrainerHook] = []
+        for hook in step_hooks(cfg, self.ctx.rank) if hooks is None else hooks:
+            self.add_hook(hook)
         self.checkpointer = Checkpointer(self.ckpt_dir, cfg.checkpoint.keep_last, self.ctx.is_main)
         self.checkpointer.clean_incomplete()
         if self.resume_from is not None:
             self._resume(self.resume_from)
+
+    def add_hook(self, hook: TrainerHook) -> None:
+        """Run `hook` at the loop's points; a hook with state joins the checkpoint under `hook.name`.
+
+        Hooks are added before the resume (in `__init__`), so a stateful hook's state is restored.
+        """
+        if callable(getattr(hook, "state_dict", None)) and callable(getattr(hook, "load_state_dict", None)):
+            if not hook.name or hook.name in self.checkpoint_state:
+                raise ValueError(f"a stateful hook needs a unique name for the checkpoint, got {hook.name!r}")
+            self.checkpoint_state[hook.name] = hook
+        self.hooks.append(hook)
 
     def _agree_on_resume(self, path: Path | None) -> Path | None:
         """Every rank resumes from rank 0's choice.
@@ -409,11 +433,18 @@ class Trainer:
                 progress=cfg.logging.progress,
             ) as metrics,
         ):
+            for hook in self.hooks:
+                hook.on_fit_start(self)
             for step in range(self.step + 1, cfg.train.steps + 1):
                 self.faults.maybe_die("kill", step)
                 self.faults.maybe_die("sigterm", step)
+                for hook in self.hooks:
+                    hook.before_step(self, step)
                 stats = self.train_step(step)
                 self.step = step
+                for hook in self.hooks:
+                    self.phase = f"{type(hook).__name__} after step {step}"
+                    stats.update(hook.after_step(self, step, stats) or {})
                 metrics.log(step, stats)
                 self.phase = f"preemption check after step {step}"
                 preempted = self.preempt.requested(self.device)
@@ -426,6 +457,8 @@ class Trainer:
                     if self.ctx.is_main:
                         print(f"preempted: stopped after step {step}; resume with checkpoint.resume=auto", flush=True)
                     break
+            for hook in self.hooks:
+                hook.on_fit_end(self)
 
     def close(self, clean: bool = True) -> None:
         """Stop the prefetcher and leave the process group.
