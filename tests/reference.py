@@ -90,6 +90,55 @@ def reference_step(config: Path, overrides: list[str], dump_dir: Path, dp: int, 
     model = MiniMaxH3Transformer3DModel(**meta["model_config"])
     model.load_state_dict(load_file(dump_dir / "weights.safetensors"), strict=True)
     model.float()
+    return _reference_backward(cfg, meta, model, dump_dir, dp, step)
+
+
+def reference_model_from_dump(dump_dir: Path) -> MiniMaxH3Transformer3DModel:
+    """The dumped step's model rebuilt with diffusers and peft alone, float32, trained parameters unfrozen.
+
+    Full fine-tuning: every parameter trains. LoRA: the base is loaded under its diffusers names, the
+    adapter added from the dumped peft config, its factors set with `set_peft_model_state_dict`, and
+    the parameters with a dumped gradient (adapters, `lora.train_modules`) are the trained ones.
+    """
+    from peft import LoraConfig, set_peft_model_state_dict
+
+    meta = json.loads((dump_dir / "meta.json").read_text())
+    weights = load_file(dump_dir / "weights.safetensors")
+    trained = set(load_file(dump_dir / "grads.safetensors"))
+    model = MiniMaxH3Transformer3DModel(**meta["model_config"])
+    if meta.get("lora") is None:
+        model.load_state_dict(weights, strict=True)
+        return model.float()
+    is_factor = [k for k in weights if ".lora_A." in k or ".lora_B." in k]
+    model.load_state_dict({k: v for k, v in weights.items() if k not in is_factor}, strict=True)
+    lora = {k: v for k, v in meta["lora"].items() if k not in ("peft_type", "peft_version", "auto_mapping")}
+    model.add_adapter(LoraConfig(**lora))
+    result = set_peft_model_state_dict(model, {k: weights[k] for k in is_factor})
+    assert not result.unexpected_keys, result.unexpected_keys
+    model.float()
+    for name, param in model.named_parameters():
+        param.requires_grad_(lora_file_name(name) in trained)
+    assert {lora_file_name(n) for n, p in model.named_parameters() if p.requires_grad} == trained
+    return model
+
+
+def lora_file_name(name: str) -> str:
+    """A live peft parameter path -> the dump's name for it (diffusers name / peft state-dict name)."""
+    return (
+        name.replace(".base_layer.", ".")
+        .replace(".lora_A.default.", ".lora_A.")
+        .replace(".lora_B.default.", ".lora_B.")
+    )
+
+
+def reference_step_from_dump(config: Path, overrides: list[str], dump_dir: Path, dp: int, step: int):
+    """`reference_step` for any dump, full or LoRA: (loss, gradients of the trained parameters, norm)."""
+    cfg = load_config(config, overrides)
+    meta = json.loads((dump_dir / "meta.json").read_text())
+    return _reference_backward(cfg, meta, reference_model_from_dump(dump_dir), dump_dir, dp, step)
+
+
+def _reference_backward(cfg, meta: dict, model, dump_dir: Path, dp: int, step: int):
     dumped = load_file(dump_dir / "inputs.safetensors")
 
     source = build_source(cfg, meta["model_config"]["text_dim"])
@@ -111,7 +160,7 @@ def reference_step(config: Path, overrides: list[str], dump_dir: Path, dp: int, 
             loss = compute_loss(lambda **kw: model(**kw, return_dict=False), ti).loss
             (loss / (accum * dp)).backward()
             total += loss.detach().double()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    grads = {lora_file_name(name): p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     norm = torch.sqrt(sum(g.double().square().sum() for g in grads.values()))
     return float(total / (accum * dp)), grads, float(norm)
 
@@ -145,6 +194,29 @@ def parity_step(config: Path, extra: list[str], run_dir: Path, nproc: int, dp: i
     dump = run_dir / "dump" / "step_1"
     ref_loss, ref_grads, ref_norm = reference_step(config, overrides, dump, dp=dp)
     metrics = read_metrics(run_dir)[0]
+    return Parity(
+        metrics["loss"], ref_loss, metrics["grad_norm"], ref_norm, load_file(dump / "grads.safetensors"), ref_grads
+    )
+
+
+def lora_parity_run(config: Path, extra: list[str], run_dir: Path, nproc: int, dp: int, step: int = 2) -> Parity:
+    """Train `step` steps of a LoRA `config` on `nproc` ranks with a dump at `step`, recompute it with peft.
+
+    The dump is not at step 1: lora_B starts at zero, so lora_A's first gradient is zero and would
+    compare nothing.
+    """
+    overrides = [
+        f"train.steps={step}",
+        f"debug.dump_step={step}",
+        "logging.progress=false",
+        "checkpoint.every=0",
+        f"data.path={run_dir / 'data'}",
+        *extra,
+    ]
+    run_h3train(["train", str(config), f"logging.dir={run_dir}", *overrides], nproc=nproc)
+    dump = run_dir / "dump" / f"step_{step}"
+    ref_loss, ref_grads, ref_norm = reference_step_from_dump(config, overrides, dump, dp=dp, step=step)
+    metrics = read_metrics(run_dir)[step - 1]
     return Parity(
         metrics["loss"], ref_loss, metrics["grad_norm"], ref_norm, load_file(dump / "grads.safetensors"), ref_grads
     )

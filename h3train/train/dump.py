@@ -5,9 +5,17 @@
   (unsharded, unpadded), `m{m}.target_video|target_audio|loss_mask_video|loss_mask_audio`, and the
   scalars `m{m}.weight_video|weight_audio` (the full factor of each modality's MSE); under CFG also
   `m{m}.uncond.<arg>` and `m{m}.cfg_scale_video|cfg_scale_audio|cfg_curvature_power`;
-- weights.safetensors / grads.safetensors: every parameter before the update and its gradient as
-  the optimizer receives it (before clipping), unsharded, under diffusers names;
-- meta.json: model config, micro-batch count, DP and SP sizes, each micro-batch's task and geometry.
+- weights.safetensors: every parameter before the update, unsharded float32, under diffusers names;
+  in a LoRA run the frozen base under the transformer's own names (`<module>.weight`, as
+  `from_pretrained` loads it) plus the adapters under the names `peft.get_peft_model_state_dict`
+  gives (`<module>.lora_A.weight`);
+- grads.safetensors: the gradient of every trained parameter as the optimizer receives it (before
+  clipping), under the same names (all parameters in full fine-tuning; adapters and
+  `lora.train_modules` in a LoRA run);
+- meta.json: model config, micro-batch count, DP and SP sizes, each micro-batch's task and geometry,
+  and `lora`: the adapter's peft `LoraConfig` as a dict (null in full fine-tuning), so the step is
+  rebuilt with diffusers and peft alone: `add_adapter(LoraConfig(**lora))`,
+  `set_peft_model_state_dict`, the base loaded before the adapter is added.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..lora.names import export_name
 from ..objective import TrainingInputs
 
 ROOT_PREFIX = "transformer."
@@ -31,14 +40,23 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def diffusers_state(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
-    """Unsharded float32 parameters (or their gradients) under the transformer's own names."""
+    """Unsharded float32 parameters (or the trained ones' gradients) under their file names."""
     out = {}
     for name, param in model.named_parameters():
+        if grads and not param.requires_grad:
+            continue
         src = param.grad if grads else param
         if src is None:
             src = torch.zeros_like(param)
-        out[name.removeprefix(ROOT_PREFIX)] = full_tensor(src.detach()).float().cpu().contiguous()
+        out[export_name(name.removeprefix(ROOT_PREFIX))] = full_tensor(src.detach()).float().cpu().contiguous()
     return out
+
+
+def lora_meta(model: nn.Module) -> dict | None:
+    """The adapter's peft config of a (wrapped) LoRA model as a dict; None in full fine-tuning."""
+    from ..lora.adapters import adapter_config
+
+    return adapter_config(getattr(model, "transformer", model))
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,163 @@
+"""LoRA adapters on the H3 transformer through its own `PeftAdapterMixin` (`transformer.add_adapter`).
+
+`LoraTransform` is the model transform `model_transforms(cfg)` returns when `lora.rank > 0`. On the
+bare transformer, before the sequence-parallel wrapper and FSDP2, it:
+
+1. adds one peft adapter (`ADAPTER_NAME`) on the Linear layers `lora.target_modules` selects;
+   peft freezes every other parameter;
+2. unfreezes the `lora.train_modules` (trained in full, float32 master weights);
+3. stores the frozen base in bfloat16 except the `_keep_in_fp32_modules` islands, which stay float32
+   as in the released checkpoint; adapters are float32. A frozen parameter has no gradient and no
+   optimizer state, so no float32 copy of it exists anywhere;
+4. gives every adapter its seeded initial value (`adapter_init`): lora_A as peft's default
+   (Kaiming-uniform, a = sqrt(5)), lora_B zero, drawn from a generator seeded by `train.seed` and the
+   parameter's name, so every rank and every build (random, pretrained, meta) gets the same values.
+
+A model built on the meta device (pretrained weights, resume) has no values yet: its adapters are
+created on meta too and get their values in `LoraTransform.after_load`, which the trainer calls once
+FSDP2 has sharded and materialised the model and the pretrained weights are in. Each rank then draws
+the full adapter tensor from the seeded generator and keeps its own shard, so the sharded values
+equal the unsharded init exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from diffusers import MiniMaxH3Transformer3DModel
+from peft import LoraConfig as PeftLoraConfig
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ..config import Config, LoraConfig
+from ..model.build import fp32_island_names
+from .names import ADAPTER_NAME, export_name, is_adapter_param
+from .targets import resolve_targets, resolve_train_modules
+
+BASE_DTYPE = torch.bfloat16
+ROOT_PREFIX = "transformer."
+
+
+def peft_config(lora: LoraConfig, targets: list[str]) -> PeftLoraConfig:
+    """peft's config for `lora` on the resolved full module paths `targets`."""
+    return PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha if lora.alpha is not None else lora.rank,
+        lora_dropout=lora.dropout,
+        target_modules=list(targets),
+        init_lora_weights=True,
+        bias="none",
+    )
+
+
+def is_adapted(transformer: nn.Module) -> bool:
+    return bool(getattr(transformer, "_hf_peft_config_loaded", False))
+
+
+def adapter_config(transformer: nn.Module) -> dict | None:
+    """The adapter's peft config as a JSON-able dict (what `LoraConfig(**d)` rebuilds); None without one."""
+    if not is_adapted(transformer):
+        return None
+    d = transformer.peft_config[ADAPTER_NAME].to_dict()
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, set):
+            v = sorted(v)
+        if k in ("peft_type", "task_type") and v is not None:
+            v = str(getattr(v, "value", v))
+        out[k] = v
+    return out
+
+
+def _param_seed(seed: int, name: str) -> int:
+    # One stream per adapter parameter: values do not depend on the order parameters are visited.
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def adapter_init(name: str, shape: torch.Size | tuple[int, ...], seed: int) -> torch.Tensor:
+    """The seeded initial value of adapter parameter `name` (a file name, see `names.export_name`)."""
+    if ".lora_B." in name:
+        return torch.zeros(shape, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(_param_seed(seed, name))
+    value = torch.empty(shape, dtype=torch.float32)
+    nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=gen)
+    return value
+
+
+@torch.no_grad()
+def assign_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the unsharded value `full` into `param`, or into this rank's shard of a DTensor."""
+    if isinstance(param, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        local = param.to_local()
+        if local.numel():
+            local.copy_(full[tuple(slice(o, o + s) for o, s in zip(offset, shape))])
+    else:
+        param.copy_(full)
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """Give every adapter parameter of `model` (bare, wrapped or sharded) its seeded initial value."""
+    for name, param in model.named_parameters():
+        if is_adapter_param(name):
+            file_name = export_name(name.removeprefix(ROOT_PREFIX))
+            assign_full(param, adapter_init(file_name, param.shape, seed).to(param.device))
+
+
+def add_adapters(transformer: MiniMaxH3Transformer3DModel, cfg: Config) -> None:
+    """Steps 1-4 of the module docstring, on the bare transformer (real or on meta)."""
+    lora = cfg.lora
+    targets = resolve_targets(transformer, lora.target_modules)
+    train_modules = resolve_train_modules(transformer, lora.train_modules, targets)
+    # peft initialises with the default RNG; fork it, so adding adapters never shifts other draws.
+    with torch.random.fork_rng(devices=[]):
+        transformer.add_adapter(peft_config(lora, targets), adapter_name=ADAPTER_NAME)
+    modules = dict(transformer.named_modules())
+    for name in train_modules:
+        modules[name].requires_grad_(True)
+    islands = tuple(f"{name}." for name in fp32_island_names(transformer))
+    for name, param in transformer.named_parameters():
+        if is_adapter_param(name) or param.requires_grad:
+            param.data = param.data.float()
+        elif not name.startswith(islands):
+            param.data = param.data.to(BASE_DTYPE)
+    if not any(p.is_meta for p in transformer.parameters()):
+        init_adapters(transformer, cfg.train.seed)
+
+
+class LoraTransform:
+    """The model transform of `lora.rank > 0` (see the module docstring)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.seed = cfg.train.seed
+
+    def __call__(self, transformer: MiniMaxH3Transformer3DModel, cfg: Config) -> None:
+        add_adapters(transformer, cfg)
+
+    def after_load(self, model: nn.Module) -> None:
+        """Once the (sharded) model holds its base values: the adapters' seeded values."""
+        init_adapters(model, self.seed)
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    """File names (see `names.export_name`) of the parameters that train, in model order."""
+    return [export_name(n.removeprefix(ROOT_PREFIX)) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def trainable_state_dict(model: nn.Module, adapters_only: bool = False) -> dict[str, torch.Tensor]:
+    """The trained parameters (adapters and train_modules), unsharded float32 on the CPU, under file names.
+
+    A collective on a sharded model: every rank must call it. Adapters come under the names
+    `peft.get_peft_model_state_dict` gives, train_modules under their diffusers names;
+    `adapters_only` keeps the LoRA factors alone (what a LoRA file holds).
+    """
+    out = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad and (is_adapter_param(name) or not adapters_only):
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            out[export_name(name.removeprefix(ROOT_PREFIX))] = full.detach().float().cpu().contiguous()
+    return out

@@ -1,0 +1,128 @@
+"""Which modules `lora.target_modules` and `lora.train_modules` select, checked before heavy work.
+
+An entry selects a module by its diffusers path when it is the full path
+(`transformer_blocks.0.attn.to_q`), a dotted suffix of it (`to_q`, `attn.to_out.0`), or a regular
+expression that matches the full path (`transformer_blocks\\.\\d+\\.attn\\.to_q`). Every entry must
+select at least one module, LoRA targets must be `nn.Linear`, and no module is both adapted and
+trained in full. The check runs on the model built on the meta device, so its names are exactly the
+trained model's and it costs no memory.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from torch import nn
+
+from ..config import Config, model_config_dict
+from ..errors import ConfigError
+
+
+def selects(entry: str, name: str) -> bool:
+    """Whether one `target_modules` / `train_modules` entry selects the module at path `name`."""
+    if name == entry or name.endswith("." + entry):
+        return True
+    try:
+        return re.fullmatch(entry, name) is not None
+    except re.error:
+        return False
+
+
+def select_modules(model: nn.Module, entries: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(paths of the modules any entry selects, in model order; the entries that select nothing)."""
+    entries = list(entries)
+    hit: set[str] = set()
+    names = [name for name, _ in model.named_modules() if name]
+    chosen = []
+    for name in names:
+        matched = [e for e in entries if selects(e, name)]
+        if matched:
+            chosen.append(name)
+            hit.update(matched)
+    return chosen, [e for e in entries if e not in hit]
+
+
+def _quoted(items: Iterable[str]) -> str:
+    return ", ".join(repr(i) for i in items)
+
+
+def resolve_targets(model: nn.Module, target_modules: Iterable[str]) -> list[str]:
+    """Full paths of the Linear layers `target_modules` selects; a `ConfigError` naming any bad entry."""
+    entries = list(target_modules)
+    if not entries:
+        raise ConfigError("config key 'lora.target_modules' is empty; name at least one Linear layer, e.g. [to_q]")
+    chosen, missing = select_modules(model, entries)
+    if missing:
+        raise ConfigError(
+            f"config key 'lora.target_modules': {_quoted(missing)} match no module of the model; give module "
+            "paths (transformer_blocks.0.attn.to_q), their suffixes (to_q) or regular expressions over them"
+        )
+    modules = dict(model.named_modules())
+    not_linear = [n for n in chosen if not isinstance(modules[n], nn.Linear)]
+    if not_linear:
+        bad = [e for e in entries if any(selects(e, n) for n in not_linear)]
+        first = not_linear[0]
+        raise ConfigError(
+            f"config key 'lora.target_modules': {_quoted(bad)} select {first} ({type(modules[first]).__name__}) "
+            f"and {len(not_linear) - 1} more that are not Linear layers; LoRA adapts Linear layers only"
+        )
+    return chosen
+
+
+def resolve_train_modules(model: nn.Module, train_modules: Iterable[str], targets: Iterable[str]) -> list[str]:
+    """Full paths of the modules trained in full beside the adapters; none may hold or be a LoRA target."""
+    entries = list(train_modules)
+    if not entries:
+        return []
+    chosen, missing = select_modules(model, entries)
+    modules = dict(model.named_modules())
+    with_params = [n for n in chosen if next(modules[n].parameters(), None) is not None]
+    empty = [e for e in entries if e not in missing and not any(selects(e, n) for n in with_params)]
+    if missing or empty:
+        raise ConfigError(
+            f"config key 'lora.train_modules': {_quoted(missing + empty)} select no module with parameters; give "
+            "module paths (norm_out.norm), their suffixes (norm1) or regular expressions over them"
+        )
+    targets = list(targets)
+    for name in chosen:
+        overlap = [t for t in targets if t == name or t.startswith(name + ".") or name.startswith(t + ".")]
+        if overlap:
+            raise ConfigError(
+                f"config key 'lora.train_modules': module {name} overlaps the LoRA target {overlap[0]}; "
+                "a module is either adapted or trained in full, remove it from one of the two lists"
+            )
+    return chosen
+
+
+def meta_model(cfg: Config) -> nn.Module:
+    """The configured architecture on the meta device (no memory, no weights read)."""
+    import torch
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    with torch.device("meta"):
+        return MiniMaxH3Transformer3DModel(**model_config_dict(cfg))
+
+
+def validate_lora(cfg: Config) -> None:
+    """The `lora` section's values, then its module names against the model built on meta."""
+    lora = cfg.lora
+    if lora.rank < 0:
+        raise ConfigError(f"config key 'lora.rank' must be >= 0 (0 = full fine-tuning), got {lora.rank}")
+    if lora.rank == 0:
+        for key, value in (("init_from", lora.init_from), ("train_modules", lora.train_modules)):
+            if value:
+                raise ConfigError(f"config key 'lora.{key}' needs LoRA: set lora.rank > 0 (rank 0 is full fine-tuning)")
+        return
+    if lora.alpha is not None and lora.alpha <= 0:
+        raise ConfigError(f"config key 'lora.alpha' must be > 0 (default: lora.rank), got {lora.alpha}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"config key 'lora.dropout' must be in [0, 1), got {lora.dropout}")
+    if lora.init_from is not None:
+        from pathlib import Path
+
+        if not Path(lora.init_from).is_file():
+            raise ConfigError(f"config key 'lora.init_from': file '{lora.init_from}' does not exist")
+    model = meta_model(cfg)
+    targets = resolve_targets(model, lora.target_modules)
+    resolve_train_modules(model, lora.train_modules, targets)
