@@ -190,6 +190,33 @@ class DebugConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (peft LoRA) on a frozen base; `rank: 0` is full fine-tuning.
+
+    `target_modules` and `train_modules` entries each select modules by their diffusers path: the
+    full path (`transformer_blocks.0.attn.to_q`), a dotted suffix of it (`to_q`: every attention's
+    query, refiner included), or a regular expression matched against the full path. A single
+    string is a one-item list. The base is stored in bfloat16 except the float32 islands.
+    """
+
+    rank: int = 0
+    # Scale of the adapters' output is alpha / rank; default: rank (scale 1).
+    alpha: float | None = None
+    dropout: float = 0.0
+    # Default: every transformer block's attention projections and feed-forward (not the refiner).
+    target_modules: list[str] = field(
+        default_factory=lambda: [
+            r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0)",
+            r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
+        ]
+    )
+    # A LoRA file in any format diffusers' H3 loader reads, to continue from.
+    init_from: str | None = None
+    # Modules trained in full (float32) beside the adapters, e.g. norms.
+    train_modules: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -201,6 +228,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -362,6 +390,14 @@ def validate(cfg: Config) -> None:
     if cfg.data.source == "cached" and not cfg.data.path:
         raise ConfigError("config key 'data.path' must name a cached dataset folder when data.source is 'cached'")
     _validate_model_shape(cfg)
+    _validate_lora(cfg)
+
+
+def _validate_lora(cfg: Config) -> None:
+    """`lora.*`: values, and targets checked against the module names of the model built on meta."""
+    from .lora.targets import validate_lora
+
+    validate_lora(cfg)
 
 
 def _validate_cfg(c: CfgConfig) -> None:

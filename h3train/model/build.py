@@ -20,6 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..config import Config, default_subfolder, model_config_dict
 from ..errors import ConfigError
+from ..lora.names import pretrained_key
 
 
 def build_model(cfg: Config, seed: int) -> MiniMaxH3Transformer3DModel:
@@ -99,7 +100,11 @@ def load_pretrained_shards(model: nn.Module, folder: Path, device: torch.device,
     handles: dict[Path, Any] = {}
     try:
         for name, param in model.named_parameters():
-            key = name.removeprefix(prefix)
+            # LoRA adapters are not in the pretrained files (their transform initialises them after
+            # this load); an adapted layer's weight is there under its unadapted name.
+            key = pretrained_key(name.removeprefix(prefix))
+            if key is None:
+                continue
             if key not in files:
                 raise ConfigError(f"config key 'model.pretrained': weight '{key}' missing from '{folder}'")
             file = files[key]

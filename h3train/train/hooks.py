@@ -6,7 +6,10 @@ device, or before pretrained shards are loaded) and before the sequence-parallel
 see it. A transform edits the module in place (adds submodules, sets `requires_grad`); it runs on
 every rank and must do the same thing on each (seed any initialisation), because FSDP2 shards what
 the transform leaves. Only parameters with `requires_grad` reach the optimizer, the clip and the
-logged `grad_norm`.
+logged `grad_norm`. A transform that adds parameters to a model built on the meta device cannot give
+them values there; it may also have `after_load(model)`, which the trainer calls on a fresh start
+once the sharded model is materialised and holds its pretrained or random base values, before the
+optimizer exists (a resume takes every value from the checkpoint instead).
 
 A feature that watches or follows training (evaluation, EMA, profiling) is a **step hook**: a
 `TrainerHook` whose methods the loop calls on every rank, in registration order. Hooks may run
@@ -18,12 +21,13 @@ checkpoint under its `name`: `Trainer.add_hook` registers it in `Trainer.checkpo
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
+from torch import nn
 
 from ..config import Config
 
@@ -119,7 +123,20 @@ def trace_step_ranges(path: Path) -> list[str]:
 
 def model_transforms(cfg: Config) -> list[ModelTransform]:
     """The transforms a config asks for, in the order they apply. Full fine-tuning has none."""
-    return []
+    transforms: list[ModelTransform] = []
+    if cfg.lora.rank > 0:
+        from ..lora.adapters import LoraTransform
+
+        transforms.append(LoraTransform(cfg))
+    return transforms
+
+
+def after_load(transforms: Sequence[ModelTransform], model: nn.Module) -> None:
+    """Call each transform's `after_load(model)`, where it has one (see the module docstring)."""
+    for transform in transforms:
+        finish = getattr(transform, "after_load", None)
+        if callable(finish):
+            finish(model)
 
 
 def step_hooks(cfg: Config, rank: int) -> list[TrainerHook]:

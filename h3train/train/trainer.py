@@ -40,10 +40,10 @@ from .checkpoint import (
     read_trainer_state,
     resolve_resume,
 )
-from .dump import diffusers_state, micro_batch_tensors, write_dump
+from .dump import diffusers_state, lora_meta, micro_batch_tensors, write_dump
 from .events import EventLog, SpikeDetector
 from .faults import FaultInjector
-from .hooks import ModelTransform, TrainerHook, model_transforms, step_hooks
+from .hooks import ModelTransform, TrainerHook, after_load, model_transforms, step_hooks
 from .metrics import MetricsLogger, write_resolved_config
 from .optim import build_optimizer, build_scheduler
 from .preemption import Preemption
@@ -136,7 +136,8 @@ class Trainer:
         transformer.set_attention_backend(
             resolve_attention_backend(cfg.model.attention_backend, device.type, cfg.model.dtype)
         )
-        for transform in model_transforms(cfg) if transforms is None else transforms:
+        self.transforms = list(model_transforms(cfg) if transforms is None else transforms)
+        for transform in self.transforms:
             transform(transformer, cfg)
         self.model_config = {k: v for k, v in dict(transformer.config).items() if not k.startswith("_")}
         self.model = SequenceParallelH3(
@@ -148,6 +149,8 @@ class Trainer:
             materialize(self.model, device)
         elif pretrained:
             load_pretrained_shards(self.model, pretrained, device)
+        if self.resume_from is None:
+            after_load(self.transforms, self.model)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
 
@@ -410,6 +413,7 @@ class Trainer:
                 "dp_size": self.ctx.dims.dp,
                 "sp_size": self.ctx.dims.sp,
                 "micro_batches": metas,
+                "lora": lora_meta(self.model),
             }
             write_dump(self.log_dir / "dump" / f"step_{step}", inputs, weights, grads, meta)
 
