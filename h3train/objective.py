@@ -1,12 +1,17 @@
-"""Flow-matching objective in H3's conventions.
+"""Flow-matching objective in H3's conventions, which are diffusers' (`MiniMaxH3Scheduler`, the pipeline).
 
 - Time: t in [0, 1], t = 1 is clean data; sigma = 1 - t.
-- Noising: `x_t = t * x0 + (1 - t) * noise`; velocity target (data-ward): `v = x0 - noise`.
+- Noising: `MiniMaxH3Scheduler.scale_noise`, i.e. `x_t = t * x0 + (1 - t) * noise`.
+- Velocity target (data-ward, the scheduler's `x0 = x_t + sigma * v`): `v = x0 - noise`.
 - One base sigma per sample, mapped through each modality's shift `s*sigma / (1 + (s-1)*sigma)`
-  (video 12, audio 3), as inference steps both schedules from one base index.
-- Visual conditioning rows are noised to t = 0.999 and carry `max(t_v, 0.999)`; audio reference
-  rows stay clean at t = 1 (diffusers' `build_row_timesteps`, as the pipeline calls it).
+  (video 12, audio 3: the pipeline's `scheduler` / `audio_scheduler`), as inference steps both
+  schedules from one base index.
+- Visual conditioning rows are noised with `scale_noise` to the pipeline's `keyframe_noise_aug`
+  (0.999) and carry `max(t_v, 0.999)`; audio reference rows stay clean at t = 1 (diffusers'
+  `build_row_timesteps`, as the pipeline calls it).
 - Loss: per-modality mean squared error over target rows only.
+
+`tests/test_conventions.py` holds each of these to diffusers' own code, not to these functions.
 
 CFG-calibrated target (the released checkpoints are CFG-distilled; plain flow matching slowly
 un-distills them): with guidance scale `s` and curvature power `k`, per modality
@@ -23,13 +28,32 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+from diffusers import MiniMaxH3Scheduler
 
 from .config import CfgConfig, LossWeights, TimestepConfig
 from .tasks.layout import CONDITION_VIDEO_T, REFERENCE_AUDIO_T, Layout, PackedSample, row_timesteps
 
+# The pipeline's forward process. `scale_noise` reads nothing of the scheduler's shift or schedule.
+_FORWARD_PROCESS = MiniMaxH3Scheduler()
+
 
 def shift_sigma(sigma: float, shift: float) -> float:
+    """The shift `MiniMaxH3Scheduler.set_timesteps` applies to its base grid, at one base sigma.
+
+    diffusers applies it inline to the whole grid and exposes no function for a single value, so it is
+    written here once, in float64, and tested against the scheduler's own sigmas.
+    """
     return shift * sigma / (1.0 + (shift - 1.0) * sigma)
+
+
+def noise_rows(x0: torch.Tensor, noise: torch.Tensor, t_rows: torch.Tensor) -> torch.Tensor:
+    """`[N, C]` clean rows at per-row times `t_rows [N, 1]` -> `x_t` (`MiniMaxH3Scheduler.scale_noise`)."""
+    return _FORWARD_PROCESS.scale_noise(x0, t_rows, noise)
+
+
+def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The data-ward velocity the model predicts: the scheduler's `step` recovers `x0 = x_t + (1 - t) v`."""
+    return x0 - noise
 
 
 def sample_base_sigma(cfg: TimestepConfig, generator: torch.Generator) -> float:
@@ -211,7 +235,12 @@ def make_training_inputs(
     shared_negative: tuple[torch.Tensor, torch.Tensor] | None = None,
     drop_text: bool = False,
 ) -> TrainingInputs:
-    """Noise one sample and build its forward inputs (and the negative branch's, under CFG)."""
+    """Noise one sample and build its forward inputs (and the negative branch's, under CFG).
+
+    Draws from `generator`, in this order: the base sigma, the video noise `[N_v, 96]` (conditioning rows
+    first), the audio noise `[N_a, 32]`. A dropped prompt (`drop_text`) trains under the negative prompt
+    at guidance scale 1.
+    """
     cfg = cfg or CfgConfig()
     layout = sample.layout
     sigma = sample_base_sigma(tcfg, generator)
@@ -224,14 +253,23 @@ def make_training_inputs(
     noise_video = torch.randn(x0_video.shape, generator=generator)
     noise_audio = torch.randn(x0_audio.shape, generator=generator)
 
+    # Conditioning rows as the pipeline prepares them: visual ones noised to `keyframe_noise_aug`
+    # (`MiniMaxH3PrepareConditionLatentsStep`; patchify only permutes, so noising rows is the same
+    # arithmetic), reference soundtracks clean.
     t_rows_video = torch.full((x0_video.shape[0], 1), t_video)
     t_rows_video[:ncv] = CONDITION_VIDEO_T
     t_rows_audio = torch.full((x0_audio.shape[0], 1), t_audio)
     t_rows_audio[:nca] = REFERENCE_AUDIO_T
-    xt_video = t_rows_video * x0_video + (1.0 - t_rows_video) * noise_video
-    xt_audio = t_rows_audio * x0_audio + (1.0 - t_rows_audio) * noise_audio
+    xt_video = noise_rows(x0_video, noise_video, t_rows_video)
+    xt_audio = noise_rows(x0_audio, noise_audio, t_rows_audio)
 
-    guidance = guidance_for(cfg, 1.0 - t_video, 1.0 - t_audio)
+    # A dropped prompt makes both CFG branches the same inputs: such a sample trains at s = 1 (one
+    # forward, plain flow matching under the negative prompt) rather than wasting the second forward
+    # and scaling its gradient by s^(1-k).
+    if drop_text:
+        guidance = Guidance(curvature_power=cfg.curvature_power)
+    else:
+        guidance = guidance_for(cfg, 1.0 - t_video, 1.0 - t_audio)
     negative = negative_prompt(sample, cfg, shared_negative) if guidance.active or drop_text else None
     if drop_text:
         inputs = forward_inputs(sample.layout_for(negative[1]), xt_video, xt_audio, negative[0], t_video, t_audio)
@@ -248,8 +286,8 @@ def make_training_inputs(
     w = timestep_weight(tcfg, sigma)
     return TrainingInputs(
         model_inputs=inputs,
-        target_video=x0_video - noise_video,
-        target_audio=x0_audio - noise_audio,
+        target_video=velocity_target(x0_video, noise_video),
+        target_audio=velocity_target(x0_audio, noise_audio),
         loss_mask_video=mask_video,
         loss_mask_audio=mask_audio,
         weight_video=weights.video * w,

@@ -154,3 +154,28 @@ def test_full_size_ref2va_cfg_config_loads_and_fits(tmp_path) -> None:
     assert cfg.task.name == "ref2va" and cfg.cfg.scale > 1 and cfg.model.dtype == "bfloat16"
     plan = estimate(model_dims(cfg), ParallelDims.from_config(cfg.parallel, 8), cfg, rows=41_774)
     assert plan.fits
+
+
+def test_dropped_prompt_trains_at_scale_one_with_one_forward() -> None:
+    """A dropped prompt makes both CFG branches identical: one forward, plain flow matching under the negative."""
+    cfg = load_config(TINY_FL2VA, ["cfg.scale=3", "cfg.curvature_power=0.5", "cfg.text_dropout=0.9"])
+    model = build_model(cfg, seed=0)
+    source = SyntheticSource(cfg.data.synthetic, model.config.text_dim, cfg.train.seed)
+    negative = source[0].negative_visual_prompt_embeds
+    found = []
+    for i in range(8):
+        ti = micro_batch_inputs(cfg, source[i], step=3, slot=0)
+        if torch.equal(ti.model_inputs["encoder_hidden_states"][0], source[i].negative_visual_prompt_embeds):
+            found.append(ti)
+    assert found and negative is not None
+    ti = found[0]
+    assert ti.uncond_inputs is None and (ti.guidance.scale_video, ti.guidance.scale_audio) == (1.0, 1.0)
+    fwd = CountingForward(model)
+    parts = compute_loss(fwd, ti)
+    assert (fwd.calls, fwd.grad_calls) == (1, 1)
+    with torch.no_grad():
+        video, audio = model(**ti.model_inputs, return_dict=False)
+    plain = ti.weight_video * _mse(video, ti.target_video, ti.loss_mask_video) + ti.weight_audio * _mse(
+        audio, ti.target_audio, ti.loss_mask_audio
+    )
+    assert torch.allclose(parts.loss.detach(), plain, rtol=1e-6, atol=0)

@@ -1,8 +1,8 @@
 """`h3train encode`: media files -> cached samples, with tiny random components and generated clips.
 
 One module-wide dataset is encoded once: an fl2va clip with a stereo tone (first keyframe from the
-clip, last from an image), a silent t2va clip, a ref2va clip with a mono tone (an image and an audio
-reference), a corrupt file and a clip too short to encode.
+clip, last from an image), a silent t2va clip, a ref2va clip with a mono tone (an image, a stereo and a
+mono 32 kHz audio reference), a corrupt file and a clip too short to encode.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import pytest
 import torch
 from diffusers.modular_pipelines import PipelineState
 from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference
+from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3VideoDecodeStep
+from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VAReferenceEncoderStep
 from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import (
     MiniMaxH3AutoBeforeEncodeStep,
     MiniMaxH3AutoTextEncoderStep,
@@ -31,10 +33,17 @@ from transformers.utils import is_torchvision_available
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.data.components import COMPONENT_NAMES, TINY_TEXT_HIDDEN, load_components, write_tiny_components
-from h3train.data.encode import ERRORS_NAME, EncodeSettings, EncodeSummary, audio_rows_to_latents, encode_manifest
+from h3train.data.encode import (
+    ERRORS_NAME,
+    EncodeSettings,
+    EncodeSummary,
+    audio_rows_to_latents,
+    encode_manifest,
+    torchaudio_available,
+)
 from h3train.data.format import CachedSample, read_cached_sample, read_index, read_sample, write_index
 from h3train.data.manifest import ManifestError, read_manifest
-from h3train.data.media import load_audio, load_clip, load_still, moving_pattern, sine_tone, write_audio, write_video
+from h3train.data.media import fit_audio, load_clip, load_still, moving_pattern, sine_tone, write_audio, write_video
 from h3train.model.build import build_model
 from h3train.objective import compute_loss
 from h3train.train.trainer import micro_batch_inputs
@@ -42,6 +51,8 @@ from h3train.train.trainer import micro_batch_inputs
 ROOT = Path(__file__).resolve().parents[1]
 # Small canvases keep the VAEs cheap: 3:2 clips land on 32x64 (2x4 latents), the 4:3 still on 32x32.
 SETTINGS = EncodeSettings(short_edge=32, max_pixels=32 * 64, reference_short_edge=32, min_seconds=0, max_seconds=2)
+# `load_clip`'s arguments for these settings: canvas, frame limits, the audio VAE's rate.
+CLIP_OPTIONS = (SETTINGS.short_edge, SETTINGS.max_pixels, 32, SETTINGS.min_frames, SETTINGS.max_frames, 32000)
 # Vision blocks: <|vision_start|>, one token per merged 32x32 patch, <|vision_end|>.
 KEYFRAME_BLOCK_ROWS = 2 + 2
 IMAGE_BLOCK_ROWS = 1 + 2
@@ -50,7 +61,8 @@ ROWS = [
      "keyframes": {"first": None, "last": "still.png"}},
     {"video": "clips/silent.mp4", "prompt": "a quiet square", "task": "t2va"},
     {"video": "clips/mono.mp4", "prompt": "a square hums", "task": "ref2va", "id": "ref2va",
-     "references": [{"kind": "image", "path": "still.png"}, {"kind": "audio", "path": "voice.wav"}],
+     "references": [{"kind": "image", "path": "still.png"}, {"kind": "audio", "path": "voice.wav"},
+                    {"kind": "audio", "path": "hum.wav"}],
      "negative_prompt": "blurry"},
     {"video": "broken.mp4", "prompt": "nothing", "task": "t2va"},
     {"video": "clips/short.mp4", "prompt": "too short", "task": "t2va"},
@@ -80,7 +92,10 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_video(folder / "clips/silent.mp4", moving_pattern(40, 96, 144, 2), 24)
     write_video(folder / "clips/mono.mp4", moving_pattern(24, 64, 96, 3), 24, sine_tone(1.0, 220, 48000, 1), 48000)
     write_video(folder / "clips/short.mp4", moving_pattern(3, 64, 96, 4), 24)
-    write_audio(folder / "voice.wav", sine_tone(2.0, 330, 22050), 22050)
+    # References at the audio VAE's rate, stereo and mono, and one the pipeline would resample.
+    write_audio(folder / "voice.wav", sine_tone(2.0, 330, 32000), 32000)
+    write_audio(folder / "hum.wav", sine_tone(1.5, 180, 32000, 1), 32000)
+    write_audio(folder / "voice48.wav", sine_tone(2.0, 330, 48000), 48000)
     Image.fromarray(moving_pattern(1, 90, 120, 5)[0]).save(folder / "still.png")
     (folder / "broken.mp4").write_bytes(b"not a video at all" * 64)
     _write_manifest(folder / "manifest.jsonl", ROWS)
@@ -111,8 +126,10 @@ def test_latent_shapes_follow_h3_geometry(encoded: Path) -> None:
     assert fl2va.keyframe_anchors == ("first", "last")
     assert [tuple(k.shape) for k in fl2va.keyframes] == [(24, 1, 2, 4)] * 2
     refs = _sample(encoded, "ref2va").references
-    assert [(r.kind, r.has_audio) for r in refs] == [("image", False), ("audio", True)]
-    assert tuple(refs[0].video.shape) == (24, 1, 2, 2) and tuple(refs[1].audio.shape) == (2, 32, 37)
+    assert [(r.kind, r.has_audio) for r in refs] == [("image", False), ("audio", True), ("audio", True)]
+    # Cut to the clip's 22 / 24 s at 32 kHz: 29333 samples, 37 latents per channel.
+    assert tuple(refs[0].video.shape) == (24, 1, 2, 2)
+    assert tuple(refs[1].audio.shape) == tuple(refs[2].audio.shape) == (2, 32, 37)
 
 
 def test_clip_without_audio_track_has_no_audio(encoded: Path) -> None:
@@ -191,23 +208,19 @@ def _pipeline_request(media: Path, sample: CachedSample) -> dict:
     geo = sample.geometry
     request = {"height": geo.latent_height * 16, "width": geo.latent_width * 16, "num_frames": sample.num_frames}
     if sample.task == "fl2va":
-        options = (SETTINGS.short_edge, SETTINGS.max_pixels, 32, SETTINGS.min_frames, SETTINGS.max_frames, 32000)
-        frames = load_clip(media / ROWS[0]["video"], *options).frames
+        frames = load_clip(media / ROWS[0]["video"], *CLIP_OPTIONS).frames
         return request | {"prompt": ROWS[0]["prompt"], "image": Image.fromarray(frames[0]),
                           "last_image": load_still(media / "still.png")}  # fmt: skip
+    # Decoded as an inference user decodes them, at the rates the files carry.
     references = [
-        MiniMaxH3ImageReference(image=load_still(media / "still.png")),
-        # At the audio VAE's rate already: the pipeline would resample with torchaudio, not installed here.
-        MiniMaxH3AudioReference(audio=load_audio(media / "voice.wav", 32000), sample_rate=32000),
+        MiniMaxH3ImageReference.from_file(media / "still.png"),
+        MiniMaxH3AudioReference.from_file(media / "voice.wav"),
+        MiniMaxH3AudioReference.from_file(media / "hum.wav"),
     ]
     return request | {"prompt": ROWS[2]["prompt"], "references": references}
 
 
-@pytest.mark.parametrize("sample_id", ["fl2va-tone", "ref2va"])
-def test_encoded_samples_pack_as_the_pipeline_builds_them(
-    sample_id: str, encoded: Path, media: Path, components: Path, tmp_path: Path
-) -> None:
-    sample = _sample(encoded, sample_id)
+def _tiny_pipeline(components: Path) -> TinyClipPipeline:
     pipe = TinyClipPipeline()
     loaded = load_components(components)
     pipe.update_components(
@@ -216,11 +229,25 @@ def test_encoded_samples_pack_as_the_pipeline_builds_them(
         canvas_max_pixels=SETTINGS.max_pixels,
         reference_image_short_edge=SETTINGS.reference_short_edge,
     )
+    return pipe
+
+
+def _pipeline_encoding(pipe: TinyClipPipeline, request: dict, text: bool = True) -> PipelineState:
     state = PipelineState()
-    for key, value in _pipeline_request(media, sample).items():
+    for key, value in request.items():
         state.set(key, value)
-    for block in (MiniMaxH3AutoBeforeEncodeStep, MiniMaxH3AutoTextEncoderStep, MiniMaxH3AutoVaeEncoderStep):
+    blocks = (MiniMaxH3AutoBeforeEncodeStep, MiniMaxH3AutoTextEncoderStep, MiniMaxH3AutoVaeEncoderStep)
+    for block in blocks if text else blocks[::2]:
         block()(pipe, state)
+    return state
+
+
+@pytest.mark.parametrize("sample_id", ["fl2va-tone", "ref2va"])
+def test_encoded_samples_pack_as_the_pipeline_builds_them(
+    sample_id: str, encoded: Path, media: Path, components: Path, tmp_path: Path
+) -> None:
+    sample = _sample(encoded, sample_id)
+    state = _pipeline_encoding(_tiny_pipeline(components), _pipeline_request(media, sample))
 
     # The conditioning the pipeline encodes from the same media is what the sample holds ...
     assert torch.equal(state.get("text_token_tags"), sample.text_token_tags)
@@ -231,6 +258,76 @@ def test_encoded_samples_pack_as_the_pipeline_builds_them(
     assert all(torch.equal(a, r.audio) for a, r in zip(sounds, [r for r in sample.references if r.has_audio]))
     # ... and it packs, positive and both negatives, to the layouts and rows the pipeline's blocks build.
     _check_against_pipeline(sample, tmp_path)
+
+
+def test_audio_rows_are_the_pipelines(encoded: Path, media: Path, components: Path) -> None:
+    """The dataset's audio rows are the rows the pipeline's own encoder and packing give the same sound."""
+    pipe = _tiny_pipeline(components)
+    sample = _sample(encoded, "ref2va")
+    packed = read_sample(encoded / "ref2va.safetensors")
+    state = _pipeline_encoding(pipe, _pipeline_request(media, sample), text=False)
+    references = torch.cat(state.get("audio_condition_latents"))
+    nca = packed.layout.num_condition_audio_rows
+    assert nca == references.shape[0] and torch.equal(packed.audio_rows[:nca], references)
+    # Mono and stereo references alike are upmixed and encoded by the pipeline, not before it.
+    assert not torch.equal(references[: nca // 2], references[nca // 2 :])
+
+    # The target soundtrack: the clip's own, cut to the latent count, through the pipeline's encoder.
+    clip = load_clip(media / ROWS[2]["video"], *CLIP_OPTIONS)
+    waveform = fit_audio(clip.audio, sample.geometry.num_audio_latents * pipe.audio_vae.hop_length)
+    encoder = PipelineState()
+    encoder.set("normalized_references", [MiniMaxH3AudioReference(audio=waveform, sample_rate=clip.sample_rate)])
+    MiniMaxH3Ref2VAReferenceEncoderStep()(pipe, encoder)
+    assert torch.equal(packed.audio_rows[nca:], encoder.get("audio_condition_latents")[0])
+
+
+def test_target_video_latents_are_what_the_pipeline_decodes(encoded: Path, media: Path, components: Path) -> None:
+    """Denormalized by the pipeline's own decode step, the target latents are the VAE's posterior mean."""
+    pipe = _tiny_pipeline(components)
+    sample = _sample(encoded, "clips--silent")
+    frames = load_clip(media / ROWS[1]["video"], *CLIP_OPTIONS).frames
+    mean, std = torch.tensor(pipe.pixel_mean).view(1, 3, 1, 1, 1), torch.tensor(pipe.pixel_std).view(1, 3, 1, 1, 1)
+    pixels = (torch.from_numpy(frames).permute(3, 0, 1, 2)[None].float() / 255.0 - mean) / std
+    with torch.no_grad():
+        posterior_mean = pipe.vae.encode(pixels).latent_dist.mode()
+
+    class Decoded(Exception):
+        pass
+
+    def capture(latents: torch.Tensor, return_dict: bool = False):
+        raise Decoded(latents)
+
+    state = PipelineState()
+    state.set("latents", sample.video_latents[None])
+    state.set("output_type", "pt")
+    pipe.vae.decode = capture
+    with pytest.raises(Decoded) as decoded:
+        MiniMaxH3VideoDecodeStep()(pipe, state)
+    assert torch.allclose(decoded.value.args[0], posterior_mean, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_off_the_vae_rate_encodes_as_the_pipeline_or_is_an_error(
+    media: Path, components: Path, tmp_path: Path
+) -> None:
+    """A 48 kHz reference is resampled by the pipeline's own torchaudio pass, or recorded with that reason."""
+    row = ROWS[2] | {"id": "ref-48k", "references": [{"kind": "image", "path": "still.png"},
+                                                     {"kind": "audio", "path": "voice48.wav"}]}  # fmt: skip
+    summary = _encode(_write_manifest(media / "manifest-48k.jsonl", [row]), components, tmp_path / "o")
+    if not torchaudio_available():
+        assert (summary.encoded, summary.failed) == (0, 1)
+        error = json.loads((tmp_path / "o" / ERRORS_NAME).read_text())
+        assert error["id"] == "ref-48k" and "48000 Hz" in error["error"] and "torchaudio" in error["error"]
+        return
+    assert (summary.encoded, summary.failed) == (1, 0)
+    packed = read_sample(tmp_path / "o" / "ref-48k.safetensors")
+    request = _pipeline_request(media, _sample(tmp_path / "o", "ref-48k"))
+    request["references"] = [
+        MiniMaxH3ImageReference.from_file(media / "still.png"),
+        MiniMaxH3AudioReference.from_file(media / "voice48.wav"),
+    ]
+    state = _pipeline_encoding(_tiny_pipeline(components), request, text=False)
+    nca = packed.layout.num_condition_audio_rows
+    assert torch.equal(packed.audio_rows[:nca], torch.cat(state.get("audio_condition_latents")))
 
 
 def test_encoded_sample_trains(encoded: Path) -> None:

@@ -247,9 +247,18 @@ def _tiny_text_encoder(tokenizer: Any) -> Qwen3VLForConditionalGeneration:
     return Qwen3VLForConditionalGeneration(config)
 
 
+def _tiny_statistics(channels: int) -> dict[str, list[float]]:
+    """Per-channel latent statistics that are not the identity, so a normalization mistake shows."""
+    return {
+        "latents_mean": [round(0.05 * (c - channels / 2), 4) for c in range(channels)],
+        "latents_std": [round(0.5 + 0.04 * c, 4) for c in range(channels)],
+    }
+
+
 def _tiny_video_vae() -> AutoencoderKLMiniMaxH3:
     # Released spatial (2, 2, 2, 2) and temporal (2, 2) downsampling: the geometry rules stay exact.
     return AutoencoderKLMiniMaxH3(
+        **_tiny_statistics(24),
         block_out_channels=(4, 4, 8, 8, 8, 8),
         layers_per_block=1,
         norm_num_groups=4,
@@ -274,7 +283,6 @@ def _tiny_audio_vae() -> AutoencoderKLMiniMaxH3Audio:
         decoder_kernel_sizes=(16, 20, 20),
         resblock_kernel_sizes=(3,),
         resblock_dilation_sizes=((1, 3, 5),),
-        # The pipeline normalizes with these; identity statistics for a random VAE.
-        latents_mean=[0.0] * 32,
-        latents_std=[1.0] * 32,
+        # The pipeline normalizes with these.
+        **_tiny_statistics(32),
     )

@@ -20,28 +20,34 @@ The blocks run on a `MiniMaxH3ModularPipeline` holding the loaded components, so
 the prompt presentations (labels, vision blocks tagged 0) and the conditioning recipes are the
 pipeline's, not a copy of them.
 
-`encode_manifest` runs a whole manifest, alone or under torchrun (rank r takes entries r, r + W, ...):
-a sample already written from the same inputs and settings is skipped (`<id>.inputs.json` beside it
-holds the digest), a failing clip is appended to `errors.jsonl` and the run goes on, samples are
-written atomically, and `index.jsonl` is rebuilt at the end.
+References reach the pipeline at their own rates (`MiniMaxH3AudioReference.from_file`, a video
+reference's frames at their fps and its soundtrack at its own sample rate), so the setup step's
+`_normalize_audio_condition` / `_normalize_video_condition` run as at inference. Resampling a
+soundtrack that is not at the audio VAE's 32 kHz needs torchaudio there; without it the clip is
+recorded in `errors.jsonl` rather than resampled another way.
+
+`encode_manifest` runs a whole manifest, alone or under torchrun (`accelerate.PartialState` splits the
+manifest into contiguous shares and gathers the counts): a sample already written from the same inputs
+and settings is skipped (`<id>.inputs.json` beside it holds the digest), a failing clip is appended to
+`errors.jsonl` and the run goes on, samples are written atomically, and `index.jsonl` is rebuilt at the end.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
+from accelerate import PartialState
+from accelerate.utils import gather_object
 from diffusers.modular_pipelines import PipelineState
 from diffusers.modular_pipelines.minimax_h3 import (
     MiniMaxH3AudioReference,
@@ -69,7 +75,7 @@ from ..errors import ConfigError
 from .components import Components, check_components_folder, components_fingerprint, load_components, reads_videos
 from .format import SAMPLE_SUFFIX, CachedSample, ReferenceLatents, read_header, write_index, write_sample
 from .manifest import ManifestEntry, Reference, read_manifest
-from .media import MediaError, fit_audio, load_audio, load_clip, load_still, load_video
+from .media import MediaError, fit_audio, load_clip, load_still, load_video
 
 # Bump when the encoding recipe changes, so that resuming re-encodes what an older recipe wrote.
 ENCODER_VERSION = 1
@@ -242,15 +248,42 @@ def _fl2va(
     return tuple(resized.get("keyframe_anchors")), tuple(latent[0] for latent in latents), prompts
 
 
+def torchaudio_available() -> bool:
+    """Whether torchaudio imports: the pipeline resamples a reference soundtrack with it."""
+    try:
+        importlib.import_module("torchaudio")
+    except (ImportError, OSError):
+        return False
+    return True
+
+
 def _pipeline_reference(pipe: MiniMaxH3ModularPipeline, ref: Reference, seconds: float) -> Any:
-    """Decode one manifest reference into the pipeline's reference type (at most `seconds` of its media)."""
-    rate = pipe.audio_sampling_rate
+    """Decode one manifest reference into the pipeline's reference type, at the rates its file carries.
+
+    An audio file is decoded by diffusers' own `MiniMaxH3AudioReference.from_file`; a video's frames at
+    most `seconds` of them, at its own fps and size, with its soundtrack decoded the same way. The setup
+    step then normalizes both (24 fps, canvas, 32 kHz stereo) as inference does.
+    """
     if ref.kind == "image":
         return MiniMaxH3ImageReference(image=load_still(ref.media.path))
     if ref.kind == "audio":
-        return MiniMaxH3AudioReference(audio=load_audio(ref.media.path, rate, seconds), sample_rate=rate)
-    video = load_video(ref.media.path, rate, seconds)
-    return MiniMaxH3VideoReference(frames=video.frames, fps=video.fps, audio=video.audio, sample_rate=rate)
+        try:
+            reference = MiniMaxH3AudioReference.from_file(ref.media.path)
+        except Exception as exc:  # noqa: BLE001 - PyAV and the decoder raise many types for a bad file
+            raise MediaError(f"cannot read audio reference '{ref.media.path}': {type(exc).__name__}: {exc}") from None
+    else:
+        video = load_video(ref.media.path, seconds)
+        reference = MiniMaxH3VideoReference(
+            frames=video.frames, fps=video.fps, audio=video.audio, sample_rate=video.sample_rate
+        )
+    rate = reference.sample_rate
+    if reference.has_audio and rate != pipe.audio_sampling_rate and not torchaudio_available():
+        raise MediaError(
+            f"{ref.kind} reference '{ref.media.relative}' has its sound at {rate} Hz; the pipeline resamples it to "
+            f"{pipe.audio_sampling_rate} Hz with torchaudio, which is not installed (install the torchaudio build "
+            f"matching torch {torch.__version__.split('+')[0]}, or give the reference at {pipe.audio_sampling_rate} Hz)"
+        )
+    return reference
 
 
 def _ref2va(
@@ -394,24 +427,32 @@ def encode_manifest(
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output '{out}' exists and is not a folder")
 
-    with _process_group() as (rank, world):
-        if rank == 0:
-            _prepare_output(out)
-        _barrier(world)
-        pipe = build_pipeline(load_components(components, device, text_dtype), settings)
-        components_id = components_fingerprint(components)
-        counts = torch.zeros(3, dtype=torch.long)  # encoded, skipped, failed
-        mine = entries[rank::world]
-        bar = tqdm(mine, desc=f"encode (rank {rank})", unit="clip", disable=not progress or rank != 0)
+    # Alone: a single-process state. Under torchrun: one process group (gloo for a CPU encode, NCCL on
+    # the GPUs), each rank a contiguous share of the manifest.
+    state = PartialState(cpu=device.type == "cpu")
+    if state.is_main_process:
+        _prepare_output(out)
+    state.wait_for_everyone()
+    pipe = build_pipeline(load_components(components, device, text_dtype), settings)
+    components_id = components_fingerprint(components)
+    counts = [0, 0, 0]  # encoded, skipped, failed
+    with state.split_between_processes(entries) as mine:
+        bar = tqdm(
+            mine,
+            desc=f"encode (rank {state.process_index})",
+            unit="clip",
+            disable=not progress or not state.is_main_process,
+        )
         for entry in bar:
             digest = input_digest(entry, settings, components_id, text_dtype)
             counts[_encode_to_folder(pipe, entry, settings, out, digest, bar)] += 1
-        if world > 1:
-            dist.all_reduce(counts)
-        if rank == 0:
-            write_index(out)
-        _barrier(world)
-    return EncodeSummary(*(int(c) for c in counts), out=out)
+    totals = [sum(column) for column in zip(*gather_object([tuple(counts)]))]
+    if state.is_main_process:
+        write_index(out)
+    state.wait_for_everyone()
+    if state.use_distributed:
+        state.destroy_process_group()
+    return EncodeSummary(*totals, out=out)
 
 
 def _encode_to_folder(
@@ -460,25 +501,3 @@ def _append_error(out: Path, entry: ManifestEntry, reason: str) -> None:
     # One write per line in append mode: ranks appending at once do not interleave within a line.
     with open(out / ERRORS_NAME, "a") as handle:
         handle.write(json.dumps(record) + "\n")
-
-
-@contextmanager
-def _process_group() -> Iterator[tuple[int, int]]:
-    """`(rank, world)`; under torchrun (WORLD_SIZE > 1) a gloo group for the barriers and the final counts."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        yield 0, 1
-        return
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo")
-    try:
-        yield dist.get_rank(), dist.get_world_size()
-    finally:
-        if created:
-            dist.destroy_process_group()
-
-
-def _barrier(world: int) -> None:
-    if world > 1:
-        dist.barrier()

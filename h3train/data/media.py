@@ -1,7 +1,9 @@
 """Media decoding with PyAV, onto MiniMax H3's clock, canvas and sample rate (and small writers for demos).
 
-Frames are `uint8` RGB arrays `[T, H, W, 3]`; waveforms are float32 `[2, N]` stereo at the audio VAE's
-rate. Geometry rules are diffusers' own (`resolve_canvas_size`, `align_num_frames`'s `17 n + 5`), and
+Frames are `uint8` RGB arrays `[T, H, W, 3]`; a target clip's waveform is float32 `[2, N]` stereo at the
+audio VAE's rate. A reference video keeps its soundtrack as the file has it (its own rate and channels,
+decoded as diffusers' `MiniMaxH3VideoReference.from_file` does), for the pipeline to normalize.
+Geometry rules are diffusers' own (`resolve_canvas_size`, `align_num_frames`'s `17 n + 5`), and
 the frame-rate conversion is the one the pipeline applies to reference videos (`ffmpeg`'s `fps` filter:
 a source frame is held until the slot of the next one).
 
@@ -59,12 +61,13 @@ class Clip:
 
 @dataclass
 class DecodedVideo:
-    """A video at its own rate and size: frames `[T, H, W, 3]` uint8, `fps`, soundtrack `[2, N]` or None."""
+    """A video at its own rate and size: frames `[T, H, W, 3]` uint8 at `fps`; soundtrack `[C, N]` float32 at
+    `sample_rate`, both as the file carries them (None without an audio track)."""
 
     frames: np.ndarray
     fps: float
     audio: torch.Tensor | None
-    sample_rate: int
+    sample_rate: int | None
 
 
 def aligned_frame_count(available: int, min_frames: int, max_frames: int) -> int:
@@ -161,8 +164,12 @@ def load_clip(
     return Clip(np.stack([frames[i] for i in slots[:num_frames]]), audio, sample_rate)
 
 
-def load_video(path: str | os.PathLike, sample_rate: int, max_seconds: float | None = None) -> DecodedVideo:
-    """Decode a video at its own frame rate and size (a reference), up to `max_seconds` of it."""
+def load_video(path: str | os.PathLike, max_seconds: float | None = None) -> DecodedVideo:
+    """Decode a video at its own frame rate and size (a reference), up to `max_seconds` of it.
+
+    The soundtrack stays at its own rate and channel count (`native_soundtrack`): the pipeline's setup
+    step truncates it at that rate and resamples it once, as at inference.
+    """
     with _open(path) as container:
         stream = _video_stream(path, container)
         fps = _frame_rate(stream)
@@ -174,8 +181,8 @@ def load_video(path: str | os.PathLike, sample_rate: int, max_seconds: float | N
                 break
         if not frames:
             raise MediaError(f"'{path}' holds no decodable video frames")
-        audio = _soundtrack(path, container, sample_rate, max_seconds)
-    return DecodedVideo(np.stack(frames), fps, audio, sample_rate)
+        audio, rate = native_soundtrack(path, container, max_seconds)
+    return DecodedVideo(np.stack(frames), fps, audio, rate)
 
 
 def load_audio(path: str | os.PathLike, sample_rate: int, max_seconds: float | None = None) -> torch.Tensor:
@@ -204,6 +211,41 @@ def fit_audio(waveform: torch.Tensor, num_samples: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------------
 # PyAV plumbing.
+
+
+def native_soundtrack(
+    path: str | os.PathLike, container: av.container.InputContainer, max_seconds: float | None = None
+) -> tuple[torch.Tensor | None, int | None]:
+    """The first audio stream as `[C, N]` float32 at the rate and layout it carries, or `(None, None)`.
+
+    The decode of diffusers' reference `from_file` (planar float, the stream's own layout and rate), cut
+    to `ceil(max_seconds * rate)` samples: never shorter than the pipeline's own cut at that rate.
+    """
+    if not container.streams.audio:
+        return None, None
+    stream = container.streams.audio[0]
+    rate = int(stream.codec_context.sample_rate)
+    resampler = av.AudioResampler(format="fltp", layout=stream.layout, rate=rate)
+    limit = math.inf if max_seconds is None else math.ceil(max_seconds * rate)
+    chunks, total = [], 0
+    try:
+        container.seek(0)
+        for frame in container.decode(stream):
+            for out in resampler.resample(frame):
+                chunks.append(torch.from_numpy(out.to_ndarray()))
+                total += chunks[-1].shape[-1]
+            if total >= limit:
+                break
+        else:
+            chunks += [torch.from_numpy(out.to_ndarray()) for out in resampler.resample(None)]
+    except av.error.FFmpegError as exc:
+        raise MediaError(f"cannot decode the audio of '{path}': {exc}") from None
+    if not chunks or sum(c.shape[-1] for c in chunks) == 0:
+        return None, None
+    waveform = torch.cat(chunks, dim=-1).to(torch.float32)
+    if limit != math.inf:
+        waveform = waveform[:, :limit]
+    return waveform.contiguous(), rate
 
 
 def _open(path: str | os.PathLike) -> av.container.InputContainer:

@@ -26,6 +26,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     MINIMAX_H3_AUDIO_CHANNELS,
     MINIMAX_H3_AUDIO_TAG,
     MINIMAX_H3_VIDEO_TAG,
+    MiniMaxH3ModularPipeline,
 )
 
 PATCH_SIZE: tuple[int, int, int] = (1, 2, 2)
@@ -33,10 +34,17 @@ AUDIO_CHANNELS: int = MINIMAX_H3_AUDIO_CHANNELS
 VIDEO_TAG: int = MINIMAX_H3_VIDEO_TAG
 AUDIO_TAG: int = MINIMAX_H3_AUDIO_TAG
 TASKS = ("t2va", "fl2va", "ref2va")
-# The `t` visual conditioning rows are noised to and held at (diffusers' `keyframe_noise_aug`): the
-# released model was trained with slightly noised anchors, so a clean 1.0 would be off-distribution.
-CONDITION_VIDEO_T: float = 0.999
-# Reference soundtracks condition clean.
+
+
+def _pipeline_constant(name: str) -> float:
+    """A constant `MiniMaxH3ModularPipeline` exposes as a property; it reads nothing of the instance."""
+    return float(getattr(MiniMaxH3ModularPipeline, name).fget(None))
+
+
+# The `t` visual conditioning rows are noised to and held at: the pipeline's `keyframe_noise_aug` (0.999).
+# The released model was trained with slightly noised anchors, so a clean 1.0 would be off-distribution.
+CONDITION_VIDEO_T: float = _pipeline_constant("keyframe_noise_aug")
+# Reference soundtracks condition clean (`MiniMaxH3SetTimestepsStep` passes 1.0 for them).
 REFERENCE_AUDIO_T: float = 1.0
 
 
