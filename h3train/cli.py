@@ -62,18 +62,21 @@ def _is_collective_failure(exc: RuntimeError) -> bool:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    from .config import model_dims
+    from .config import planned_model_dims
     from .parallel.dims import ParallelDims
     from .preflight import preflight
 
     world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     dims = ParallelDims.from_config(cfg.parallel, world)
-    preflight(cfg)
+    # Without --strict, what is not on this machine is planned for and named, not required.
+    notes = preflight(cfg, planning=not args.strict)
     print(f"config ok: {args.config}")
+    for note in notes:
+        print(f"assumed: {note}")
     print(dims.describe())
     from .plan import estimate, format_plan
 
-    print(format_plan(estimate(model_dims(cfg), dims, cfg)))
+    print(format_plan(estimate(planned_model_dims(cfg)[0], dims, cfg)))
     return 0
 
 
@@ -146,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="also require what training needs here: the model folder and the dataset (launchers use it)",
+    )
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("synth", help="write a synthetic cached dataset (tests and demos)")
@@ -215,8 +223,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except H3TrainError as exc:
-        print(f"h3train: error: {exc}", file=sys.stderr)
+        if _reports_errors():
+            print(f"h3train: error: {exc}", file=sys.stderr)
         return exc.exit_code
+
+
+def _reports_errors() -> bool:
+    """Whether this process prints an `H3TrainError`, so that torchrun shows a bad input once, not once per rank.
+
+    An error raised before the process group exists comes from the config, the command line or
+    files, which the ranks of one node see alike: the node's first rank (`LOCAL_RANK` 0; rank 0
+    on a single node) prints it, the others exit with the same code in silence. One rank per node
+    speaks, because another node may lack a file this one has. After the process group exists an
+    error may be this rank's alone (it cannot see the checkpoint rank 0 chose), so every rank prints.
+    """
+    if int(os.environ.get("RANK", "0")) == 0 or int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        return True
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@ the CLI turns it into exit code 2 before any process group or model exists.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError
@@ -256,14 +257,70 @@ def _schema() -> DictConfig:
     return schema
 
 
+_CONVERT = re.compile(r"Value '(?P<value>.*)' of type '\w+' could not be converted to (?P<kind>\w+)")
+
+
 def _one_line(exc: OmegaConfBaseException) -> str:
+    """An OmegaConf error in the user's terms: the key, what it holds, what it takes."""
     key = getattr(exc, "full_key", None) or ""
     msg = str(exc).splitlines()[0].strip()
     if "Key '" in msg and "not in" in msg:
         return f"unknown config key '{key}': remove it or check the spelling against configs/*.yaml"
+    converted = _CONVERT.search(msg)
+    if key and converted:
+        kind = converted["kind"].lower()
+        article = "an" if kind[0] in "aeiou" else "a"
+        return f"config key '{key}' is {converted['value']!r}; it takes {article} {kind}"
+    if key and ("is not Optional" in msg or msg.startswith("Incompatible value 'None'")):
+        return f"config key '{key}' cannot be null; give it a value or leave it out for the default"
     if key:
         return f"invalid value for config key '{key}': {msg}"
     return msg
+
+
+def _schema_tree() -> dict[str, Any]:
+    """The schema as plain containers: a dict is a section, a list a list-valued key, anything else a value."""
+    return OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)  # type: ignore[return-value]
+
+
+def _conform(schema: dict[str, Any], layer: dict[str, Any], prefix: str, origin: str) -> None:
+    """Check one layer's shape against the schema before merging, so errors name the key.
+
+    A section given a value, or a value given a section or list, is a `ConfigError`. A scalar for
+    a list-valued key is taken as a one-item list (`debug.fault=nan_loss@2`), and an empty section
+    (`train:` with nothing under it) as no keys. Unknown keys are left for the merge to report.
+    """
+    for key in list(layer):
+        if key not in schema:
+            continue
+        name, want, value = f"{prefix}{key}", schema[key], layer[key]
+        if isinstance(value, str) and value.startswith("${"):
+            continue  # an interpolation: checked once resolved
+        if isinstance(want, dict):
+            if value is None:
+                layer[key] = {}
+            elif not isinstance(value, dict):
+                example = (
+                    f"{name}.num_layers: 2"
+                    if name == "model.config"
+                    else next((f"{name}.{k}: {v}" for k, v in want.items() if not isinstance(v, dict)), f"{name}.KEY")
+                )
+                raise ConfigError(
+                    f"config key '{name}' ({origin}) is a section and needs keys under it (e.g. {example}), "
+                    f"not {value!r}"
+                )
+            elif name != "model.config":
+                _conform(want, value, f"{name}.", origin)
+        elif isinstance(want, list):
+            if value is None:
+                layer[key] = []
+            elif isinstance(value, dict):
+                raise ConfigError(f"config key '{name}' ({origin}) takes a list, e.g. {name}=[a, b], not a section")
+            elif not isinstance(value, list):
+                layer[key] = [value]
+        elif isinstance(value, (dict, list)):
+            kind = "a section" if isinstance(value, dict) else "a list"
+            raise ConfigError(f"config key '{name}' ({origin}) takes a single value, not {kind}")
 
 
 def parse_overrides(overrides: list[str]) -> DictConfig:
@@ -277,20 +334,58 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"cannot parse overrides: {_one_line(exc)}") from None
 
 
+def _yaml_error(path: str | os.PathLike, exc: Exception) -> ConfigError:
+    """A YAML syntax error as `file:line:column: problem`, the way editors and compilers point at it."""
+    import yaml
+
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}"
+        problem = exc.problem or "syntax error"
+        context = ""
+        if exc.context:
+            started = exc.context_mark
+            at = f" started at line {started.line + 1}, column {started.column + 1}" if started is not None else ""
+            context = f" ({exc.context.strip()}{at})"
+        return ConfigError(f"config file '{path}' is not valid YAML: {where}: {problem}{context}")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ConfigError(f"config file '{path}' is not valid YAML: {first}")
+
+
+def _read_yaml(path: str | os.PathLike) -> DictConfig:
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file '{path}' is a folder; pass a YAML file such as configs/tiny_fl2va.yaml")
+    if not p.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        # OmegaConf's loader is yaml.SafeLoader-based: no tags, no code execution.
+        loaded = OmegaConf.load(p)
+    except OSError as exc:
+        raise ConfigError(f"config file '{path}' cannot be read: {exc.strerror or exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any YAML error becomes one line
+        raise _yaml_error(path, exc) from None
+    if not isinstance(loaded, DictConfig):
+        kind = "a list" if isinstance(loaded, ListConfig) else f"{type(loaded).__name__}"
+        raise ConfigError(
+            f"config file '{path}' holds {kind} at the top level; it must be a mapping of sections "
+            "(model:, task:, data:, train:, ...) as in configs/tiny_fl2va.yaml"
+        )
+    return loaded
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
     """Load YAML (if given) over the schema defaults, apply overrides, validate, return a `Config`."""
     schema = _schema()
+    tree = _schema_tree()
     layers: list[DictConfig] = []
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{path}' does not exist")
-        try:
-            # OmegaConf's loader is yaml.SafeLoader-based: no tags, no code execution.
-            layers.append(OmegaConf.load(p))
-        except Exception as exc:  # noqa: BLE001 - any YAML error becomes one line
-            raise ConfigError(f"config file '{path}' is not valid YAML: {str(exc).splitlines()[0]}") from None
-    layers.append(parse_overrides(list(overrides)))
+        raw = OmegaConf.to_container(_read_yaml(path), resolve=False)
+        _conform(tree, raw, "", f"in '{path}'")
+        layers.append(OmegaConf.create(raw))
+    raw = OmegaConf.to_container(parse_overrides(list(overrides)), resolve=False)
+    _conform(tree, raw, "", "in the overrides")
+    layers.append(OmegaConf.create(raw))
     try:
         merged = OmegaConf.merge(schema, *layers)
         OmegaConf.resolve(merged)
@@ -419,50 +514,136 @@ def _validate_cfg(c: CfgConfig) -> None:
             )
 
 
-def model_config_dict(cfg: Config) -> dict[str, Any]:
-    """The transformer's constructor kwargs: `model.config`, or the pretrained folder's config.json."""
-    import json
-
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    if cfg.model.config:
-        known = set(MiniMaxH3Transformer3DModel._get_init_keys(MiniMaxH3Transformer3DModel)) - {"self"}
-        unknown = sorted(set(cfg.model.config) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown config key 'model.config.{unknown[0]}': not a "
-                "MiniMaxH3Transformer3DModel constructor argument"
-            )
-        return dict(cfg.model.config)
-    folder = Path(cfg.model.pretrained) / (cfg.model.subfolder or default_subfolder(cfg))
-    cfg_file = folder / "config.json"
-    if not cfg_file.is_file():
-        raise ConfigError(
-            f"config key 'model.pretrained': no transformer config at '{cfg_file}'; point it at a "
-            "local diffusers folder (nothing is downloaded)"
-        )
-    data = json.loads(cfg_file.read_text())
-    return {k: v for k, v in data.items() if not k.startswith("_")}
-
-
-def default_subfolder(cfg: Config) -> str:
-    return "transformer_ref" if cfg.task.name == "ref2va" else "transformer"
-
-
-def model_dims(cfg: Config) -> dict[str, Any]:
-    """The architecture numbers the plan needs, with the diffusers defaults filled in."""
+def model_defaults() -> dict[str, Any]:
+    """`MiniMaxH3Transformer3DModel`'s constructor defaults: the released MiniMax-H3 architecture."""
     import inspect
 
     from diffusers import MiniMaxH3Transformer3DModel
 
     sig = inspect.signature(MiniMaxH3Transformer3DModel.__init__)
-    dims = {name: p.default for name, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
-    dims.update(model_config_dict(cfg))
-    return dims
+    return {name: p.default for name, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+
+
+# Constructor arguments that may be 0 (every other integer is a size or a count that must be > 0).
+_MAY_BE_ZERO = frozenset({"num_refiner_layers"})
+
+
+def check_model_kwargs(kwargs: dict[str, Any], where: str, strict_keys: bool) -> None:
+    """Each constructor argument has the type and sign of its diffusers default; `where` prefixes the key.
+
+    `where` is e.g. "config key 'model.config." or "'.../config.json' key '". With `strict_keys`
+    an argument the constructor does not take is an error (`model.config`); a pretrained
+    config.json may carry extra keys diffusers ignores.
+    """
+    defaults = model_defaults()
+    for name, value in kwargs.items():
+        if name not in defaults:
+            if strict_keys:
+                raise ConfigError(
+                    f"unknown {where}{name}': not a MiniMaxH3Transformer3DModel constructor argument "
+                    f"(arguments: {', '.join(defaults)})"
+                )
+            continue
+        default = defaults[name]
+        if isinstance(default, bool):
+            ok, what = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            ok = ok and (value >= 0 if name in _MAY_BE_ZERO else value > 0)
+            what = f"{'an integer >= 0' if name in _MAY_BE_ZERO else 'a positive integer'}, e.g. {default}"
+        elif isinstance(default, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            what = f"a positive number, e.g. {default}"
+        elif isinstance(default, tuple):
+            ok = (
+                isinstance(value, (list, tuple))
+                and len(value) == len(default)
+                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+            )
+            what = f"{len(default)} positive integers, e.g. {list(default)}"
+        else:
+            continue
+        if not ok:
+            raise ConfigError(f"{where}{name}' is {value!r}; it takes {what}")
+    rope = kwargs.get("rope_freq_dim", defaults["rope_freq_dim"])
+    head_dim = kwargs.get("attention_head_dim", defaults["attention_head_dim"])
+    if 6 * rope > head_dim:
+        raise ConfigError(
+            f"{where}attention_head_dim' is {head_dim} but rotary embeddings rotate 2 * 3 * rope_freq_dim = "
+            f"{6 * rope} channels per head; raise attention_head_dim or lower rope_freq_dim"
+        )
+
+
+def pretrained_config_file(cfg: Config) -> Path:
+    return Path(cfg.model.pretrained) / (cfg.model.subfolder or default_subfolder(cfg)) / "config.json"
+
+
+def _read_pretrained_config(cfg_file: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        data = json.loads(cfg_file.read_text())
+    except OSError as exc:
+        raise ConfigError(f"config key 'model.pretrained': cannot read '{cfg_file}': {exc.strerror or exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config key 'model.pretrained': '{cfg_file}' is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key 'model.pretrained': '{cfg_file}' must hold a JSON object of constructor kwargs")
+    kwargs = {k: v for k, v in data.items() if not k.startswith("_")}
+    check_model_kwargs(kwargs, f"'{cfg_file}' key '", strict_keys=False)
+    return kwargs
+
+
+def model_config_dict(cfg: Config) -> dict[str, Any]:
+    """The transformer's constructor kwargs: `model.config`, or the pretrained folder's config.json."""
+    if cfg.model.config:
+        return dict(cfg.model.config)
+    cfg_file = pretrained_config_file(cfg)
+    if not cfg_file.is_file():
+        raise ConfigError(
+            f"config key 'model.pretrained': no transformer config at '{cfg_file}'; point it at a "
+            "local diffusers folder (nothing is downloaded)"
+        )
+    return _read_pretrained_config(cfg_file)
+
+
+def default_subfolder(cfg: Config) -> str:
+    """The partition `model.subfolder` defaults to: `transformer` (fl2va), `transformer_ref` (ref2va).
+
+    `mixed` has no default: H3 ships one partition per task family, so it must be named
+    (`h3train/tasks/partition.py`).
+    """
+    if cfg.task.name == "mixed":
+        from .tasks.partition import mixed_subfolder
+
+        return mixed_subfolder(cfg)
+    return "transformer_ref" if cfg.task.name == "ref2va" else "transformer"
+
+
+def model_dims(cfg: Config) -> dict[str, Any]:
+    """The architecture numbers the plan needs, with the diffusers defaults filled in."""
+    return {**model_defaults(), **model_config_dict(cfg)}
+
+
+def planned_model_dims(cfg: Config) -> tuple[dict[str, Any], str | None]:
+    """`model_dims`, or away from the model folder the released architecture, with a note saying so.
+
+    Planning (`h3train check` on a laptop or a login node) needs only the transformer's
+    config.json; without it the diffusers defaults, which are the released MiniMax-H3 transformer,
+    stand in. Training needs the folder itself (`preflight`).
+    """
+    if cfg.model.config or pretrained_config_file(cfg).is_file():
+        return model_dims(cfg), None
+    return model_defaults(), (
+        f"model: '{pretrained_config_file(cfg)}' is not readable here; planned for the released "
+        "MiniMax-H3 transformer (the diffusers defaults)"
+    )
 
 
 def _validate_model_shape(cfg: Config) -> None:
-    dims = model_dims(cfg)
+    if cfg.model.config:
+        check_model_kwargs(cfg.model.config, "config key 'model.config.", strict_keys=True)
+    dims, _ = planned_model_dims(cfg)
     heads = int(dims["num_attention_heads"])
     if heads % cfg.parallel.sp:
         raise ConfigError(

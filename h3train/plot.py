@@ -17,11 +17,13 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from .errors import UsageError
+
 _LOSS_KEYS = ("loss", "loss_video", "loss_audio")
 
 
 def _as_float(value: Any) -> float:
-    """A plottable number; null or non-numeric entries become NaN (a gap in the line)."""
+    """A plottable number; null (a non-finite value in strict JSON) or non-numeric entries become NaN."""
     if isinstance(value, bool) or value is None:
         return math.nan
     try:
@@ -31,43 +33,58 @@ def _as_float(value: Any) -> float:
 
 
 def read_metrics(metrics_path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The records of a metrics file, skipping lines that are not JSON objects with a `step`."""
+    """The records of a metrics file, skipping lines that are not JSON objects with a `step`.
+
+    Raises `UsageError` (one line, exit 2) when the file is missing or cannot be read.
+    """
     path = Path(metrics_path)
+    if path.is_dir():
+        raise UsageError(
+            f"metrics file '{path}' is a folder; pass the run's metrics.jsonl, e.g. '{path / 'metrics.jsonl'}'"
+        )
     if not path.is_file():
-        raise ValueError(f"metrics file '{path}' does not exist")
+        raise UsageError(f"metrics file '{path}' does not exist; pass a run's <logging.dir>/metrics.jsonl")
     records: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                # A line torn by a crash mid-write should not stop the rest from plotting.
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                records.append(record)
+    try:
+        # Undecodable bytes (a binary file, a torn write) become lines that fail to parse below.
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    # A line torn by a crash mid-write should not stop the rest from plotting.
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("step"), int):
+                    records.append(record)
+    except OSError as exc:
+        raise UsageError(f"metrics file '{path}' cannot be read: {exc.strerror or exc}") from None
     return records
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    steps = [r["step"] for r in records if key in r]
-    values = [_as_float(r[key]) for r in records if key in r]
-    return steps, values
+    """Steps and values of `key`; null entries (non-finite values written as strict JSON) are skipped."""
+    points = [(r["step"], _as_float(r[key])) for r in records if r.get(key) is not None]
+    return [step for step, _ in points], [value for _, value in points]
 
 
 def plot_metrics(metrics_path: str | os.PathLike[str], out_png: str | os.PathLike[str]) -> Path:
     """Plot loss (and `loss_video` / `loss_audio` when logged) and `grad_norm` against step.
 
-    Writes one PNG with two stacked axes sharing the step axis and returns its path. Raises
-    `ValueError` naming the file if it is missing, empty, or holds no `loss` values.
+    Writes one PNG with two stacked axes sharing the step axis and returns its path. A null value
+    (strict JSON's stand-in for a non-finite one) is skipped. Raises `UsageError` (a `ValueError`) naming the file if
+    it is missing, holds no step records, or no `loss` values, or if the PNG cannot be written.
     """
     path = Path(metrics_path)
     records = read_metrics(path)
     if not records:
-        raise ValueError(f"metrics file '{path}' is empty (no step records)")
+        raise UsageError(
+            f"metrics file '{path}' holds no step records (JSON lines with a 'step'); pass a run's "
+            "<logging.dir>/metrics.jsonl once it has logged a step"
+        )
     if not any(math.isfinite(v) for v in _series(records, "loss")[1]):
-        raise ValueError(f"metrics file '{path}' has no 'loss' values to plot")
+        raise UsageError(f"metrics file '{path}' has no finite 'loss' values to plot")
 
     fig = Figure(figsize=(9, 6.5), layout="constrained")
     FigureCanvasAgg(fig)
@@ -96,8 +113,11 @@ def plot_metrics(metrics_path: str | os.PathLike[str], out_png: str | os.PathLik
     ax_grad.grid(True, alpha=0.3)
 
     out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=110)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, format="png", dpi=110)
+    except OSError as exc:
+        raise UsageError(f"--out '{out}': cannot write the plot there ({exc.strerror or exc})") from None
     return out
 
 

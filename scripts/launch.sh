@@ -79,6 +79,15 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 # One OpenMP thread per rank: the data path is light, and 8 ranks x all cores oversubscribe.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
+# A bad config or input is one line and exit 2 here, before torchrun starts a rank: the same
+# checks `train` runs first (config, mesh against NNODES x GPUS_PER_NODE ranks, model folder,
+# dataset, device), without the launcher's per-rank failure report.
+status=0
+python -m h3train check --strict --world-size "$((NNODES * GPUS_PER_NODE))" "$config" "$@" >/dev/null || status=$?
+if [[ "$status" -ne 0 ]]; then
+  exit "$status"
+fi
+
 echo "launch.sh: $(hostname) node ${NODE_RANK}/${NNODES}, ${GPUS_PER_NODE} GPUs," \
   "rendezvous ${MASTER_ADDR}:${MASTER_PORT} id ${RDZV_ID}" >&2
 

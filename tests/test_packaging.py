@@ -169,6 +169,11 @@ def test_launch_script_trains_two_cpu_ranks(tmp_path: Path) -> None:
     assert "2 GPUs" in out.stderr and "step 1/1" in out.stdout + out.stderr
 
 
+def _path(stand_ins: Path) -> str:
+    """PATH with the stand-in commands first, then this interpreter's bin (the scripts run `python -m h3train check`)."""
+    return os.pathsep.join([str(stand_ins), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+
 def _executable(path: Path, text: str) -> None:
     path.write_text(text)
     path.chmod(0o755)
@@ -190,7 +195,7 @@ def test_launch_script_hands_usr1_to_the_ranks(tmp_path: Path) -> None:
     _executable(
         bin_dir / "torchrun", f"#!/usr/bin/env bash\n{sys.executable} {tmp_path / 'rank.py'} &\nwait $!\nexit 3\n"
     )
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "GPUS_PER_NODE": "1"}
+    env = {**os.environ, "PATH": _path(bin_dir), "GPUS_PER_NODE": "1"}
     proc = subprocess.Popen(
         [str(ROOT / "scripts" / "launch.sh"), "configs/tiny_fl2va.yaml"],
         cwd=ROOT,
@@ -239,7 +244,7 @@ def test_slurm_script_checkpoints_then_requeues_on_usr1(tmp_path: Path) -> None:
     _fake_slurm(tmp_path / "bin", log)
     env = {
         **os.environ,
-        "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PATH": _path(tmp_path / "bin"),
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": "gpu-a[01-02]",
         "SLURM_JOB_NUM_NODES": "2",
@@ -254,7 +259,8 @@ def test_slurm_script_checkpoints_then_requeues_on_usr1(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 10
+    # The script checks the config first (`h3train check`: seconds of imports on a busy machine).
+    deadline = time.monotonic() + 60
     while not (log.exists() and "RDZV_ID" in log.read_text()):
         assert time.monotonic() < deadline, "srun never started"
         time.sleep(0.05)
@@ -277,7 +283,7 @@ def test_slurm_script_does_not_requeue_a_finished_run(tmp_path: Path) -> None:
     (tmp_path / "bin" / "srun").write_text("#!/usr/bin/env bash\nexit 0\n")
     env = {
         **os.environ,
-        "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PATH": _path(tmp_path / "bin"),
         "SLURM_JOB_ID": "7",
         "SLURM_JOB_NODELIST": "gpu-a01",
         "SLURM_JOB_NUM_NODES": "1",
@@ -288,7 +294,7 @@ def test_slurm_script_does_not_requeue_a_finished_run(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=20,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert not log.exists() or "requeue" not in log.read_text()

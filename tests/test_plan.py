@@ -239,11 +239,19 @@ def test_cluster_configs_keep_the_global_batch(pretrained_folder: Path) -> None:
         assert dims.dp * cfg.train.grad_accum == 16, name
 
 
-def test_cluster_configs_need_the_model_folder(tmp_path: Path) -> None:
+def test_cluster_configs_plan_without_the_model_folder_but_train_needs_it(tmp_path: Path) -> None:
+    """Away from the folder the plan is the released architecture's; training refuses to start."""
+    from h3train.config import planned_model_dims
     from h3train.errors import ConfigError
+    from h3train.preflight import preflight
 
+    cfg = _load_cluster_config("h3_a100_16gpu.yaml", tmp_path)
+    dims, note = planned_model_dims(cfg)
+    assert parameter_counts(dims).total == parameter_counts(_defaults()).total
+    assert note is not None and str(tmp_path / "transformer" / "config.json") in note
+    assert any("released" in n for n in preflight(cfg, planning=True))
     with pytest.raises(ConfigError, match="model.pretrained"):
-        _load_cluster_config("h3_a100_16gpu.yaml", tmp_path)
+        preflight(cfg)
 
 
 def test_estimate_uses_the_synthetic_geometry() -> None:

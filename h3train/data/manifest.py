@@ -6,14 +6,15 @@
      "references": [{"kind": "image", "path": "refs/face.png"}, {"kind": "audio", "path": "refs/voice.wav"}]}
     {"video": "clips/d.mp4", "prompt": "...", "task": "t2va", "negative_prompt": " ", "id": "d"}
 
-Every path is relative to the manifest's folder and may not leave it (no absolute paths, no `..`).
+Every path is relative to the manifest's folder and may not leave it: no absolute paths, no `..`,
+and no symbolic link that resolves outside the folder.
 `keyframes` (fl2va only) is `"first"`, `"last"`, `"both"`, a list of anchors, or an object mapping an
 anchor to an image path, `null` meaning the clip's own frame. `references` (ref2va only) keep their
 order: it is the packed order and numbers the labels of the prompt presentation.
 
-A malformed manifest raises `ManifestError` (a `ConfigError`: one line naming the file, the line and
-the field), so the CLI exits 2 before any model is loaded. Problems with the media themselves are
-found while encoding and reported per clip.
+A malformed manifest raises one `ManifestError` (a `ConfigError`: one line naming the file, and
+every bad line with its field, the first few of many), so the CLI exits 2 before any model is
+loaded. Problems with the media themselves are found while encoding and reported per clip.
 """
 
 from __future__ import annotations
@@ -96,46 +97,79 @@ class ManifestEntry:
         }
 
 
+# A manifest with many bad lines names this many of them, then counts the rest.
+_REPORTED_LINES = 5
+
+
 def read_manifest(path: str | os.PathLike) -> list[ManifestEntry]:
-    """Parse and validate a manifest. Raises `ManifestError` naming the first problem."""
+    """Parse and validate a manifest. Raises one `ManifestError` naming every bad line.
+
+    All lines are checked in one pass, so a manifest with several mistakes is fixed in one go: the
+    message names the first few bad lines and counts the rest, still on one line.
+    """
     path = Path(path)
     if not path.is_file():
         raise ManifestError(f"manifest '{path}' does not exist")
     folder = path.resolve().parent
     entries: list[ManifestEntry] = []
+    problems: list[tuple[int, str]] = []
     first_line_of: dict[str, int] = {}
-    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"manifest '{path}' cannot be read as UTF-8 text ({exc})") from None
+    for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
-        entry = _parse_line(_Where(path, number), folder, raw)
+        try:
+            entry = _parse_line(_Where(number), folder, raw)
+        except _LineError as exc:
+            problems.append((number, str(exc)))
+            continue
         if entry.sample_id in first_line_of:
-            raise ManifestError(
-                f"manifest '{path}' line {number}: id '{entry.sample_id}' is already used on line "
-                f"{first_line_of[entry.sample_id]}; give one of them an explicit 'id'"
+            problems.append(
+                (
+                    number,
+                    f"id '{entry.sample_id}' is already used on line {first_line_of[entry.sample_id]}; "
+                    "give one of them an explicit 'id'",
+                )
             )
+            continue
         first_line_of[entry.sample_id] = number
         entries.append(entry)
+    if len(problems) == 1:
+        number, problem = problems[0]
+        raise ManifestError(f"manifest '{path}' line {number}: {problem}")
+    if problems:
+        shown = "; ".join(f"line {number}: {problem}" for number, problem in problems[:_REPORTED_LINES])
+        more = len(problems) - _REPORTED_LINES
+        raise ManifestError(
+            f"manifest '{path}': {len(problems)} bad lines: {shown}" + (f"; and {more} more" if more > 0 else "")
+        )
     if not entries:
         raise ManifestError(f"manifest '{path}' lists no clips")
     return entries
 
 
+class _LineError(Exception):
+    """One line's problem, without the manifest's name: `read_manifest` gathers them into one error."""
+
+
 @dataclass(frozen=True)
 class _Where:
-    path: Path
     line: int
 
-    def error(self, field_name: str, problem: str) -> ManifestError:
-        return ManifestError(f"manifest '{self.path}' line {self.line}: field '{field_name}' {problem}")
+    def error(self, field_name: str, problem: str) -> _LineError:
+        return _LineError(f"field '{field_name}' {problem}")
 
 
 def _parse_line(where: _Where, folder: Path, raw: str) -> ManifestEntry:
     try:
         row = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise ManifestError(f"manifest '{where.path}' line {where.line}: not valid JSON ({exc})") from None
+        raise _LineError(f"not valid JSON ({exc})") from None
     if not isinstance(row, dict):
-        raise ManifestError(f"manifest '{where.path}' line {where.line}: expected a JSON object")
+        raise _LineError("expected a JSON object")
     unknown = sorted(set(row) - _KEYS)
     if unknown:
         raise where.error(unknown[0], f"is not a manifest field (fields: {', '.join(sorted(_KEYS))})")
@@ -180,17 +214,25 @@ def _string(where: _Where, row: dict[str, Any], key: str, allow_empty: bool = Fa
 
 
 def _media(where: _Where, folder: Path, field_name: str, relative: Any) -> MediaPath:
-    """Resolve a manifest path inside the manifest folder.
+    """Resolve a manifest path inside the manifest folder (itself fully resolved).
 
-    The check is lexical (no absolute path, no `..`): a symlink placed inside the folder by its owner
-    is followed, but the manifest itself cannot point outside.
+    No absolute path, no `..`, and after symbolic links are resolved the file must still lie
+    inside the folder: a link in it may point only within it, so a manifest cannot make the encoder
+    read (and store the latents of) a file elsewhere on the machine.
     """
     if not isinstance(relative, str) or not relative:
         raise where.error(field_name, f"is {relative!r}, expected a path relative to the manifest folder")
     rel = Path(relative)
     if rel.is_absolute() or ".." in rel.parts:
         raise where.error(field_name, f"is '{relative}': paths must stay inside the manifest folder '{folder}'")
-    return MediaPath(relative=rel.as_posix(), path=folder / rel)
+    resolved = (folder / rel).resolve()
+    if not resolved.is_relative_to(folder):
+        raise where.error(
+            field_name,
+            f"is '{relative}', a link to '{resolved}': paths must stay inside the manifest folder '{folder}' "
+            "after links are resolved; copy the file in or put the manifest above the media",
+        )
+    return MediaPath(relative=rel.as_posix(), path=resolved)
 
 
 def _keyframes(where: _Where, folder: Path, value: Any) -> tuple[Keyframe, ...]:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..config import ParallelConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, UsageError
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,21 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
-        """Resolve `dp_shard = -1` and check that the product is the world size."""
+        """Resolve `dp_shard = -1` and check that the product is the world size.
+
+        A process started without a launcher (no `WORLD_SIZE`) is one rank: a mesh that needs more
+        is told to start under torchrun.
+        """
         dp_shard = cfg.dp_shard
         fixed = cfg.dp_replicate * cfg.sp
+        needed = fixed * max(dp_shard, 1)
+        if world_size == 1 and needed > 1 and "WORLD_SIZE" not in os.environ:
+            raise UsageError(
+                f"config key 'parallel' (dp_replicate={cfg.dp_replicate}, dp_shard={dp_shard}, sp={cfg.sp}) "
+                f"needs {needed} ranks but this process runs alone: launch it with "
+                f"'torchrun --nproc_per_node={needed} -m h3train ...' or scripts/launch.sh "
+                "('h3train check' takes --world-size)"
+            )
         if dp_shard == -1:
             if world_size % fixed:
                 raise ConfigError(
