@@ -69,6 +69,11 @@ def adapter_config(transformer: nn.Module) -> dict | None:
         if k in ("peft_type", "task_type") and v is not None:
             v = str(getattr(v, "value", v))
         out[k] = v
+    # peft rewrites a long target list to the shortest suffixes that select the same modules; record
+    # the adapted modules' full paths instead, which select them in any model of this layout.
+    out["target_modules"] = sorted(
+        {export_name(n).removesuffix(".lora_A.weight") for n, _ in transformer.named_parameters() if ".lora_A." in n}
+    )
     return out
 
 
