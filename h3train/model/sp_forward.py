@@ -84,7 +84,7 @@ class UlyssesAttnProcessor:
             key = _apply_rotary_emb(key, *rotary_emb)
 
         padded = query.shape[1] * self.sp.size
-        query, key, value = (self.sp.heads_to_sequence(t)[:, : self.seq_len] for t in (query, key, value))
+        query, key, value = (t[:, : self.seq_len] for t in self.sp.heads_to_sequence(query, key, value))
         out = dispatch_attention_fn(
             query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
         )
@@ -154,19 +154,22 @@ class SequenceParallelH3(nn.Module):
             text_embeds = self._run(block, text_embeds)
         text_embeds = m.token_refiner.final_norm(text_embeds)
 
-        hidden = text_embeds.new_zeros((text_embeds.shape[0], seq_len, text_embeds.shape[-1]))
-        hidden = hidden.index_copy(1, text_indices, text_embeds)
-        hidden = hidden.index_copy(1, video_indices, video_embeds.to(text_embeds.dtype))
-        hidden = hidden.index_copy(1, audio_indices, audio_embeds.to(text_embeds.dtype))
+        if sp.enabled:
+            # Padding rows are zero, carry index 0 and position 0: valid lookups, dropped before
+            # attention and after the heads, so they never touch a real row or the loss.
+            parts = [(text_embeds, text_indices), (video_embeds, video_indices), (audio_embeds, audio_indices)]
+            hidden = sp.local_rows(seq_len, parts)
+        else:
+            hidden = text_embeds.new_zeros((text_embeds.shape[0], seq_len, text_embeds.shape[-1]))
+            hidden = hidden.index_copy(1, text_indices, text_embeds)
+            hidden = hidden.index_copy(1, video_indices, video_embeds.to(text_embeds.dtype))
+            hidden = hidden.index_copy(1, audio_indices, audio_embeds.to(text_embeds.dtype))
 
         temb = m.time_proj(timestep)
         temb = m.time_embedder(temb.to(get_parameter_dtype(m.time_embedder)))
         adaln_indices = timestep_indices * MINIMAX_H3_MODALITY_NUM + token_tags
 
         if sp.enabled:
-            # Padding rows carry index 0 and position 0: valid lookups, dropped before attention and
-            # after the heads, so they never touch a real row or the loss.
-            hidden = sp.split(sp.pad(hidden, 1))
             adaln_indices = sp.local_slice(sp.pad(adaln_indices, 0))
             timestep_indices = sp.local_slice(sp.pad(timestep_indices, 0))
             rotary_emb = tuple(sp.local_slice(sp.pad(t, 0)) for t in rotary_emb)
@@ -178,6 +181,7 @@ class SequenceParallelH3(nn.Module):
         video_rows = m.proj_out(hidden)
         audio_rows = m.audio_proj_out(hidden)
         if sp.enabled:
-            video_rows = sp.gather(video_rows)[:, :seq_len]
-            audio_rows = sp.gather(audio_rows)[:, :seq_len]
+            # Both heads' rows travel in one all-gather.
+            both = sp.gather(torch.cat([video_rows, audio_rows.to(video_rows.dtype)], dim=-1))[:, :seq_len]
+            video_rows, audio_rows = both.split([video_rows.shape[-1], audio_rows.shape[-1]], dim=-1)
         return video_rows.index_select(1, video_indices), audio_rows.index_select(1, audio_indices)

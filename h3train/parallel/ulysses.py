@@ -1,15 +1,18 @@
 """Ulysses sequence parallelism: row split, head/sequence all-to-all, and the gather back.
 
 Gradient contract. Every SP rank computes the identical replicated loss from the gathered outputs.
-`gather_rows` returns only the local rows' gradient in backward, so rank r's backward carries the
-share of each parameter gradient that its rows produce; the shares sum over the SP group to the true
+`gather` returns only the local rows' gradient in backward, so rank r's backward carries the share
+of each parameter gradient that its rows produce; the shares sum over the SP group to the true
 gradient. FSDP2 reduce-scatters over `dp_shard x sp` with an average, which would divide that sum by
-`sp`. `gather_rows` therefore scales the local gradient by `sp`, making the average over the SP ranks
+`sp`. `gather` therefore scales the local gradient by `sp`, making the average over the SP ranks
 equal to the sum: the true gradient, whatever `sp` is.
 
 Everything before the split (input projections, time embedding, text refiner) runs on the full
-sequence on every SP rank; its gradient flows only through the local rows of the split, so the same
-contract covers it.
+sequence on every SP rank; `local_rows` picks only this rank's rows out of it, so its gradient
+flows through the local rows alone and the same contract covers it.
+
+Communication per block and step: one all-to-all carries q, k and v together and one carries the
+attention output back, in forward and again in backward (4 in all).
 """
 
 from __future__ import annotations
@@ -21,27 +24,6 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 def padded_length(seq_len: int, sp: int) -> int:
     return -(-seq_len // sp) * sp
-
-
-class _SplitRows(torch.autograd.Function):
-    """Keep rows `[rank*n, (rank+1)*n)` of dim 1; backward zero-fills the other ranks' rows.
-
-    No communication in backward on purpose: the replicated prefix (projections, refiner) on each
-    rank must receive exactly its own rows' gradient, the other rows being accounted on their ranks.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-        ctx.rank, ctx.world, ctx.full = rank, world, x.shape[1]
-        n = x.shape[1] // world
-        return x[:, rank * n : (rank + 1) * n].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        full = grad.new_zeros(grad.shape[0], ctx.full, *grad.shape[2:])
-        n = grad.shape[1]
-        full[:, ctx.rank * n : (ctx.rank + 1) * n] = grad
-        return full, None, None
 
 
 class _GatherRows(torch.autograd.Function):
@@ -88,11 +70,27 @@ class SequenceParallel:
         n = x.shape[dim] // self.size
         return x.narrow(dim, self.rank * n, n)
 
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        """`[B, S_pad, C]` -> this rank's `[B, S_pad / sp, C]`, differentiable."""
-        if not self.enabled:
-            return x
-        return _SplitRows.apply(x, self.rank, self.size)
+    def local_rows(self, seq_len: int, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """This rank's rows `[B, S_pad / sp, C]` of a packed sequence of `seq_len` rows.
+
+        Each `(source [B, N, C], indices [N])` pair puts `source[:, i]` at row `indices[i]`; padding
+        rows are zero. Only this rank's rows are selected: no view of the full sequence survives,
+        and `index_select` saves its index, not its full-length source. So backward carries only
+        this rank's rows' share, with no communication: the other rows are accounted on their own
+        ranks. No host sync either (no data-dependent shapes).
+        """
+        first = parts[0][0]
+        zero_row = first.new_zeros(first.shape[0], 1, first.shape[-1])
+        sources = torch.cat([*(source.to(first.dtype) for source, _ in parts), zero_row], dim=1)
+        # Row j of the padded sequence reads row `source_row[j]` of `sources`; padding reads the zero row.
+        source_row = torch.full(
+            (padded_length(seq_len, self.size),), sources.shape[1] - 1, dtype=torch.long, device=first.device
+        )
+        offset = 0
+        for source, indices in parts:
+            source_row[indices] = torch.arange(offset, offset + source.shape[1], device=first.device)
+            offset += source.shape[1]
+        return sources.index_select(1, self.local_slice(source_row))
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """`[B, S_pad / sp, C]` -> `[B, S_pad, C]`; backward scales by sp (see module docstring)."""
@@ -100,17 +98,22 @@ class SequenceParallel:
             return x
         return _GatherRows.apply(x, self.group, float(self.size))
 
-    def heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """`[B, S/sp, H, D]` -> `[B, S, H/sp, D]`: scatter heads, gather the sequence."""
+    def heads_to_sequence(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each `[B, S/sp, H, D]` -> `[B, S, H/sp, D]`: scatter heads, gather the sequence.
+
+        All tensors (q, k, v) travel in one all-to-all.
+        """
         if not self.enabled:
-            return x
-        b, s_local, h, d = x.shape
-        # [sp, B, S/sp, H/sp, D]: chunk j of the heads goes to rank j.
-        send = x.reshape(b, s_local, self.size, h // self.size, d).permute(2, 0, 1, 3, 4).contiguous()
+            return xs
+        b, s_local, h, d = xs[0].shape
+        g, sp = len(xs), self.size
+        # [sp, B, S/sp, G, H/sp, D]: chunk j of every tensor's heads goes to rank j.
+        send = torch.stack(xs, dim=2).reshape(b, s_local, g, sp, h // sp, d).permute(3, 0, 1, 2, 4, 5).contiguous()
         recv = all_to_all_single_autograd(send.flatten(0, 1).flatten(1), None, None, self.group)
-        recv = recv.view(self.size, b, s_local, h // self.size, d)
+        recv = recv.view(sp, b, s_local, g, h // sp, d)
         # Received chunk i holds source rank i's rows, so concatenating by source restores row order.
-        return recv.permute(1, 0, 2, 3, 4).reshape(b, self.size * s_local, h // self.size, d)
+        full = recv.permute(1, 0, 2, 3, 4, 5).reshape(b, sp * s_local, g, h // sp, d)
+        return full.unbind(2)
 
     def sequence_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """`[B, S, H/sp, D]` -> `[B, S/sp, H, D]`: the inverse of `heads_to_sequence`."""
