@@ -199,3 +199,83 @@ def test_dropped_prompt_has_no_second_branch() -> None:
     assert dropped.full_weights() == (dropped.weight_video, dropped.weight_audio)
     assert torch.equal(dropped.model_inputs["hidden_states"], kept.uncond_inputs["hidden_states"])
     assert torch.equal(dropped.model_inputs["encoder_hidden_states"], kept.uncond_inputs["encoder_hidden_states"])
+
+
+# --------------------------------------------------------------------------------------------------
+# task.name=mixed and H3's two checkpoint partitions (`transformer`: t2va / fl2va, `transformer_ref`: ref2va).
+
+
+def _pretrained_run(tmp_path, dataset_task: str, *overrides: str) -> list[str]:
+    """A config for `h3train check`: the tiny architecture as a pretrained folder of both partitions."""
+    import json
+
+    import yaml
+
+    from h3train.config import model_config_dict
+    from h3train.data.synth import write_synthetic_dataset
+
+    tiny = load_config(TINY_FL2VA, [])
+    dims = model_config_dict(tiny)
+    for partition in ("transformer", "transformer_ref"):
+        (tmp_path / "h3" / partition).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "h3" / partition / "config.json").write_text(json.dumps(dims))
+    data = write_synthetic_dataset(tmp_path / f"data-{dataset_task}", dataset_task, 4, text_dim=dims["text_dim"])
+    raw = yaml.safe_load(TINY_FL2VA.read_text())
+    raw["model"].pop("config")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    return [
+        "check",
+        str(tmp_path / "run.yaml"),
+        "task.name=mixed",
+        f"model.pretrained={tmp_path / 'h3'}",
+        "data.source=cached",
+        f"data.path={data}",
+        *overrides,
+    ]
+
+
+def _one_line_error(capsys: pytest.CaptureFixture) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("h3train: error: "), err
+    return err
+
+
+def test_mixed_from_pretrained_must_name_the_partition(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    from h3train.cli import main
+
+    assert main(_pretrained_run(tmp_path, "fl2va")) == 2
+    err = _one_line_error(capsys)
+    assert "model.subfolder" in err and "transformer_ref" in err
+
+
+@pytest.mark.parametrize(
+    ("dataset_task", "subfolder", "misfit"),
+    [("mixed", "transformer", "ref2va"), ("mixed", "transformer_ref", "fl2va"), ("fl2va", "transformer_ref", "t2va")],
+)
+def test_mixed_refuses_samples_of_the_other_partition(
+    dataset_task: str, subfolder: str, misfit: str, tmp_path, capsys: pytest.CaptureFixture
+) -> None:
+    from h3train.cli import main
+
+    assert main(_pretrained_run(tmp_path, dataset_task, f"model.subfolder={subfolder}")) == 2
+    err = _one_line_error(capsys)
+    assert f"partition '{subfolder}'" in err and f"{misfit} samples" in err
+
+
+def test_mixed_says_which_partition_it_trains(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    from h3train.cli import main
+
+    assert main(_pretrained_run(tmp_path, "fl2va", "model.subfolder=transformer")) == 0
+    out = capsys.readouterr().out
+    assert out.count("task.name=mixed: training partition 'transformer' (t2va, fl2va samples)") == 1
+
+    assert main(_pretrained_run(tmp_path, "ref2va", "model.subfolder=transformer_ref")) == 0
+    assert "training partition 'transformer_ref' (ref2va samples)" in capsys.readouterr().out
+
+
+def test_mixed_on_a_config_built_model_trains_every_task(capsys: pytest.CaptureFixture) -> None:
+    from h3train.tasks.partition import check_partition
+
+    line = check_partition(load_config(TINY_FL2VA, ["task.name=mixed"]))
+    assert "model.config" in line and capsys.readouterr().out == line + "\n"
+    assert check_partition(load_config(TINY_FL2VA, [])) is None

@@ -48,6 +48,8 @@ from h3train.model.build import build_model
 from h3train.objective import compute_loss
 from h3train.train.trainer import micro_batch_inputs
 
+from reference import run_h3train
+
 ROOT = Path(__file__).resolve().parents[1]
 # Small canvases keep the VAEs cheap: 3:2 clips land on 32x64 (2x4 latents), the 4:3 still on 32x32.
 SETTINGS = EncodeSettings(short_edge=32, max_pixels=32 * 64, reference_short_edge=32, min_seconds=0, max_seconds=2)
@@ -411,3 +413,25 @@ def test_video_reference_without_torchvision_is_a_clip_error(media: Path, compon
     summary = _encode(manifest, components, tmp_path / "o")
     assert (summary.encoded, summary.failed) == (1, 1)
     assert "torchvision" in json.loads((tmp_path / "o" / ERRORS_NAME).read_text())["error"]
+
+
+@pytest.mark.slow
+def test_ranks_split_the_manifest_and_agree_with_one_process(
+    encoded: Path, media: Path, components: Path, tmp_path: Path
+) -> None:
+    """Two torchrun ranks (`accelerate.PartialState` split and gather) write what one process writes."""
+    out = tmp_path / "two-ranks"
+    flags = ["--short-edge", "32", "--max-pixels", str(32 * 64), "--reference-short-edge", "32",
+             "--min-seconds", "0", "--max-seconds", "2", "--device", "cpu", "--no-progress"]  # fmt: skip
+    args = ["encode", str(media / "manifest.jsonl"), "--components", str(components), "--out", str(out), *flags]
+    proc = run_h3train(args, nproc=2, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("encoded 3, up to date 0, failed 2") == 1
+    assert len((out / ERRORS_NAME).read_text().splitlines()) == 2
+    assert [e.sample_id for e in read_index(out)] == [e.sample_id for e in read_index(encoded)]
+    for entry in read_index(encoded):
+        ours, theirs = _sample(out, entry.sample_id), _sample(encoded, entry.sample_id)
+        assert ours.metadata() == theirs.metadata()
+        # The same arithmetic; only the thread count (one per rank under torchrun) orders sums differently.
+        for a, b in zip(ours.tensors().values(), theirs.tensors().values(), strict=True):
+            assert torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
