@@ -170,7 +170,7 @@ def test_launch_script_trains_two_cpu_ranks(tmp_path: Path) -> None:
 
 
 def _path(stand_ins: Path) -> str:
-    """PATH with the stand-in commands first, then this interpreter's bin (the scripts run `python -m h3train check`)."""
+    """PATH with the stand-in commands first, then this interpreter's bin (for `python -m h3train check`)."""
     return os.pathsep.join([str(stand_ins), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 
