@@ -91,7 +91,7 @@ def write_media() -> Path:
         if not (MEDIA / "stills" / name).exists():
             Image.fromarray(moving_pattern(1, 90, 120, seed)[0]).save(MEDIA / "stills" / name)
     if not (MEDIA / "audio" / "voice.wav").exists():
-        write_audio(MEDIA / "audio" / "voice.wav", sine_tone(2.0, 300, 22050), 22050)
+        write_audio(MEDIA / "audio" / "voice.wav", sine_tone(2.0, 300, 32000), 32000)  # at the audio VAE rate
     manifest = MEDIA / "manifest.jsonl"
     manifest.write_text("".join(json.dumps(row) + "\n" for row in MANIFEST))
     return manifest
