@@ -271,6 +271,8 @@ def _one_line(exc: OmegaConfBaseException) -> str:
         kind = converted["kind"].lower()
         article = "an" if kind[0] in "aeiou" else "a"
         return f"config key '{key}' is {converted['value']!r}; it takes {article} {kind}"
+    if key and (boolean := re.match(r"Value '(.*)' is not a valid bool", msg)):
+        return f"config key '{key}' is {boolean[1]!r}; it takes true or false"
     if key and ("is not Optional" in msg or msg.startswith("Incompatible value 'None'")):
         return f"config key '{key}' cannot be null; give it a value or leave it out for the default"
     if key:

@@ -101,6 +101,7 @@ def test_a_value_for_a_list_or_section_names_the_key(capsys: pytest.CaptureFixtu
         ("optim=3", "config key 'optim' (in the overrides) is a section"),
         ("train.steps=null", "config key 'train.steps' cannot be null"),
         ("train.steps=three", "config key 'train.steps' is 'three'; it takes an integer"),
+        ("model.gradient_checkpointing=maybe", "config key 'model.gradient_checkpointing' is 'maybe'; it takes true"),
     ):
         assert main(["check", str(TINY_FL2VA), override]) == 2
         err = capsys.readouterr().err
