@@ -22,7 +22,6 @@ from h3train.cli import main
 from h3train.config import load_config
 from h3train.errors import ConfigError
 from h3train.lora.adapters import (
-    BASE_DTYPE,
     adapter_config,
     adapter_init,
     add_adapters,
@@ -165,7 +164,7 @@ def test_frozen_base_is_bf16_and_only_adapters_train() -> None:
             assert param.requires_grad and param.dtype == torch.float32, name
         else:
             assert not param.requires_grad, name
-            assert param.dtype == (torch.float32 if name.startswith(islands) else BASE_DTYPE), name
+            assert param.dtype == (torch.float32 if name.startswith(islands) else torch.bfloat16), name
     names = set(trainable_state_dict(model))
     assert names == set(get_peft_model_state_dict(model)) | {"norm_out.norm.weight"}
 
@@ -189,7 +188,7 @@ def test_adapter_init_is_seeded_identical_across_builds_and_from_meta() -> None:
     add_adapters(meta, cfg)
     assert all(p.is_meta for p in meta.parameters())
     meta.to_empty(device="cpu")
-    init_adapters(meta, cfg.train.seed)
+    init_adapters(meta, cfg)
     c = get_peft_model_state_dict(meta)
     assert all(torch.equal(a[k], c[k]) for k in a)
     other = build_model(cfg, 0)
@@ -217,7 +216,7 @@ def test_sharded_lora_run_trains_adapters_only(tmp_path) -> None:
         assert in_optimizer == {id(params[n]) for n in trainable}
         assert trainable and all(".lora_" in n for n in trainable)
         frozen_dtypes = {p.dtype for n, p in params.items() if n not in trainable and "blocks." in n}
-        assert frozen_dtypes == {BASE_DTYPE}, "the sharded frozen block weights are not bf16"
+        assert frozen_dtypes == {torch.bfloat16}, "the sharded frozen block weights are not bf16"
         assert all(params[n].dtype == torch.float32 for n in trainable)
         before = _full(trainer.model)
         trainer.fit()
@@ -253,7 +252,7 @@ def test_pretrained_meta_build_loads_base_and_seeds_adapters(tmp_path) -> None:
         if ".lora_" in name:
             assert torch.equal(value, adapter_init(key, value.shape, run_cfg.train.seed)), name
         else:
-            want = expected[key] if key.startswith(islands) else expected[key].to(BASE_DTYPE)
+            want = expected[key] if key.startswith(islands) else expected[key].to(torch.bfloat16)
             assert value.dtype == want.dtype and torch.equal(value, want), name
 
 
@@ -355,9 +354,11 @@ def test_merged_weights_give_the_adapted_forward(tmp_path) -> None:
     want = _forward(model, inputs)
     # The base as a released checkpoint stores it: bf16, the float32 islands in float32.
     islands = tuple(f"{n}." for n in fp32_island_names(model))
-    base = {k: v if k.startswith(islands) else v.to(BASE_DTYPE) for k, v in _base_like(model, cfg).state_dict().items()}
+    base = {
+        k: v if k.startswith(islands) else v.to(torch.bfloat16) for k, v in _base_like(model, cfg).state_dict().items()
+    }
     merged = merge_adapters(base, trainable_state_dict(model), adapter_config(model))
-    assert all(v.dtype == (torch.float32 if k.startswith(islands) else BASE_DTYPE) for k, v in merged.items())
+    assert all(v.dtype == (torch.float32 if k.startswith(islands) else torch.bfloat16) for k, v in merged.items())
     # A float32 merge compares to 1e-6; the bf16 one holds the same weights rounded to bf16.
     merged32 = merge_adapters(
         {k: v.float() for k, v in base.items()}, trainable_state_dict(model), adapter_config(model)
@@ -367,3 +368,34 @@ def test_merged_weights_give_the_adapted_forward(tmp_path) -> None:
     _assert_same_forward(_forward(loaded, inputs), want)
     for k, v in merged.items():
         assert torch.equal(v, merged32[k].to(v.dtype)), k
+
+
+@pytest.mark.parametrize("fmt", ["diffusers", "comfyui"])
+def test_init_from_a_lora_file_continues_from_its_adapters(fmt: str, tmp_path) -> None:
+    cfg = _cfg()
+    model = _adapted(cfg)
+    inputs = _inputs(cfg)
+    adapters = trainable_state_dict(model, adapters_only=True)
+    if fmt == "diffusers":
+        file = save_diffusers_lora(tmp_path, adapters, adapter_config(model), task="fl2va")
+    else:
+        file = save_comfyui_lora(tmp_path / "lora.safetensors", adapters, adapter_config(model))
+    resumed_cfg = _cfg(f"lora.init_from={file}")
+    resumed = build_model(resumed_cfg, resumed_cfg.train.seed)
+    add_adapters(resumed, resumed_cfg)
+    # The fused qkv is split back and the folded alpha (scale 2, a power of two) divided out exactly.
+    values = get_peft_model_state_dict(resumed)
+    assert set(values) == set(adapters) and all(torch.equal(values[k], adapters[k]) for k in adapters)
+    _assert_same_forward(_forward(resumed.float(), inputs), _forward(model, inputs))
+
+
+def test_init_from_a_file_of_another_rank_is_one_line(tmp_path) -> None:
+    model = _adapted(_cfg())
+    file = save_diffusers_lora(
+        tmp_path, trainable_state_dict(model, adapters_only=True), adapter_config(model), task="fl2va"
+    )
+    with pytest.raises(ConfigError, match="has rank 4 .* set lora.rank") as info:
+        _cfg(f"lora.init_from={file}", "lora.rank=8")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="which lora.target_modules does not select"):
+        _cfg(f"lora.init_from={file}", "lora.target_modules=[to_q]")

@@ -11,7 +11,8 @@ bare transformer, before the sequence-parallel wrapper and FSDP2, it:
    optimizer state, so no float32 copy of it exists anywhere;
 4. gives every adapter its seeded initial value (`adapter_init`): lora_A as peft's default
    (Kaiming-uniform, a = sqrt(5)), lora_B zero, drawn from a generator seeded by `train.seed` and the
-   parameter's name, so every rank and every build (random, pretrained, meta) gets the same values.
+   parameter's name, so every rank and every build (random, pretrained, meta) gets the same values;
+   or, with `lora.init_from`, the values of that LoRA file (`init_from.py`).
 
 A model built on the meta device (pretrained weights, resume) has no values yet: its adapters are
 created on meta too and get their values in `LoraTransform.after_load`, which the trainer calls once
@@ -104,13 +105,32 @@ def assign_full(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
+def adapter_values(model: nn.Module, cfg: Config) -> dict[str, torch.Tensor]:
+    """Initial values of `model`'s adapter parameters by file name: from `lora.init_from`, or seeded."""
+    shapes = {
+        export_name(name.removeprefix(ROOT_PREFIX)): param.shape
+        for name, param in model.named_parameters()
+        if is_adapter_param(name)
+    }
+    if cfg.lora.init_from:
+        from .init_from import init_values
+
+        return init_values(cfg.lora.init_from, shapes, lora_scale(cfg.lora))
+    return {name: adapter_init(name, shape, cfg.train.seed) for name, shape in shapes.items()}
+
+
+def lora_scale(lora: LoraConfig) -> float:
+    """The adapters' output scale, `alpha / rank`."""
+    return (lora.alpha if lora.alpha is not None else lora.rank) / lora.rank
+
+
 @torch.no_grad()
-def init_adapters(model: nn.Module, seed: int) -> None:
-    """Give every adapter parameter of `model` (bare, wrapped or sharded) its seeded initial value."""
+def init_adapters(model: nn.Module, cfg: Config) -> None:
+    """Give every adapter parameter of `model` (bare, wrapped or sharded) its initial value."""
+    values = adapter_values(model, cfg)
     for name, param in model.named_parameters():
         if is_adapter_param(name):
-            file_name = export_name(name.removeprefix(ROOT_PREFIX))
-            assign_full(param, adapter_init(file_name, param.shape, seed).to(param.device))
+            assign_full(param, values[export_name(name.removeprefix(ROOT_PREFIX))].to(param.device))
 
 
 def add_adapters(transformer: MiniMaxH3Transformer3DModel, cfg: Config) -> None:
@@ -131,21 +151,21 @@ def add_adapters(transformer: MiniMaxH3Transformer3DModel, cfg: Config) -> None:
         elif not name.startswith(islands):
             param.data = param.data.to(BASE_DTYPE)
     if not any(p.is_meta for p in transformer.parameters()):
-        init_adapters(transformer, cfg.train.seed)
+        init_adapters(transformer, cfg)
 
 
 class LoraTransform:
     """The model transform of `lora.rank > 0` (see the module docstring)."""
 
     def __init__(self, cfg: Config) -> None:
-        self.seed = cfg.train.seed
+        self.cfg = cfg
 
     def __call__(self, transformer: MiniMaxH3Transformer3DModel, cfg: Config) -> None:
         add_adapters(transformer, cfg)
 
     def after_load(self, model: nn.Module) -> None:
-        """Once the (sharded) model holds its base values: the adapters' seeded values."""
-        init_adapters(model, self.seed)
+        """Once the (sharded) model holds its base values: the adapters' initial values."""
+        init_adapters(model, self.cfg)
 
 
 def trainable_names(model: nn.Module) -> list[str]:

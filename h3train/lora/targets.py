@@ -126,3 +126,9 @@ def validate_lora(cfg: Config) -> None:
     model = meta_model(cfg)
     targets = resolve_targets(model, lora.target_modules)
     resolve_train_modules(model, lora.train_modules, targets)
+    if lora.init_from is not None:
+        # The file's adapters must fit the configured ones: read and checked now, not after start-up.
+        from .adapters import adapter_values, add_adapters
+
+        add_adapters(model, cfg)
+        adapter_values(model, cfg)
