@@ -291,3 +291,41 @@ def test_manifest_reports_every_bad_line_at_once(tmp_path: Path, capsys) -> None
     many = _manifest(tmp_path / "many.jsonl", [good] + [{"video": f"v{i}.mp4", "task": "t2va"} for i in range(9)])
     with pytest.raises(ManifestError, match=r"9 bad lines: .*line 6: .*; and 4 more$"):
         read_manifest(many)
+
+
+@pytest.mark.parametrize("container", [False, True])
+def test_slurm_script_checks_first_one_line_exit_2(container: bool, inputs: Path, tmp_path: Path) -> None:
+    """A bad config ends the job before any training step; in a container the check runs as a step in it."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "srun.log"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\nprintf 'gpu-a01\\n'\n")
+    # A stand-in srun: records its argv, runs the command after its options, and reports a failing
+    # task in srun's own words.
+    (bin_dir / "srun").write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$*" >> {log}\n'
+        'while [[ "$1" == --* ]]; do shift; done\n'
+        '"$@"; s=$?\n'
+        '(( s == 0 )) || echo "srun: error: gpu-a01: task 0: Exited with exit code $s" >&2\n'
+        "exit $s\n"
+    )
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    env = run_env(
+        PATH=os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        SLURM_JOB_ID="9",
+        SLURM_JOB_NODELIST="gpu-a01",
+        SLURM_JOB_NUM_NODES="1",
+    )
+    if container:
+        env["CONTAINER_IMAGE"] = "h3train.sqsh"
+    else:
+        env.pop("CONTAINER_IMAGE", None)
+    proc = run_process_group(["bash", str(ROOT / "scripts" / "slurm.sbatch"), str(inputs / "list.yaml")], env, 60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("h3train: error: ") and "list.yaml" in lines[0], proc.stderr
+    steps = log.read_text().splitlines() if log.exists() else []
+    # No training step started: only the check, and only in the container case.
+    assert all("launch.sh" not in s for s in steps)
+    assert [("--container-image=h3train.sqsh" in s and "h3train check" in s) for s in steps] == ([True] * container)
