@@ -218,6 +218,23 @@ class LoraConfig:
 
 
 @dataclass
+class ValidationConfig:
+    """Held-out loss at fixed base sigmas with fixed noise, comparable from step to step and run to run."""
+
+    # Every N optimizer steps (0: off); `at_start` also measures the step-0 baseline.
+    every: int = 0
+    at_start: bool = False
+    # A cached dataset in the training format (e.g. clips held out of training), of the run's task.
+    dataset: str | None = None
+    # The first N samples of that dataset (0: all of them).
+    num_samples: int = 0
+    # Base sigmas; each modality sees its own shift of each (video 12, audio 3 by default).
+    sigmas: list[float] = field(default_factory=lambda: [0.06, 0.19, 0.31, 0.44, 0.56, 0.69, 0.81, 0.94])
+    # Seed of the fixed noise of each (sample, sigma) pair.
+    seed: int = 0
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -230,6 +247,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -488,6 +506,23 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'data.path' must name a cached dataset folder when data.source is 'cached'")
     _validate_model_shape(cfg)
     _validate_lora(cfg)
+    _validate_validation(cfg.validation)
+
+
+def _validate_validation(v: ValidationConfig) -> None:
+    if v.every < 0 or v.num_samples < 0:
+        raise ConfigError("config keys 'validation.every' and 'validation.num_samples' must be >= 0")
+    if not (v.every or v.at_start):
+        return
+    if not v.dataset:
+        raise ConfigError("config key 'validation.dataset' must name a cached dataset folder to validate on")
+    if not (Path(v.dataset) / "index.jsonl").is_file():
+        raise ConfigError(
+            f"config key 'validation.dataset': no dataset at '{v.dataset}' (no index.jsonl); "
+            "encode one with 'h3train encode' or write one with 'h3train synth'"
+        )
+    if not v.sigmas or not all(0.0 < s < 1.0 for s in v.sigmas) or len(set(v.sigmas)) != len(v.sigmas):
+        raise ConfigError(f"config key 'validation.sigmas' must be distinct numbers in (0, 1), got {list(v.sigmas)}")
 
 
 def _validate_lora(cfg: Config) -> None:

@@ -234,16 +234,17 @@ def make_training_inputs(
     cfg: CfgConfig | None = None,
     shared_negative: tuple[torch.Tensor, torch.Tensor] | None = None,
     drop_text: bool = False,
+    sigma: float | None = None,
 ) -> TrainingInputs:
     """Noise one sample and build its forward inputs (and the negative branch's, under CFG).
 
-    Draws from `generator`, in this order: the base sigma, the video noise `[N_v, 96]` (conditioning rows
-    first), the audio noise `[N_a, 32]`. A dropped prompt (`drop_text`) trains under the negative prompt
-    at guidance scale 1.
+    Draws from `generator`, in this order: the base sigma (unless `sigma` fixes it), the video noise
+    `[N_v, 96]` (conditioning rows first), the audio noise `[N_a, 32]`. A dropped prompt (`drop_text`)
+    trains under the negative prompt at guidance scale 1.
     """
     cfg = cfg or CfgConfig()
     layout = sample.layout
-    sigma = sample_base_sigma(tcfg, generator)
+    sigma = sample_base_sigma(tcfg, generator) if sigma is None else sigma
     t_video = 1.0 - shift_sigma(sigma, tcfg.video_shift)
     t_audio = 1.0 - shift_sigma(sigma, tcfg.audio_shift)
     ncv, nca = layout.num_condition_video_rows, layout.num_condition_audio_rows

@@ -145,4 +145,8 @@ def step_hooks(cfg: Config, rank: int) -> list[TrainerHook]:
     if cfg.debug.profile_steps:
         first, last = cfg.debug.profile_steps
         hooks.append(ProfilerHook(first, last, Path(cfg.logging.dir) / "profile", rank))
+    if cfg.validation.every or cfg.validation.at_start:
+        from .validation import HeldOutLoss
+
+        hooks.append(HeldOutLoss(cfg))
     return hooks

@@ -1,0 +1,156 @@
+"""Held-out loss: a forward-only pass of the live sharded model over fixed (sample, sigma, noise).
+
+The loss of one training step depends mostly on the sigma it drew; this one does not. Every
+held-out sample is evaluated at each base sigma of `validation.sigmas` (each modality through its
+own shift, as in training) with noise drawn from a generator keyed by `(validation.seed, sample id,
+sigma)`, so the number is comparable from step to step, run to run and across a resume. Nothing is
+drawn from a training generator or the default RNG, no gradient is kept and the model returns to
+train mode afterwards, so training is bitwise the same with or without validation.
+
+Sample `i` is evaluated by DP group `i % dp`, each SP group with the sequence-parallel forward.
+FSDP2's collectives need every rank of the sharding group to run the same number of forwards, so
+a group with fewer samples repeats one with weight 0: each sample counts exactly once.
+
+Logged (each a mean over samples, audio terms over samples with sound): `val/loss`,
+`val/loss_video`, `val/loss_audio` (plain flow matching, `MSE(p, v)`), per sigma
+`val/loss_video@0.50` / `val/loss_audio@0.50`, and under CFG the calibrated loss of the training
+objective as `val/loss_cfg`, `val/loss_video_cfg`, `val/loss_audio_cfg`.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..objective import compute_loss, configured_scales, make_training_inputs
+from ..tasks.layout import PackedSample
+from .hooks import TrainerHook
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+# Columns of the per-sigma sums: [video_fm, audio_fm, video_cfg, audio_cfg, samples, samples_with_audio]
+_COLUMNS = 6
+
+
+def heldout_generator(seed: int, sample_id: str, sigma: float) -> torch.Generator:
+    """The noise of one (sample, sigma) pair: a function of the seed, the sample's id and the sigma alone."""
+    key = zlib.crc32(f"{seed}:{sample_id}:{sigma!r}".encode())
+    return torch.Generator().manual_seed(key)
+
+
+def assigned_indices(num_samples: int, dp_rank: int, dp: int) -> list[int | None]:
+    """The samples DP group `dp_rank` evaluates, padded with None to `ceil(num_samples / dp)` slots."""
+    slots = math.ceil(num_samples / dp)
+    return [i if (i := j * dp + dp_rank) < num_samples else None for j in range(slots)]
+
+
+def sigma_label(sigma: float, sigmas: list[float]) -> str:
+    """Two decimals (`0.50`), or as many more as it takes to tell the configured sigmas apart."""
+    for digits in range(2, 8):
+        if len({f"{s:.{digits}f}" for s in sigmas}) == len(sigmas):
+            return f"{sigma:.{digits}f}"
+    return repr(sigma)
+
+
+class HeldOutLoss(TrainerHook):
+    """`validation.every` / `validation.at_start`: the held-out loss, logged as its own metrics row."""
+
+    def __init__(self, cfg: Config, source_factory: Callable[[], object] | None = None) -> None:
+        self.cfg = cfg
+        self.v = cfg.validation
+        self._source_factory = source_factory
+        self._source = None
+        self.sigmas = list(self.v.sigmas)
+        self.labels = [sigma_label(s, self.sigmas) for s in self.sigmas]
+        self.cfg_enabled = configured_scales(cfg.cfg) != (1.0, 1.0)
+        # Forwards run by this rank in its last pass (tests count them).
+        self.forwards = 0
+
+    def _samples(self):
+        if self._source is None:
+            if self._source_factory is not None:
+                self._source = self._source_factory()
+            else:
+                from ..data.dataset import CachedDataset
+
+                self._source = CachedDataset(self.v.dataset, self.cfg.task.name)
+        return self._source
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        if self.v.at_start and trainer.step == 0:
+            trainer.log_validation(0, self.evaluate(trainer))
+
+    def after_step(self, trainer: Trainer, step: int, stats: Mapping[str, float]) -> None:
+        if self.v.every and step % self.v.every == 0:
+            trainer.log_validation(step, self.evaluate(trainer))
+
+    def evaluate(self, trainer: Trainer) -> dict[str, float]:
+        """One pass over the held-out set; every rank returns the same, DP-reduced values."""
+        source = self._samples()
+        n = len(source) if not self.v.num_samples else min(self.v.num_samples, len(source))
+        ctx, device = trainer.ctx, trainer.device
+        sums = torch.zeros(len(self.sigmas), _COLUMNS, dtype=torch.float64, device=device)
+        model = trainer.model
+        was_training = model.training
+        model.eval()
+        self.forwards = 0
+        try:
+            with torch.no_grad():
+                for index in assigned_indices(n, ctx.dp_rank, ctx.dims.dp):
+                    counted = index is not None
+                    sample: PackedSample = source[index if counted else 0]
+                    for k, sigma in enumerate(self.sigmas):
+                        values = self._pair(trainer, sample, sigma)
+                        if counted:
+                            sums[k] += values
+        finally:
+            model.train(was_training)
+        trainer.phase = "validation all-reduce"
+        dist.all_reduce(sums, group=ctx.dp_mesh.get_group())
+        return self._summarise(sums.cpu())
+
+    def _pair(self, trainer: Trainer, sample: PackedSample, sigma: float) -> torch.Tensor:
+        cfg = self.cfg
+        gen = heldout_generator(self.v.seed, sample.sample_id, sigma)
+        ti = make_training_inputs(
+            sample, gen, cfg.train.timestep, cfg.train.loss_weights, cfg.cfg, trainer.shared_negative, sigma=sigma
+        )
+        self.forwards += 1 + (ti.uncond_inputs is not None)
+        parts = compute_loss(trainer.model, ti.to(trainer.device))
+        has_audio = float(sample.has_audio)
+        one = torch.ones((), dtype=torch.float64, device=trainer.device)
+        return torch.stack(
+            [
+                parts.video_fm.double(),
+                parts.audio_fm.double() * has_audio,
+                parts.video.double(),
+                parts.audio.double() * has_audio,
+                one,
+                one * has_audio,
+            ]
+        )
+
+    def _summarise(self, sums: torch.Tensor) -> dict[str, float]:
+        w = self.cfg.train.loss_weights
+        total = sums.sum(0).tolist()
+        samples, with_audio = total[4], max(total[5], 1.0)
+        out = {
+            "val/loss_video": total[0] / samples,
+            "val/loss_audio": total[1] / with_audio,
+        }
+        out["val/loss"] = w.video * out["val/loss_video"] + w.audio * out["val/loss_audio"]
+        if self.cfg_enabled:
+            out["val/loss_video_cfg"] = total[2] / samples
+            out["val/loss_audio_cfg"] = total[3] / with_audio
+            out["val/loss_cfg"] = w.video * out["val/loss_video_cfg"] + w.audio * out["val/loss_audio_cfg"]
+        for label, row in zip(self.labels, sums.tolist()):
+            out[f"val/loss_video@{label}"] = row[0] / row[4]
+            out[f"val/loss_audio@{label}"] = row[1] / max(row[5], 1.0)
+        return out

@@ -1,0 +1,155 @@
+"""Held-out loss: fixed noise, the live sharded model, no effect on training, the same at every layout."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from h3train.cli import main
+from h3train.config import load_config
+from h3train.data.dataset import CachedDataset
+from h3train.data.synth import write_synthetic_dataset
+from h3train.model.build import build_model
+from h3train.objective import make_training_inputs
+from h3train.train.trainer import Trainer
+from h3train.train.validation import HeldOutLoss, assigned_indices, heldout_generator, sigma_label
+
+from reference import TINY_FL2VA, read_metrics, run_h3train
+
+SIGMAS = [0.2, 0.5, 0.9]
+
+
+@pytest.fixture(scope="module")
+def heldout(tmp_path_factory) -> str:
+    # Three samples: with dp = 2 one rank evaluates two and the other one plus a weightless repeat.
+    folder = tmp_path_factory.mktemp("heldout") / "data"
+    write_synthetic_dataset(folder, task="fl2va", num_samples=3, seed=7, text_dim=16)
+    return str(folder)
+
+
+def _args(log_dir, heldout: str, *extra: str) -> list[str]:
+    return [
+        f"logging.dir={log_dir}",
+        "train.steps=4",
+        "logging.progress=false",
+        "checkpoint.every=0",
+        f"validation.dataset={heldout}",
+        f"validation.sigmas=[{','.join(map(str, SIGMAS))}]",
+        *extra,
+    ]
+
+
+def _rows(log_dir, kind: str | None) -> list[dict]:
+    return [m for m in read_metrics(log_dir) if m.get("kind") == kind]
+
+
+def _mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> float:
+    rows = mask.bool()
+    return float((pred[0][rows].double() - target[rows].double()).square().mean())
+
+
+def test_samples_are_split_across_dp_groups_exactly_once() -> None:
+    for n in (1, 3, 4, 7):
+        for dp in (1, 2, 3):
+            per_rank = [assigned_indices(n, r, dp) for r in range(dp)]
+            assert len({len(p) for p in per_rank}) == 1, "ranks must run the same number of forwards"
+            counted = sorted(i for p in per_rank for i in p if i is not None)
+            assert counted == list(range(n))
+
+
+def test_sigma_labels_are_distinct() -> None:
+    assert sigma_label(0.5, [0.5, 0.25]) == "0.50"
+    assert {sigma_label(s, [0.501, 0.502]) for s in (0.501, 0.502)} == {"0.501", "0.502"}
+
+
+def test_heldout_loss_equals_an_unsharded_diffusers_forward_on_the_same_noise(tmp_path, heldout) -> None:
+    cfg = load_config(TINY_FL2VA, _args(tmp_path, heldout, "validation.at_start=true"))
+    hook = HeldOutLoss(cfg)
+    trainer = Trainer(cfg, hooks=[hook])
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    got = _rows(tmp_path, "validation")[0]
+    assert got["step"] == 0
+    assert hook.forwards == 3 * len(SIGMAS), "every (sample, sigma) pair is one forward"
+
+    # The same random init as the run, evaluated by plain diffusers, one sample at a time.
+    model = build_model(cfg, cfg.train.seed).eval()
+    samples = CachedDataset(heldout, "fl2va")
+    for sigma in SIGMAS:
+        video, audio = [], []
+        for i in range(len(samples)):
+            sample = samples[i]
+            ti = make_training_inputs(
+                sample,
+                heldout_generator(cfg.validation.seed, sample.sample_id, sigma),
+                cfg.train.timestep,
+                cfg.train.loss_weights,
+                sigma=sigma,
+            )
+            with torch.no_grad():
+                p_video, p_audio = model(**ti.model_inputs, return_dict=False)
+            video.append(_mse(p_video, ti.target_video, ti.loss_mask_video))
+            if sample.has_audio:
+                audio.append(_mse(p_audio, ti.target_audio, ti.loss_mask_audio))
+        label = sigma_label(sigma, SIGMAS)
+        assert got[f"val/loss_video@{label}"] == pytest.approx(sum(video) / len(video), rel=1e-5)
+        assert got[f"val/loss_audio@{label}"] == pytest.approx(sum(audio) / len(audio), rel=1e-5)
+
+
+def test_validation_leaves_training_bitwise_unchanged(tmp_path, heldout) -> None:
+    plain, validated = tmp_path / "plain", tmp_path / "validated"
+    assert main(["train", str(TINY_FL2VA), *_args(plain, heldout)]) == 0
+    assert main(["train", str(TINY_FL2VA), *_args(validated, heldout, "validation.every=2")]) == 0
+    keys = ("loss", "loss_video", "loss_audio", "grad_norm", "lr")
+    a, b = _rows(plain, None), _rows(validated, None)
+    assert [[m[k] for k in keys] for m in a] == [[m[k] for k in keys] for m in b]
+    assert [m["step"] for m in _rows(validated, "validation")] == [2, 4]
+
+
+def test_cfg_runs_report_the_plain_and_the_calibrated_loss(tmp_path, heldout) -> None:
+    cfg = load_config(
+        TINY_FL2VA, _args(tmp_path, heldout, "validation.at_start=true", "train.steps=1", "cfg.scale=3.0")
+    )
+    hook = HeldOutLoss(cfg)
+    trainer = Trainer(cfg, hooks=[hook])
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    row = _rows(tmp_path, "validation")[0]
+    assert hook.forwards == 2 * 3 * len(SIGMAS), "CFG adds the unconditional forward"
+    assert row["val/loss_cfg"] != row["val/loss"] and row["val/loss_video_cfg"] > 0
+
+
+@pytest.mark.slow
+def test_heldout_loss_is_the_same_at_sp_2_at_dp_2_and_across_a_resume(tmp_path, heldout) -> None:
+    common = ("validation.at_start=true", "validation.every=2")
+    straight = tmp_path / "straight"
+    run_h3train(["train", str(TINY_FL2VA), *_args(straight, heldout, *common)])
+    reference = _rows(straight, "validation")
+    assert [m["step"] for m in reference] == [0, 2, 4]
+
+    layouts = {
+        "sp2": ["parallel.sp=2"],
+        # The same global batch of two: one micro-batch on each of two DP ranks.
+        "dp2": ["parallel.dp_shard=2", "train.grad_accum=1"],
+    }
+    for name, extra in layouts.items():
+        run_h3train(["train", str(TINY_FL2VA), *_args(tmp_path / name, heldout, *common, *extra)], nproc=2)
+        got = _rows(tmp_path / name, "validation")
+        assert [m["step"] for m in got] == [0, 2, 4], name
+        for want, row in zip(reference, got):
+            for key, value in want.items():
+                if key.startswith("val/"):
+                    assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (name, want["step"], key)
+
+    # Preempted after step 2 and resumed: the step-4 evaluation is bitwise the straight run's.
+    resumed = tmp_path / "resumed"
+    run_h3train(["train", str(TINY_FL2VA), *_args(resumed, heldout, *common, "debug.fault=[sigterm@2]")])
+    run_h3train(["train", str(TINY_FL2VA), *_args(resumed, heldout, *common)])
+    assert _rows(resumed, "validation")[-1] == reference[-1]
+    shutil.rmtree(tmp_path)
