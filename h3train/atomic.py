@@ -2,11 +2,17 @@
 
 Each write goes to a hidden temporary name in the target's folder, is flushed to disk, and is
 renamed over the target (`os.replace` is atomic within a filesystem).
+
+Every file written here gets the mode a plain `open()` would give it, `0o666 & ~umask`
+(`file_mode()`), whatever the writer used: safetensors creates its files 0600, which on shared
+storage would hide samples, exports and checkpoints from the collaborators who can read the JSON
+written beside them.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -14,6 +20,36 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+
+def _read_umask() -> int:
+    # Linux reports it without changing it; `os.umask` has to set it to read it, which another
+    # thread creating a file at that moment would see.
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _umask_lock:
+        current = os.umask(0o022)
+        os.umask(current)
+    return current
+
+
+_umask_lock = threading.Lock()
+
+
+def file_mode() -> int:
+    """The permission bits `open()` gives a new file in this process now: `0o666 & ~umask`."""
+    return 0o666 & ~_read_umask()
+
+
+def apply_file_mode(path: str | os.PathLike) -> None:
+    """Give an existing file the mode of `file_mode()` (a no-op where it already has it)."""
+    mode = file_mode()
+    if os.stat(path).st_mode & 0o777 != mode:
+        os.chmod(path, mode)
 
 
 def fsync_path(path: Path) -> None:
@@ -25,12 +61,30 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def free_name(path: Path) -> Path:
+    """`path` if nothing has that name, else `path.2`, `path.3`, ...: a name nothing is moved over."""
+    if not os.path.lexists(path):
+        return path
+    n = 2
+    while os.path.lexists(path.with_name(f"{path.name}.{n}")):
+        n += 1
+    return path.with_name(f"{path.name}.{n}")
+
+
+def set_aside(path: Path, tag: str) -> Path:
+    """Rename `path` to `<name>.<tag>` (or a numbered variant); never deletes. Returns the new path."""
+    target = free_name(path.with_name(f"{path.name}.{tag}"))
+    os.replace(path, target)
+    return target
+
+
 @contextmanager
 def _temporary_for(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         yield tmp
+        apply_file_mode(tmp)
         fsync_path(tmp)
         os.replace(tmp, path)
     finally:
@@ -48,5 +102,5 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def atomic_save_file(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]) -> None:
-    """`safetensors.torch.save_file`, atomically."""
+    """`safetensors.torch.save_file`, atomically, with the mode of `file_mode()`."""
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -129,19 +130,45 @@ def test_checkpoint_of_another_model_is_refused(tmp_path) -> None:
     assert "'model.config.hidden_size'" in proc.stderr and proc.stderr.strip().count("\n") == 0
 
 
-def test_prune_keeps_the_newest_commits_not_the_highest_steps(tmp_path) -> None:
-    from h3train.train.checkpoint import STATE_FILE, Checkpointer
+def _fake_checkpoint(root, step: int, commit: int, mtime: float):
+    from h3train.train.checkpoint import STATE_FILE
 
-    # Resumed from step 100 while 200 and 300 exist: 150 is the newest commit.
-    for i, step in enumerate((100, 200, 300, 150)):
-        path = tmp_path / f"step_{step:08d}"
-        path.mkdir()
-        (path / ".metadata").write_text("")
-        (path / STATE_FILE).write_text("{}")
-        os.utime(path / STATE_FILE, (1000 + i, 1000 + i))
-    Checkpointer(tmp_path, keep_last=2, is_main=True)._prune(keep=tmp_path / "step_00000150")
+    path = root / f"step_{step:08d}"
+    path.mkdir()
+    (path / ".metadata").write_text("")
+    (path / STATE_FILE).write_text(json.dumps({"step": step, "commit": commit}))
+    os.utime(path / STATE_FILE, (mtime, mtime))
+    return path
+
+
+def _join_prune_threads() -> None:
     for thread in threading.enumerate():
         if thread.name == "checkpoint-prune":
             thread.join()
+
+
+def test_commit_order_comes_from_the_commit_record_not_mtimes(tmp_path) -> None:
+    from h3train.train.checkpoint import Checkpointer
+
+    # Resumed from step 100 while 200 and 300 existed: 150 is the newest commit. The mtimes run the
+    # other way, as after copying the run folder.
+    for commit, step in enumerate((100, 200, 300, 150), start=1):
+        _fake_checkpoint(tmp_path, step, commit, mtime=5000 - commit)
+    assert [p.name[5:] for p in complete_checkpoints(tmp_path)] == ["00000100", "00000200", "00000300", "00000150"]
+    Checkpointer(tmp_path, keep_last=2, is_main=True)._prune(keep=tmp_path / "step_00000150")
+    _join_prune_threads()
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000300", "step_00000150"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000150", "step_00000300"]
+
+
+def test_prune_never_retires_later_checkpoints_this_run_did_not_write(tmp_path) -> None:
+    from h3train.train.checkpoint import Checkpointer
+
+    for commit, step in enumerate((100, 200, 110, 120), start=1):
+        _fake_checkpoint(tmp_path, step, commit, mtime=1000)
+    ckpt = Checkpointer(tmp_path, keep_last=1, is_main=True)
+    ckpt.protected_after = 100  # resumed from step 100; it wrote 110 and 120
+    ckpt.written = {"step_00000110", "step_00000120"}
+    ckpt._prune(keep=tmp_path / "step_00000120")
+    _join_prune_threads()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000120", "step_00000200"]

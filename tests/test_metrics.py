@@ -79,10 +79,11 @@ def test_jsonl_one_line_per_step_with_step_first(tmp_path: Path, capsys: pytest.
     assert err.count("step ") == 3 and "loss=" in err and "grad_norm=" in err
 
 
-def test_resume_appends_and_drops_steps_after_checkpoint(tmp_path: Path) -> None:
+def test_resume_appends_and_keeps_the_abandoned_steps_aside(tmp_path: Path) -> None:
     with _logger(tmp_path) as logger:
         for step in range(1, 6):
             logger.log(step, _metrics(step))
+    earlier = (tmp_path / "metrics.jsonl").read_text().splitlines()
     # The checkpoint was at step 3; steps 4 and 5 are redone by the resumed run.
     with _logger(tmp_path, start_step=3) as logger:
         assert [r["step"] for r in _read(tmp_path / "metrics.jsonl")] == [1, 2, 3]
@@ -92,14 +93,45 @@ def test_resume_appends_and_drops_steps_after_checkpoint(tmp_path: Path) -> None
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert records[3]["loss"] == 14.0
     assert records[0]["loss"] == 1.0
+    # Never deleted: the abandoned lines, byte for byte, under the resume step's name.
+    assert (tmp_path / "metrics.jsonl.abandoned-3").read_text().splitlines() == earlier[3:]
+    # A second resume from the same step keeps the first abandoned file too.
+    with _logger(tmp_path, start_step=3):
+        pass
+    assert [r["step"] for r in _read(tmp_path / "metrics.jsonl.abandoned-3.2")] == [4, 5, 6]
 
 
-def test_resume_removes_torn_last_line(tmp_path: Path) -> None:
+def test_resume_moves_a_torn_last_line_aside(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n{"step": 3, "lo')
     with _logger(tmp_path, start_step=2) as logger:
         logger.log(3, {"loss": 0.8})
     assert [r["step"] for r in _read(path)] == [1, 2, 3]
+    assert (tmp_path / "metrics.jsonl.abandoned-2").read_text() == '{"step": 3, "lo\n'
+
+
+def test_resume_at_the_last_logged_step_leaves_no_abandoned_file(tmp_path: Path) -> None:
+    with _logger(tmp_path) as logger:
+        for step in (1, 2):
+            logger.log(step, _metrics(step))
+    with _logger(tmp_path, start_step=2) as logger:
+        logger.log(3, _metrics(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+def test_non_finite_values_are_strict_json_null_with_a_flag(tmp_path: Path) -> None:
+    with _logger(tmp_path, total_steps=2) as logger:
+        logger.log(1, {"loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3})
+        logger.log(2, {"loss": 0.5, "grad_norm": 1.0, "lr": 1e-3})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+
+    def strict(text: str) -> Any:
+        # What jq, JavaScript and Go accept: no NaN / Infinity tokens.
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"non-standard JSON token {name}"))
+
+    first, second = (strict(line) for line in lines)
+    assert first == {"step": 1, "loss": None, "grad_norm": None, "lr": 1e-3, "nonfinite": ["loss", "grad_norm"]}
+    assert "nonfinite" not in second and second["loss"] == 0.5
 
 
 def test_non_main_rank_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -182,12 +214,25 @@ def test_wandb_log_failure_warns_once_across_steps(tmp_path: Path, monkeypatch: 
     assert [r["step"] for r in _read(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
-def test_write_resolved_config(tmp_path: Path) -> None:
+def test_write_resolved_config_keeps_each_attempts_config(tmp_path: Path) -> None:
     path = write_resolved_config(tmp_path / "run", "train:\n  steps: 3\n")
     assert path == tmp_path / "run" / "config.yaml"
-    write_resolved_config(tmp_path / "run", "train:\n  steps: 4\n")
-    assert path.read_text() == "train:\n  steps: 4\n"
+    # The same configuration again (a requeued run) adds nothing.
+    write_resolved_config(tmp_path / "run", "train:\n  steps: 3\n")
     assert [p.name for p in path.parent.iterdir()] == ["config.yaml"]
+    write_resolved_config(tmp_path / "run", "train:\n  steps: 4\n")
+    write_resolved_config(tmp_path / "run", "train:\n  steps: 5\n")
+    assert path.read_text() == "train:\n  steps: 5\n"
+    assert (path.parent / "config.yaml.previous-1").read_text() == "train:\n  steps: 3\n"
+    assert (path.parent / "config.yaml.previous-2").read_text() == "train:\n  steps: 4\n"
+
+
+def test_plot_reads_a_log_with_null_values(tmp_path: Path) -> None:
+    with _logger(tmp_path, progress=False) as logger:
+        for step in range(1, 5):
+            logger.log(step, {"loss": float("nan") if step == 2 else 1.0 / step, "grad_norm": 0.5})
+    out = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "m.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_metrics_writes_png(tmp_path: Path) -> None:
@@ -201,7 +246,7 @@ def test_plot_metrics_writes_png(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("content", "match"),
-    [(None, "does not exist"), ("", "is empty"), ('{"step": 1, "grad_norm": 0.3}\n', "no 'loss'")],
+    [(None, "does not exist"), ("", "no step records"), ('{"step": 1, "grad_norm": 0.3}\n', "no finite 'loss'")],
 )
 def test_plot_metrics_rejects_bad_input(tmp_path: Path, content: str | None, match: str) -> None:
     path = tmp_path / "metrics.jsonl"

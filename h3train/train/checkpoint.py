@@ -2,44 +2,72 @@
 
 Layout of `checkpoint.dir`:
 
-    step_00000012/           a complete checkpoint (only complete ones carry this name)
-      .metadata, *.distcp    DCP: model and optimizer, sharded, every rank writes its part
-      trainer_state.json     step, LR scheduler, sampler position, model config, resolved config
-      rng_rank{r}.safetensors  per-rank torch RNG states
+    step_00000012/           a committed checkpoint (only committed ones carry this name)
+      .metadata, *.distcp    DCP: every component of the checkpoint state, sharded
+      trainer_state.json     step, commit number, model config, resolved config (JSON, for people
+                             and for the checks that run before a model exists)
     .tmp-step_00000013/      being written; renamed to step_00000013 once every rank is done
+    step_00000014.corrupt    a checkpoint that failed to load, set aside by a resume (never read)
+    step_00000020.abandoned-12   a later checkpoint set aside when a run resumed from step 12
 
 A checkpoint is valid only once it has its final name: the rename is the commit, done by rank 0 after
 a barrier that follows every rank's write. `.tmp-*` folders are never read and are removed at start.
-Parameters are keyed by their FQN, so DCP reshards on load: a run resumes under another
-`dp_shard` / `sp` / `dp_replicate`.
+The checkpoint state is one dict of named `Stateful` components (`Trainer.checkpoint_state`): the
+model, the optimizer, the LR schedule position, the sampler, the step counters. A later
+feature joins it with `trainer.checkpoint_state["ema"] = ema`. Tensors are keyed by their FQN, so
+DCP reshards on load: a run resumes under another `dp_shard` / `sp` / `dp_replicate`.
+
+Commit order is recorded, not inferred: each commit writes `commit` (one more than any checkpoint
+in the folder) into `trainer_state.json`, so a run folder copied elsewhere (new mtimes) keeps it.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import shutil
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator, Iterable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+import yaml
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
 
-from ..atomic import atomic_write_text, fsync_path
-from ..errors import ConfigError
+from ..atomic import apply_file_mode, atomic_write_text, fsync_path, set_aside
+from ..errors import CheckpointError, ConfigError
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "trainer_state.json"
+METADATA_FILE = ".metadata"
+# DCP key prefix of the transformer's weights: component "model", module "transformer".
+MODEL_PREFIX = "model.transformer."
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
+
+
+# -- reading checkpoints --------------------------------------------------------------------------
 
 
 def is_complete(path: Path) -> bool:
@@ -47,41 +75,111 @@ def is_complete(path: Path) -> bool:
         path.is_dir()
         and STEP_DIR.match(path.name) is not None
         and (path / STATE_FILE).is_file()
-        and (path / ".metadata").is_file()
+        and (path / METADATA_FILE).is_file()
     )
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, in commit order (oldest first).
+def _commit_key(path: Path) -> tuple[float, int]:
+    try:
+        commit = json.loads((path / STATE_FILE).read_text()).get("commit", 0)
+        commit = float(commit) if isinstance(commit, int) else float("inf")
+    except (OSError, ValueError, AttributeError):
+        # Unreadable: ranked newest, so a resume checks it first, reports it and sets it aside.
+        commit = float("inf")
+    return commit, step_of(path)
 
-    Commit order, not step order: after resuming from an older checkpoint, the run's new saves are
-    the newest, and the abandoned later steps are the first to be pruned.
+
+def committed_checkpoints(root: Path) -> list[Path]:
+    """Every `step_NNNNNNNN` folder under `root` (each was committed by a rename), oldest commit first.
+
+    Commit order, not step order: after resuming from an older checkpoint the run's new saves are
+    the newest. Checkpoints of an h3train without commit records sort before any that have one,
+    by step. Whether one is still readable is `validate_checkpoint`'s question.
     """
     if not root.is_dir():
         return []
-    return sorted(
-        (p for p in root.iterdir() if is_complete(p)), key=lambda p: ((p / STATE_FILE).stat().st_mtime, p.name)
-    )
+    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()]
+    return sorted(found, key=_commit_key)
 
 
-def resolve_resume(root: Path, resume: str) -> Path | None:
-    """`auto`: the newest complete checkpoint (None when there is none); `none`; or a path."""
-    if resume == "none":
-        return None
-    if resume == "auto":
-        found = complete_checkpoints(root)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not is_complete(path):
-        raise ConfigError(
-            f"config key 'checkpoint.resume': '{resume}' is not a complete checkpoint folder "
-            f"(expected {step_dir_name(0)[:5]}NNNNNNNN with {STATE_FILE} and .metadata)"
-        )
-    return path
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Committed checkpoints that still have their state file and metadata, oldest commit first."""
+    return [p for p in committed_checkpoints(root) if is_complete(p)]
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
     return json.loads((path / STATE_FILE).read_text())
+
+
+def validate_checkpoint(path: Path) -> str | None:
+    """What is wrong with checkpoint `path`, in a few words naming the file; None if it looks loadable.
+
+    Checks what can be checked without a model: `trainer_state.json` parses and has a step, the DCP
+    `.metadata` unpickles, and every `.distcp` file it names exists with at least the bytes its
+    entries need. Flipped bytes inside a file of the right size show only when it is loaded.
+    """
+    state_file = path / STATE_FILE
+    if not state_file.is_file():
+        return f"{state_file} is missing"
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"{state_file} is not valid JSON ({_first_line(exc)})"
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "model_config" not in state:
+        return f"{state_file} has no step and model_config"
+    if not (path / METADATA_FILE).is_file():
+        return f"{path / METADATA_FILE} is missing"
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+        storage = metadata.storage_data
+        needed: dict[str, int] = {}
+        for info in storage.values():
+            end = info.offset + info.length
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same: unreadable
+        return f"{path / METADATA_FILE} cannot be read ({_first_line(exc)})"
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        have = file.stat().st_size
+        if have < size:
+            return f"{file} is truncated ({have} of {size} bytes)"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    """`Type: first sentence of the message`: enough to say what is wrong in one line."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0].split('. ')[0].rstrip('.')}" if text else type(exc).__name__
+
+
+def resume_candidates(root: Path, resume: str) -> list[Path]:
+    """The checkpoints a resume tries, newest first: `auto` all committed ones, `none` none, or a path.
+
+    An explicit path must be a committed checkpoint folder (ConfigError otherwise); whether its
+    files are readable is checked later, by rank 0, with `validate_checkpoint`.
+    """
+    if resume == "none":
+        return []
+    if resume == "auto":
+        return list(reversed(committed_checkpoints(root)))
+    path = Path(resume)
+    if not (path.is_dir() and STEP_DIR.match(path.name)):
+        raise ConfigError(
+            f"config key 'checkpoint.resume': '{resume}' is not a checkpoint folder "
+            f"(expected step_NNNNNNNN with {STATE_FILE} and {METADATA_FILE}); use auto, none or such a folder"
+        )
+    return [path]
+
+
+def resolve_resume(root: Path, resume: str) -> Path | None:
+    """`auto`: the newest complete checkpoint (None when there is none); `none`; or a path."""
+    if resume == "auto":
+        found = complete_checkpoints(root)
+        return found[-1] if found else None
+    candidates = resume_candidates(root, resume)
+    return candidates[0] if candidates else None
 
 
 def check_same_model(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
@@ -99,23 +197,177 @@ def check_same_model(saved: dict[str, Any], current: dict[str, Any], path: Path)
             )
 
 
-@dataclass
-class TrainingState:
-    """What a checkpoint holds besides the DCP tensors."""
+# What the LR schedule is made of: changed on resume, the schedule is rebuilt from the new values.
+SCHEDULE_KEYS = (
+    ("optim", "lr"),
+    ("optim", "schedule"),
+    ("optim", "warmup_steps"),
+    ("optim", "min_lr_ratio"),
+    ("train", "steps"),
+)
 
-    step: int
-    scheduler: dict[str, Any]
-    sampler: dict[str, Any]
-    model_config: dict[str, Any]
-    config_yaml: str
-    extra: dict[str, Any] = field(default_factory=dict)
+
+def schedule_changes(saved_yaml: str, cfg: Any) -> list[str]:
+    """`['optim.lr 0.001 -> 0.01', ...]`: the schedule settings of `cfg` that differ from a saved config."""
+    try:
+        saved = yaml.safe_load(saved_yaml) or {}
+    except yaml.YAMLError:
+        return []
+    changes = []
+    for section, key in SCHEDULE_KEYS:
+        old = (saved.get(section) or {}).get(key) if isinstance(saved, dict) else None
+        new = getattr(getattr(cfg, section), key)
+        if old is not None and old != new:
+            changes.append(f"{section}.{key} {old} -> {new}")
+    return changes
+
+
+# -- the stateful components ----------------------------------------------------------------------
+
+
+class ModelState:
+    """The model's weights (sharded DTensors; DCP reshards them on load)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state)
+
+
+class OptimizerState:
+    """The optimizer's moments and step counts, keyed by parameter FQN.
+
+    Loading keeps the hyperparameters (lr, betas, eps, weight decay) as this run's config set them,
+    so a changed `optim.*` on resume runs what `config.yaml` records. The LR itself is the schedule's.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        hyper = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+        for group, values in zip(self.optimizer.param_groups, hyper, strict=True):
+            group.update(values)
+
+
+class ScheduleState:
+    """The LR schedule as a position (optimizer updates taken), rebuilt from this run's config on load.
+
+    The schedule is a function of the config and the position, so a resume with a changed
+    `optim.lr`, schedule, warmup or `train.steps` continues the new schedule at the same position;
+    with an unchanged config the rebuilt learning rates equal the saved ones bit for bit.
+    """
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": int(self.scheduler.last_epoch)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        position = int(state["position"])
+        sched = self.scheduler
+        lrs = [base * fn(position) for fn, base in zip(sched.lr_lambdas, sched.base_lrs, strict=True)]
+        restored = sched.state_dict()
+        restored.update(last_epoch=position, _last_lr=lrs)
+        sched.load_state_dict(restored)
+        for group, lr in zip(sched.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+
+
+class AttributeState:
+    """Named attributes of an object (plain numbers) as a component: e.g. the trainer's step counters."""
+
+    def __init__(self, owner: object, names: Iterable[str]) -> None:
+        self.owner = owner
+        self.names = tuple(names)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: getattr(self.owner, name) for name in self.names}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in self.names:
+            setattr(self.owner, name, state[name])
+
+
+class UnreadableFile(Exception):
+    """A checkpoint file that failed to load, named (raised inside DCP's read on the failing rank)."""
+
+
+class _RecordingFileSystem(FileSystem):
+    def __init__(self) -> None:
+        super().__init__()
+        self.current: str | None = None
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        self.current = str(path)
+        with super().create_stream(path, mode) as stream:
+            yield stream
+
+
+class NamingReader(FileSystemReader):
+    """DCP's file reader, naming the file a read failed on (DCP's own error names none)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self.fs = _RecordingFileSystem()
+
+    def read_data(self, plan, planner):  # noqa: ANN001, ANN201 - FileSystemReader's signature
+        try:
+            return super().read_data(plan, planner)
+        except Exception as exc:
+            name = Path(self.fs.current).name if self.fs.current else "a .distcp file"
+            raise UnreadableFile(f"{name} cannot be read ({_first_line(exc)})") from exc
+
+
+def read_components(path: Path, components: dict[str, Stateful]) -> dict[str, Any]:
+    """Read every component's saved state from checkpoint `path` (collective); apply nothing yet.
+
+    Raises CheckpointError naming the checkpoint when the files cannot be read; DCP gathers a
+    failure on any rank and raises it on every rank, so all ranks fail together.
+    """
+    state = {name: component.state_dict() for name, component in components.items()}
+    try:
+        dcp.load(state, storage_reader=NamingReader(path))
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any read failure: unreadable
+        raise CheckpointError(f"checkpoint '{path}' cannot be read: {read_failure_reason(exc)}") from exc
+    return state
+
+
+def read_failure_reason(exc: BaseException) -> str:
+    # DCP wraps per-rank failures in a CheckpointException whose text is a whole traceback per rank.
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = sorted(failures.items())[0]
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        return f"{inner} (rank {rank})" if isinstance(inner, UnreadableFile) else f"rank {rank}: {_first_line(inner)}"
+    return str(exc) if isinstance(exc, UnreadableFile) else _first_line(exc)
+
+
+# -- writing checkpoints --------------------------------------------------------------------------
 
 
 class Checkpointer:
+    """Saves commit by rename; prunes only what this run's lineage holds (see `_prune`)."""
+
     def __init__(self, root: Path, keep_last: int, is_main: bool) -> None:
         self.root = root
         self.keep_last = keep_last
         self.is_main = is_main
+        # Checkpoints newer than the resume point that this run did not write are never pruned.
+        # Resuming sets such later ones aside under another name, so this is a second guard.
+        self.protected_after: int | None = None
+        self.written: set[str] = set()
 
     def clean_incomplete(self) -> None:
         """Remove `.tmp-*` leftovers of a save that never committed (rank 0; others wait)."""
@@ -125,30 +377,45 @@ class Checkpointer:
                     shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
 
+    def _next_commit(self) -> int:
+        commits = [_commit_key(p)[0] for p in committed_checkpoints(self.root)]
+        finite = [int(c) for c in commits if c != float("inf")]
+        return max(finite, default=0) + 1
+
     def save(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainingState, before_commit=None
+        self,
+        components: dict[str, Stateful],
+        info: dict[str, Any],
+        step: int,
+        before_commit: Callable[[], None] | None = None,
     ) -> Path:
-        """Write every rank's shards to a temporary folder, then commit it by an atomic rename."""
-        final = self.root / step_dir_name(state.step)
+        """Write every rank's shards to a temporary folder, then commit it by an atomic rename.
+
+        `info` goes to `trainer_state.json` with the step and the commit number.
+        """
+        final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{final.name}"
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        rank = dist.get_rank()
-        save_file({"cpu": torch.get_rng_state()}, str(tmp / f"rng_rank{rank}.safetensors"))
+        dcp.save(dict(components), checkpoint_id=str(tmp))
         if self.is_main:
-            atomic_write_text(tmp / STATE_FILE, json.dumps(state.__dict__, indent=2, default=str))
+            record = {"step": step, "commit": self._next_commit(), **info}
+            atomic_write_text(tmp / STATE_FILE, json.dumps(record, indent=2, default=str))
         dist.barrier()
         if before_commit is not None:
             before_commit()
         if self.is_main:
+            for file in tmp.iterdir():
+                apply_file_mode(file)
             if final.exists():
-                shutil.rmtree(final)
+                # Only a checkpoint of this very lineage can be here (later ones were set aside at
+                # resume); it is still kept, under another name, rather than deleted.
+                set_aside(final, "replaced")
             os.replace(tmp, final)
             fsync_path(self.root)
+        self.written.add(final.name)
         dist.barrier()
         if self.is_main:
             self._prune(keep=final)
@@ -157,33 +424,27 @@ class Checkpointer:
     def _prune(self, keep: Path) -> None:
         """Retire all but the newest `keep_last` checkpoints; delete them in the background.
 
-        A retired checkpoint is first renamed to `.tmp-*` (atomic), so an interrupted deletion never
+        A checkpoint newer than the resume point that this run did not write is never retired. A
+        retired checkpoint is first renamed to `.tmp-*` (atomic), so an interrupted deletion never
         leaves a half checkpoint under a valid name; deleting hundreds of GB must not hold up training.
         """
         if self.keep_last <= 0:
             return
         retired = []
         for old in complete_checkpoints(self.root)[: -self.keep_last]:
-            if old != keep:
-                target = old.with_name(f".tmp-retired-{old.name}")
-                os.replace(old, target)
-                retired.append(target)
+            foreign_later = (
+                self.protected_after is not None
+                and step_of(old) > self.protected_after
+                and old.name not in self.written
+            )
+            if old == keep or foreign_later:
+                continue
+            target = old.with_name(f".tmp-retired-{old.name}")
+            os.replace(old, target)
+            retired.append(target)
         if retired:
             threading.Thread(
                 target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in retired],
                 name="checkpoint-prune",
                 daemon=False,
             ).start()
-
-    @staticmethod
-    def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainingState:
-        """Load model and optimizer (resharding as needed) and return the rest of the state."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        rng = path / f"rng_rank{dist.get_rank()}.safetensors"
-        if rng.is_file():
-            # The layout may have changed (more ranks than saved ones): then the default RNG keeps its seed.
-            torch.set_rng_state(load_file(str(rng))["cpu"])
-        return TrainingState(**read_trainer_state(path))

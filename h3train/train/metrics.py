@@ -19,11 +19,13 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from ..atomic import atomic_write_text
+from ..atomic import atomic_write_text, free_name
 from ..config import WandbConfig
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
+# Lists the keys of a record whose values were NaN or infinite, written as null.
+NONFINITE_KEY = "nonfinite"
 
 # Without a TTY the bar is replaced by plain lines; this caps how many a run prints.
 _MAX_PLAIN_LINES = 50
@@ -32,8 +34,17 @@ _CONSOLE_KEYS = ("loss", "grad_norm", "lr")
 
 
 def write_resolved_config(log_dir: str | os.PathLike[str], yaml_text: str) -> Path:
-    """Write the fully resolved run configuration to `<log_dir>/config.yaml` atomically; return its path."""
+    """Write the fully resolved run configuration to `<log_dir>/config.yaml` atomically; return its path.
+
+    An earlier attempt's `config.yaml` that differs (a resume with changed overrides) is kept as
+    `config.yaml.previous-<n>` (n = 1, 2, ... in order), so every attempt's configuration survives.
+    """
     path = Path(log_dir) / CONFIG_FILE
+    if path.is_file() and path.read_text(encoding="utf-8") != yaml_text:
+        n = 1
+        while os.path.lexists(path.with_name(f"{CONFIG_FILE}.previous-{n}")):
+            n += 1
+        os.replace(path, path.with_name(f"{CONFIG_FILE}.previous-{n}"))
     atomic_write_text(path, yaml_text)
     return path
 
@@ -45,6 +56,16 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
     return float(value)
+
+
+def strict_record(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with non-finite floats as None and their keys listed under `nonfinite` (strict JSON)."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    out = {k: (None if k in bad else v) for k, v in record.items()}
+    out[NONFINITE_KEY] = bad
+    return out
 
 
 def _format_value(key: str, value: Any) -> str:
@@ -71,10 +92,11 @@ class MetricsLogger:
 
     `metrics.jsonl` is opened for appending so a resumed run extends the same file. Lines whose
     step is after `start_step` belong to steps that the resumed run is about to redo (they were
-    logged after the checkpoint it resumes from) and are removed when the logger opens, keeping
-    the steps in the file strictly increasing. Unparseable lines, e.g. one torn by a crash
-    mid-write, are removed at the same time. Non-finite values are written as `NaN` / `Infinity`,
-    which Python's `json` reads back.
+    logged after the checkpoint it resumes from): when the logger opens they move, with any
+    unparseable line (e.g. one torn by a crash mid-write), to `metrics.jsonl.abandoned-<start_step>`,
+    never deleted, so the steps in `metrics.jsonl` stay strictly increasing. Every line is strict
+    JSON: a NaN or infinite value is written as `null` and its key listed in `"nonfinite"`, so jq,
+    JavaScript and Go read every line.
 
     The console shows a tqdm bar on a TTY when `progress` is true; otherwise (log files, CI) a
     plain line is printed to stderr every few steps, at most about 50 per run.
@@ -108,7 +130,7 @@ class MetricsLogger:
             return
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._drop_stale_lines()
+        self._set_aside_later_lines()
         self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held open for the whole run
 
         # wandb first: its start-up output or failure warning would otherwise break the bar's line.
@@ -128,31 +150,28 @@ class MetricsLogger:
 
     # -- setup -------------------------------------------------------------------------------
 
-    def _drop_stale_lines(self) -> None:
-        """Remove lines after `start_step` (and torn lines) from an existing metrics file."""
+    def _set_aside_later_lines(self) -> None:
+        """Move lines after `start_step` (and torn lines) of an existing metrics file aside."""
         if not self.path.is_file():
             return
         text = self.path.read_text(encoding="utf-8")
         if not text:
             return
         kept: list[str] = []
-        dropped = False
+        later: list[str] = []
         for line in text.splitlines():
             if not line.strip():
-                dropped = True
                 continue
             try:
-                record = json.loads(line)
-                step = record["step"]
+                step = json.loads(line)["step"]
             except (ValueError, TypeError, KeyError):
-                dropped = True
-                continue
-            if isinstance(step, int) and step <= self.start_step:
-                kept.append(line)
-            else:
-                dropped = True
+                step = None
+            (kept if isinstance(step, int) and step <= self.start_step else later).append(line)
+        if later:
+            aside = free_name(self.path.with_name(f"{METRICS_FILE}.abandoned-{self.start_step}"))
+            atomic_write_text(aside, "".join(f"{line}\n" for line in later))
         # A missing final newline would glue the next appended record onto the last line.
-        if dropped or not text.endswith("\n"):
+        if later or text != "".join(f"{line}\n" for line in kept):
             atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
 
     def _init_wandb(self, cfg: WandbConfig, run_config: dict[str, Any]) -> None:
@@ -200,7 +219,7 @@ class MetricsLogger:
                 record[key] = _jsonable(value)
 
         assert self._fh is not None
-        self._fh.write(json.dumps(record) + "\n")
+        self._fh.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
         # Flushed per line so `tail -f` and a crash both see every completed step.
         self._fh.flush()
 
@@ -209,6 +228,32 @@ class MetricsLogger:
         if self._wandb_run is not None:
             try:
                 self._wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            except Exception as exc:  # noqa: BLE001 - a dashboard failure must not stop training
+                self._warn_wandb("failed to log", exc)
+                self._finish_wandb(exit_code=1)
+
+    def log_validation(self, step: int, metrics: dict[str, float]) -> None:
+        """Record a held-out evaluation after step `step` (0: before training) as a row of its own.
+
+        The row carries `"kind": "validation"`; training rows have no `kind`. wandb gets the values
+        at the same step as the training row, so both curves share the x axis.
+        """
+        if not self.is_main or self._closed:
+            return
+        record: dict[str, Any] = {"step": int(step), "kind": "validation"}
+        record.update({k: _jsonable(v) for k, v in metrics.items()})
+        assert self._fh is not None
+        self._fh.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
+        self._fh.flush()
+        shown = " ".join(f"{k}={v:.4f}" for k, v in metrics.items() if "@" not in k and isinstance(v, float))
+        message = f"validation after step {step}: {shown}"
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr, flush=True)
+        if self._wandb_run is not None:
+            try:
+                self._wandb_run.log({k: v for k, v in record.items() if k not in ("step", "kind")}, step=int(step))
             except Exception as exc:  # noqa: BLE001 - a dashboard failure must not stop training
                 self._warn_wandb("failed to log", exc)
                 self._finish_wandb(exit_code=1)

@@ -1,27 +1,50 @@
-"""SIGTERM / SIGUSR1 (Slurm's warning before a time limit) -> finish the step, save, exit 0.
+"""SIGTERM / SIGUSR1 (Slurm's warning before a time limit) / SIGINT (Ctrl-C) -> finish the step, save, stop.
 
 The handler only sets a flag; at the end of each step the ranks agree on it with one all-reduce of
 a single integer, so every rank saves the same step even if the signal reached only some of them.
+The agreed value says which kind of signal arrived: an interrupt (SIGINT) outranks a preemption,
+and a run stopped by one exits 130 (as an interrupted program does), one stopped by a preemption
+signal exits 0 (its job is to be requeued and resumed).
+
+A second Ctrl-C while the first is being honoured restores the default handler's behaviour: it
+raises `KeyboardInterrupt` at once, for a user who would rather lose the step than wait for it.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# Agreed across ranks with a MAX all-reduce, so the higher code wins.
+NONE, PREEMPT, INTERRUPT = 0, 1, 2
 
 
 class Preemption:
     def __init__(self) -> None:
-        self.flag = False
+        self.flag = NONE
+        self.signal: int | None = None
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
-        self.flag = True
+        if signum == signal.SIGINT:
+            if self.flag == INTERRUPT:
+                raise KeyboardInterrupt
+            if os.environ.get("RANK", "0") == "0":
+                print(
+                    "interrupt: saving a checkpoint after this step (Ctrl-C again to stop at once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self.flag = INTERRUPT
+        else:
+            self.flag = max(self.flag, PREEMPT)
+        self.signal = self.signal or signum
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():
@@ -34,8 +57,8 @@ class Preemption:
             signal.signal(sig, handler)
         self._previous.clear()
 
-    def requested(self, device: torch.device) -> bool:
-        """True on every rank once any rank has received a preemption signal."""
+    def requested(self, device: torch.device) -> int:
+        """The agreed stop request on every rank: NONE, PREEMPT or INTERRUPT (any rank's signal counts)."""
         flag = torch.tensor([int(self.flag)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return int(flag.item())

@@ -1,0 +1,123 @@
+"""What a run may do with the run folder it is given: nothing a user wrote is destroyed or shadowed.
+
+The policy, checked at the start of `Trainer.__init__`, before any process group or model:
+
+- `logging.dir` and `checkpoint.dir` must be creatable and writable (a temporary file is written and
+  removed in each), else exit 2 naming the key: not a failed save after hours of training.
+- A fresh run (`checkpoint.resume=none`, or `auto` with nothing to resume) into a folder that holds
+  an earlier run (a non-empty `metrics.jsonl` or a committed checkpoint) is refused (exit 2), naming
+  the folder and the ways out: `checkpoint.resume=auto`, another `logging.dir`, or `--overwrite`.
+- `--overwrite` moves the earlier run aside, into `<logging.dir>/previous-<n>/` (its checkpoints
+  into `previous-<n>/checkpoints`, or `<checkpoint.dir>/previous-<n>/` when that is elsewhere), and
+  starts afresh. Nothing is deleted; remove the `previous-*` folders yourself.
+- A resume from an older step keeps the abandoned later history: the later checkpoints are renamed
+  `step_N.abandoned-<resume step>` (no resume or prune picks them up), the later metrics lines move
+  to `metrics.jsonl.abandoned-<resume step>` (`MetricsLogger`), and an earlier `config.yaml` that
+  differs from this run's is kept as `config.yaml.previous-<n>` (`write_resolved_config`).
+
+Every rank reaches the same decision from the same (shared) folder; only rank 0 moves anything.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from ..atomic import set_aside
+from ..errors import ConfigError, UsageError
+from .checkpoint import committed_checkpoints
+
+# What h3train writes into `logging.dir` (besides checkpoints); `--overwrite` moves these aside.
+RUN_FILES = ("metrics.jsonl", "config.yaml", "data_errors.jsonl", "loss_spikes.jsonl", "dump", "wandb")
+RUN_FILE_PREFIXES = ("metrics.jsonl.", "config.yaml.")
+ASIDE_PREFIX = "previous-"
+
+
+def probe_writable(path: Path, key: str) -> None:
+    """Create folder `path` and a temporary file in it; ConfigError naming `key` if either fails."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"config key '{key}': '{path}' is a file, not a folder; choose a folder path")
+    probe = path / f".h3train-probe-{uuid.uuid4().hex}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(
+            f"config key '{key}': cannot write to '{path}' ({reason}); choose a folder this job can write"
+        ) from exc
+
+
+def earlier_run(log_dir: Path, ckpt_dir: Path) -> list[str]:
+    """What of an earlier run the folders hold: e.g. ['metrics.jsonl', '2 checkpoints']; [] if none."""
+    found = []
+    metrics = log_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append("metrics.jsonl")
+    count = len(committed_checkpoints(ckpt_dir))
+    if count:
+        found.append(f"{count} checkpoint{'s' if count > 1 else ''} in {ckpt_dir}")
+    return found
+
+
+def check_fresh_run(log_dir: Path, ckpt_dir: Path) -> None:
+    """Refuse a fresh run over an earlier one (UsageError, one line with the ways out)."""
+    found = earlier_run(log_dir, ckpt_dir)
+    if not found:
+        return
+    resumable = any("checkpoint" in item for item in found)
+    continue_it = "continue it with checkpoint.resume=auto, " if resumable else ""
+    raise UsageError(
+        f"logging.dir '{log_dir}' already holds a run ({', '.join(found)}); {continue_it}"
+        f"choose a new logging.dir, or pass --overwrite to move it aside into {log_dir}/{ASIDE_PREFIX}<n> "
+        "and start afresh"
+    )
+
+
+def _aside_folder(log_dir: Path, ckpt_dir: Path) -> tuple[Path, Path]:
+    inside = _is_within(ckpt_dir, log_dir)
+    n = 1
+    while True:
+        logs = log_dir / f"{ASIDE_PREFIX}{n}"
+        ckpts = logs / ckpt_dir.resolve().relative_to(log_dir.resolve()) if inside else ckpt_dir / logs.name
+        if not os.path.lexists(logs) and not os.path.lexists(ckpts):
+            return logs, ckpts
+        n += 1
+
+
+def _is_within(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def move_run_aside(log_dir: Path, ckpt_dir: Path) -> Path | None:
+    """`--overwrite`: move an earlier run's files into `previous-<n>/`; return that folder (None: nothing)."""
+    if not earlier_run(log_dir, ckpt_dir) and not (log_dir / "config.yaml").exists():
+        return None
+    logs, ckpts = _aside_folder(log_dir, ckpt_dir)
+    moved = False
+    if log_dir.is_dir():
+        for path in sorted(log_dir.iterdir()):
+            if path.name in RUN_FILES or path.name.startswith(RUN_FILE_PREFIXES):
+                logs.mkdir(parents=True, exist_ok=True)
+                os.replace(path, logs / path.name)
+                moved = True
+    if ckpt_dir.is_dir():
+        for path in sorted(ckpt_dir.iterdir()):
+            # Committed, corrupt and abandoned checkpoints all start with step_; .tmp-* are unfinished.
+            if path.name.startswith("step_"):
+                ckpts.mkdir(parents=True, exist_ok=True)
+                os.replace(path, ckpts / path.name)
+                moved = True
+    return logs if moved else None
+
+
+def set_aside_later_checkpoints(ckpt_dir: Path, step: int) -> list[Path]:
+    """Rename committed checkpoints after `step` to `step_N.abandoned-<step>`; return the new paths."""
+    later = [p for p in committed_checkpoints(ckpt_dir) if int(p.name.split("_")[1]) > step]
+    return [set_aside(p, f"abandoned-{step}") for p in later]

@@ -1,0 +1,377 @@
+"""Nothing a user wrote is destroyed or silently shadowed: re-runs, resumes from older steps, corrupt
+checkpoints, unwritable folders, Ctrl-C, changed schedules, file permissions.
+
+Single-process cases call the CLI in this process (`h3train.cli.main`); the torchrun cases (sp=2)
+share one run folder with checkpoints, copied by each test, because every launch costs seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from h3train.atomic import atomic_save_file, file_mode
+from h3train.cli import main
+from h3train.config import load_config
+from h3train.train.checkpoint import committed_checkpoints
+from h3train.train.optim import lr_factor
+
+from reference import ROOT, TINY_FL2VA, h3train_command, read_metrics, run_env, run_h3train
+
+COMMON = ["logging.progress=false", "train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=0"]
+SP2 = ["parallel.sp=2"]
+
+
+def _train_args(log_dir: Path, *extra: str) -> list[str]:
+    return ["train", str(TINY_FL2VA), f"logging.dir={log_dir}", *COMMON, *extra]
+
+
+def _cli(capsys, args: list[str]) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(args)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_error_line(err: str, torchrun: bool = False) -> str:
+    """The single `h3train: error:` line of a run that must fail cleanly (no rank's traceback).
+
+    torchrun adds its own report of a failed worker (a traceback of the launcher and a table).
+    """
+    assert ("[rank" if torchrun else "Traceback") not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("h3train: error:")]
+    assert len(errors) == 1, err[-3000:]
+    return errors[0]
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def sp1_run(tmp_path_factory) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4."""
+    run = tmp_path_factory.mktemp("sp1") / "run"
+    assert main(_train_args(run)) == 0
+    return run
+
+
+@pytest.fixture
+def run_copy(sp1_run, tmp_path) -> Path:
+    return Path(shutil.copytree(sp1_run, tmp_path / "run"))
+
+
+CKPTS = "checkpoints"
+
+
+# -- re-running in a used folder ---------------------------------------------------------------
+
+
+def test_fresh_run_over_an_earlier_run_is_refused_and_changes_nothing(run_copy, capsys) -> None:
+    before = _snapshot(run_copy)
+    rc, _, err = _cli(capsys, _train_args(run_copy, "checkpoint.resume=none"))
+    assert rc == 2
+    line = _one_error_line(err)
+    assert f"'{run_copy}'" in line and "--overwrite" in line and "checkpoint.resume=auto" in line
+    assert _snapshot(run_copy) == before
+
+
+def test_run_without_checkpoints_is_not_cut_by_a_second_run(tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    assert main(_train_args(run, "checkpoint.every=0", "train.steps=2")) == 0
+    before = _snapshot(run)
+    rc, _, err = _cli(capsys, _train_args(run, "checkpoint.every=0", "train.steps=2"))
+    assert rc == 2
+    line = _one_error_line(err)
+    assert "metrics.jsonl" in line and "--overwrite" in line and "checkpoint.resume=auto" not in line
+    assert _snapshot(run) == before
+
+
+def test_overwrite_moves_the_earlier_run_aside(run_copy, capsys) -> None:
+    before = _snapshot(run_copy)
+    rc, out, _ = _cli(capsys, [*_train_args(run_copy, "checkpoint.resume=none", "train.steps=2"), "--overwrite"])
+    assert rc == 0
+    assert f"moved the earlier run to {run_copy / 'previous-1'}" in out
+    assert _snapshot(run_copy / "previous-1") == before
+    assert [m["step"] for m in read_metrics(run_copy)] == [1, 2]
+    assert [p.name for p in committed_checkpoints(run_copy / CKPTS)] == ["step_00000002"]
+
+
+def test_resume_from_an_older_step_keeps_the_abandoned_history(run_copy, capsys) -> None:
+    old_lines = (run_copy / "metrics.jsonl").read_text().splitlines()
+    old_step4 = _snapshot(run_copy / CKPTS / "step_00000004")
+    old_config = (run_copy / "config.yaml").read_text()
+    resume = run_copy / CKPTS / "step_00000002"
+    # keep_last=1 would prune everything but the newest if abandoned checkpoints were candidates.
+    rc, out, _ = _cli(capsys, _train_args(run_copy, f"checkpoint.resume={resume}", "checkpoint.keep_last=1"))
+    assert rc == 0 and "resumed from" in out
+    assert (run_copy / "metrics.jsonl.abandoned-2").read_text().splitlines() == old_lines[2:]
+    assert [m["step"] for m in read_metrics(run_copy)] == [1, 2, 3, 4]
+    assert _snapshot(run_copy / CKPTS / "step_00000004.abandoned-2") == old_step4
+    assert [p.name for p in committed_checkpoints(run_copy / CKPTS)] == ["step_00000004"]
+    # The earlier attempt's configuration is kept beside this one's.
+    assert (run_copy / "config.yaml.previous-1").read_text() == old_config
+    assert f"resume: {resume}" in (run_copy / "config.yaml").read_text()
+
+
+# -- corrupt or partial checkpoints --------------------------------------------------------------
+
+
+def _truncate(ckpt: Path) -> str:
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return f"{shard.name} is truncated"
+
+
+def _delete_shard(ckpt: Path) -> str:
+    shard = next(ckpt.glob("*.distcp"))
+    shard.unlink()
+    return f"{shard.name} is missing"
+
+
+def _bad_state(ckpt: Path) -> str:
+    (ckpt / "trainer_state.json").write_text('{"step": 4, ')
+    return "trainer_state.json is not valid JSON"
+
+
+def _delete_metadata(ckpt: Path) -> str:
+    (ckpt / ".metadata").unlink()
+    return ".metadata is missing"
+
+
+def _flip_bytes(ckpt: Path) -> str:
+    # Same size, so only loading can tell: the tail of a shard holds its zip directories.
+    shard = next(ckpt.glob("*.distcp"))
+    raw = bytearray(shard.read_bytes())
+    raw[-2000:] = bytes(b ^ 0xFF for b in raw[-2000:])
+    shard.write_bytes(bytes(raw))
+    return "cannot be read"
+
+
+DAMAGE = {
+    "truncated_shard": _truncate,
+    "missing_shard": _delete_shard,
+    "corrupt_state": _bad_state,
+    "deleted_metadata": _delete_metadata,
+    "flipped_bytes": _flip_bytes,
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_corrupt_newest_checkpoint_is_set_aside_and_the_older_one_resumed(run_copy, capsys, damage) -> None:
+    newest = run_copy / CKPTS / "step_00000004"
+    what = DAMAGE[damage](newest)
+    rc, out, err = _cli(capsys, _train_args(run_copy, "train.steps=5"))
+    assert rc == 0, err[-3000:]
+    assert "Traceback" not in err
+    warnings = [line for line in err.splitlines() if "skipped checkpoint" in line]
+    assert len(warnings) == 1 and what in warnings[0] and "step 4" in warnings[0], err[-2000:]
+    assert f"resumed from {run_copy / CKPTS / 'step_00000002'} at step 2" in out
+    assert (run_copy / CKPTS / "step_00000004.corrupt").is_dir()
+    assert [m["step"] for m in read_metrics(run_copy)] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("damage", ["missing_shard", "flipped_bytes"])
+def test_explicit_corrupt_checkpoint_is_one_line_and_exit_2(run_copy, capsys, damage) -> None:
+    newest = run_copy / CKPTS / "step_00000004"
+    what = DAMAGE[damage](newest)
+    rc, _, err = _cli(capsys, _train_args(run_copy, f"checkpoint.resume={newest}", "train.steps=5"))
+    assert rc == 2
+    line = _one_error_line(err)
+    assert str(newest) in line and what in line
+    assert newest.is_dir()  # an explicit choice is never renamed
+
+
+# -- unwritable folders --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["checkpoint.dir", "logging.dir"])
+def test_unwritable_folder_is_found_before_training(tmp_path, capsys, key) -> None:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for bad in ("/proc/h3c", str(a_file), str(a_file / "sub")):
+        rc, _, err = _cli(capsys, _train_args(tmp_path / "run", f"{key}={bad}"))
+        assert rc == 2
+        line = _one_error_line(err)
+        assert f"'{key}'" in line and bad in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# -- the LR schedule on resume and across skipped steps -----------------------------------------
+
+
+def test_changed_schedule_on_resume_runs_what_config_yaml_records(run_copy, capsys) -> None:
+    overrides = ["optim.lr=1e-2", "train.steps=8", "optim.warmup_steps=3"]
+    rc, out, _ = _cli(capsys, _train_args(run_copy, *overrides))
+    assert rc == 0
+    lines = [line for line in out.splitlines() if line.startswith("resume:")]
+    assert len(lines) == 1
+    assert all(change in lines[0] for change in ("optim.lr 0.001 -> 0.01", "train.steps 4 -> 8"))
+    cfg = load_config(run_copy / "config.yaml")
+    assert cfg.optim.lr == 1e-2 and cfg.train.steps == 8
+    logged = {m["step"]: m["lr"] for m in read_metrics(run_copy)}
+    # The update of step k uses schedule position k - 1 (no step was skipped).
+    for step in range(5, 9):
+        assert logged[step] == cfg.optim.lr * lr_factor(step - 1, cfg.optim, cfg.train.steps)
+
+
+def test_skipped_non_finite_steps_do_not_advance_the_schedule(tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    args = _train_args(run, "train.steps=5", "optim.warmup_steps=4", "debug.fault=[nan_loss@2]")
+    assert main(args) == 0
+    metrics = read_metrics(run)
+    assert [m["skipped_steps"] for m in metrics] == [0, 1, 1, 1, 1]
+    cfg = load_config(TINY_FL2VA, args[3:])
+    positions = [0, 1, 1, 2, 3]  # step 2 was skipped: step 3 uses the position step 2 would have
+    assert [m["lr"] for m in metrics] == [cfg.optim.lr * lr_factor(p, cfg.optim, 5) for p in positions]
+    # The position survives a resume: the resumed run continues at the same learning rate.
+    assert main(_train_args(run, "train.steps=6", "optim.warmup_steps=4")) == 0
+    assert read_metrics(run)[-1]["lr"] == cfg.optim.lr * lr_factor(4, cfg.optim, 6)
+
+
+# -- files readable on shared storage --------------------------------------------------------------
+
+
+def test_checkpoints_and_safetensors_get_the_umask_mode(tmp_path, sp1_run) -> None:
+    expected = file_mode()
+    files = [p for p in (sp1_run / CKPTS).rglob("*") if p.is_file()]
+    assert files and not [p for p in files if p.name.startswith("rng_rank")]  # the dead RNG files are gone
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == dict.fromkeys((p.name for p in files), expected)
+    old = os.umask(0o002)
+    try:
+        atomic_save_file({"x": torch.zeros(2)}, tmp_path / "x.safetensors", metadata={})
+        assert stat.S_IMODE((tmp_path / "x.safetensors").stat().st_mode) == 0o664
+    finally:
+        os.umask(old)
+
+
+def test_checkpoint_state_is_one_dict_of_named_components(sp1_run) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(sp1_run / CKPTS / "step_00000004")).read_metadata().state_dict_metadata
+    assert {k.split(".")[0] for k in keys} == {"model", "optim", "schedule", "sampler", "progress"}
+    state = json.loads((sp1_run / CKPTS / "step_00000004" / "trainer_state.json").read_text())
+    assert {"step", "commit", "model_config", "config_yaml"} <= set(state)
+    assert state["step"] == 4 and state["commit"] == 2
+
+
+# -- Ctrl-C ------------------------------------------------------------------------------------------
+
+
+def _stop_with(signum: int, log_dir: Path, nproc: int = 1, extra: tuple[str, ...] = ()):
+    """Start a long run, wait for two logged steps, send `signum` to the launched process."""
+    cmd = h3train_command(
+        ["train", str(TINY_FL2VA), f"logging.dir={log_dir}", "train.steps=100000", "logging.progress=false", *extra],
+        nproc=nproc,
+    )
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    metrics = log_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    try:
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
+            time.sleep(0.2)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    saved = committed_checkpoints(log_dir / "checkpoints")
+    assert len(saved) == 1 and int(saved[0].name[5:]) == read_metrics(log_dir)[-1]["step"]
+    return proc.returncode, out, err
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_and_exits_130_without_traceback(tmp_path) -> None:
+    rc, out, err = _stop_with(signal.SIGINT, tmp_path / "run")
+    assert rc == 130, err[-2000:]
+    assert "Traceback" not in err
+    assert out.count("interrupted by SIGINT") == 1 and "checkpoint saved" in out
+
+
+# -- the same under torchrun with sp=2 ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sp2_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("sp2") / "run"
+    run_h3train(_train_args(run, *SP2), nproc=2)
+    return run
+
+
+def _torchrun(args: list[str], check: bool = False):
+    return run_h3train(args, nproc=2, check=check)
+
+
+@pytest.mark.slow
+def test_sp2_rerun_policy(sp2_run, tmp_path) -> None:
+    run = Path(shutil.copytree(sp2_run, tmp_path / "run"))
+    before = _snapshot(run)
+    proc = _torchrun(_train_args(run, *SP2, "checkpoint.resume=none"))
+    assert proc.returncode != 0
+    assert "--overwrite" in _one_error_line(proc.stderr, torchrun=True)
+    assert _snapshot(run) == before
+
+    # Resume from the older step with a changed LR: history kept aside, the new LR runs.
+    resume = run / CKPTS / "step_00000002"
+    proc = _torchrun(_train_args(run, *SP2, f"checkpoint.resume={resume}", "optim.lr=1e-2"), check=True)
+    assert proc.stdout.count("resume: optim.lr 0.001 -> 0.01") == 1
+    assert (run / "metrics.jsonl.abandoned-2").read_text().splitlines() == before["metrics.jsonl"].decode().split("\n")[
+        2:4
+    ]
+    assert (run / CKPTS / "step_00000004.abandoned-2" / ".metadata").is_file()
+    cfg = load_config(run / "config.yaml")
+    assert read_metrics(run)[3]["lr"] == 1e-2 * lr_factor(3, cfg.optim, cfg.train.steps)
+
+    proc = _torchrun([*_train_args(run, *SP2, "checkpoint.resume=none", "train.steps=2"), "--overwrite"], check=True)
+    assert (run / "previous-1" / "metrics.jsonl.abandoned-2").is_file()
+    assert [m["step"] for m in read_metrics(run)] == [1, 2]
+
+
+@pytest.mark.slow
+def test_sp2_corrupt_newest_checkpoint(sp2_run, tmp_path) -> None:
+    run = Path(shutil.copytree(sp2_run, tmp_path / "run"))
+    newest = run / CKPTS / "step_00000004"
+    # Rank 1's shard: only rank 0 checks the files, every rank must follow its decision.
+    shard = newest / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:500])
+    proc = _torchrun(_train_args(run, *SP2, f"checkpoint.resume={newest}", "train.steps=5"))
+    assert proc.returncode != 0
+    assert "__1_0.distcp is truncated" in _one_error_line(proc.stderr, torchrun=True)
+
+    proc = _torchrun(_train_args(run, *SP2, "train.steps=5"), check=True)
+    assert proc.stderr.count("skipped checkpoint") == 1 and "__1_0.distcp is truncated" in proc.stderr
+    assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout
+    assert (run / CKPTS / "step_00000004.corrupt").is_dir()
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_sp2_unwritable_checkpoint_dir_is_found_at_start(tmp_path) -> None:
+    proc = _torchrun(_train_args(tmp_path / "run", *SP2, "checkpoint.dir=/proc/h3c"))
+    assert proc.returncode != 0
+    assert "'checkpoint.dir'" in _one_error_line(proc.stderr, torchrun=True)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_sp2_ctrl_c_and_sigterm_to_the_launcher_checkpoint(tmp_path) -> None:
+    # torchrun passes the signal on to the ranks; they save the same step and rank 0 says why.
+    rc, out, err = _stop_with(signal.SIGINT, tmp_path / "int", nproc=2, extra=tuple(SP2))
+    assert out.count("interrupted by SIGINT: stopped after step") == 1
+    assert "[rank" not in err  # no rank raised: only torchrun's own report of the signal
+    rc, out, err = _stop_with(signal.SIGTERM, tmp_path / "term", nproc=2, extra=tuple(SP2))
+    assert out.count("preempted by SIGTERM: stopped after step") == 1 and "checkpoint saved" in out
+    assert "[rank" not in err
