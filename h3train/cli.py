@@ -18,7 +18,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .errors import DatasetError, SampleError, TrainingError
     from .train.trainer import Trainer
 
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        print("h3train: interrupted during start-up; nothing was trained", file=sys.stderr)
+        return 130
     try:
         trainer.fit()
     except TrainingError as exc:
@@ -43,12 +47,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
         )
         trainer.close(clean=False)
         return 1
+    except KeyboardInterrupt:
+        # A second Ctrl-C: stop at once, without the checkpoint of the step in progress.
+        print(f"h3train: interrupted during {trainer.phase}; the last saved checkpoint is kept", file=sys.stderr)
+        trainer.close(clean=False)
+        return 130
     except BaseException:
         # No barrier: the other ranks may be blocked in a collective this rank will never join.
         trainer.close(clean=False)
         raise
     trainer.close()
-    return 0
+    # Ctrl-C exits as an interrupted program does; a preemption signal is a clean stop (exit 0).
+    return 130 if trainer.interrupted else 0
 
 
 _COLLECTIVE_FAILURE_MARKS = ("gloo", "nccl", "connection closed by peer", "timed out", "timeout")
@@ -93,7 +103,9 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from .train.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_gb * 1024**3))
+    out = export_checkpoint(
+        args.checkpoint, args.out, args.dtype, int(args.max_shard_gb * 1024**3), overwrite=args.overwrite
+    )
     print(f"exported {args.checkpoint} to {out}")
     return 0
 
@@ -143,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train from a YAML config (alone or under torchrun)")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.sp=2")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a folder that holds an earlier run, moving it into <logging.dir>/previous-<n>",
+    )
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("check", help="validate a config and its parallel plan; print memory per rank")
@@ -169,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "bf16", "fp32"))
     p.add_argument("--max-shard-gb", type=float, default=5.0)
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty --out folder whole, once the new one is complete"
+    )
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("plot", help="plot loss and grad_norm from metrics.jsonl to a PNG")

@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import sys
 import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
+from ..atomic import set_aside
 from ..config import Config, model_dims, to_yaml
 from ..data.prefetch import Prefetcher
 from ..data.sampler import DistributedSampler
-from ..errors import ConfigError, TrainingError
+from ..errors import CheckpointError, ConfigError, H3TrainError, TrainingError, UsageError
 from ..model.build import build_meta_model, build_model, load_pretrained_shards, materialize, pretrained_folder
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import (
@@ -33,12 +38,18 @@ from ..parallel.ulysses import SequenceParallel
 from ..preflight import preflight, resolve_attention_backend
 from ..tasks.layout import PackedSample
 from .checkpoint import (
+    AttributeState,
     Checkpointer,
-    TrainingState,
+    ModelState,
+    OptimizerState,
+    ScheduleState,
     check_same_model,
     is_complete,
+    read_components,
     read_trainer_state,
-    resolve_resume,
+    resume_candidates,
+    schedule_changes,
+    validate_checkpoint,
 )
 from .dump import diffusers_state, lora_meta, micro_batch_tensors, write_dump
 from .events import EventLog, SpikeDetector
@@ -46,7 +57,8 @@ from .faults import FaultInjector
 from .hooks import ModelTransform, TrainerHook, after_load, model_transforms, step_hooks
 from .metrics import MetricsLogger, write_resolved_config
 from .optim import build_optimizer, build_scheduler
-from .preemption import Preemption
+from .preemption import INTERRUPT, Preemption
+from .rundir import check_fresh_run, move_run_aside, probe_writable, set_aside_later_checkpoints
 
 
 def load_shared_negative(cfg: Config) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -104,17 +116,30 @@ class Trainer:
         cfg: Config,
         transforms: Sequence[ModelTransform] | None = None,
         hooks: Sequence[TrainerHook] | None = None,
+        overwrite: bool = False,
     ) -> None:
-        """`transforms` / `hooks` default to what the config asks for (`model_transforms`, `step_hooks`)."""
+        """`transforms` / `hooks` default to what the config asks for (`model_transforms`, `step_hooks`).
+
+        `overwrite`: start afresh, moving an earlier run in the run folders aside (`rundir.py`).
+        """
         self.cfg = cfg
         # The mesh is checked against the launch before any process group exists.
         dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
         preflight(cfg)
         self.log_dir = Path(cfg.logging.dir)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.log_dir / "checkpoints"
-        self.resume_from = resolve_resume(self.ckpt_dir, cfg.checkpoint.resume)
-        if self.resume_from is not None:
-            check_same_model(read_trainer_state(self.resume_from)["model_config"], model_dims(cfg), self.resume_from)
+        # The run-folder policy (rundir.py), decided the same way on every rank from the shared folders.
+        probe_writable(self.log_dir, "logging.dir")
+        probe_writable(self.ckpt_dir, "checkpoint.dir" if cfg.checkpoint.dir else "logging.dir")
+        self.explicit_resume = cfg.checkpoint.resume not in ("auto", "none")
+        if overwrite and self.explicit_resume:
+            raise UsageError(
+                f"--overwrite starts afresh and cannot resume checkpoint.resume='{cfg.checkpoint.resume}'; "
+                "drop one of them"
+            )
+        candidates = [] if overwrite else resume_candidates(self.ckpt_dir, cfg.checkpoint.resume)
+        if not candidates and not overwrite:
+            check_fresh_run(self.log_dir, self.ckpt_dir)
 
         _, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
         self.ctx = ParallelContext(dims, device)
@@ -128,7 +153,8 @@ class Trainer:
                 stacklevel=2,
             )
 
-        self.resume_from = self._agree_on_resume(self.resume_from)
+        self._candidates = candidates
+        self.resume_from = self._choose_checkpoint(overwrite)
         pretrained = pretrained_folder(cfg) if cfg.model.pretrained else None
         # A resumed run gets every value from its checkpoint: no rank builds or reads a full model.
         from_meta = pretrained is not None or self.resume_from is not None
@@ -183,6 +209,17 @@ class Trainer:
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.preempt = Preemption()
+        self.interrupted = False
+        # Everything a checkpoint holds, by name; a later feature adds its own component here
+        # (`trainer.checkpoint_state["ema"] = ema`). Loaded in this order: the optimizer after the
+        # model, the schedule after the optimizer (it sets the learning rate of each group).
+        self.checkpoint_state: dict[str, Stateful] = {
+            "model": ModelState(self.model),
+            "optim": OptimizerState(self.model, self.optimizer),
+            "schedule": ScheduleState(self.scheduler),
+            "sampler": self.sampler,
+            "progress": AttributeState(self, ("step", "skipped_steps")),
+        }
         self.hooks: list[TrainerHook] = []
         for hook in step_hooks(cfg, self.ctx.rank) if hooks is None else hooks:
             self.add_hook(hook)
@@ -190,6 +227,18 @@ class Trainer:
         self.checkpointer.clean_incomplete()
         if self.resume_from is not None:
             self._resume(self.resume_from)
+
+    def log_validation(self, step: int, values: dict[str, float]) -> None:
+        """Log held-out values after step `step` (0: before training) as a validation row (rank 0 writes).
+
+        Rows wait until the step's training row is written, so `metrics.jsonl` stays in step order.
+        """
+        self._pending_validation.append((step, values))
+
+    def _flush_validation(self) -> None:
+        for step, values in self._pending_validation:
+            self._metrics.log_validation(step, values)
+        self._pending_validation.clear()
 
     def add_hook(self, hook: TrainerHook) -> None:
         """Run `hook` at the loop's points; a hook with state joins the checkpoint under `hook.name`.
@@ -202,23 +251,80 @@ class Trainer:
             self.checkpoint_state[hook.name] = hook
         self.hooks.append(hook)
 
-    def _agree_on_resume(self, path: Path | None) -> Path | None:
-        """Every rank resumes from rank 0's choice.
+    def _choose_checkpoint(self, overwrite: bool = False) -> Path | None:
+        """The checkpoint every rank resumes from: rank 0 checks the candidates and all ranks follow.
 
+        Rank 0 validates the candidates newest first (`validate_checkpoint`). With `resume=auto` a
+        failing one is reported in one line, renamed `step_N.corrupt` and the next older one is
+        tried; an explicit `checkpoint.resume=PATH` that fails is a CheckpointError on every rank.
         Nodes can list a shared checkpoint folder differently for a moment (directory caches on
         network filesystems); ranks loading different steps would mix shards silently.
         """
-        chosen = [str(path) if path is not None else ""]
-        dist.broadcast_object_list(chosen, src=0)
-        if not chosen[0]:
+        decision: list = [None]
+        if self.ctx.is_main:
+            decision[0] = self._decide_resume(overwrite)
+        dist.broadcast_object_list(decision, src=0)
+        chosen, error, remaining = decision[0]
+        self._candidates = [Path(p) for p in remaining]
+        if error is not None:
+            kind, message = error
+            self._agreed_error({"usage": UsageError, "checkpoint": CheckpointError}[kind](message))
+        if chosen is None:
             return None
-        agreed = Path(chosen[0])
+        agreed = Path(chosen)
         if not is_complete(agreed):
-            raise ConfigError(
+            raise CheckpointError(
                 f"config key 'checkpoint.resume': rank {self.ctx.rank} cannot see the complete "
                 f"checkpoint '{agreed}' that rank 0 resumes from; check the shared filesystem"
             )
+        try:
+            check_same_model(read_trainer_state(agreed)["model_config"], model_dims(self.cfg), agreed)
+        except ConfigError as exc:
+            self._agreed_error(exc)
         return agreed
+
+    def _agreed_error(self, exc: H3TrainError) -> NoReturn:
+        """Raise an error every rank reached alike: rank 0 reports it, the others leave with its exit code.
+
+        Raised after the process group exists, it would otherwise be printed once per rank.
+        """
+        if self.ctx.is_main:
+            raise exc
+        raise SystemExit(exc.exit_code)
+
+    def _decide_resume(self, overwrite: bool) -> tuple[str | None, tuple[str, str] | None, list[str]]:
+        """Rank 0: (checkpoint to resume or None, (error kind, message) or None, candidates left)."""
+        if overwrite:
+            aside = move_run_aside(self.log_dir, self.ckpt_dir)
+            if aside is not None:
+                print(f"--overwrite: moved the earlier run to {aside}", flush=True)
+            return None, None, []
+        candidates = list(self._candidates)
+        while candidates:
+            path = candidates.pop(0)
+            problem = validate_checkpoint(path)
+            if problem is None:
+                return str(path), None, [str(p) for p in candidates]
+            if self.explicit_resume:
+                return None, ("checkpoint", f"checkpoint.resume '{path}' cannot be loaded: {problem}"), []
+            self._report_corrupt(path, problem)
+        if self._candidates:
+            # Every checkpoint failed: this is now a fresh run, under the same policy as any other.
+            try:
+                check_fresh_run(self.log_dir, self.ckpt_dir)
+            except UsageError as exc:
+                return None, ("usage", str(exc)), []
+        return None, None, []
+
+    def _report_corrupt(self, path: Path, problem: str) -> None:
+        """Rank 0: set a checkpoint that cannot be loaded aside (never deleted) and say so in one line."""
+        moved = set_aside(path, "corrupt")
+        print(
+            f"h3train: warning: skipped checkpoint {path} (step {int(path.name[5:])}): {problem}; "
+            f"renamed it {moved.name} and trying the next older one",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _create_synthetic_dataset(self) -> None:
         data = self.cfg.data
@@ -239,25 +345,69 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def _resume(self, path: Path) -> None:
-        state = Checkpointer.load(path, self.model, self.optimizer)
-        self.scheduler.load_state_dict(state.scheduler)
-        self.sampler.load_state_dict(state.sampler)
-        self.step = state.step
-        self.skipped_steps = state.extra.get("skipped_steps", 0)
+        """Load every component from `path`, falling back to older checkpoints as `_choose_checkpoint` does.
+
+        All ranks read collectively and agree on the outcome with one all-reduce, so a file that
+        fails on any rank fails on all, and all move on to the same older checkpoint.
+        """
+        while True:
+            failure: CheckpointError | None = None
+            try:
+                saved = read_components(path, self.checkpoint_state)
+            except CheckpointError as exc:
+                failure = exc
+            flag = torch.tensor([int(failure is not None)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if not flag.item():
+                break
+            if failure is None:
+                failure = CheckpointError(f"checkpoint '{path}' cannot be read on another rank")
+            if self.explicit_resume:
+                self._agreed_error(failure)
+            if self.ctx.is_main:
+                self._report_corrupt(path, str(failure).split(": ", 1)[-1])
+            dist.barrier()
+            older = self._choose_checkpoint()
+            if older is None:
+                self._agreed_error(
+                    CheckpointError(
+                        f"no checkpoint in '{self.ckpt_dir}' could be loaded (the failing ones are set aside "
+                        "as step_N.corrupt); run again to start afresh, or set checkpoint.resume to a good one"
+                    )
+                )
+            path = older
+        for name, component in self.checkpoint_state.items():
+            try:
+                component.load_state_dict(saved[name])
+            except (ValueError, KeyError) as exc:
+                raise CheckpointError(f"checkpoint '{path}': its {name} state does not fit this run: {exc}") from exc
+        self.resume_from = path
+        changes = schedule_changes(read_trainer_state(path).get("config_yaml", ""), self.cfg)
+        # Later history is kept, under names that no resume or prune picks up.
+        self.checkpointer.protected_after = self.step
         if self.ctx.is_main:
+            for moved in set_aside_later_checkpoints(self.ckpt_dir, self.step):
+                print(f"kept the abandoned later checkpoint as {moved}", flush=True)
             print(f"resumed from {path} at step {self.step}", flush=True)
+            if changes:
+                print(
+                    f"resume: {', '.join(changes)} since {path.name}: the LR schedule is rebuilt from this "
+                    f"config at update {self.scheduler.last_epoch} (next lr {self.scheduler.get_last_lr()[0]:.3e})",
+                    flush=True,
+                )
+        dist.barrier()
 
     def save_checkpoint(self) -> Path:
-        state = TrainingState(
-            step=self.step,
-            scheduler=self.scheduler.state_dict(),
-            sampler=self.sampler.state_dict(),
-            model_config=self.model_config,
-            config_yaml=to_yaml(self.cfg),
-            extra={"skipped_steps": self.skipped_steps},
-        )
+        info = {
+            "model_config": self.model_config,
+            "config_yaml": to_yaml(self.cfg),
+            "skipped_steps": self.skipped_steps,
+        }
         return self.checkpointer.save(
-            self.model, self.optimizer, state, before_commit=lambda: self.faults.maybe_die("kill_in_save", self.step)
+            self.checkpoint_state,
+            info,
+            self.step,
+            before_commit=lambda: self.faults.maybe_die("kill_in_save", self.step),
         )
 
     # -- one optimizer step ---------------------------------------------------------------------
@@ -437,8 +587,11 @@ class Trainer:
                 progress=cfg.logging.progress,
             ) as metrics,
         ):
+            self._metrics = metrics
+            self._pending_validation: list[tuple[int, dict[str, float]]] = []
             for hook in self.hooks:
                 hook.on_fit_start(self)
+            self._flush_validation()
             for step in range(self.step + 1, cfg.train.steps + 1):
                 self.faults.maybe_die("kill", step)
                 self.faults.maybe_die("sigterm", step)
@@ -450,8 +603,10 @@ class Trainer:
                     self.phase = f"{type(hook).__name__} after step {step}"
                     stats.update(hook.after_step(self, step, stats) or {})
                 metrics.log(step, stats)
+                self._flush_validation()
                 self.phase = f"preemption check after step {step}"
                 preempted = self.preempt.requested(self.device)
+                self.interrupted = preempted == INTERRUPT
                 if preempted or (every and (step % every == 0 or step == cfg.train.steps)):
                     self.phase = f"checkpoint save at step {step}"
                     path = self.save_checkpoint()
@@ -459,10 +614,16 @@ class Trainer:
                         print(f"saved checkpoint {path}", flush=True)
                 if preempted:
                     if self.ctx.is_main:
-                        print(f"preempted: stopped after step {step}; resume with checkpoint.resume=auto", flush=True)
+                        print(self._stop_line(step, preempted), flush=True)
                     break
             for hook in self.hooks:
                 hook.on_fit_end(self)
+
+    def _stop_line(self, step: int, kind: int) -> str:
+        sig = self.preempt.signal
+        name = signal.Signals(sig).name if sig is not None else "a signal to another rank"
+        what = "interrupted" if kind == INTERRUPT else "preempted"
+        return f"{what} by {name}: stopped after step {step}, checkpoint saved; resume with checkpoint.resume=auto"
 
     def close(self, clean: bool = True) -> None:
         """Stop the prefetcher and leave the process group.
