@@ -99,6 +99,12 @@ class TimestepConfig:
 
 
 @dataclass
+class EmaConfig:
+    # `ema <- decay * ema + (1 - decay) * param` after every taken update (0: no EMA).
+    decay: float = 0.0
+
+
+@dataclass
 class TrainConfig:
     steps: int = 10
     # Micro-batches (one packed sequence each) per optimizer step on each DP rank.
@@ -114,6 +120,7 @@ class TrainConfig:
     spike_window: int = 50
     loss_weights: LossWeights = field(default_factory=LossWeights)
     timestep: TimestepConfig = field(default_factory=TimestepConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
 
 
 @dataclass
@@ -232,6 +239,8 @@ class ValidationConfig:
     sigmas: list[float] = field(default_factory=lambda: [0.06, 0.19, 0.31, 0.44, 0.56, 0.69, 0.81, 0.94])
     # Seed of the fixed noise of each (sample, sigma) pair.
     seed: int = 0
+    # Evaluate with the EMA weights (needs train.ema.decay > 0).
+    use_ema: bool = False
 
 
 @dataclass
@@ -507,6 +516,10 @@ def validate(cfg: Config) -> None:
     _validate_model_shape(cfg)
     _validate_lora(cfg)
     _validate_validation(cfg.validation)
+    if not 0.0 <= cfg.train.ema.decay < 1.0:
+        raise ConfigError(f"config key 'train.ema.decay' must be in [0, 1) (0: off), got {cfg.train.ema.decay}")
+    if cfg.validation.use_ema and not cfg.train.ema.decay:
+        raise ConfigError("config key 'validation.use_ema' needs an EMA: set train.ema.decay, e.g. 0.999")
 
 
 def _validate_validation(v: ValidationConfig) -> None:

@@ -44,6 +44,9 @@ class TrainerHook:
     #: Key of this hook's state in the checkpoint, when it has `state_dict` / `load_state_dict`.
     name: str = ""
 
+    def on_attach(self, trainer: Trainer) -> None:
+        """When added to the trainer, before any resume: the model is built, sharded and filled."""
+
     def on_fit_start(self, trainer: Trainer) -> None:
         """Before the first step of this process (after any resume: `trainer.step` is the last done)."""
 
@@ -145,6 +148,10 @@ def step_hooks(cfg: Config, rank: int) -> list[TrainerHook]:
     if cfg.debug.profile_steps:
         first, last = cfg.debug.profile_steps
         hooks.append(ProfilerHook(first, last, Path(cfg.logging.dir) / "profile", rank))
+    if cfg.train.ema.decay:
+        from .ema import EmaHook
+
+        hooks.append(EmaHook(cfg.train.ema.decay))
     if cfg.validation.every or cfg.validation.at_start:
         from .validation import HeldOutLoss
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from ..config import Config
 from ..objective import compute_loss, configured_scales, make_training_inputs
 from ..tasks.layout import PackedSample
+from .ema import EMA_COMPONENT
 from .hooks import TrainerHook
 
 if TYPE_CHECKING:
@@ -101,8 +103,9 @@ class HeldOutLoss(TrainerHook):
         was_training = model.training
         model.eval()
         self.forwards = 0
+        weights = trainer.hook(EMA_COMPONENT).swapped_in() if self.v.use_ema else nullcontext()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), weights:
                 for index in assigned_indices(n, ctx.dp_rank, ctx.dims.dp):
                     counted = index is not None
                     sample: PackedSample = source[index if counted else 0]

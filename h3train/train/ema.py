@@ -1,0 +1,89 @@
+"""EMA of the trainable parameters, sharded exactly like them.
+
+`train.ema.decay = d` (0: off) keeps `ema <- d * ema + (1 - d) * param` after every optimizer update
+that was taken (a skipped non-finite step leaves it as it is), starting from the weights the run
+starts from. Each shadow is a float32 DTensor with its parameter's mesh and placements, so each
+rank updates its own shard with no communication. The shadows are the checkpoint component `ema`
+(keyed by the parameter FQNs, so DCP reshards them on a resume under another layout), `h3train
+export --ema` writes them in place of the weights, and `validation.use_ema` evaluates with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .hooks import TrainerHook
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+EMA_COMPONENT = "ema"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class EmaHook(TrainerHook):
+    """Updates after each taken step; joins the checkpoint as `ema`."""
+
+    name = EMA_COMPONENT
+
+    def __init__(self, decay: float) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
+        self.decay = decay
+        self.params: dict[str, torch.nn.Parameter] = {}
+        self.shadow: dict[str, torch.Tensor] = {}
+        self._skipped_before = 0
+
+    def on_attach(self, trainer: Trainer) -> None:
+        # Before any resume, which then overwrites the shadows in place.
+        self.params = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
+        with torch.no_grad():
+            self.shadow = {name: p.detach().clone().float() for name, p in self.params.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        missing = sorted(set(self.shadow) - set(state))
+        if missing:
+            raise KeyError(f"no EMA for {missing[0]} (and {len(missing) - 1} more)")
+        with torch.no_grad():
+            for name, shadow in self.shadow.items():
+                if state[name] is not shadow:
+                    shadow.copy_(state[name])
+
+    def before_step(self, trainer: Trainer, step: int) -> None:
+        self._skipped_before = trainer.skipped_steps
+
+    def after_step(self, trainer: Trainer, step: int, stats: Mapping[str, float]) -> None:
+        if trainer.skipped_steps != self._skipped_before:
+            return
+        names = list(self.shadow)
+        with torch.no_grad():
+            torch._foreach_lerp_(
+                [_local(self.shadow[n]) for n in names],
+                [_local(self.params[n]).float() for n in names],
+                1.0 - self.decay,
+            )
+
+    @contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The trainable parameters hold the EMA inside the block and their own values again after it."""
+        with torch.no_grad():
+            saved = {n: _local(p).clone() for n, p in self.params.items()}
+            for n, p in self.params.items():
+                _local(p).copy_(_local(self.shadow[n]))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    _local(p).copy_(saved[n])
