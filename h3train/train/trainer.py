@@ -240,11 +240,16 @@ class Trainer:
             self._metrics.log_validation(step, values)
         self._pending_validation.clear()
 
+    def hook(self, name: str) -> TrainerHook | None:
+        """The added hook called `name` (e.g. `ema`), if any."""
+        return next((h for h in self.hooks if h.name == name), None)
+
     def add_hook(self, hook: TrainerHook) -> None:
         """Run `hook` at the loop's points; a hook with state joins the checkpoint under `hook.name`.
 
         Hooks are added before the resume (in `__init__`), so a stateful hook's state is restored.
         """
+        hook.on_attach(self)
         if callable(getattr(hook, "state_dict", None)) and callable(getattr(hook, "load_state_dict", None)):
             if not hook.name or hook.name in self.checkpoint_state:
                 raise ValueError(f"a stateful hook needs a unique name for the checkpoint, got {hook.name!r}")
