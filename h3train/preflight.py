@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from .config import Config, model_dims, planned_model_dims, pretrained_config_file
-from .data.dataset import TASK_FILTERS
-from .data.format import INDEX_NAME, read_header, read_index, resolve_in_folder
+from .data.dataset import TASK_FILTERS, index_entries
+from .data.format import INDEX_NAME, read_header, resolve_in_folder
 from .errors import ConfigError, DatasetError
 from .tasks.partition import check_partition
 
@@ -129,7 +129,7 @@ def _check_dataset(cfg: Config, dims: dict[str, Any], required: bool) -> list[st
             )
         return [f"data: no dataset at '{data.path}' here; planned for the longest released clip"]
     try:
-        entries = read_index(folder)
+        entries = index_entries(folder)
     except DatasetError as exc:
         raise DatasetError(f"{exc}; fix the line or rebuild the index with h3train.data.format.write_index") from None
     if not entries:

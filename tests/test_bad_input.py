@@ -329,3 +329,16 @@ def test_slurm_script_checks_first_one_line_exit_2(container: bool, inputs: Path
     # No training step started: only the check, and only in the container case.
     assert all("launch.sh" not in s for s in steps)
     assert [("--container-image=h3train.sqsh" in s and "h3train check" in s) for s in steps] == ([True] * container)
+
+
+def test_the_dataset_reuses_the_preflight_parse_of_its_index(tmp_path: Path) -> None:
+    """Start-up parses index.jsonl once (preflight, then the dataset), and again only when it changes."""
+    from h3train.data.dataset import CachedDataset, index_entries
+    from h3train.data.format import write_index
+
+    data = write_synthetic_dataset(tmp_path / "data", task="fl2va", num_samples=3, seed=0, text_dim=TINY_TEXT_DIM)
+    first = index_entries(data)
+    assert all(a is b for a, b in zip(first, CachedDataset(data, "fl2va").entries))
+    sorted(data.glob("*.safetensors"))[0].unlink()
+    write_index(data)
+    assert len(index_entries(data)) == len(first) - 1 == len(CachedDataset(data, "fl2va"))

@@ -6,13 +6,14 @@ reads the same index numbers the samples the same way.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..tasks.layout import PackedSample
-from .format import DatasetError, IndexEntry, SampleError, read_index, read_sample, resolve_in_folder
+from .format import INDEX_NAME, DatasetError, IndexEntry, SampleError, read_index, read_sample, resolve_in_folder
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +25,25 @@ TASK_FILTERS: dict[str, tuple[str, ...]] = {
     "mixed": ("t2va", "fl2va", "ref2va"),
 }
 ON_ERROR = ("raise", "skip")
+
+
+def index_entries(folder: str | os.PathLike) -> list[IndexEntry]:
+    """`read_index(folder)`, parsed once per process for as long as `index.jsonl` is unchanged.
+
+    Start-up reads the index twice, in the preflight checks before any process group and in the
+    dataset built after it; an index of a million samples takes tens of seconds to parse.
+    """
+    index = Path(folder) / INDEX_NAME
+    try:
+        st = index.stat()
+    except OSError:
+        return read_index(folder)  # raises the DatasetError that names what is missing
+    return list(_parsed_index(str(folder), st.st_ino, st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed_index(folder: str, inode: int, mtime_ns: int, size: int) -> tuple[IndexEntry, ...]:
+    return tuple(read_index(folder))
 
 
 class CachedDataset:
@@ -50,7 +70,7 @@ class CachedDataset:
         self.folder = Path(folder)
         self.task_filter = task_filter
         self.on_error = on_error
-        all_entries = read_index(self.folder)
+        all_entries = index_entries(self.folder)
         accepted = TASK_FILTERS[task_filter]
         self.entries: list[IndexEntry] = [e for e in all_entries if e.task in accepted]
         if not self.entries:
