@@ -115,11 +115,11 @@ def adapter_values(model: nn.Module, cfg: Config) -> dict[str, torch.Tensor]:
     if cfg.lora.init_from:
         from .init_from import init_values
 
-        return init_values(cfg.lora.init_from, shapes, lora_scale(cfg.lora))
+        return init_values(cfg.lora.init_from, shapes, adapter_scale(cfg.lora))
     return {name: adapter_init(name, shape, cfg.train.seed) for name, shape in shapes.items()}
 
 
-def lora_scale(lora: LoraConfig) -> float:
+def adapter_scale(lora: LoraConfig) -> float:
     """The adapters' output scale, `alpha / rank`."""
     return (lora.alpha if lora.alpha is not None else lora.rank) / lora.rank
 
