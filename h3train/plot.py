@@ -1,4 +1,4 @@
-"""Render a run's `metrics.jsonl` into a PNG: losses on top, gradient norm below.
+"""Render a run's `metrics.jsonl` into a PNG: losses on top (held-out loss beside them), gradient norm below.
 
 Usage: `python -m h3train.plot runs/x/metrics.jsonl runs/x/metrics.png`.
 """
@@ -20,6 +20,8 @@ from matplotlib.figure import Figure
 from .errors import UsageError
 
 _LOSS_KEYS = ("loss", "loss_video", "loss_audio")
+# Held-out rows (`"kind": "validation"`) drawn beside the training losses.
+_VALIDATION_KEYS = ("val/loss", "val/loss_video", "val/loss_audio")
 
 
 def _as_float(value: Any) -> float:
@@ -76,8 +78,22 @@ def plot_metrics(metrics_path: str | os.PathLike[str], out_png: str | os.PathLik
     (strict JSON's stand-in for a non-finite one) is skipped. Raises `UsageError` (a `ValueError`) naming the file if
     it is missing, holds no step records, or no `loss` values, or if the PNG cannot be written.
     """
+    fig = metrics_figure(metrics_path)
+    out = Path(out_png)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, format="png", dpi=110)
+    except OSError as exc:
+        raise UsageError(f"--out '{out}': cannot write the plot there ({exc.strerror or exc})") from None
+    return out
+
+
+def metrics_figure(metrics_path: str | os.PathLike[str]) -> Figure:
+    """The figure `plot_metrics` writes: training losses and held-out losses on top, grad_norm below."""
     path = Path(metrics_path)
-    records = read_metrics(path)
+    everything = read_metrics(path)
+    records = [r for r in everything if r.get("kind") is None]
+    validation = [r for r in everything if r.get("kind") == "validation"]
     if not records:
         raise UsageError(
             f"metrics file '{path}' holds no step records (JSON lines with a 'step'); pass a run's "
@@ -94,6 +110,10 @@ def plot_metrics(metrics_path: str | os.PathLike[str], out_png: str | os.PathLik
         steps, values = _series(records, key)
         if any(math.isfinite(v) for v in values):
             ax_loss.plot(steps, values, label=key, linewidth=1.2 if key == "loss" else 0.9)
+    for key in _VALIDATION_KEYS:
+        steps, values = _series(validation, key)
+        if any(math.isfinite(v) for v in values):
+            ax_loss.plot(steps, values, label=f"{key} (held out)", linestyle="--", marker="o", markersize=3)
     ax_loss.set_ylabel("loss")
     ax_loss.legend(loc="upper right")
     ax_loss.grid(True, alpha=0.3)
@@ -111,14 +131,7 @@ def plot_metrics(metrics_path: str | os.PathLike[str], out_png: str | os.PathLik
     ax_grad.set_ylabel("grad_norm")
     ax_grad.set_xlabel("step")
     ax_grad.grid(True, alpha=0.3)
-
-    out = Path(out_png)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format="png", dpi=110)
-    except OSError as exc:
-        raise UsageError(f"--out '{out}': cannot write the plot there ({exc.strerror or exc})") from None
-    return out
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:

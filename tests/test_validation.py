@@ -13,6 +13,7 @@ from h3train.data.dataset import CachedDataset
 from h3train.data.synth import write_synthetic_dataset
 from h3train.model.build import build_model
 from h3train.objective import make_training_inputs
+from h3train.plot import metrics_figure
 from h3train.train.trainer import Trainer
 from h3train.train.validation import HeldOutLoss, assigned_indices, heldout_generator, sigma_label
 
@@ -108,6 +109,9 @@ def test_validation_leaves_training_bitwise_unchanged(tmp_path, heldout) -> None
     a, b = _rows(plain, None), _rows(validated, None)
     assert [[m[k] for k in keys] for m in a] == [[m[k] for k in keys] for m in b]
     assert [m["step"] for m in _rows(validated, "validation")] == [2, 4]
+
+    labels = metrics_figure(validated / "metrics.jsonl").axes[0].get_legend_handles_labels()[1]
+    assert "loss" in labels and "val/loss (held out)" in labels
 
 
 def test_cfg_runs_report_the_plain_and_the_calibrated_loss(tmp_path, heldout) -> None:
