@@ -2,11 +2,13 @@
 """Check that the test suite catches each convention mutation of issue 11, section 3.
 
 For every mutation: copy `h3train/` into a temporary folder, patch one piece of its source text,
-and run the tests that guard it with that copy first on `PYTHONPATH`, from inside the copy's folder
-(the package is installed editable from this checkout, and `python -c` / `-m` put the working
-directory first on `sys.path`, so running from the checkout would import the unmutated package).
-Each subprocess prints `h3train.__file__` first, and the script stops unless that is the mutated
-copy. A mutation is caught when at least one test fails. Exit status 1 if any mutation survives.
+and run the tests that guard it with that copy first on `PYTHONPATH`. The package is installed
+editable from this checkout, and `python -c` / `-m` put the working directory first on `sys.path`
+(the launched runs of the slow tests start `python -m h3train` from the checkout), so the tests run
+with `PYTHONSAFEPATH=1`: no process of the run puts its working directory ahead of the copy. A
+subprocess started from the checkout prints `h3train.__file__`, and so does the pytest process,
+and the script stops unless both are the mutated copy. The unmutated copy must pass the same tests
+first. A mutation is caught when at least one test fails. Exit status 1 if any mutation survives.
 
     .venv/bin/python scripts/check_mutations.py [--only NAME ...] [--list]
 """
@@ -34,12 +36,15 @@ class Mutation:
     old: str
     new: str
     tests: tuple[str, ...]  # pytest node ids or files, relative to the repository root
+    slow: bool = False  # also run the `slow` tests among them (multi-process launches)
 
 
 CONVENTIONS = "tests/test_conventions.py"
 LAYOUTS = "tests/test_layouts_match_diffusers.py"
 CFG = "tests/test_cfg_objective.py"
 ENCODE_ROWS = "tests/test_encode.py::test_audio_rows_are_the_pipelines"
+# Two SP ranks under torchrun against the unsharded reference, text dropout on (slow).
+SP_DROPOUT = "tests/test_conventions.py::test_text_dropout_agrees_across_sp_ranks_in_training"
 TIMES = "t_video = 1.0 - shift_sigma(sigma, tcfg.video_shift)\n    t_audio = 1.0 - shift_sigma(sigma, tcfg.audio_shift)"
 
 MUTATIONS = (
@@ -111,7 +116,8 @@ MUTATIONS = (
         "objective.py",
         'key = zlib.crc32(f"{seed}:{step}:{sample_id}".encode())',
         "key = zlib.crc32(f\"{seed}:{step}:{sample_id}:{__import__('os').environ.get('RANK', '0')}\".encode())",
-        (CONVENTIONS, CFG),
+        (CONVENTIONS, CFG, SP_DROPOUT),
+        slow=True,
     ),
     Mutation(
         "text dropout seeded from the distributed rank",
@@ -119,7 +125,8 @@ MUTATIONS = (
         "    if p <= 0.0:\n        return False\n",
         "    if p <= 0.0:\n        return False\n"
         "    if torch.distributed.is_initialized():\n        seed += torch.distributed.get_rank()\n",
-        (CONVENTIONS, CFG),
+        (CONVENTIONS, CFG, SP_DROPOUT),
+        slow=True,
     ),
 )
 
@@ -132,6 +139,7 @@ def _environment(copy_root: Path) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(copy_root), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["PYTHONSAFEPATH"] = "1"
     return env
 
 
@@ -146,22 +154,30 @@ def _failed_tests(output: str, cwd: Path) -> list[str]:
 
 
 def run_mutation(mutation: Mutation, copy_root: Path) -> tuple[bool, list[str], str]:
-    """Apply `mutation` to a fresh copy under `copy_root`; return (caught, failing tests, imported package)."""
+    """Apply `mutation` to a fresh copy under `copy_root`; return (caught, failing tests, imported package).
+
+    `mutation.old == mutation.new` runs the copy unchanged (the baseline).
+    """
     target = copy_root / "h3train"
     shutil.copytree(PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__"))
-    source = (target / mutation.file).read_text()
-    if source.count(mutation.old) != 1:
-        raise SystemExit(f"mutation '{mutation.name}': the text to patch is not found once in h3train/{mutation.file}")
-    (target / mutation.file).write_text(source.replace(mutation.old, mutation.new))
+    if mutation.old != mutation.new:
+        source = (target / mutation.file).read_text()
+        if source.count(mutation.old) != 1:
+            raise SystemExit(
+                f"mutation '{mutation.name}': the text to patch is not found once in h3train/{mutation.file}"
+            )
+        (target / mutation.file).write_text(source.replace(mutation.old, mutation.new))
 
     env = _environment(copy_root)
-    probe = subprocess.run([sys.executable, "-c", PROBE], cwd=copy_root, env=env, capture_output=True, text=True)
+    # From the checkout, where the editable install and the working directory would both win.
+    probe = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True)
     imported = probe.stdout.strip().removeprefix("h3train imported from ")
     if Path(imported).resolve().parent != target.resolve():
         raise SystemExit(f"mutation '{mutation.name}': the subprocess imported {imported}, not the mutated copy")
     # The same probe inside the process that runs the tests.
     cmd = [sys.executable, "-c", f"{PROBE}; import pytest; sys.exit(pytest.main(sys.argv[1:]))"]
-    cmd += ["-q", "-p", "no:cacheprovider", "-m", "not slow", f"--rootdir={ROOT}", "-c", str(ROOT / "pyproject.toml")]
+    cmd += ["-q", "-p", "no:cacheprovider", f"--rootdir={ROOT}", "-c", str(ROOT / "pyproject.toml")]
+    cmd += [] if mutation.slow else ["-m", "not slow"]
     cmd += [str(ROOT / test) for test in mutation.tests]
     proc = subprocess.run(cmd, cwd=copy_root, env=env, capture_output=True, text=True)
     output = proc.stdout + proc.stderr
@@ -186,6 +202,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     survivors = []
     with tempfile.TemporaryDirectory(prefix="h3train-mutations-") as tmp:
+        # The unmutated copy must pass the same tests, or a "caught" mutation proves nothing.
+        tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        baseline = Mutation("baseline (no mutation)", "", "", "", tests, slow=any(m.slow for m in chosen))
+        failing, failed, imported = run_mutation(baseline, Path(tmp) / "baseline")
+        print(f"{'FAILING' if failing else 'PASSING'} {baseline.name}: {len(tests)} test targets, imported {imported}")
+        for test in failed:
+            print(f"    failed: {test}")
+        if failing:
+            print("the unmutated package fails these tests; fix that first")
+            return 2
         for number, mutation in enumerate(chosen):
             caught, failed, imported = run_mutation(mutation, Path(tmp) / f"mutation{number}")
             print(f"{'CAUGHT ' if caught else 'SURVIVED'} {mutation.name}  [h3train/{mutation.file}]")

@@ -279,3 +279,26 @@ def test_mixed_on_a_config_built_model_trains_every_task(capsys: pytest.CaptureF
     line = check_partition(load_config(TINY_FL2VA, ["task.name=mixed"]))
     assert "model.config" in line and capsys.readouterr().out == line + "\n"
     assert check_partition(load_config(TINY_FL2VA, [])) is None
+
+
+@pytest.mark.slow
+def test_text_dropout_agrees_across_sp_ranks_in_training(tmp_path) -> None:
+    """Two SP ranks under torchrun drop the same prompts: the step equals the unsharded reference's.
+
+    A rank that dropped other prompts would pack other sequences than its peer and the reference.
+    The step's four samples hold dropped and kept prompts (checked); a decision that also depended on
+    the rank would disagree between the two ranks on at least one of them unless all four coincided.
+    """
+    from h3train.data.sampler import DistributedSampler
+    from h3train.objective import text_dropped
+
+    from reference import parity_step
+
+    extra = ["parallel.sp=2", "cfg.scale=2", "cfg.text_dropout=0.5", "train.grad_accum=4", "train.seed=2"]
+    sampler = DistributedSampler(load_config(TINY_FL2VA, extra).data.synthetic.num_samples, 0, 1, 2)
+    decisions = [text_dropped(2, 1, f"synthetic-{sampler.next_index():06d}", 0.5) for _ in range(4)]
+    assert any(decisions) and not all(decisions)
+    result = parity_step(TINY_FL2VA, extra, tmp_path / "run", nproc=2, dp=1)
+    worst, name = result.worst()
+    assert worst <= 1e-5, f"gradient of {name} off by relative L2 {worst:.3e}"
+    assert result.loss == pytest.approx(result.ref_loss, rel=1e-5)
