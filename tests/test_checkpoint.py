@@ -72,6 +72,8 @@ def test_interrupted_run_resumes_bitwise(runs, tmp_path, layout) -> None:
     proc = _train(resumed, layout[1], layout[0])
     assert "resumed from" in proc.stdout and "step_00000003" in proc.stdout
     assert _curve(resumed) == _curve(runs.straight(layout))
+    # The schedule is rebuilt from the config at the saved position: the same learning rates, bit for bit.
+    assert [m["lr"] for m in read_metrics(resumed)] == [m["lr"] for m in read_metrics(runs.straight(layout))]
 
 
 @pytest.mark.slow
@@ -164,8 +166,9 @@ def test_commit_order_comes_from_the_commit_record_not_mtimes(tmp_path) -> None:
 def test_prune_never_retires_later_checkpoints_this_run_did_not_write(tmp_path) -> None:
     from h3train.train.checkpoint import Checkpointer
 
+    # Resumed from step 100 while 200 existed (an explicit resume would have renamed it aside).
     for commit, step in enumerate((100, 200, 110, 120), start=1):
-        _fake_checkpoint(tmp_path, step, commit, mtime=1000)
+        _fake_checkpoint(tmp_path, step, commit, mtime=1000 + commit)
     ckpt = Checkpointer(tmp_path, keep_last=1, is_main=True)
     ckpt.protected_after = 100  # resumed from step 100; it wrote 110 and 120
     ckpt.written = {"step_00000110", "step_00000120"}

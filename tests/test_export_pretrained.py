@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import stat
 
 import pytest
 import torch
@@ -10,6 +12,8 @@ from diffusers import MiniMaxH3Transformer3DModel
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from h3train.atomic import file_mode
+from h3train.cli import main
 from h3train.config import load_config
 from h3train.model.build import build_model
 from h3train.model.sp_forward import FORWARD_ARGS
@@ -113,3 +117,70 @@ def test_save_pretrained_model_loads_sharded_at_sp2(tmp_path) -> None:
     assert "resumed from" in proc.stdout
     ref_loss, _, _ = reference_step(path, resumed, tmp_path / "run" / "dump" / "step_2", dp=1, step=2)
     assert read_metrics(tmp_path / "run")[1]["loss"] == pytest.approx(ref_loss, rel=1e-5)
+
+
+# -- export into a folder: never a mix of two exports, never a partial one ----------------------------
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    run = tmp_path_factory.mktemp("export") / "run"
+    args = ["train", str(TINY_FL2VA), f"logging.dir={run}", "train.steps=2", "checkpoint.every=1"]
+    assert main([*args, "checkpoint.keep_last=0", "logging.progress=false"]) == 0
+    return run / "checkpoints"
+
+
+def _export(capsys, checkpoint, out, *extra: str) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(["export", str(checkpoint), "--out", str(out), *extra])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return rc, err
+
+
+def _weights(folder) -> dict[str, torch.Tensor]:
+    model = MiniMaxH3Transformer3DModel.from_pretrained(folder, torch_dtype=torch.float32)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_reexport_is_refused_unless_overwrite_which_replaces_the_folder_whole(two_steps, tmp_path, capsys) -> None:
+    out = tmp_path / "export"
+    # A sharded export of step 1: many shards and an index.
+    assert _export(capsys, two_steps / "step_00000001", out, "--max-shard-gb", str(20_000 / 1024**3))[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert len(before) > 3
+
+    rc, err = _export(capsys, two_steps / "step_00000002", out)
+    assert rc == 2
+    lines = [line for line in err.splitlines() if line.startswith("h3train: error:")]
+    assert len(lines) == 1 and str(out) in lines[0] and "--overwrite" in lines[0]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+    assert _export(capsys, two_steps / "step_00000002", out, "--overwrite")[0] == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temporary sibling left
+    reference = tmp_path / "reference"
+    assert _export(capsys, two_steps / "step_00000002", reference)[0] == 0
+    got, want = _weights(out), _weights(reference)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    # Readable by whoever can read the JSON beside them (safetensors alone would write 0600).
+    assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {file_mode()}
+
+
+def test_export_out_that_is_a_file_is_one_line(two_steps, tmp_path, capsys) -> None:
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"mine")
+    rc, err = _export(capsys, two_steps / "step_00000002", out)
+    assert rc == 2 and err.count("h3train: error:") == 1 and "is a file" in err
+    assert out.read_bytes() == b"mine"
+
+
+def test_export_of_a_checkpoint_missing_a_shard_leaves_nothing(two_steps, tmp_path, capsys) -> None:
+    ckpt = shutil.copytree(two_steps / "step_00000002", tmp_path / "ckpts" / "step_00000002")
+    shard = next(ckpt.glob("*.distcp"))
+    shard.unlink()
+    rc, err = _export(capsys, ckpt, tmp_path / "out" / "transformer")
+    assert rc == 2
+    lines = [line for line in err.splitlines() if line.startswith("h3train: error:")]
+    assert len(lines) == 1 and f"{shard.name} is missing" in lines[0]
+    assert not (tmp_path / "out").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -335,9 +336,9 @@ def test_sp2_rerun_policy(sp2_run, tmp_path) -> None:
     cfg = load_config(run / "config.yaml")
     assert read_metrics(run)[3]["lr"] == 1e-2 * lr_factor(3, cfg.optim, cfg.train.steps)
 
-    proc = _torchrun([*_train_args(run, *SP2, "checkpoint.resume=none", "train.steps=2"), "--overwrite"], check=True)
+    proc = _torchrun([*_train_args(run, *SP2, "checkpoint.resume=none", "train.steps=1"), "--overwrite"], check=True)
     assert (run / "previous-1" / "metrics.jsonl.abandoned-2").is_file()
-    assert [m["step"] for m in read_metrics(run)] == [1, 2]
+    assert [m["step"] for m in read_metrics(run)] == [1]
 
 
 @pytest.mark.slow
@@ -375,3 +376,11 @@ def test_sp2_ctrl_c_and_sigterm_to_the_launcher_checkpoint(tmp_path) -> None:
     rc, out, err = _stop_with(signal.SIGTERM, tmp_path / "term", nproc=2, extra=tuple(SP2))
     assert out.count("preempted by SIGTERM: stopped after step") == 1 and "checkpoint saved" in out
     assert "[rank" not in err
+
+
+def test_tiny_configs_checkpoint_what_the_readme_exports() -> None:
+    for name in ("tiny_demo", "tiny_fl2va", "tiny_ref2va", "tiny_ref2va_cfg"):
+        assert load_config(ROOT / "configs" / f"{name}.yaml").checkpoint.every > 0, name
+    # Saved at the last step (and every `checkpoint.every`): the folder README's example exports.
+    example = re.search(r"h3train export runs/tiny_fl2va/checkpoints/step_(\d{8})", (ROOT / "README.md").read_text())
+    assert example is not None and int(example.group(1)) == load_config(TINY_FL2VA).train.steps

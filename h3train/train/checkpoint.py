@@ -173,15 +173,6 @@ def resume_candidates(root: Path, resume: str) -> list[Path]:
     return [path]
 
 
-def resolve_resume(root: Path, resume: str) -> Path | None:
-    """`auto`: the newest complete checkpoint (None when there is none); `none`; or a path."""
-    if resume == "auto":
-        found = complete_checkpoints(root)
-        return found[-1] if found else None
-    candidates = resume_candidates(root, resume)
-    return candidates[0] if candidates else None
-
-
 def check_same_model(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
     """A checkpoint resumes only into the architecture it was saved from (JSON-normalised compare)."""
 
