@@ -384,3 +384,12 @@ def test_tiny_configs_checkpoint_what_the_readme_exports() -> None:
     # Saved at the last step (and every `checkpoint.every`): the folder README's example exports.
     example = re.search(r"h3train export runs/tiny_fl2va/checkpoints/step_(\d{8})", (ROOT / "README.md").read_text())
     assert example is not None and int(example.group(1)) == load_config(TINY_FL2VA).train.steps
+
+
+def test_checkpoint_without_a_component_of_this_run_is_exit_2_and_kept(run_copy, capsys) -> None:
+    # An EMA added on resume: the checkpoint lacks that component. It does not fit; it is not corrupt.
+    rc, _, err = _cli(capsys, _train_args(run_copy, "train.steps=5", "train.ema.decay=0.9"))
+    assert rc == 2
+    line = _one_error_line(err)
+    assert "no state for ema" in line and "step_00000004" in line
+    assert sorted(p.name for p in (run_copy / CKPTS).iterdir()) == ["step_00000002", "step_00000004"]

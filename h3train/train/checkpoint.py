@@ -290,6 +290,10 @@ class AttributeState:
             setattr(self.owner, name, state[name])
 
 
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint whose files cannot be read (as opposed to one that does not fit this run)."""
+
+
 class UnreadableFile(Exception):
     """A checkpoint file that failed to load, named (raised inside DCP's read on the failing rank)."""
 
@@ -316,22 +320,47 @@ class NamingReader(FileSystemReader):
     def read_data(self, plan, planner):  # noqa: ANN001, ANN201 - FileSystemReader's signature
         try:
             return super().read_data(plan, planner)
+        except ValueError:
+            # DCP's size checks: a tensor that does not fit this run's, not a damaged file.
+            raise
         except Exception as exc:
             name = Path(self.fs.current).name if self.fs.current else "a .distcp file"
             raise UnreadableFile(f"{name} cannot be read ({_first_line(exc)})") from exc
 
 
+def check_components(path: Path, components: dict[str, Stateful]) -> None:
+    """On this rank, before the collective read: checkpoint `path` holds every component of this run.
+
+    Raises CorruptCheckpoint when its metadata cannot be read, CheckpointError naming the missing
+    components (e.g. a run that adds an EMA resuming a checkpoint written without one).
+    """
+    try:
+        saved = {key.split(".", 1)[0] for key in NamingReader(path).read_metadata().state_dict_metadata}
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure: unreadable
+        raise CorruptCheckpoint(f"checkpoint '{path}' cannot be read: {METADATA_FILE} ({_first_line(exc)})") from exc
+    missing = [name for name in components if name not in saved]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint '{path}' holds no state for {', '.join(missing)}, which this run has (it holds "
+            f"{', '.join(sorted(saved))}); resume with the settings it was written with, or start afresh"
+        )
+
+
 def read_components(path: Path, components: dict[str, Stateful]) -> dict[str, Any]:
     """Read every component's saved state from checkpoint `path` (collective); apply nothing yet.
 
-    Raises CheckpointError naming the checkpoint when the files cannot be read; DCP gathers a
-    failure on any rank and raises it on every rank, so all ranks fail together.
+    Raises CorruptCheckpoint naming the file when the files cannot be read, and CheckpointError
+    when the checkpoint does not fit this run (a tensor of another shape). DCP gathers a failure
+    on any rank and raises it on every rank, so all ranks fail together.
     """
     state = {name: component.state_dict() for name, component in components.items()}
     try:
         dcp.load(state, storage_reader=NamingReader(path))
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any read failure: unreadable
-        raise CheckpointError(f"checkpoint '{path}' cannot be read: {read_failure_reason(exc)}") from exc
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any read failure is reported
+        failures = getattr(exc, "failures", None) or {}
+        inner = [f[0] if isinstance(f, tuple) else f for f in failures.values()] or [exc]
+        kind = CorruptCheckpoint if any(isinstance(e, UnreadableFile) for e in inner) else CheckpointError
+        raise kind(f"checkpoint '{path}' cannot be read: {read_failure_reason(exc)}") from exc
     return state
 
 

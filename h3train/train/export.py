@@ -76,6 +76,8 @@ def export_checkpoint(
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: choose float32 or bfloat16")
     _check_out(out, overwrite)
+    if checkpoint.resolve().is_relative_to(out.resolve()):
+        raise UsageError(f"--out '{out}' holds the checkpoint being exported; choose a folder outside it")
     problem = validate_checkpoint(checkpoint)
     if problem is not None:
         raise CheckpointError(f"checkpoint '{checkpoint}' cannot be exported: {problem}")

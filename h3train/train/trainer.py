@@ -8,10 +8,10 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -40,9 +40,11 @@ from ..tasks.layout import PackedSample
 from .checkpoint import (
     AttributeState,
     Checkpointer,
+    CorruptCheckpoint,
     ModelState,
     OptimizerState,
     ScheduleState,
+    check_components,
     check_same_model,
     is_complete,
     read_components,
@@ -356,18 +358,16 @@ class Trainer:
         fails on any rank fails on all, and all move on to the same older checkpoint.
         """
         while True:
-            failure: CheckpointError | None = None
-            try:
-                saved = read_components(path, self.checkpoint_state)
-            except CheckpointError as exc:
-                failure = exc
-            flag = torch.tensor([int(failure is not None)], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if not flag.item():
+            # Each part ends in an all-reduce of its outcome, so no rank enters DCP's collective read
+            # while another has already failed.
+            code, failure, _ = self._agreed_attempt(check_components, path, self.checkpoint_state)
+            if code == 0:
+                code, failure, saved = self._agreed_attempt(read_components, path, self.checkpoint_state)
+            if code == 0:
                 break
             if failure is None:
                 failure = CheckpointError(f"checkpoint '{path}' cannot be read on another rank")
-            if self.explicit_resume:
+            if self.explicit_resume or code == 2:
                 self._agreed_error(failure)
             if self.ctx.is_main:
                 self._report_corrupt(path, str(failure).split(": ", 1)[-1])
@@ -401,6 +401,23 @@ class Trainer:
                     flush=True,
                 )
         dist.barrier()
+
+    def _agreed_attempt(self, attempt: Callable[..., Any], *args: Any) -> tuple[int, CheckpointError | None, Any]:
+        """Run `attempt(*args)` on every rank; all agree on the worst outcome (MAX all-reduce).
+
+        Codes: 0 it worked; 1 the checkpoint's files are damaged (an older one may serve); 2 the
+        checkpoint does not fit this run. Returns (agreed code, this rank's error or None, result).
+        """
+        result, failure, code = None, None, 0
+        try:
+            result = attempt(*args)
+        except CorruptCheckpoint as exc:
+            failure, code = exc, 1
+        except CheckpointError as exc:
+            failure, code = exc, 2
+        flag = torch.tensor([code], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()), failure, result
 
     def save_checkpoint(self) -> Path:
         info = {
