@@ -269,9 +269,17 @@ def test_checkpoint_state_is_one_dict_of_named_components(sp1_run) -> None:
 
 
 def _stop_with(signum: int, log_dir: Path, nproc: int = 1, extra: tuple[str, ...] = ()):
-    """Start a long run, wait for two logged steps, send `signum` to the launched process."""
+    """Start a long run (no periodic saves), wait for two logged steps, send `signum` to the launcher."""
     cmd = h3train_command(
-        ["train", str(TINY_FL2VA), f"logging.dir={log_dir}", "train.steps=100000", "logging.progress=false", *extra],
+        [
+            "train",
+            str(TINY_FL2VA),
+            f"logging.dir={log_dir}",
+            "train.steps=100000",
+            "checkpoint.every=0",
+            "logging.progress=false",
+            *extra,
+        ],
         nproc=nproc,
     )
     proc = subprocess.Popen(
