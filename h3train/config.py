@@ -225,8 +225,36 @@ class LoraConfig:
 
 
 @dataclass
+class SampleRequestConfig:
+    """One rendered sample: a request in the encoder manifest's schema (`h3train/data/manifest.py`), no clip.
+
+    Media paths (keyframe images, references) that are relative are taken relative to the folder of the
+    config file that names them (the working directory for command-line overrides), as a manifest's are
+    relative to the manifest's folder; they are stored absolute, so the run folder's `config.yaml` and a
+    resume read the same files.
+    """
+
+    # Names the file `<logging.dir>/samples/step_N/<id>.mp4`; default `sample_<i>` (position in the list).
+    id: str = ""
+    prompt: str = ""
+    # t2va | fl2va | ref2va, served by the partition the run trains (`h3train/tasks/partition.py`).
+    task: str = "t2va"
+    # fl2va: anchor -> keyframe image, e.g. {first: stills/a.png, last: stills/b.png}.
+    keyframes: dict[str, str] = field(default_factory=dict)
+    # ref2va: [{kind: image | video | audio, path: ...}], in the order the model reads them.
+    references: list[dict[str, str]] = field(default_factory=list)
+    # Pixel frames at 24 fps, `17 n + 5` with n >= 1 (the video VAE decodes at least 7 latent frames).
+    frames: int = 124
+    # WIDTHxHEIGHT in pixels, both multiples of 32.
+    resolution: str = "1344x768"
+    # Seeds the request's generator: the same request and seed draw the same noise at every step.
+    seed: int = 0
+
+
+@dataclass
 class ValidationConfig:
-    """Held-out loss at fixed base sigmas with fixed noise, comparable from step to step and run to run."""
+    """Held-out loss at fixed base sigmas with fixed noise, comparable from step to step and run to run,
+    and rendered samples (`samples`) through diffusers' H3 pipeline with the live model."""
 
     # Every N optimizer steps (0: off); `at_start` also measures the step-0 baseline.
     every: int = 0
@@ -239,8 +267,19 @@ class ValidationConfig:
     sigmas: list[float] = field(default_factory=lambda: [0.06, 0.19, 0.31, 0.44, 0.56, 0.69, 0.81, 0.94])
     # Seed of the fixed noise of each (sample, sigma) pair.
     seed: int = 0
-    # Evaluate with the EMA weights (needs train.ema.decay > 0).
+    # Evaluate with the EMA weights (needs train.ema.decay > 0); rendered samples too.
     use_ema: bool = False
+    # Rendered samples (`h3train/render/`): every `sample_every` steps (0: off) and at start with `at_start`.
+    samples: list[SampleRequestConfig] = field(default_factory=list)
+    sample_every: int = 0
+    # The encoder's components folder (`h3train encode --components`): vae, audio_vae, text_encoder, ...
+    components: str | None = None
+    # Sigma grid points of diffusers' H3 scheduler, terminal 0 included: num_inference_steps - 1 forwards.
+    num_inference_steps: int = 50
+    # Short edge image references are encoded at (`h3train encode --reference-short-edge`).
+    reference_short_edge: int = 2048
+    # Also write the generated latents beside each mp4 (`<id>.latents.safetensors`).
+    save_latents: bool = False
 
 
 @dataclass
@@ -411,9 +450,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     if path is not None:
         raw = OmegaConf.to_container(_read_yaml(path), resolve=False)
         _conform(tree, raw, "", f"in '{path}'")
+        _anchor_sample_paths(raw, Path(path).resolve().parent, f"in '{path}'")
         layers.append(OmegaConf.create(raw))
     raw = OmegaConf.to_container(parse_overrides(list(overrides)), resolve=False)
     _conform(tree, raw, "", "in the overrides")
+    _anchor_sample_paths(raw, Path.cwd(), "in the overrides")
     layers.append(OmegaConf.create(raw))
     try:
         merged = OmegaConf.merge(schema, *layers)
@@ -516,6 +557,7 @@ def validate(cfg: Config) -> None:
     _validate_model_shape(cfg)
     _validate_lora(cfg)
     _validate_validation(cfg.validation)
+    _validate_samples(cfg)
     if not 0.0 <= cfg.train.ema.decay < 1.0:
         raise ConfigError(f"config key 'train.ema.decay' must be in [0, 1) (0: off), got {cfg.train.ema.decay}")
     if cfg.validation.use_ema and not cfg.train.ema.decay:
@@ -525,7 +567,8 @@ def validate(cfg: Config) -> None:
 def _validate_validation(v: ValidationConfig) -> None:
     if v.every < 0 or v.num_samples < 0:
         raise ConfigError("config keys 'validation.every' and 'validation.num_samples' must be >= 0")
-    if not (v.every or v.at_start):
+    # The held-out loss runs on a dataset; `at_start` with samples and no dataset only renders them.
+    if not (v.every or (v.at_start and (v.dataset or not v.samples))):
         return
     if not v.dataset:
         raise ConfigError("config key 'validation.dataset' must name a cached dataset folder to validate on")
@@ -536,6 +579,24 @@ def _validate_validation(v: ValidationConfig) -> None:
         )
     if not v.sigmas or not all(0.0 < s < 1.0 for s in v.sigmas) or len(set(v.sigmas)) != len(v.sigmas):
         raise ConfigError(f"config key 'validation.sigmas' must be distinct numbers in (0, 1), got {list(v.sigmas)}")
+
+
+def _anchor_sample_paths(layer: dict[str, Any], base: Path, origin: str) -> None:
+    """Check the shape of one layer's `validation.samples` and make their relative media paths absolute.
+
+    Relative paths are relative to `base`: the config file's folder, or the working directory for
+    command-line overrides (`SampleRequestConfig`).
+    """
+    from .render.requests import anchor_sample_paths
+
+    anchor_sample_paths(layer, base, origin)
+
+
+def _validate_samples(cfg: Config) -> None:
+    """`validation.samples` and the keys that render them (`h3train/render/requests.py`)."""
+    from .render.requests import validate_samples
+
+    validate_samples(cfg)
 
 
 def _validate_lora(cfg: Config) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -88,6 +88,8 @@ class MemoryPlan:
     device_bytes: int
     # Where `rows` came from, for the printout.
     rows_source: str = ""
+    # Host memory of the components that render `validation.samples` (not on the device), for the printout.
+    render_line: str = ""
 
     @property
     def world_size(self) -> int:
@@ -360,7 +362,7 @@ def estimate(
     rows_source = "given"
     if rows is None:
         rows, rows_source = config_rows(cfg)
-    return plan_memory(
+    plan = plan_memory(
         dims,
         dp_replicate=mesh.dp_replicate,
         dp_shard=mesh.dp_shard,
@@ -370,6 +372,22 @@ def estimate(
         rows=rows,
         device_memory_gib=device_memory_gib,
         rows_source=rows_source,
+    )
+    return replace(plan, render_line=render_components_line(cfg)) if cfg.validation.samples else plan
+
+
+def render_components_line(cfg: Config) -> str:
+    """The plan's line for the VAEs and text encoder of `validation.samples` (`h3train/render/memory.py`)."""
+    from .render.hook import text_encoder_dtype
+    from .render.memory import component_bytes
+
+    found = component_bytes(cfg.validation.components, text_encoder_dtype(cfg).itemsize)
+    if found is None:
+        return f"  validation.samples (host)     components in '{cfg.validation.components}' not readable here"
+    parts = ", ".join(f"{name} {_gib(n).strip()}" for name, n in found.items())
+    return (
+        f"  validation.samples (host)     {_gib(found['vae'] + found['audio_vae'])}  per rank on the CPU "
+        f"({parts}; text_encoder on rank 0 only while encoding the requests, VAEs on the device only to decode)"
     )
 
 
@@ -411,6 +429,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  reserve (CUDA, NCCL, frag.)   {_gib(plan.reserve_bytes)}",
         f"  total                         {_gib(plan.total_bytes)} of {plan.device_bytes / GIB:.0f} GiB",
     ]
+    if plan.render_line:
+        lines.append(plan.render_line)
     if plan.fits:
         lines.append(f"fits: yes, {plan.headroom_bytes / GIB:.1f} GiB headroom")
     else:

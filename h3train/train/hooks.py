@@ -152,8 +152,12 @@ def step_hooks(cfg: Config, rank: int) -> list[TrainerHook]:
         from .ema import EmaHook
 
         hooks.append(EmaHook(cfg.train.ema.decay))
-    if cfg.validation.every or cfg.validation.at_start:
+    if cfg.validation.dataset and (cfg.validation.every or cfg.validation.at_start):
         from .validation import HeldOutLoss
 
         hooks.append(HeldOutLoss(cfg))
+    if cfg.validation.samples:
+        from ..render.hook import SampleRenderer
+
+        hooks.append(SampleRenderer(cfg))
     return hooks

@@ -258,6 +258,22 @@ class MetricsLogger:
                 self._warn_wandb("failed to log", exc)
                 self._finish_wandb(exit_code=1)
 
+    def log_videos(self, step: int, videos: dict[str, tuple[Path, str]]) -> None:
+        """Log rendered clips `{name: (mp4 path, caption)}` to wandb as videos `samples/<name>` at step `step`.
+
+        Only wandb gets them (`metrics.jsonl` holds numbers); the files stay where they were written.
+        """
+        if not self.is_main or self._closed or self._wandb_run is None or not videos:
+            return
+        try:
+            import wandb
+
+            media = {f"samples/{name}": wandb.Video(str(path), caption=text) for name, (path, text) in videos.items()}
+            self._wandb_run.log(media, step=int(step))
+        except Exception as exc:  # noqa: BLE001 - a dashboard failure must not stop training
+            self._warn_wandb("failed to log", exc)
+            self._finish_wandb(exit_code=1)
+
     def _console(self, record: dict[str, Any]) -> None:
         step = record["step"]
         shown = [(k, record[k]) for k in _CONSOLE_KEYS if k in record]

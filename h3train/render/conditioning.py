@@ -1,0 +1,158 @@
+"""A request's conditioning, encoded once with the encoder's own recipes and cached in the run folder.
+
+`encode_request` runs the encoder's per-task recipes (`h3train/data/encode.py`, themselves diffusers'
+H3 encoder blocks: the keyframe resize and VAE encode, the reference setup and encode, the text
+presentations) on the request as a manifest entry. A request has no target clip, so the recipes see
+a blank clip of its geometry (only its shape is read: keyframes are always images here).
+
+`Conditioning` holds what diffusers' core denoise blocks take from the encoder blocks, in the
+training cache's shapes (`[L, D]` prompt, `[24, 1, h, w]` keyframes, `ReferenceLatents`);
+`pipeline_inputs` gives them back in the pipeline's shapes, as `tests/test_layouts_match_diffusers.py`
+feeds a cached sample to those blocks.
+
+Cache: `<logging.dir>/samples/requests/<id>.safetensors`, with a digest of the request (media files
+by name, size and mtime), the components folder, the text encoder dtype and the encoding settings in
+its header. A resume, or a run reusing the folder, re-encodes only what changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from ..atomic import atomic_save_file
+from ..data.components import reads_videos
+from ..data.encode import ENCODER_VERSION, EncodeSettings, EncodingPipeline, _fl2va, _prompts, _ref2va
+from ..data.format import ReferenceLatents
+from ..data.media import MediaError
+from .requests import SampleRequest
+
+CACHE_KEY = "h3train_request"
+
+
+@dataclass
+class Conditioning:
+    """One encoded request: prompt `[L, D]` and tags `[L]`, keyframes `[24, 1, h, w]`, references."""
+
+    request: SampleRequest
+    prompt_embeds: torch.Tensor
+    text_token_tags: torch.Tensor
+    keyframe_anchors: tuple[str, ...] = ()
+    keyframes: tuple[torch.Tensor, ...] = ()
+    references: tuple[ReferenceLatents, ...] = field(default_factory=tuple)
+
+    def pipeline_inputs(self, device: torch.device) -> dict[str, Any]:
+        """What diffusers' encoder blocks hand to the task's core denoise blocks, on `device`."""
+        r = self.request
+        inputs: dict[str, Any] = {
+            "prompt_embeds": self.prompt_embeds[None].to(device),
+            "text_token_tags": self.text_token_tags,
+            "height": r.height,
+            "width": r.width,
+            "num_frames": r.num_frames,
+        }
+        if r.task == "fl2va":
+            inputs["keyframe_anchors"] = tuple(self.keyframe_anchors)
+            inputs["condition_latents"] = [k[None].to(device) for k in self.keyframes]
+        if r.task == "ref2va":
+            # The layout reads only `kind` and `has_audio` of each normalized reference.
+            inputs["normalized_references"] = list(self.references)
+            inputs["condition_latents"] = [
+                ref.video[None].to(device) for ref in self.references if ref.video is not None
+            ]
+            # `MiniMaxH3Ref2VAReferenceEncoderStep` packs a `[2, 32, n]` soundtrack channel-major into `[2 n, 32]`.
+            inputs["audio_condition_latents"] = [
+                ref.audio.transpose(1, 2).reshape(-1, ref.audio.shape[1]).to(device)
+                for ref in self.references
+                if ref.audio is not None
+            ]
+        return inputs
+
+
+def encode_settings(request: SampleRequest, reference_short_edge: int) -> EncodeSettings:
+    """The encode settings whose canvas rule puts a clip on this request's canvas (for video references)."""
+    return EncodeSettings(
+        short_edge=min(request.height, request.width),
+        max_pixels=request.height * request.width,
+        reference_short_edge=reference_short_edge,
+        min_seconds=0.0,
+    )
+
+
+def request_digest(
+    request: SampleRequest, components_id: str, text_dtype: torch.dtype, settings: EncodeSettings
+) -> str:
+    """Digest of everything a request's conditioning depends on."""
+    payload = {
+        "encoder_version": ENCODER_VERSION,
+        "request": request.fingerprint(),
+        "settings": asdict(settings),
+        "components": components_id,
+        "text_encoder_dtype": str(text_dtype),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+@torch.no_grad()
+def encode_request(pipe: EncodingPipeline, request: SampleRequest, settings: EncodeSettings) -> Conditioning:
+    """Encode one request with the encoder's recipes. Raises `MediaError` for a media file that cannot be used."""
+    entry = request.manifest_entry()
+    if any(ref.kind == "video" for ref in entry.references) and not reads_videos(pipe.processor):
+        raise MediaError("video references need Qwen3-VL's video processor, which transformers builds on torchvision")
+    # A blank clip of the request's geometry, without memory of its own: the recipes read its shape.
+    blank = np.broadcast_to(
+        np.zeros((1, 1, 1, 3), dtype=np.uint8), (request.num_frames, request.height, request.width, 3)
+    )
+    if request.task == "fl2va":
+        anchors, keyframes, prompts = _fl2va(pipe, entry, blank)
+        return Conditioning(request, prompts.embeds, prompts.tags, tuple(anchors), tuple(keyframes))
+    if request.task == "ref2va":
+        references, prompts = _ref2va(pipe, entry, settings, blank)
+        return Conditioning(request, prompts.embeds, prompts.tags, references=tuple(references))
+    prompts = _prompts(pipe, entry)
+    return Conditioning(request, prompts.embeds, prompts.tags)
+
+
+def save_conditioning(path: Path, cond: Conditioning, digest: str) -> None:
+    """Write one request's conditioning atomically, its digest in the header."""
+    tensors = {"prompt_embeds": cond.prompt_embeds.contiguous(), "text_token_tags": cond.text_token_tags.contiguous()}
+    tensors.update({f"keyframe.{i}": k.contiguous() for i, k in enumerate(cond.keyframes)})
+    for i, ref in enumerate(cond.references):
+        if ref.video is not None:
+            tensors[f"ref.{i}.video"] = ref.video.contiguous()
+        if ref.audio is not None:
+            tensors[f"ref.{i}.audio"] = ref.audio.contiguous()
+    header = {
+        "digest": digest,
+        "id": cond.request.sample_id,
+        "anchors": list(cond.keyframe_anchors),
+        "references": [ref.kind for ref in cond.references],
+    }
+    atomic_save_file(tensors, path, metadata={CACHE_KEY: json.dumps(header)})
+
+
+def load_conditioning(path: Path, request: SampleRequest, digest: str) -> Conditioning | None:
+    """The cached conditioning of `request`, or None when the file is missing, unreadable or from other inputs."""
+    try:
+        with safe_open(str(path), "pt") as handle:
+            header = json.loads((handle.metadata() or {})[CACHE_KEY])
+            if header.get("digest") != digest:
+                return None
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - not a dict
+    except (OSError, ValueError, KeyError, RuntimeError):
+        return None
+    references = tuple(
+        ReferenceLatents(kind, tensors.get(f"ref.{i}.video"), tensors.get(f"ref.{i}.audio"))
+        for i, kind in enumerate(header["references"])
+    )
+    keyframes = tuple(tensors[f"keyframe.{i}"] for i in range(len(header["anchors"])))
+    return Conditioning(
+        request, tensors["prompt_embeds"], tensors["text_token_tags"], tuple(header["anchors"]), keyframes, references
+    )
