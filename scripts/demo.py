@@ -5,7 +5,9 @@
 2. A handful of short clips made with PyAV (moving squares, most with a tone, one silent, one too short
    on purpose), two stills and a voice track, and a manifest mixing t2va, fl2va and ref2va.
 3. `h3train encode` under torchrun, 2 ranks splitting the manifest.
-4. `h3train train` under torchrun, 2 CPU ranks with sp=2, on the encoded clips (CFG on).
+4. `h3train train` under torchrun, 2 CPU ranks with sp=2, on the encoded clips (CFG on), ending by
+   rendering one fl2va sample of the trained model (`validation.samples`) at sp=2 into an mp4 with
+   its soundtrack, through diffusers' H3 pipeline blocks with the live sharded model.
 5. `h3train plot`: loss and grad_norm per step.
 
 Everything is built locally; nothing is downloaded. Re-running reuses the encoded clips.
@@ -34,6 +36,10 @@ MEDIA = OUT / "media"
 ENCODE_FLAGS = ["--short-edge", "64", "--max-pixels", str(64 * 96), "--reference-short-edge", "64",
                 "--min-seconds", "0", "--max-seconds", "2"]  # fmt: skip
 STEPS = 40
+# The sample rendered after the last step: the first keyframe of one clip, on the training canvas.
+SAMPLE = {"id": "dawn", "task": "fl2va", "prompt": "a square drifts over a gradient at dawn, with a steady hum",
+          "frames": 22, "resolution": "96x64", "seed": 0}  # fmt: skip
+SAMPLE_STEPS = 8
 
 # (file, frames, fps, tone: (Hz, sample rate, channels) or None)
 CLIPS = [
@@ -105,8 +111,12 @@ def main() -> int:
     torchrun("encode", str(manifest), "--components", str(components), "--out", str(data), *ENCODE_FLAGS)
     # A fresh training run each time; the encoded data above is reused when its inputs are unchanged.
     shutil.rmtree(run_dir, ignore_errors=True)
+    sample = {**SAMPLE, "keyframes": {"first": str(MEDIA / "stills" / "dawn.png")}}
     torchrun("train", "configs/tiny_demo.yaml", "parallel.sp=2", f"train.steps={STEPS}",
-             f"data.path={data}", f"logging.dir={run_dir}")  # fmt: skip
+             f"data.path={data}", f"logging.dir={run_dir}",
+             f"validation.samples=[{json.dumps(sample)}]", f"validation.components={components}",
+             f"validation.sample_every={STEPS}", f"validation.num_inference_steps={SAMPLE_STEPS}")  # fmt: skip
+    clip = run_dir / "samples" / f"step_{STEPS}" / f"{SAMPLE['id']}.mp4"
     plot = run_dir / "loss.png"
     run(sys.executable, "-m", "h3train", "plot", str(run_dir / "metrics.jsonl"), "--out", str(plot))
 
@@ -119,6 +129,7 @@ def main() -> int:
     print(f"metrics:    {run_dir / 'metrics.jsonl'}")
     print(f"plot:       {plot}")
     print(f"config:     {run_dir / 'config.yaml'}")
+    print(f"sample:     {clip}  (rendered after step {STEPS} at sp=2, {SAMPLE['frames']} frames with sound)")
     return 0
 
 

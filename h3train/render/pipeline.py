@@ -32,6 +32,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import (
     MiniMaxH3Ref2VACoreDenoiseStep,
 )
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
+from diffusers.utils import logging as diffusers_logging
 from diffusers.video_processor import VideoProcessor
 from torch import nn
 
@@ -134,7 +135,13 @@ def render_pipeline(
     }
     if vae is not None:
         components.update(vae=vae, audio_vae=audio_vae)
-    pipe.update_components(**components)
+    # Registering components made outside a `ComponentSpec` logs a notice per component; they are meant so.
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        pipe.update_components(**components)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
     return pipe
 
 
