@@ -284,3 +284,45 @@ def test_rendering_leaves_training_bitwise_unchanged(tmp_path, components, asset
     rows = [[[m[k] for k in keys] for m in read_metrics(d)] for d in (plain, rendering)]
     assert rows[0] == rows[1] and len(rows[0]) == 3
     assert sorted(p.name for p in (rendering / "samples").iterdir()) == ["requests", "step_0", "step_2"]
+
+
+def test_ref2va_render_matches_diffusers_pipeline(tmp_path, components, assets) -> None:
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference
+
+    from h3train.data.media import sine_tone, write_audio
+
+    write_audio(assets / "voice.wav", sine_tone(1.0, 330, 32000), 32000)
+    request = {"id": "duet", "task": "ref2va", "prompt": "the pictured square sings",
+               "references": [{"kind": "image", "path": "stills/a.png"}, {"kind": "audio", "path": "voice.wav"}],
+               "frames": 22, "resolution": "64x64", "seed": 1}  # fmt: skip
+    config = _config(assets, components, tmp_path / "run", [request], reference_short_edge=32, sample_every=0)
+    # A mixed run on a random init trains one model for every task, so it serves ref2va requests too.
+    assert main(["train", str(config), "task.name=mixed", "checkpoint.every=0"]) == 0
+    got = load_file(tmp_path / "run" / "samples" / "step_0" / "duet.latents.safetensors")
+
+    cfg = load_config(tmp_path / "run" / "config.yaml")
+    pipe = TinyClipPipeline()
+    loaded = load_components(components)
+    pipe.update_components(
+        **{name: getattr(loaded, name) for name in COMPONENT_NAMES},
+        transformer_ref=build_model(cfg, cfg.train.seed).eval(),
+        scheduler=MiniMaxH3Scheduler(shift=12.0),
+        audio_scheduler=MiniMaxH3Scheduler(shift=3.0),
+        reference_image_short_edge=32,
+    )
+    references = [
+        MiniMaxH3ImageReference(image=load_still(assets / "stills/a.png")),
+        MiniMaxH3AudioReference.from_file(str(assets / "voice.wav")),
+    ]
+    out = pipe(
+        prompt=request["prompt"],
+        references=references,
+        height=64,
+        width=64,
+        num_frames=22,
+        generator=torch.Generator().manual_seed(1),
+        num_inference_steps=STEPS,
+        output=["latents", "audio_latents"],
+    )
+    torch.testing.assert_close(got["video"], out["latents"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got["audio"], out["audio_latents"], atol=1e-5, rtol=1e-5)

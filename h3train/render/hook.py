@@ -180,7 +180,7 @@ class SampleRenderer(TrainerHook):
         was_training = model.training
         model.eval()
         weights = trainer.hook(EMA_COMPONENT).swapped_in() if self.v.use_ema else nullcontext()
-        devices = [trainer.device] if trainer.device.type == "cuda" else []
+        devices = [torch.cuda.current_device()] if trainer.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad(), weights:
                 for index in slots:
