@@ -326,3 +326,51 @@ def test_ref2va_render_matches_diffusers_pipeline(tmp_path, components, assets) 
     )
     torch.testing.assert_close(got["video"], out["latents"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got["audio"], out["audio_latents"], atol=1e-5, rtol=1e-5)
+
+
+def test_requests_are_cached_and_re_encoded_only_when_their_inputs_change(tmp_path, components, assets) -> None:
+    import os
+
+    from h3train.data.encode import build_pipeline
+    from h3train.render.conditioning import (
+        encode_request,
+        encode_settings,
+        load_conditioning,
+        request_digest,
+        save_conditioning,
+    )
+    from h3train.render.requests import parse_requests
+
+    cfg = load_config(_config(assets, components, tmp_path / "run", REQUESTS[:1]))
+    (request,) = parse_requests(cfg)
+    settings = encode_settings(request, cfg.validation.reference_short_edge)
+    digest = request_digest(request, "components", torch.float32, settings)
+    cond = encode_request(build_pipeline(load_components(components), settings), request, settings)
+    path = tmp_path / "drift.safetensors"
+    save_conditioning(path, cond, digest)
+    cached = load_conditioning(path, request, digest)
+    assert cached is not None and cached.keyframe_anchors == ("first", "last")
+    for got, want in zip((cached.prompt_embeds, cached.text_token_tags, *cached.keyframes),
+                         (cond.prompt_embeds, cond.text_token_tags, *cond.keyframes)):  # fmt: skip
+        assert torch.equal(got, want)
+    # A touched keyframe, other components or another text encoder dtype make the cache stale.
+    assert request_digest(request, "components", torch.bfloat16, settings) != digest
+    assert request_digest(request, "other", torch.float32, settings) != digest
+    image = assets / "stills/a.png"
+    stat = image.stat()
+    os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    try:
+        assert request_digest(request, "components", torch.float32, settings) != digest
+    finally:
+        os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert load_conditioning(path, request, "stale") is None
+
+
+def test_a_keyframe_that_is_no_image_is_one_line_and_exit_2(tmp_path, components, assets, capsys) -> None:
+    (assets / "stills" / "broken.png").write_bytes(b"not an image" * 8)
+    request = {**REQUESTS[0], "keyframes": {"first": "stills/broken.png"}}
+    config = _config(assets, components, tmp_path / "run", [request])
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("h3train: error: config key 'validation.samples[0]' (drift): MediaError: cannot read image")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")

@@ -107,19 +107,20 @@ class SampleRenderer(TrainerHook):
         settings = [encode_settings(r, self.v.reference_short_edge) for r in self.requests]
         digests = [request_digest(r, components_id, self.text_dtype, s) for r, s in zip(self.requests, settings)]
         paths = [self.root / REQUESTS_DIR / f"{r.sample_id}.safetensors" for r in self.requests]
-        vaes = None
-        error: list[Any] = [None]
+        vaes, failure = None, None
+        # Rank 0 says whether the requests are ready (None) or the exit code the others leave with.
+        outcome: list[Any] = [None]
         if trainer.ctx.is_main:
             try:
                 vaes = self._encode_missing(paths, digests, settings)
-            except H3TrainError as exc:
-                error[0] = str(exc)
-        # Rank 0 reports a request that cannot be encoded; the others leave with the same exit code.
-        dist.broadcast_object_list(error, src=0)
-        if error[0] is not None:
-            if trainer.ctx.is_main:
-                raise ConfigError(error[0])
-            raise SystemExit(ConfigError.exit_code)
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or they wait on rank 0
+                failure = exc
+                outcome[0] = exc.exit_code if isinstance(exc, H3TrainError) else 1
+        dist.broadcast_object_list(outcome, src=0)
+        if failure is not None:
+            raise failure
+        if outcome[0] is not None:
+            raise SystemExit(outcome[0])
         for request, path, digest in zip(self.requests, paths, digests):
             cond = load_conditioning(path, request, digest)
             if cond is None:
