@@ -378,8 +378,8 @@ def estimate(
 
 def render_components_line(cfg: Config) -> str:
     """The plan's line for the VAEs and text encoder of `validation.samples` (`h3train/render/memory.py`)."""
-    from .render.hook import text_encoder_dtype
     from .render.memory import component_bytes
+    from .render.requests import text_encoder_dtype
 
     found = component_bytes(cfg.validation.components, text_encoder_dtype(cfg).itemsize)
     if found is None:

@@ -45,18 +45,13 @@ from .conditioning import (
     save_conditioning,
 )
 from .pipeline import LiveTransformer, decode, denoise, fresh_path, render_pipeline, write_clip
-from .requests import KEY, parse_requests
+from .requests import KEY, parse_requests, text_encoder_dtype
 
 if TYPE_CHECKING:
     from ..train.trainer import Trainer
 
 SAMPLES_DIR = "samples"
 REQUESTS_DIR = "requests"
-
-
-def text_encoder_dtype(cfg: Config) -> torch.dtype:
-    """The text encoder's dtype for the requests: float32 for a float32 run, else bfloat16."""
-    return torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
 
 
 def load_vaes(root: str | Path) -> tuple[torch.nn.Module, torch.nn.Module]:

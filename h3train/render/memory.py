@@ -2,7 +2,7 @@
 
 Counted from the safetensors headers of the components folder (no weights are read): the VAEs in
 float32 (their released precision, as they are loaded), the text encoder in the dtype requests are
-encoded in (`render.hook.text_encoder_dtype`). Every rank holds the VAEs on the CPU for the whole
+encoded in (`render.requests.text_encoder_dtype`). Every rank holds the VAEs on the CPU for the whole
 run; rank 0 also holds the text encoder while it encodes requests that are not cached yet, before
 the first step. A VAE visits the accelerator only while a clip is decoded.
 """

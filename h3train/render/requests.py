@@ -22,6 +22,8 @@ from ..data.manifest import MANIFEST_TASKS, Keyframe, ManifestEntry, MediaPath, 
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
+    import torch
+
     from ..config import Config, SampleRequestConfig
 
 KEY = "validation.samples"
@@ -228,6 +230,13 @@ def parse_requests(cfg: Config) -> list[SampleRequest]:
             )
         seen[request.sample_id] = request.index
     return requests
+
+
+def text_encoder_dtype(cfg: Config) -> torch.dtype:
+    """The text encoder's dtype for the requests: float32 for a float32 run, else bfloat16."""
+    import torch
+
+    return torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
 
 
 def served_tasks(cfg: Config) -> tuple[str, ...]:
