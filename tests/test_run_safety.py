@@ -394,10 +394,35 @@ def test_tiny_configs_checkpoint_what_the_readme_exports() -> None:
     assert example is not None and int(example.group(1)) == load_config(TINY_FL2VA).train.steps
 
 
-def test_checkpoint_without_a_component_of_this_run_is_exit_2_and_kept(run_copy, capsys) -> None:
-    # An EMA added on resume: the checkpoint lacks that component. It does not fit; it is not corrupt.
-    rc, _, err = _cli(capsys, _train_args(run_copy, "train.steps=5", "train.ema.decay=0.9"))
-    assert rc == 2
-    line = _one_error_line(err)
-    assert "no state for ema" in line and "step_00000004" in line
+def test_checkpoint_without_a_component_of_this_run_is_exit_2_and_kept(run_copy) -> None:
+    import torch.distributed as dist
+
+    from h3train.errors import CheckpointError
+    from h3train.train.hooks import TrainerHook
+    from h3train.train.trainer import Trainer
+
+    class Counter(TrainerHook):
+        """A stateful hook the checkpoint was written without, and which cannot start afresh."""
+
+        name = "counter"
+
+        def state_dict(self):
+            return {"count": 0}
+
+        def load_state_dict(self, state) -> None:
+            pass
+
+    cfg = load_config(TINY_FL2VA, _train_args(run_copy, "train.steps=5")[2:])
+    try:
+        with pytest.raises(CheckpointError, match=r"step_00000004.* holds no state for counter"):
+            Trainer(cfg, hooks=[Counter()])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # It does not fit; it is not corrupt: nothing is set aside.
     assert sorted(p.name for p in (run_copy / CKPTS).iterdir()) == ["step_00000002", "step_00000004"]
+
+
+def test_an_ema_switched_on_at_resume_starts_from_the_resumed_weights(run_copy, capsys) -> None:
+    rc, out, _ = _cli(capsys, _train_args(run_copy, "train.steps=5", "train.ema.decay=0.9"))
+    assert rc == 0 and "step_00000004 holds no ema; it starts from the resumed weights" in out

@@ -4,7 +4,8 @@
 that was taken (a skipped non-finite step leaves it as it is), starting from the weights the run
 starts from. Each shadow is a float32 DTensor with its parameter's mesh and placements, so each
 rank updates its own shard with no communication. The shadows are the checkpoint component `ema`
-(keyed by the parameter FQNs, so DCP reshards them on a resume under another layout), `h3train
+(keyed by the parameter FQNs, so DCP reshards them on a resume under another layout; a resume of a
+checkpoint written without an EMA starts it from the resumed weights), `h3train
 export --ema` writes them in place of the weights, and `validation.use_ema` evaluates with them.
 """
 
@@ -33,6 +34,8 @@ class EmaHook(TrainerHook):
     """Updates after each taken step; joins the checkpoint as `ema`."""
 
     name = EMA_COMPONENT
+    # Switched on when resuming a checkpoint written without one, the EMA starts from the resumed weights.
+    fresh_if_missing = True
 
     def __init__(self, decay: float) -> None:
         if not 0.0 < decay < 1.0:
@@ -47,6 +50,12 @@ class EmaHook(TrainerHook):
         self.params = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
         with torch.no_grad():
             self.shadow = {name: p.detach().clone().float() for name, p in self.params.items()}
+
+    def start_fresh(self) -> None:
+        """Restart the average at the current weights."""
+        with torch.no_grad():
+            for name, shadow in self.shadow.items():
+                _local(shadow).copy_(_local(self.params[name]))
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.shadow)

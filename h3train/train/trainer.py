@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..atomic import set_aside
@@ -358,11 +359,12 @@ class Trainer:
         fails on any rank fails on all, and all move on to the same older checkpoint.
         """
         while True:
+            components = self._components_to_load(path)
             # Each part ends in an all-reduce of its outcome, so no rank enters DCP's collective read
             # while another has already failed.
-            code, failure, _ = self._agreed_attempt(check_components, path, self.checkpoint_state)
+            code, failure, _ = self._agreed_attempt(check_components, path, components)
             if code == 0:
-                code, failure, saved = self._agreed_attempt(read_components, path, self.checkpoint_state)
+                code, failure, saved = self._agreed_attempt(read_components, path, components)
             if code == 0:
                 break
             if failure is None:
@@ -381,11 +383,16 @@ class Trainer:
                     )
                 )
             path = older
-        for name, component in self.checkpoint_state.items():
+        for name, component in components.items():
             try:
                 component.load_state_dict(saved[name])
             except (ValueError, KeyError) as exc:
                 raise CheckpointError(f"checkpoint '{path}': its {name} state does not fit this run: {exc}") from exc
+        for name, component in self.checkpoint_state.items():
+            if name not in components:
+                component.start_fresh()
+                if self.ctx.is_main:
+                    print(f"resume: {path.name} holds no {name}; it starts from the resumed weights", flush=True)
         self.resume_from = path
         changes = schedule_changes(read_trainer_state(path).get("config_yaml", ""), self.cfg)
         # Later history is kept, under names that no resume or prune picks up.
@@ -401,6 +408,22 @@ class Trainer:
                     flush=True,
                 )
         dist.barrier()
+
+    def _components_to_load(self, path: Path) -> dict[str, Stateful]:
+        """The components to read from `path`: all, less the optional ones it was saved without.
+
+        An optional component (`fresh_if_missing`, e.g. an EMA switched on for the resumed part of a
+        run) starts afresh instead; any other missing one is `check_components`' error.
+        """
+        try:
+            saved = {key.split(".", 1)[0] for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+        except Exception:  # noqa: BLE001 - an unreadable checkpoint is check_components' to report
+            return dict(self.checkpoint_state)
+        return {
+            name: component
+            for name, component in self.checkpoint_state.items()
+            if name in saved or not getattr(component, "fresh_if_missing", False)
+        }
 
     def _agreed_attempt(self, attempt: Callable[..., Any], *args: Any) -> tuple[int, CheckpointError | None, Any]:
         """Run `attempt(*args)` on every rank; all agree on the worst outcome (MAX all-reduce).
