@@ -96,8 +96,12 @@ echo "launch.sh: $(hostname) node ${NODE_RANK}/${NNODES}, ${GPUS_PER_NODE} GPUs,
 # exit 0. torchrun does not handle USR1, and its default action would kill it and with it the
 # ranks, so torchrun runs with USR1 ignored and this script hands the signal to the ranks, its
 # direct children. (The ranks start with USR1 ignored too, until the trainer installs its handler.)
-# TERM and INT go to torchrun, which passes them on to the ranks.
-( trap '' USR1; exec torchrun \
+# TERM (scancel, a preemption) and INT (Ctrl-C) take the same road: handed to torchrun, they would
+# make it print a SignalException traceback and exit 1 although the ranks checkpoint and exit
+# cleanly. So torchrun ignores them too (TORCHELASTIC_SIGNALS_TO_HANDLE keeps its handlers for HUP
+# and QUIT), the ranks get TERM, save and exit 0, torchrun exits 0, and this script exits 0 for a
+# TERM and 130 for a Ctrl-C. A second Ctrl-C reaches the ranks as INT: they stop at once.
+( trap '' USR1 TERM INT; TORCHELASTIC_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT exec torchrun \
   --nnodes="${NNODES}" \
   --nproc-per-node="${GPUS_PER_NODE}" \
   --node-rank="${NODE_RANK}" \
@@ -129,10 +133,23 @@ on_usr1() {
 }
 # shellcheck disable=SC2329
 on_term() {
-  kill -s TERM "$torchrun_pid" 2>/dev/null || true
+  echo "launch.sh: TERM on $(hostname): asking the ranks to checkpoint and exit (preempted)" >&2
+  signal_ranks TERM
+}
+interrupted=0
+# shellcheck disable=SC2329
+on_int() {
+  if [[ "$interrupted" == 1 ]]; then
+    signal_ranks INT
+    return
+  fi
+  interrupted=1
+  echo "launch.sh: Ctrl-C on $(hostname): asking the ranks to checkpoint and exit (Ctrl-C again to stop at once)" >&2
+  signal_ranks TERM
 }
 trap on_usr1 USR1
-trap on_term TERM INT
+trap on_term TERM
+trap on_int INT
 
 # `wait` returns early (status > 128) whenever a trapped signal arrives, so wait until torchrun is
 # gone; bash keeps the exit status of a reaped background job, which the last `wait` returns.
@@ -141,4 +158,7 @@ while kill -0 "$torchrun_pid" 2>/dev/null; do
 done
 status=0
 wait "$torchrun_pid" || status=$?
+if [[ "$status" == 0 && "$interrupted" == 1 ]]; then
+  status=130
+fi
 exit "$status"

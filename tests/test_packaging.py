@@ -169,6 +169,47 @@ def test_launch_script_trains_two_cpu_ranks(tmp_path: Path) -> None:
     assert "2 GPUs" in out.stderr and "step 1/1" in out.stdout + out.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "code", "why"), [(signal.SIGTERM, 0, "TERM"), (signal.SIGINT, 130, "Ctrl-C")])
+def test_launch_script_stops_on_term_and_ctrl_c_with_a_checkpoint_and_no_traceback(
+    tmp_path: Path, signum: int, code: int, why: str
+) -> None:
+    """TERM / Ctrl-C at the launcher: the ranks save and exit 0, torchrun exits 0, no traceback."""
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "GPUS_PER_NODE": "2",
+        "MASTER_PORT": str(20000 + (os.getpid() + signum) % 20000),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    run = tmp_path / "run"
+    args = ["train.steps=500", "parallel.sp=2", f"logging.dir={run}", "logging.progress=false"]
+    proc = subprocess.Popen(
+        [str(ROOT / "scripts" / "launch.sh"), "configs/tiny_fl2va.yaml", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip()):
+            assert time.monotonic() < deadline and proc.poll() is None, "training never started"
+            time.sleep(0.1)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == code, out[-2000:] + err[-4000:]
+    assert f"launch.sh: {why} on" in err and "preempted by SIGTERM: stopped after step" in out
+    assert "Traceback" not in err and "SignalException" not in err, err[-4000:]
+    assert any(p.name.startswith("step_") for p in (run / "checkpoints").iterdir())
+
+
 def _path(stand_ins: Path) -> str:
     """PATH with the stand-in commands first, then this interpreter's bin (for `python -m h3train check`)."""
     return os.pathsep.join([str(stand_ins), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
