@@ -60,9 +60,9 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def sp1_run(tmp_path_factory) -> Path:
-    """A finished 4-step run with checkpoints at steps 2 and 4."""
+    """A finished 4-step run with checkpoints at steps 2 and 4 and a debug dump of step 4."""
     run = tmp_path_factory.mktemp("sp1") / "run"
-    assert main(_train_args(run)) == 0
+    assert main(_train_args(run, "debug.dump_step=4")) == 0
     return run
 
 
@@ -244,7 +244,8 @@ def test_skipped_non_finite_steps_do_not_advance_the_schedule(tmp_path, capsys) 
 
 def test_checkpoints_and_safetensors_get_the_umask_mode(tmp_path, sp1_run) -> None:
     expected = file_mode()
-    files = [p for p in (sp1_run / CKPTS).rglob("*") if p.is_file()]
+    files = [p for folder in (CKPTS, "dump") for p in (sp1_run / folder).rglob("*") if p.is_file()]
+    assert any(p.name == "grads.safetensors" for p in files)
     assert files and not [p for p in files if p.name.startswith("rng_rank")]  # the dead RNG files are gone
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == dict.fromkeys((p.name for p in files), expected)
     old = os.umask(0o002)

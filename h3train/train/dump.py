@@ -24,10 +24,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..atomic import atomic_save_file, atomic_write_text
 from ..lora.names import export_name
 from ..objective import TrainingInputs
 
@@ -96,8 +96,7 @@ def write_dump(
     grads: dict[str, torch.Tensor],
     meta: dict,
 ) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(inputs, str(out_dir / "inputs.safetensors"))
-    save_file(weights, str(out_dir / "weights.safetensors"))
-    save_file(grads, str(out_dir / "grads.safetensors"))
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+    # Atomic writes with the umask's mode, as every other file of a run (safetensors alone writes 0600).
+    for name, tensors in (("inputs", inputs), ("weights", weights), ("grads", grads)):
+        atomic_save_file(tensors, out_dir / f"{name}.safetensors", metadata={"format": "pt"})
+    atomic_write_text(out_dir / "meta.json", json.dumps(meta, indent=2, default=str))
