@@ -72,6 +72,7 @@ def run_copy(sp1_run, tmp_path) -> Path:
 
 
 CKPTS = "checkpoints"
+EVENT_LOGS = ("data_errors.jsonl", "loss_spikes.jsonl")
 
 
 # -- re-running in a used folder ---------------------------------------------------------------
@@ -111,6 +112,9 @@ def test_resume_from_an_older_step_keeps_the_abandoned_history(run_copy, capsys)
     old_lines = (run_copy / "metrics.jsonl").read_text().splitlines()
     old_step4 = _snapshot(run_copy / CKPTS / "step_00000004")
     old_config = (run_copy / "config.yaml").read_text()
+    events = {name: [{"step": 1, "sample_id": "a"}, {"step": 3, "sample_id": "b"}] for name in EVENT_LOGS}
+    for name, records in events.items():
+        (run_copy / name).write_text("".join(json.dumps(r) + "\n" for r in records))
     resume = run_copy / CKPTS / "step_00000002"
     # keep_last=1 would prune everything but the newest if abandoned checkpoints were candidates.
     rc, out, _ = _cli(capsys, _train_args(run_copy, f"checkpoint.resume={resume}", "checkpoint.keep_last=1"))
@@ -122,6 +126,10 @@ def test_resume_from_an_older_step_keeps_the_abandoned_history(run_copy, capsys)
     # The earlier attempt's configuration is kept beside this one's.
     assert (run_copy / "config.yaml.previous-1").read_text() == old_config
     assert f"resume: {resume}" in (run_copy / "config.yaml").read_text()
+    # So are the data-error and loss-spike records of the steps being redone.
+    for name, (before, after) in events.items():
+        assert [json.loads(line) for line in (run_copy / name).read_text().splitlines()] == [before]
+        assert json.loads((run_copy / f"{name}.abandoned-2").read_text()) == after
 
 
 # -- corrupt or partial checkpoints --------------------------------------------------------------

@@ -68,6 +68,37 @@ def strict_record(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def set_aside_later_lines(path: Path, step: int) -> Path | None:
+    """Move the lines of JSONL log `path` after `step` (and torn lines) to `<name>.abandoned-<step>`.
+
+    A run resumed from step `step` redoes the later steps; their earlier record is kept beside the
+    log, never deleted. Returns the file the lines went to, if any.
+    """
+    if not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8")
+    if not text:
+        return None
+    kept: list[str] = []
+    later: list[str] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            line_step = json.loads(line)["step"]
+        except (ValueError, TypeError, KeyError):
+            line_step = None
+        (kept if isinstance(line_step, int) and line_step <= step else later).append(line)
+    aside = None
+    if later:
+        aside = free_name(path.with_name(f"{path.name}.abandoned-{step}"))
+        atomic_write_text(aside, "".join(f"{line}\n" for line in later))
+    # A missing final newline would glue the next appended record onto the last line.
+    if later or text != "".join(f"{line}\n" for line in kept):
+        atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+    return aside
+
+
 def _format_value(key: str, value: Any) -> str:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return str(value)
@@ -151,28 +182,7 @@ class MetricsLogger:
     # -- setup -------------------------------------------------------------------------------
 
     def _set_aside_later_lines(self) -> None:
-        """Move lines after `start_step` (and torn lines) of an existing metrics file aside."""
-        if not self.path.is_file():
-            return
-        text = self.path.read_text(encoding="utf-8")
-        if not text:
-            return
-        kept: list[str] = []
-        later: list[str] = []
-        for line in text.splitlines():
-            if not line.strip():
-                continue
-            try:
-                step = json.loads(line)["step"]
-            except (ValueError, TypeError, KeyError):
-                step = None
-            (kept if isinstance(step, int) and step <= self.start_step else later).append(line)
-        if later:
-            aside = free_name(self.path.with_name(f"{METRICS_FILE}.abandoned-{self.start_step}"))
-            atomic_write_text(aside, "".join(f"{line}\n" for line in later))
-        # A missing final newline would glue the next appended record onto the last line.
-        if later or text != "".join(f"{line}\n" for line in kept):
-            atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
+        set_aside_later_lines(self.path, self.start_step)
 
     def _init_wandb(self, cfg: WandbConfig, run_config: dict[str, Any]) -> None:
         try:

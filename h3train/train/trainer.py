@@ -23,6 +23,8 @@ from ..config import Config, model_dims, to_yaml
 from ..data.prefetch import Prefetcher
 from ..data.sampler import DistributedSampler
 from ..errors import CheckpointError, ConfigError, H3TrainError, TrainingError, UsageError
+from ..lora.adapters import adapter_config
+from ..lora.base import BASE_KEY, base_record, check_same_base, read_record
 from ..model.build import build_meta_model, build_model, load_pretrained_shards, materialize, pretrained_folder
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import (
@@ -58,7 +60,7 @@ from .dump import diffusers_state, lora_meta, micro_batch_tensors, write_dump
 from .events import EventLog, SpikeDetector
 from .faults import FaultInjector
 from .hooks import ModelTransform, TrainerHook, after_load, model_transforms, step_hooks
-from .metrics import MetricsLogger, write_resolved_config
+from .metrics import MetricsLogger, set_aside_later_lines, write_resolved_config
 from .optim import build_optimizer, build_scheduler
 from .preemption import INTERRUPT, Preemption
 from .rundir import check_fresh_run, move_run_aside, probe_writable, set_aside_later_checkpoints
@@ -157,10 +159,14 @@ class Trainer:
             )
 
         self._candidates = candidates
-        self.resume_from = self._choose_checkpoint(overwrite)
         pretrained = pretrained_folder(cfg) if cfg.model.pretrained else None
+        # What a LoRA checkpoint records about its base, and a resume checks (`lora/base.py`).
+        self.lora = cfg.lora.rank > 0
+        self.lora_base = base_record(pretrained, cfg.train.seed) if self.lora else None
+        self.resume_from = self._choose_checkpoint(overwrite)
         # A resumed run gets every value from its checkpoint: no rank builds or reads a full model.
-        from_meta = pretrained is not None or self.resume_from is not None
+        # A LoRA checkpoint holds the trainable state only, so its base is built as on a fresh start.
+        from_meta = pretrained is not None or (self.resume_from is not None and not self.lora)
         transformer = build_meta_model(cfg) if from_meta else build_model(cfg, cfg.train.seed)
         transformer.set_attention_backend(
             resolve_attention_backend(cfg.model.attention_backend, device.type, cfg.model.dtype)
@@ -174,7 +180,7 @@ class Trainer:
         )
         # fully_shard moves the (CPU-initialised) shards to the mesh's device.
         apply_fsdp(self.model, self.ctx, cfg.model.dtype)
-        if self.resume_from is not None:
+        if self.resume_from is not None and not self.lora:
             materialize(self.model, device)
         elif pretrained:
             load_pretrained_shards(self.model, pretrained, device)
@@ -217,7 +223,7 @@ class Trainer:
         # (`trainer.checkpoint_state["ema"] = ema`). Loaded in this order: the optimizer after the
         # model, the schedule after the optimizer (it sets the learning rate of each group).
         self.checkpoint_state: dict[str, Stateful] = {
-            "model": ModelState(self.model),
+            "model": ModelState(self.model, trainable_only=self.lora),
             "optim": OptimizerState(self.model, self.optimizer),
             "schedule": ScheduleState(self.scheduler),
             "sampler": self.sampler,
@@ -286,8 +292,16 @@ class Trainer:
                 f"checkpoint '{agreed}' that rank 0 resumes from; check the shared filesystem"
             )
         try:
-            check_same_model(read_trainer_state(agreed)["model_config"], model_dims(self.cfg), agreed)
-        except ConfigError as exc:
+            saved = read_trainer_state(agreed)
+            check_same_model(saved["model_config"], model_dims(self.cfg), agreed)
+            if self.lora:
+                check_same_base(read_record(saved), self.lora_base, agreed)
+            elif read_record(saved) is not None:
+                raise CheckpointError(
+                    f"checkpoint '{agreed}' is a LoRA checkpoint (adapters only) and this run fine-tunes the "
+                    "whole model; resume it with its lora settings or set checkpoint.resume=none"
+                )
+        except (ConfigError, CheckpointError) as exc:
             self._agreed_error(exc)
         return agreed
 
@@ -400,6 +414,10 @@ class Trainer:
         if self.ctx.is_main:
             for moved in set_aside_later_checkpoints(self.ckpt_dir, self.step):
                 print(f"kept the abandoned later checkpoint as {moved}", flush=True)
+            # The event logs of the steps about to be redone are kept beside them, as metrics.jsonl's.
+            for log in (self.data_errors.path, self.spike_log.path):
+                if log is not None:
+                    set_aside_later_lines(log, self.step)
             print(f"resumed from {path} at step {self.step}", flush=True)
             if changes:
                 print(
@@ -448,6 +466,8 @@ class Trainer:
             "config_yaml": to_yaml(self.cfg),
             "skipped_steps": self.skipped_steps,
         }
+        if self.lora:
+            info.update({"lora": adapter_config(self.model.transformer), BASE_KEY: self.lora_base})
         return self.checkpointer.save(
             self.checkpoint_state,
             info,
