@@ -359,6 +359,29 @@ def test_sp2_rerun_policy(sp2_run, tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_sp2_checkpoints_reexport_only_with_overwrite(sp2_run, tmp_path, capsys) -> None:
+    import torch.distributed.checkpoint as dcp
+    from diffusers import MiniMaxH3Transformer3DModel
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out = tmp_path / "export"
+    ckpts = sp2_run / CKPTS
+    assert _cli(capsys, ["export", str(ckpts / "step_00000004"), "--out", str(out)])[0] == 0
+    before = _snapshot(out)
+    rc, _, err = _cli(capsys, ["export", str(ckpts / "step_00000002"), "--out", str(out)])
+    assert rc == 2 and "--overwrite" in _one_error_line(err) and _snapshot(out) == before
+    assert _cli(capsys, ["export", str(ckpts / "step_00000002"), "--out", str(out), "--overwrite"])[0] == 0
+    # The folder holds step 2's weights, as the sp=2 ranks saved them, and nothing of step 4's export.
+    reader = FileSystemReader(str(ckpts / "step_00000002"))
+    meta = reader.read_metadata().state_dict_metadata
+    saved = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith("model.")}
+    dcp.load(saved, storage_reader=reader, no_dist=True)
+    loaded = MiniMaxH3Transformer3DModel.from_pretrained(out, torch_dtype=torch.float32).state_dict()
+    assert loaded.keys() == {k.removeprefix("model.transformer.") for k in saved}
+    assert all(torch.equal(loaded[k.removeprefix("model.transformer.")], v) for k, v in saved.items())
+
+
+@pytest.mark.slow
 def test_sp2_corrupt_newest_checkpoint(sp2_run, tmp_path) -> None:
     run = Path(shutil.copytree(sp2_run, tmp_path / "run"))
     newest = run / CKPTS / "step_00000004"
