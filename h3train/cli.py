@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from .config import load_config
 from .errors import H3TrainError
@@ -104,7 +105,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from .train.export import export_checkpoint
 
     out = export_checkpoint(
-        args.checkpoint, args.out, args.dtype, int(args.max_shard_gb * 1024**3), overwrite=args.overwrite
+        args.checkpoint,
+        args.out,
+        args.dtype,
+        int(args.max_shard_gb * 1024**3),
+        overwrite=args.overwrite,
+        fmt=args.format,
+        merge=args.merge,
+        ema=args.ema,
+        base=args.base,
     )
     print(f"exported {args.checkpoint} to {out}")
     return 0
@@ -181,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-dim", type=int, default=16)
     p.set_defaults(func=_cmd_synth)
 
-    p = sub.add_parser("export", help="write a checkpoint as a diffusers transformer folder")
+    p = sub.add_parser(
+        "export", help="write a checkpoint as a diffusers transformer folder (a LoRA checkpoint as a LoRA file)"
+    )
     p.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/x/checkpoints/step_00001000")
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "bf16", "fp32"))
@@ -189,6 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--overwrite", action="store_true", help="replace a non-empty --out folder whole, once the new one is complete"
     )
+    p.add_argument(
+        "--format",
+        default=None,
+        help="LoRA checkpoints: diffusers (default, pytorch_lora_weights.safetensors) or comfyui",
+    )
+    p.add_argument(
+        "--merge", action="store_true", help="LoRA checkpoints: a transformer folder, the adapters folded into the base"
+    )
+    p.add_argument(
+        "--base", type=Path, default=None, help="LoRA --merge: the pretrained base folder, if moved from where it was"
+    )
+    p.add_argument("--ema", action="store_true", help="write the EMA weights (train.ema.decay) in place of the trained")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("plot", help="plot loss and grad_norm from metrics.jsonl to a PNG")

@@ -28,10 +28,15 @@ def build_model(cfg: Config, seed: int) -> MiniMaxH3Transformer3DModel:
 
     Pretrained weights take the sharded path instead: `build_meta_model` + `load_pretrained_shards`.
     """
+    return build_seeded(model_config_dict(cfg), seed)
+
+
+def build_seeded(model_config: dict[str, Any], seed: int) -> MiniMaxH3Transformer3DModel:
+    """`build_model` from the constructor kwargs themselves (e.g. a checkpoint's `model_config`)."""
     # The default RNG is seeded here and restored, so model init never shifts other draws.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = MiniMaxH3Transformer3DModel(**model_config_dict(cfg))
+        model = MiniMaxH3Transformer3DModel(**model_config)
     return model.float()
 
 

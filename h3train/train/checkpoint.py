@@ -42,6 +42,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -217,16 +218,32 @@ def schedule_changes(saved_yaml: str, cfg: Any) -> list[str]:
 
 
 class ModelState:
-    """The model's weights (sharded DTensors; DCP reshards them on load)."""
+    """The model's weights (sharded DTensors; DCP reshards them on load).
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    `trainable_only` (LoRA runs): the parameters that train (adapters, `lora.train_modules`) and
+    nothing of the frozen base, which a resume rebuilds from where a fresh start gets it (the
+    pretrained folder or the seeded init; `h3train/lora/base.py`). Keys stay the live FQNs
+    (`transformer.<module>.lora_A.default.weight`), so DCP reshards them like any other.
+    """
+
+    def __init__(self, model: torch.nn.Module, trainable_only: bool = False) -> None:
         self.model = model
+        self.options = StateDictOptions(ignore_frozen_params=True) if trainable_only else None
+        self.trainable_only = trainable_only
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return get_model_state_dict(self.model, options=self.options)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state)
+        if not self.trainable_only:
+            set_model_state_dict(self.model, state)
+            return
+        wanted = set(self.state_dict())
+        missing = sorted(wanted - set(state))
+        if missing:
+            raise KeyError(f"no value for trainable parameter {missing[0]} (and {len(missing) - 1} more)")
+        # strict=False: the frozen base is deliberately absent; every trainable key was checked above.
+        set_model_state_dict(self.model, state, options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
 
 class OptimizerState:

@@ -15,6 +15,13 @@ Logged (each a mean over samples, audio terms over samples with sound): `val/los
 `val/loss_video`, `val/loss_audio` (plain flow matching, `MSE(p, v)`), per sigma
 `val/loss_video@0.50` / `val/loss_audio@0.50`, and under CFG the calibrated loss of the training
 objective as `val/loss_cfg`, `val/loss_video_cfg`, `val/loss_audio_cfg`.
+
+LoRA runs also report how far the fine-tune has moved from its base: the same conditional inputs are
+run once more with the adapters disabled (the base costs no memory; peft's `disable_adapters` on the
+transformer inside the sharded wrapper), and `val/drift_video` / `val/drift_audio` are
+`sum MSE(p_lora, p_base) / sum MSE(p_base, v)` over the held-out pairs: the prediction's move
+relative to the base's own error, 0 while every lora_B is zero. A full fine-tune keeps no copy of
+its base in memory, so it has no drift.
 """
 
 from __future__ import annotations
@@ -22,14 +29,14 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..objective import compute_loss, configured_scales, make_training_inputs
+from ..objective import compute_loss, configured_scales, make_training_inputs, masked_mse
 from ..tasks.layout import PackedSample
 from .ema import EMA_COMPONENT
 from .hooks import TrainerHook
@@ -37,8 +44,25 @@ from .hooks import TrainerHook
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-# Columns of the per-sigma sums: [video_fm, audio_fm, video_cfg, audio_cfg, samples, samples_with_audio]
-_COLUMNS = 6
+# Columns of the per-sigma sums: [video_fm, audio_fm, video_cfg, audio_cfg, samples, samples_with_audio,
+# then for LoRA runs the drift terms MSE(p_lora, p_base) and MSE(p_base, v), video then audio]
+_COLUMNS = 10
+
+
+@contextmanager
+def adapters_disabled(transformer: torch.nn.Module):
+    """The peft-adapted `transformer` computes as its base inside the block; every flag is restored after.
+
+    peft's `enable_adapters` sets `requires_grad` on the adapters, so the flags are saved and put back.
+    """
+    flags = {name: p.requires_grad for name, p in transformer.named_parameters()}
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+        for name, p in transformer.named_parameters():
+            p.requires_grad_(flags[name])
 
 
 def heldout_generator(seed: int, sample_id: str, sigma: float) -> torch.Generator:
@@ -72,6 +96,7 @@ class HeldOutLoss(TrainerHook):
         self.sigmas = list(self.v.sigmas)
         self.labels = [sigma_label(s, self.sigmas) for s in self.sigmas]
         self.cfg_enabled = configured_scales(cfg.cfg) != (1.0, 1.0)
+        self.drift = cfg.lora.rank > 0
         # Forwards run by this rank in its last pass (tests count them).
         self.forwards = 0
 
@@ -126,9 +151,30 @@ class HeldOutLoss(TrainerHook):
             sample, gen, cfg.train.timestep, cfg.train.loss_weights, cfg.cfg, trainer.shared_negative, sigma=sigma
         )
         self.forwards += 1 + (ti.uncond_inputs is not None)
-        parts = compute_loss(trainer.model, ti.to(trainer.device))
+        ti = ti.to(trainer.device)
+        calls: list[tuple[dict, tuple[torch.Tensor, torch.Tensor]]] = []
+
+        def forward(**inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            calls.append((inputs, out := trainer.model(**inputs)))
+            return out
+
+        parts = compute_loss(forward, ti)
         has_audio = float(sample.has_audio)
         one = torch.ones((), dtype=torch.float64, device=trainer.device)
+        zero = torch.zeros((), dtype=torch.float64, device=trainer.device)
+        drift = [zero] * 4
+        if self.drift:
+            # The conditional forward is compute_loss's last; the base sees exactly its inputs.
+            inputs, (p_video, p_audio) = calls[-1]
+            self.forwards += 1
+            with adapters_disabled(trainer.model.transformer):
+                b_video, b_audio = trainer.model(**inputs)
+            drift = [
+                masked_mse(p_video, b_video[0].float(), ti.loss_mask_video).double(),
+                masked_mse(b_video, ti.target_video, ti.loss_mask_video).double(),
+                masked_mse(p_audio, b_audio[0].float(), ti.loss_mask_audio).double() * has_audio,
+                masked_mse(b_audio, ti.target_audio, ti.loss_mask_audio).double() * has_audio,
+            ]
         return torch.stack(
             [
                 parts.video_fm.double(),
@@ -137,6 +183,7 @@ class HeldOutLoss(TrainerHook):
                 parts.audio.double() * has_audio,
                 one,
                 one * has_audio,
+                *drift,
             ]
         )
 
@@ -153,6 +200,9 @@ class HeldOutLoss(TrainerHook):
             out["val/loss_video_cfg"] = total[2] / samples
             out["val/loss_audio_cfg"] = total[3] / with_audio
             out["val/loss_cfg"] = w.video * out["val/loss_video_cfg"] + w.audio * out["val/loss_audio_cfg"]
+        if self.drift:
+            out["val/drift_video"] = total[6] / total[7] if total[7] > 0 else 0.0
+            out["val/drift_audio"] = total[8] / total[9] if total[9] > 0 else 0.0
         for label, row in zip(self.labels, sums.tolist()):
             out[f"val/loss_video@{label}"] = row[0] / row[4]
             out[f"val/loss_audio@{label}"] = row[1] / max(row[5], 1.0)

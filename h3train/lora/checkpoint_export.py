@@ -1,0 +1,193 @@
+"""`h3train export` of a LoRA checkpoint: the diffusers format, the ComfyUI format, or merged weights.
+
+A LoRA checkpoint (`trainer_state.json` has `lora`, the adapter's peft config, and `lora_base`,
+`base.py`) holds the trainable parameters only, under their live FQNs in the DCP component `model`
+(`model.transformer.<module>.lora_A.default.weight`) and, with an EMA, again under `ema`. They are
+read whole (megabytes) and renamed to the names files use (`names.export_name`).
+
+- `diffusers` (default): `pytorch_lora_weights.safetensors` (`export.save_diffusers_lora`), keys
+  under `transformer.` or, for a ref2va run, `transformer_ref.`.
+- `comfyui`: `lora_comfyui.safetensors` (`export.save_comfyui_lora`).
+- `merge`: a diffusers transformer folder, the adapters folded into the base the run trained on.
+  The base is read from the pretrained folder the checkpoint records (or `base`, the same weights
+  moved elsewhere: the digest must match), one of its weight files at a time, or rebuilt from the
+  seed of a random base. Each base weight is first taken as the run held it (bfloat16 outside the
+  float32 islands), so the merged model computes what the trained one did; it is stored in `dtype`
+  (islands stay float32).
+
+A run with `lora.train_modules` has fully trained weights beside its adapters. A LoRA file cannot
+carry them (diffusers' `load_lora_adapter` reads LoRA factors only; a norm weight in the file would be
+dropped or refused), so the two LoRA formats refuse such a checkpoint and point to `--merge`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from safetensors import safe_open
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..errors import CheckpointError, UsageError
+from .base import as_trained, folder_digest, island_prefixes, random_base_state, read_record
+from .export import (
+    COMFYUI_WEIGHT_NAME,
+    partition_for_task,
+    save_comfyui_lora,
+    save_diffusers_lora,
+)
+from .names import export_name, is_adapter_param
+
+FORMATS = ("diffusers", "comfyui")
+
+
+def is_lora_checkpoint(state: dict[str, Any]) -> bool:
+    return state.get("lora") is not None
+
+
+def trained_partition(state: dict[str, Any]) -> str:
+    """`transformer` or `transformer_ref`: the partition the run trained, from its saved config."""
+    try:
+        saved = yaml.safe_load(state.get("config_yaml") or "") or {}
+    except yaml.YAMLError:
+        saved = {}
+    subfolder = (saved.get("model") or {}).get("subfolder")
+    if subfolder in ("transformer", "transformer_ref"):
+        return subfolder
+    return partition_for_task((saved.get("task") or {}).get("name", "fl2va"))
+
+
+def read_trained(checkpoint: Path, reader, metadata, component: str) -> dict[str, torch.Tensor]:
+    """The trainable tensors of component `model` or `ema`, float32, under file names."""
+    prefix = f"{component}.transformer."
+    keys = [k for k in metadata if k.startswith(prefix)]
+    buffers = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in keys}
+    try:
+        dcp.load(buffers, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any read failure: unreadable
+        from ..train.checkpoint import read_failure_reason
+
+        raise CheckpointError(f"checkpoint '{checkpoint}' cannot be read: {read_failure_reason(exc)}") from exc
+    return {export_name(k.removeprefix(prefix)): v.float().contiguous() for k, v in buffers.items()}
+
+
+def write_lora_export(
+    checkpoint: Path,
+    out: Path,
+    state: dict[str, Any],
+    trained: dict[str, torch.Tensor],
+    fmt: str,
+    merge: bool,
+    dtype: torch.dtype,
+    base: Path | None,
+) -> None:
+    """Write the export of a LoRA checkpoint into the (new, empty) folder `out`."""
+    lora_config = state["lora"]
+    adapters = {k: v for k, v in trained.items() if is_adapter_param(k)}
+    if base is not None and not merge:
+        raise UsageError("--base is the pretrained base for --merge; add --merge or drop --base")
+    if merge:
+        _write_merged(checkpoint, out, state, trained, lora_config, dtype, base)
+        return
+    others = sorted(k for k in trained if k not in adapters)
+    if others:
+        raise UsageError(
+            f"checkpoint '{checkpoint}' also trains {others[0]} (and {len(others) - 1} more) in full "
+            "(lora.train_modules), which a LoRA file cannot hold; export it with --merge"
+        )
+    out.mkdir(parents=True)
+    if fmt == "comfyui":
+        save_comfyui_lora(out / COMFYUI_WEIGHT_NAME, adapters, lora_config)
+    else:
+        task = "ref2va" if trained_partition(state) == "transformer_ref" else "fl2va"
+        save_diffusers_lora(out, adapters, lora_config, task)
+
+
+def _base_groups(
+    checkpoint: Path, state: dict[str, Any], base: Path | None
+) -> Iterator[tuple[str | None, dict[str, torch.Tensor]]]:
+    """The base weights as trained, in groups: (weight file name or None, tensors under diffusers names)."""
+    record = read_record(state) or {}
+    model_config = state["model_config"]
+    if record.get("kind") == "random":
+        if base is not None:
+            raise UsageError(
+                f"--base: checkpoint '{checkpoint}' was trained on a random base (train.seed={record.get('seed')}), "
+                "which --merge rebuilds; drop --base"
+            )
+        yield None, random_base_state(model_config, int(record["seed"]))
+        return
+    folder = base or Path(str(record.get("folder")))
+    if not folder.is_dir():
+        raise UsageError(
+            f"--merge needs the base checkpoint '{checkpoint}' was trained on, and '{folder}' is not readable "
+            "here; pass --base DIR with those weights"
+        )
+    if folder_digest(folder) != record.get("digest"):
+        raise UsageError(
+            f"--merge: the weights in '{folder}' are not the base checkpoint '{checkpoint}' was trained on "
+            "(their file names or sizes differ); pass --base DIR with that base"
+        )
+    islands = island_prefixes(model_config)
+    files = sorted(folder.glob("*.safetensors"))
+    for file in files:
+        with safe_open(file, "pt") as f:
+            tensors = {k: as_trained(k, f.get_tensor(k), islands) for k in f.keys()}  # noqa: SIM118
+        # One file takes the name `from_pretrained` looks for; shards keep theirs (the index names them).
+        yield (file.name if len(files) > 1 else None), tensors
+
+
+def _write_merged(
+    checkpoint: Path,
+    out: Path,
+    state: dict[str, Any],
+    trained: dict[str, torch.Tensor],
+    lora_config: dict,
+    dtype: torch.dtype,
+    base: Path | None,
+) -> None:
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from ..atomic import apply_file_mode, atomic_save_file, atomic_write_text
+    from .export import merge_adapters
+
+    model_config = state["model_config"]
+    islands = island_prefixes(model_config)
+    groups = _base_groups(checkpoint, state, base)
+    out.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    names: list[str] = []
+    total = 0
+    applied: set[str] = set()
+    for file_name, group in groups:
+        mine = {k: v for k, v in trained.items() if _target_weight(k) in group}
+        applied.update(mine)
+        merged = merge_adapters(group, mine, lora_config)
+        tensors = {k: (v if k.startswith(islands) else v.to(dtype)).contiguous() for k, v in merged.items()}
+        name = file_name or "diffusion_pytorch_model.safetensors"
+        atomic_save_file(tensors, out / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        names.append(name)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    left = sorted(set(trained) - applied)
+    if left:
+        raise CheckpointError(f"checkpoint '{checkpoint}': {left[0]} adapts no weight of the base model")
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        atomic_write_text(out / "diffusion_pytorch_model.safetensors.index.json", json.dumps(index, indent=2))
+    with torch.device("meta"):
+        MiniMaxH3Transformer3DModel(**model_config).save_config(out)
+    apply_file_mode(out / "config.json")
+
+
+def _target_weight(name: str) -> str:
+    """The base weight a trained tensor changes: `m.lora_A.weight` -> `m.weight`; a full one itself."""
+    for part in (".lora_A.weight", ".lora_B.weight"):
+        if name.endswith(part):
+            return name.removesuffix(part) + ".weight"
+    return name
