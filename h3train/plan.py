@@ -14,6 +14,13 @@ Memory model of one rank (FSDP2 over `dp_shard x sp`, replicated over `dp_replic
   unit's unsharded float32 gradient before the reduce-scatter.
 - Activations for the rank's `ceil(rows / sp)` rows (see `block_activation_row_bytes`).
 - A fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation.
+
+A LoRA run (`lora.rank > 0`, `LoraCounts`) changes the sharded state: the frozen base is 2 bytes per
+parameter in bfloat16 (4 in the float32 islands), with no gradient and no optimizer state; only the
+adapters and `lora.train_modules` take the 16 bytes. The all-gathered blocks carry their adapters,
+the unsharded gradient is that of a block's trainable parameters, and each adapted Linear keeps its
+rank-r `lora_A` output per row for the backward. `longest_fit_rows` solves the plan for the longest
+packed sequence that fits, which the printout turns into clip seconds (`rows_to_seconds`).
 """
 
 from __future__ import annotations
@@ -66,6 +73,65 @@ class ParameterCounts:
 
 
 @dataclass(frozen=True)
+class LoraCounts:
+    """Parameter counts of a LoRA run: what trains, and what of the frozen base stays float32."""
+
+    rank: int
+    adapted_layers: int
+    # LoRA factors (lora_A + lora_B) and fully trained `lora.train_modules` parameters, whole model.
+    adapters: int
+    train_modules: int
+    # Frozen parameters in the float32 islands (`_keep_in_fp32_modules`).
+    frozen_fp32: int
+    # Within one transformer block (the FSDP unit): adapter parameters, trainable parameters, adapted Linears.
+    block_adapters: int
+    block_trainable: int
+    block_adapted_layers: int
+
+    @property
+    def trainable(self) -> int:
+        return self.adapters + self.train_modules
+
+
+def lora_counts(dims: Mapping[str, Any], lora: Any) -> LoraCounts:
+    """Count a `LoraConfig`'s adapters on the architecture `dims`, built on the meta device (no memory)."""
+    import torch
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from .lora.targets import resolve_targets, resolve_train_modules
+    from .model.build import fp32_island_names
+
+    with torch.device("meta"):
+        model = MiniMaxH3Transformer3DModel(**{k: v for k, v in dims.items() if not str(k).startswith("_")})
+    targets = resolve_targets(model, lora.target_modules)
+    trained = resolve_train_modules(model, lora.train_modules, targets)
+    modules = dict(model.named_modules())
+    rank = int(lora.rank)
+
+    def adapter(name: str) -> int:
+        layer = modules[name]
+        return rank * (layer.in_features + layer.out_features)
+
+    trained_params = {n: p.numel() for m in trained for n, p in modules[m].named_parameters(prefix=m)}
+    islands = tuple(f"{n}." for n in fp32_island_names(model))
+    frozen_fp32 = sum(
+        p.numel() for n, p in model.named_parameters() if n.startswith(islands) and n not in trained_params
+    )
+    block = "transformer_blocks.0."
+    block_adapters = sum(adapter(t) for t in targets if t.startswith(block))
+    return LoraCounts(
+        rank=rank,
+        adapted_layers=len(targets),
+        adapters=sum(adapter(t) for t in targets),
+        train_modules=sum(trained_params.values()),
+        frozen_fp32=frozen_fp32,
+        block_adapters=block_adapters,
+        block_trainable=block_adapters + sum(v for n, v in trained_params.items() if n.startswith(block)),
+        block_adapted_layers=sum(1 for t in targets if t.startswith(block)),
+    )
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """Per-rank parameters and memory of one training configuration. Byte counts are per rank."""
 
@@ -90,6 +156,10 @@ class MemoryPlan:
     rows_source: str = ""
     # Host memory of the components that render `validation.samples` (not on the device), for the printout.
     render_line: str = ""
+    # LoRA runs: the adapter counts; `master_weights_bytes` is then the frozen base.
+    lora: LoraCounts | None = None
+    # LoRA runs: the longest clips that fit here and on reference setups, for the printout.
+    fit_lines: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -274,12 +344,14 @@ def plan_memory(
     device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
     reserve_gib: float = DEFAULT_RESERVE_GIB,
     rows_source: str = "",
+    lora: LoraCounts | None = None,
 ) -> MemoryPlan:
-    """Per-rank memory of a full AdamW fine-tune on a resolved `(dp_replicate, dp_shard, sp)` mesh.
+    """Per-rank memory of an AdamW fine-tune on a resolved `(dp_replicate, dp_shard, sp)` mesh.
 
     `dims` are the constructor kwargs with defaults filled in (`h3train.config.model_dims`);
     `dtype` is the compute dtype (`model.dtype`); `rows` is the packed sequence length of the
-    longest sample, padded to a multiple of `sp` as the SP forward does.
+    longest sample, padded to a multiple of `sp` as the SP forward does. `lora`: a LoRA run
+    (`lora_counts`), whose base is frozen in bfloat16; None: a full fine-tune.
     """
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
@@ -291,6 +363,19 @@ def plan_memory(
     per_rank = -(-counts.total // shard)
     local_rows = -(-rows // sp)
     b = _DTYPE_BYTES[dtype]
+    activations = activation_bytes(dims, local_rows, dtype, gradient_checkpointing, sp)
+    if lora is None:
+        weights, trainable, block_params, block_grads = per_rank * _FP32, per_rank, counts.block, counts.block
+    else:
+        frozen = counts.total - lora.train_modules
+        base = (frozen - lora.frozen_fp32) * 2 + lora.frozen_fp32 * _FP32
+        trainable = -(-lora.trainable // shard)
+        weights = -(-base // shard) + trainable * _FP32
+        block_params, block_grads = counts.block + lora.block_adapters, lora.block_trainable
+        # Each adapted Linear keeps its lora_A output (r per row) for lora_B's backward; its input is
+        # the base layer's, already counted. Checkpointing holds one block's worth at a time.
+        blocks = 1 if gradient_checkpointing else _dim(dims, "num_layers")
+        activations += local_rows * blocks * lora.block_adapted_layers * lora.rank * b
     return MemoryPlan(
         dp_replicate=dp_replicate,
         dp_shard=dp_shard,
@@ -301,18 +386,79 @@ def plan_memory(
         local_rows=local_rows,
         params=counts,
         params_per_rank=per_rank,
-        master_weights_bytes=per_rank * _FP32,
-        grads_bytes=per_rank * _FP32,
-        optimizer_bytes=per_rank * 2 * _FP32,
+        master_weights_bytes=weights,
+        grads_bytes=trainable * _FP32,
+        optimizer_bytes=trainable * 2 * _FP32,
         # Counted at every mesh size: the compute-dtype copy of a unit exists even unsharded, and a
         # one-rank mesh is not a layout the 33 B model fits in anyway.
-        unsharded_params_bytes=2 * counts.block * b,
-        unsharded_grads_bytes=counts.block * _FP32,
-        activation_bytes=activation_bytes(dims, local_rows, dtype, gradient_checkpointing, sp),
+        unsharded_params_bytes=2 * block_params * b,
+        unsharded_grads_bytes=block_grads * _FP32,
+        activation_bytes=activations,
         reserve_bytes=int(reserve_gib * GIB),
         device_bytes=int(device_memory_gib * GIB),
         rows_source=rows_source,
+        lora=lora,
     )
+
+
+def longest_fit_rows(dims: Mapping[str, Any], **kwargs: Any) -> int:
+    """The most packed rows (a multiple of `sp`) for which `plan_memory(dims, rows=..., **kwargs)` fits; 0: none.
+
+    Memory grows with the rows through the activations alone, by a fixed amount per local row, so
+    the answer is read off two plans and checked.
+    """
+    sp = kwargs["sp"]
+    one = plan_memory(dims, rows=sp, **kwargs)
+    two = plan_memory(dims, rows=2 * sp, **kwargs)
+    per_local_row = two.total_bytes - one.total_bytes
+    fixed = one.total_bytes - per_local_row
+    local = (one.device_bytes - fixed) // per_local_row if per_local_row > 0 else 0
+    rows = max(int(local), 0) * sp
+    while rows and not plan_memory(dims, rows=rows, **kwargs).fits:
+        rows -= sp
+    return rows
+
+
+def rows_to_seconds(rows: int) -> float:
+    """Clip seconds of an FL2VA sample at the released 768x1344 canvas that packs to `rows` rows.
+
+    Linear between the released 5 s (`RELEASED_5S_ROWS`) and 15 s (`RELEASED_MAX_ROWS`) clips: each
+    second adds about 7,135 rows (about 7 latent frames of 1,008 rows and 80 audio rows); the fixed
+    part is the text prefix and the two keyframes. Negative below the fixed part: no clip fits.
+    """
+    per_second = (RELEASED_MAX_ROWS - RELEASED_5S_ROWS) / 10.0
+    return 5.0 + (rows - RELEASED_5S_ROWS) / per_second
+
+
+# Reference setups of the LoRA printout: (label, ranks, sp), all 80 GB devices.
+LORA_REFERENCE_SETUPS = (("8 x A100-80GB", 8, 8), ("1 x 80 GB GPU", 1, 1))
+
+
+def lora_fit_lines(dims: Mapping[str, Any], plan: MemoryPlan) -> tuple[str, ...]:
+    """Lines saying the longest clip that fits this mesh and each reference setup (`LORA_REFERENCE_SETUPS`)."""
+    heads = _dim(dims, "num_attention_heads")
+    common = {
+        "dtype": plan.dtype,
+        "gradient_checkpointing": plan.gradient_checkpointing,
+        "device_memory_gib": plan.device_bytes / GIB,
+        "reserve_gib": plan.reserve_bytes / GIB,
+        "lora": plan.lora,
+    }
+    setups = [("this mesh", plan.dp_replicate, plan.dp_shard, plan.sp)]
+    for label, ranks, sp in LORA_REFERENCE_SETUPS:
+        sp = math.gcd(sp, heads)
+        setups.append((f"{label} (sp={sp})", 1, ranks // sp, sp))
+    from .config import model_defaults
+
+    # Seconds of the released canvas mean something only for the released architecture.
+    released = all(dims.get(k) == v for k, v in model_defaults().items() if not str(k).startswith("_"))
+    lines = []
+    for label, dp_replicate, dp_shard, sp in setups:
+        rows = longest_fit_rows(dims, dp_replicate=dp_replicate, dp_shard=dp_shard, sp=sp, **common)
+        seconds = rows_to_seconds(rows)
+        clip = f"~{seconds:.1f} s of 768x1344 FL2VA" if seconds >= 0.5 else "no clip of the released canvas"
+        lines.append(f"  {label:<28} {rows:>11,} rows" + (f"  ({clip})" if released else ""))
+    return tuple(lines)
 
 
 class MeshSizes(Protocol):
@@ -362,6 +508,7 @@ def estimate(
     rows_source = "given"
     if rows is None:
         rows, rows_source = config_rows(cfg)
+    lora = lora_counts(dims, cfg.lora) if cfg.lora.rank > 0 else None
     plan = plan_memory(
         dims,
         dp_replicate=mesh.dp_replicate,
@@ -372,7 +519,10 @@ def estimate(
         rows=rows,
         device_memory_gib=device_memory_gib,
         rows_source=rows_source,
+        lora=lora,
     )
+    if lora is not None:
+        plan = replace(plan, fit_lines=lora_fit_lines(dims, plan))
     return replace(plan, render_line=render_components_line(cfg)) if cfg.validation.samples else plan
 
 
@@ -419,12 +569,30 @@ def format_plan(plan: MemoryPlan) -> str:
         f"sequence      {plan.rows:,} rows{f' ({plan.rows_source})' if plan.rows_source else ''}, "
         f"{plan.local_rows:,} per rank",
         f"compute       {plan.dtype}, gradient checkpointing {ckpt}",
-        "memory per rank",
-        f"  master weights fp32           {_gib(plan.master_weights_bytes)}",
-        f"  gradients fp32                {_gib(plan.grads_bytes)}",
-        f"  AdamW exp_avg + exp_avg_sq    {_gib(plan.optimizer_bytes)}",
+    ]
+    lora = plan.lora
+    if lora is None:
+        lines += [
+            "memory per rank",
+            f"  master weights fp32           {_gib(plan.master_weights_bytes)}",
+            f"  gradients fp32                {_gib(plan.grads_bytes)}",
+            f"  AdamW exp_avg + exp_avg_sq    {_gib(plan.optimizer_bytes)}",
+        ]
+    else:
+        trainable_weights = plan.grads_bytes
+        lines += [
+            f"LoRA          rank {lora.rank} on {lora.adapted_layers} Linear layers: {lora.adapters:,} adapter "
+            f"parameters ({_count(lora.adapters)}), {lora.train_modules:,} in train_modules; base frozen",
+            "memory per rank",
+            f"  frozen base bf16 (fp32 isl.)  {_gib(plan.master_weights_bytes - trainable_weights)}  "
+            f"(2 B/param, {lora.frozen_fp32:,} island params 4 B)",
+            f"  trainable weights fp32        {_gib(trainable_weights)}  (adapters + train_modules)",
+            f"  trainable gradients fp32      {_gib(plan.grads_bytes)}",
+            f"  AdamW of the trainable        {_gib(plan.optimizer_bytes)}",
+        ]
+    lines += [
         f"  2 unsharded blocks {plan.dtype:<11}{_gib(plan.unsharded_params_bytes)}  (running + prefetched)",
-        f"  unsharded block grad fp32     {_gib(plan.unsharded_grads_bytes)}",
+        f"  unsharded block grad fp32     {_gib(plan.unsharded_grads_bytes)}{'  (trainable only)' if lora else ''}",
         f"  activations                   {_gib(plan.activation_bytes)}",
         f"  reserve (CUDA, NCCL, frag.)   {_gib(plan.reserve_bytes)}",
         f"  total                         {_gib(plan.total_bytes)} of {plan.device_bytes / GIB:.0f} GiB",
@@ -438,4 +606,7 @@ def format_plan(plan: MemoryPlan) -> str:
             f"fits: NO, {-plan.headroom_bytes / GIB:.1f} GiB over: shard over more ranks (dp_shard), "
             "raise sp, enable model.gradient_checkpointing or shorten the clips"
         )
+    if plan.fit_lines:
+        lines.append(f"longest packed sequence that fits ({plan.device_bytes / GIB:.0f} GiB devices, this LoRA):")
+        lines.extend(plan.fit_lines)
     return "\n".join(lines)

@@ -303,3 +303,69 @@ def test_format_plan_lists_every_term(full_dims: dict) -> None:
         "fits: yes",
     ):
         assert needle in text
+
+
+LORA_CONFIGS = ["h3_fl2va_lora_a100.yaml", "h3_ref2va_lora_a100.yaml"]
+
+
+@pytest.mark.parametrize("name", LORA_CONFIGS)
+def test_lora_config_fits_per_the_plan_and_checks_without_the_model_folder(name: str, tmp_path: Path, capsys) -> None:
+    """The LoRA configs' `# plan:` line is reproduced, and `h3train check` plans them away from the model."""
+    from h3train.cli import main
+    from h3train.parallel.dims import ParallelDims
+
+    text = (ROOT / "configs" / name).read_text()
+    m = re.search(r"^# plan: world (\d+), rows (\d+), total ([\d.]+) GiB$", text, re.MULTILINE)
+    assert m, f"{name} lacks its '# plan:' line"
+    world, rows, total = int(m[1]), int(m[2]), float(m[3])
+    cfg = _load_cluster_config(name, tmp_path)
+    assert cfg.lora.rank > 0 and world == 8
+    plan = estimate(_defaults(), ParallelDims.from_config(cfg.parallel, world), cfg, rows)
+    assert plan.lora is not None and plan.fits, format_plan(plan)
+    assert round(plan.total_bytes / GIB, 2) == total
+    assert main(["check", str(ROOT / "configs" / name), f"model.pretrained={tmp_path}", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA          rank 32 on 300 Linear layers" in out
+    assert "8 x A100-80GB (sp=8)" in out and "1 x 80 GB GPU (sp=1)" in out
+
+
+def test_lora_plan_counts_what_a_peft_build_holds() -> None:
+    """Adapter count and frozen-base bytes equal those of the LoRA transform applied to a real model."""
+    from h3train.lora.adapters import add_adapters
+    from h3train.plan import lora_counts
+
+    overrides = [f"model.config.{k}={v}" for k, v in SMALL.items()]
+    cfg = load_config(ROOT / "configs" / "tiny_lora.yaml", [*overrides, "lora.rank=8", "lora.train_modules=[norm_out]"])
+    dims = model_dims(cfg)
+    counts = lora_counts(dims, cfg.lora)
+    model = MiniMaxH3Transformer3DModel(**cfg.model.config)
+    add_adapters(model, cfg)
+    named = dict(model.named_parameters())
+    adapters = sum(p.numel() for n, p in named.items() if ".lora_" in n)
+    train_modules = sum(p.numel() for n, p in named.items() if p.requires_grad and ".lora_" not in n)
+    frozen_bytes = sum(p.numel() * p.element_size() for p in named.values() if not p.requires_grad)
+    assert (counts.adapters, counts.train_modules) == (adapters, train_modules) and train_modules > 0
+    block = [n for n in named if n.startswith("transformer_blocks.0.") and ".lora_" in n]
+    assert counts.block_adapters == sum(named[n].numel() for n in block)
+    plan = _plan(dims, lora=counts, dtype="float32")
+    assert plan.master_weights_bytes == frozen_bytes + 4 * (adapters + train_modules)
+    assert (plan.grads_bytes, plan.optimizer_bytes) == (4 * counts.trainable, 8 * counts.trainable)
+
+
+def test_lora_longest_fit_is_the_edge_of_the_plan(full_dims: dict) -> None:
+    from h3train.config import LoraConfig
+    from h3train.plan import longest_fit_rows, lora_counts
+
+    counts = lora_counts(full_dims, LoraConfig(rank=32))
+    args = dict(dp_replicate=1, dtype="bfloat16", gradient_checkpointing=True, lora=counts)
+    for dp_shard, sp in ((1, 8), (1, 1)):
+        rows = longest_fit_rows(full_dims, dp_shard=dp_shard, sp=sp, **args)
+        assert rows > 0 and rows % sp == 0
+        assert plan_memory(full_dims, dp_shard=dp_shard, sp=sp, rows=rows, **args).fits
+        assert not plan_memory(full_dims, dp_shard=dp_shard, sp=sp, rows=rows + sp, **args).fits
+    lora = plan_memory(full_dims, dp_shard=1, sp=8, rows=RELEASED_MAX_ROWS, **args)
+    full = _plan(full_dims, sp=8, rows=RELEASED_MAX_ROWS)
+    # The base alone is 2 B / param, a full fine-tune's state 16 B / param.
+    assert lora.sharded_state_bytes < full.sharded_state_bytes / 7
+    # One 80 GB GPU holds the bf16 base (61.7 GiB) but no 768x1344 clip beside it.
+    assert lora.fits and not plan_memory(full_dims, dp_shard=1, sp=1, rows=RELEASED_5S_ROWS, **args).fits

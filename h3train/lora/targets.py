@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from ..config import Config, model_config_dict
+from ..config import Config, planned_model_dims
 from ..errors import ConfigError
 
 
@@ -96,12 +96,16 @@ def resolve_train_modules(model: nn.Module, train_modules: Iterable[str], target
 
 
 def meta_model(cfg: Config) -> nn.Module:
-    """The configured architecture on the meta device (no memory, no weights read)."""
+    """The configured architecture on the meta device (no memory, no weights read).
+
+    Away from the model folder (planning on a laptop) the released architecture stands in, as in
+    `planned_model_dims`; training checks the folder itself in preflight.
+    """
     import torch
     from diffusers import MiniMaxH3Transformer3DModel
 
     with torch.device("meta"):
-        return MiniMaxH3Transformer3DModel(**model_config_dict(cfg))
+        return MiniMaxH3Transformer3DModel(**planned_model_dims(cfg)[0])
 
 
 def validate_lora(cfg: Config) -> None:
