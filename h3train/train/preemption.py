@@ -1,7 +1,8 @@
 """SIGTERM / SIGUSR1 (Slurm's warning before a time limit) / SIGINT (Ctrl-C) -> finish the step, save, stop.
 
-The handler only sets a flag; at the end of each step the ranks agree on it with one all-reduce of
-a single integer, so every rank saves the same step even if the signal reached only some of them.
+The handler only sets a flag; at the end of each step the ranks agree on it inside the step's one
+all-reduce (`Trainer._reduce_step`), so every rank saves the same step even if the signal reached
+only some of them.
 The agreed value says which kind of signal arrived: an interrupt (SIGINT) outranks a preemption,
 and a run stopped by one exits 130 (as an interrupted program does), one stopped by a preemption
 signal exits 0 (its job is to be requeued and resumed).
@@ -16,9 +17,6 @@ import os
 import signal
 import sys
 import threading
-
-import torch
-import torch.distributed as dist
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # Agreed across ranks with a MAX all-reduce, so the higher code wins.
@@ -57,8 +55,4 @@ class Preemption:
             signal.signal(sig, handler)
         self._previous.clear()
 
-    def requested(self, device: torch.device) -> int:
-        """The agreed stop request on every rank: NONE, PREEMPT or INTERRUPT (any rank's signal counts)."""
-        flag = torch.tensor([int(self.flag)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+

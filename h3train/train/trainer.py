@@ -62,7 +62,7 @@ from .faults import FaultInjector
 from .hooks import ModelTransform, TrainerHook, after_load, model_transforms, step_hooks
 from .metrics import MetricsLogger, set_aside_later_lines, write_resolved_config
 from .optim import build_optimizer, build_scheduler
-from .preemption import INTERRUPT, Preemption
+from .preemption import INTERRUPT, NONE, PREEMPT, Preemption
 from .rundir import check_fresh_run, move_run_aside, probe_writable, set_aside_later_checkpoints
 
 
@@ -542,14 +542,10 @@ class Trainer:
         # extra collective: the grad norm covers every parameter shard, the loss every DP rank.
         self.phase = f"gradient norm of step {step}"
         grad_norm = self._clip_grad_norm()
-        # [loss, video, audio, video_fm, audio_fm, has_audio, rows, scale_video, scale_audio, data_errors]
-        extra = torch.tensor([*host_sums, self.data_errors.count], dtype=torch.float64).to(self.device)
-        sums = torch.cat([device_sums, extra])
-        self.phase = f"loss all-reduce of step {step}"
-        dist.all_reduce(sums, group=self.ctx.dp_mesh.get_group())
-        sums = sums.cpu()
+        self.phase = f"step all-reduce of step {step}"
+        s, grad_norm, loss_values, self.stop_request = self._reduce_step(device_sums, host_sums, grad_norm, losses)
         lr = self.scheduler.get_last_lr()[0]
-        finite = math.isfinite(grad_norm) and math.isfinite(float(sums[0]))
+        finite = math.isfinite(grad_norm) and math.isfinite(s[0])
         if finite:
             self.optimizer.step()
             self.scheduler.step()
@@ -567,7 +563,6 @@ class Trainer:
                 )
         dt = time.perf_counter() - t0
         n = accum * self.ctx.dims.dp
-        s = sums.tolist()
         n_audio = max(s[5], 1.0)
         stats = {
             "loss": s[0] / n,
@@ -590,13 +585,41 @@ class Trainer:
                     "cfg_scale_audio": s[8] / n,
                 }
             )
-        self._report_spikes(step, sample_ids, losses, stats["loss"])
+        self._report_spikes(step, sample_ids, loss_values, stats["loss"])
         return stats
 
-    def _report_spikes(self, step: int, sample_ids: list[str], losses: list[torch.Tensor], step_loss: float) -> None:
+    def _reduce_step(
+        self, device_sums: torch.Tensor, host_sums: list[float], grad_norm: torch.Tensor, losses: list[torch.Tensor]
+    ) -> tuple[list[float], float, list[float], int]:
+        """The step's one all-reduce and its one device->host copy.
+
+        Reduced over every rank (SUM), in one float64 tensor: the loss sums `[loss, video, audio,
+        video_fm, audio_fm]`, the host counts `[has_audio, rows, cfg_scale_video, cfg_scale_audio,
+        data_errors]` (both from SP rank 0 of each group only: the other SP ranks hold the same
+        values, and adding zeros keeps the sum exact), and how many ranks were asked to stop by a
+        preemption signal and by Ctrl-C. Copied to the host with it, unreduced: the global grad
+        norm (already reduced by the clip) and this rank's micro-batch losses (spike detection).
+        Returns (sums, grad_norm, micro-batch losses, agreed stop request).
+        """
+        lead = float(self.ctx.sp_rank == 0)
+        flag = self.preempt.flag
+        host = [*(v * lead for v in (*host_sums, self.data_errors.count)), float(flag == PREEMPT)]
+        host.append(float(flag == INTERRUPT))
+        host_t = torch.tensor(host, dtype=torch.float64)
+        if self.device.type == "cuda":
+            # Pinned and non-blocking: a pageable copy would make the host wait for the backward.
+            host_t = host_t.pin_memory().to(self.device, non_blocking=True)
+        reduced = torch.cat([device_sums * lead, host_t])
+        dist.all_reduce(reduced)
+        local = torch.stack([grad_norm.double(), *(loss.double() for loss in losses)])
+        values = torch.cat([reduced, local]).tolist()
+        sums, stops = values[:10], values[10:12]
+        stop = INTERRUPT if stops[1] > 0 else PREEMPT if stops[0] > 0 else NONE
+        return sums, values[12], values[13:], stop
+
+    def _report_spikes(self, step: int, sample_ids: list[str], losses: list[float], step_loss: float) -> None:
         median = self.spikes.median()
-        for sample_id, loss in zip(sample_ids, losses):
-            value = loss.item()
+        for sample_id, value in zip(sample_ids, losses):
             if self.spikes.is_spike(value):
                 self.spike_log.write(
                     step=step, sample_id=sample_id, loss=value, median=median, dp_rank=self.ctx.dp_rank
@@ -608,13 +631,14 @@ class Trainer:
     def cfg_enabled(self) -> bool:
         return configured_scales(self.cfg.cfg) != (1.0, 1.0)
 
-    def _clip_grad_norm(self) -> float:
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """Clip to `train.max_grad_norm` and return the global norm before clipping, on the device (no sync)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.train.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        return float(norm)
+        return norm
 
     def _dump(self, step: int, inputs: dict, metas: list[dict]) -> None:
         # Unsharding is collective: every rank gathers, rank 0 writes.
@@ -669,8 +693,8 @@ class Trainer:
                     stats.update(hook.after_step(self, step, stats) or {})
                 metrics.log(step, stats)
                 self._flush_validation()
-                self.phase = f"preemption check after step {step}"
-                preempted = self.preempt.requested(self.device)
+                # Agreed in the step's all-reduce: a signal any rank got before the step ended.
+                preempted = self.stop_request
                 self.interrupted = preempted == INTERRUPT
                 if preempted or (every and (step % every == 0 or step == cfg.train.steps)):
                     self.phase = f"checkpoint save at step {step}"
