@@ -96,9 +96,10 @@ def write_lora_export(
         return
     others = sorted(k for k in trained if k not in adapters)
     if others:
+        more = f" (and {len(others) - 1} more)" if others[1:] else ""
         raise UsageError(
-            f"checkpoint '{checkpoint}' also trains {others[0]} (and {len(others) - 1} more) in full "
-            "(lora.train_modules), which a LoRA file cannot hold; export it with --merge"
+            f"checkpoint '{checkpoint}' also trains {others[0]}{more} in full (lora.train_modules), "
+            "which a LoRA file cannot hold; export it with --merge"
         )
     out.mkdir(parents=True)
     if fmt == "comfyui":

@@ -1,0 +1,493 @@
+"""LoRA runs end to end: trainable-only checkpoints, bitwise and resharded resume, the recorded base,
+`h3train export` of real checkpoints in every format (and `--ema`), `lora.init_from` continuing a
+saved run, and the held-out drift from the base.
+
+One sp=1 run (in-process) and one sp=2 run (torchrun) of tiny_lora are shared by the module: 6
+steps, a checkpoint every 3, an EMA and a held-out pass at start and every 3 steps. The sp=1 run
+dumps step 4, whose weights are those of the checkpoint at step 3: the reference "trained model",
+rebuilt with diffusers and peft alone (`reference.reference_model_from_dump`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import cached_property
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from diffusers import MiniMaxH3Transformer3DModel
+from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
+from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
+
+from h3train.cli import main
+from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
+from h3train.model.sp_forward import FORWARD_ARGS
+from h3train.train.checkpoint import step_dir_name
+
+from reference import ROOT, read_metrics, reference_model_from_dump, run_h3train
+
+TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
+TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
+# A learning rate large enough that the adapters move visibly in 3 steps (drift, exports vs the base).
+COMMON = [
+    "train.steps=6",
+    "checkpoint.every=3",
+    "checkpoint.keep_last=0",
+    "logging.progress=false",
+    "optim.lr=2.0e-2",
+    "train.ema.decay=0.9",
+    "validation.every=3",
+    "validation.sigmas=[0.3,0.7]",
+]
+TRAIN_KEYS = ("loss", "loss_video", "loss_audio", "grad_norm", "lr")
+
+
+def _train(log_dir: Path, *extra: str, config: Path = TINY_LORA) -> None:
+    assert main(["train", str(config), f"logging.dir={log_dir}", *extra]) == 0
+
+
+def _ckpt(run: Path, step: int) -> Path:
+    return run / "checkpoints" / step_dir_name(step)
+
+
+def _rows(run: Path, kind: str | None = None) -> list[dict]:
+    return [m for m in read_metrics(run) if m.get("kind") == kind]
+
+
+def _curve(run: Path) -> list[list]:
+    return [[m["step"], *(m[k] for k in TRAIN_KEYS)] for m in _rows(run)]
+
+
+def _components(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint under `prefix` (e.g. `model.`, `ema.`), read in one process."""
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    out = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in metadata.items()
+        if k.startswith(prefix) and hasattr(m, "size")
+    }
+    dcp.load(out, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    return out
+
+
+class LoraRuns:
+    """The module's shared runs, each made on first use."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @cached_property
+    def heldout(self) -> Path:
+        out = self.root / "heldout"
+        assert main(["synth", "--out", str(out), "--task", "fl2va", "--num-samples", "2", "--text-dim", "16"]) == 0
+        return out
+
+    @property
+    def validation(self) -> list[str]:
+        return [f"validation.dataset={self.heldout}", "validation.at_start=true"]
+
+    @cached_property
+    def sp1(self) -> Path:
+        run = self.root / "sp1"
+        _train(run, *COMMON, *self.validation, "debug.dump_step=4")
+        return run
+
+    @cached_property
+    def sp2(self) -> Path:
+        run = self.root / "sp2"
+        args = ["train", str(TINY_LORA), f"logging.dir={run}", *COMMON, *self.validation, "parallel.sp=2"]
+        run_h3train(args, nproc=2)
+        return run
+
+    @cached_property
+    def trained_model(self) -> MiniMaxH3Transformer3DModel:
+        """The sp=1 run's model at step 3 (the weights of step 4's dump), diffusers + peft alone."""
+        return reference_model_from_dump(self.sp1 / "dump" / "step_4").eval()
+
+    @cached_property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        tensors = load_file(self.sp1 / "dump" / "step_4" / "inputs.safetensors")
+        return {name: tensors[f"m0.{name}"] for name in FORWARD_ARGS}
+
+    def export(self, out: Path, *extra: str, step: int = 3) -> Path:
+        assert main(["export", str(_ckpt(self.sp1, step)), "--out", str(out), *extra]) == 0
+        return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> LoraRuns:
+    return LoraRuns(tmp_path_factory.mktemp("lora_runs"))
+
+
+@torch.no_grad()
+def _forward(model, inputs) -> torch.Tensor:
+    video, audio = model(**inputs, return_dict=False)
+    return torch.cat([video.flatten(), audio.flatten()]).double()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _base(runs: LoraRuns) -> MiniMaxH3Transformer3DModel:
+    """A plain diffusers model holding the run's base (what a user loads the LoRA onto)."""
+    model = runs.trained_model
+    base = MiniMaxH3Transformer3DModel(**dict(model.config))
+    weights = {
+        n.replace(".base_layer.", "."): p.detach().clone() for n, p in model.named_parameters() if ".lora_" not in n
+    }
+    base.load_state_dict(weights, strict=True)
+    return base.float().eval()
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+
+def test_lora_checkpoint_holds_the_trainable_state_only(tmp_path) -> None:
+    """No base weight in it; its tensor bytes are within 10 % of the trainables' weights and AdamW moments."""
+    wide = [
+        "model.config.hidden_size=256",
+        "model.config.attention_head_dim=64",
+        "model.config.ffn_dim=1024",
+        "model.config.time_embed_dim=64",
+        "lora.rank=32",
+        "lora.alpha=32",
+        "train.steps=1",
+        "train.grad_accum=1",
+        "checkpoint.every=1",
+        "logging.progress=false",
+    ]
+    _train(tmp_path, *wide)
+    path = _ckpt(tmp_path, 1)
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    model_keys = [k for k in metadata if k.startswith("model.")]
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys), "a base weight is saved"
+    trainable = sum(metadata[k].size.numel() for k in model_keys)
+    # fp32 weight + AdamW exp_avg + exp_avg_sq: 12 bytes per trainable parameter.
+    expected = 12 * trainable
+    saved = sum(f.stat().st_size for f in path.glob("*.distcp"))
+    assert abs(saved - expected) <= 0.1 * expected, (saved, expected)
+    # The test can fail: the frozen base, even in bf16, is far more than the 10 % slack.
+    with torch.device("meta"):
+        base = MiniMaxH3Transformer3DModel(**json.loads((path / "trainer_state.json").read_text())["model_config"])
+    assert 2 * sum(p.numel() for p in base.parameters()) > expected
+    state = json.loads((path / "trainer_state.json").read_text())
+    assert state["lora_base"] == {"kind": "random", "seed": 0} and state["lora"]["r"] == 32
+
+
+def test_resume_at_sp1_is_bitwise(runs, tmp_path) -> None:
+    resumed = tmp_path / "resumed"
+    _train(resumed, *COMMON, *runs.validation, "debug.dump_step=4", f"checkpoint.resume={_ckpt(runs.sp1, 3)}")
+    assert _curve(resumed) == _curve(runs.sp1)[3:]
+    assert _rows(resumed, "validation") == _rows(runs.sp1, "validation")[2:]
+    for prefix in ("model.", "ema.", "optim.state."):
+        a, b = _components(_ckpt(resumed, 6), prefix), _components(_ckpt(runs.sp1, 6), prefix)
+        assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a), prefix
+
+
+def test_ema_of_a_lora_run_covers_the_adapters_only(runs) -> None:
+    ema = _components(_ckpt(runs.sp1, 6), "ema.")
+    model = _components(_ckpt(runs.sp1, 6), "model.")
+    assert {k.removeprefix("ema.") for k in ema} == {k.removeprefix("model.") for k in model}
+    assert all(".lora_" in k for k in ema)
+
+
+@pytest.mark.slow
+def test_resume_at_sp2_is_bitwise_and_sp2_agrees_with_sp1(runs, tmp_path) -> None:
+    resumed = tmp_path / "resumed"
+    args = ["train", str(TINY_LORA), f"logging.dir={resumed}", *COMMON, *runs.validation, "parallel.sp=2"]
+    run_h3train([*args, f"checkpoint.resume={_ckpt(runs.sp2, 3)}"], nproc=2)
+    assert _curve(resumed) == _curve(runs.sp2)[3:]
+    a, b = _components(_ckpt(resumed, 6), "model."), _components(_ckpt(runs.sp2, 6), "model.")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # One process and two SP ranks train the same LoRA: loss and grad_norm per step to 1e-5.
+    for one, two in zip(_rows(runs.sp1), _rows(runs.sp2), strict=True):
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_resume_sp2_checkpoint_at_sp1_continues_the_same_run(runs, tmp_path) -> None:
+    resumed = tmp_path / "resharded"
+    _train(resumed, *COMMON, *runs.validation, f"checkpoint.resume={_ckpt(runs.sp2, 3)}")
+    straight = _rows(runs.sp2)[3:]
+    got = _rows(resumed)
+    assert [m["step"] for m in got] == [4, 5, 6]
+    for a, b in zip(straight, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
+
+
+def test_resume_on_another_base_is_one_line_exit_2(runs, tmp_path, capsys) -> None:
+    args = ["train", str(TINY_LORA), f"logging.dir={tmp_path}", *COMMON, f"checkpoint.resume={_ckpt(runs.sp1, 3)}"]
+    assert main([*args, *runs.validation, "train.seed=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "trained on a random base of train.seed=0" in err and "seed=1" in err
+    # A full fine-tune cannot resume the adapters-only checkpoint either.
+    assert main([*args, *runs.validation, "lora.rank=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a LoRA checkpoint" in err
+
+
+def _pretrained_config(tmp_path: Path, seed: int, max_shard_size: str = "10GB") -> tuple[Path, Path]:
+    """tiny_lora on a pretrained folder holding the tiny model of `seed`: (config file, folder)."""
+    from omegaconf import OmegaConf
+
+    from h3train.config import load_config
+    from h3train.model.build import build_model
+
+    folder = tmp_path / f"base_{seed}_{max_shard_size}"
+    build_model(load_config(TINY_LORA), seed).save_pretrained(folder / "transformer", max_shard_size=max_shard_size)
+    raw = OmegaConf.load(TINY_LORA)
+    del raw.model["config"]
+    raw.model.pretrained = str(folder)
+    config = tmp_path / f"lora_{folder.name}.yaml"
+    OmegaConf.save(raw, config)
+    return config, folder
+
+
+def test_pretrained_base_is_recorded_by_digest_and_another_one_refused(tmp_path, capsys) -> None:
+    """A LoRA run on a pretrained folder resumes on it and not on other weights of the same architecture."""
+    config, _ = _pretrained_config(tmp_path, 5)
+    common = ["checkpoint.every=1", "logging.progress=false"]
+    run = tmp_path / "run"
+    _train(run, *common, "train.steps=1", config=config)
+    state = json.loads((_ckpt(run, 1) / "trainer_state.json").read_text())
+    assert state["lora_base"]["kind"] == "pretrained" and len(state["lora_base"]["digest"]) == 64
+    _train(run, *common, "train.steps=2", config=config)  # resumes on the same base
+    assert "resumed from" in capsys.readouterr().out
+    _, other = _pretrained_config(tmp_path, 6, max_shard_size="100KB")
+    args = ["train", str(config), f"logging.dir={run}", *common, "train.steps=3", f"model.pretrained={other}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "was trained on the pretrained base" in err, err
+
+
+# -- held-out drift --------------------------------------------------------------------------------
+
+
+def test_drift_is_zero_at_start_and_grows_with_training(runs) -> None:
+    rows = _rows(runs.sp1, "validation")
+    assert [r["step"] for r in rows] == [0, 3, 6]
+    assert rows[0]["val/drift_video"] == 0.0 and rows[0]["val/drift_audio"] == 0.0
+    assert 0 < rows[1]["val/drift_video"] < rows[2]["val/drift_video"]
+    assert rows[2]["val/drift_audio"] > 0
+
+
+def test_drift_is_the_prediction_move_relative_to_the_base_error(runs) -> None:
+    """val/drift at step 3 recomputed from the trained and the base model on the same fixed noise."""
+    from h3train.config import load_config
+    from h3train.data.dataset import CachedDataset
+    from h3train.objective import make_training_inputs, masked_mse
+    from h3train.train.validation import heldout_generator
+
+    cfg = load_config(TINY_LORA, [*COMMON, *runs.validation])
+    model, base = runs.trained_model, _base(runs)
+    num = {"video": 0.0, "audio": 0.0}
+    den = dict(num)
+    for sample in CachedDataset(str(runs.heldout), "fl2va"):
+        for sigma in cfg.validation.sigmas:
+            gen = heldout_generator(cfg.validation.seed, sample.sample_id, sigma)
+            ti = make_training_inputs(sample, gen, cfg.train.timestep, cfg.train.loss_weights, cfg.cfg, sigma=sigma)
+            with torch.no_grad():
+                p = model(**ti.model_inputs, return_dict=False)
+                q = base(**ti.model_inputs, return_dict=False)
+            for i, (key, target, mask) in enumerate(
+                (("video", ti.target_video, ti.loss_mask_video), ("audio", ti.target_audio, ti.loss_mask_audio))
+            ):
+                weight = 1.0 if key == "video" or sample.has_audio else 0.0
+                num[key] += weight * float(masked_mse(p[i], q[i][0].float(), mask))
+                den[key] += weight * float(masked_mse(q[i], target, mask))
+    row = next(r for r in _rows(runs.sp1, "validation") if r["step"] == 3)
+    assert row["val/drift_video"] == pytest.approx(num["video"] / den["video"], rel=1e-4)
+    assert row["val/drift_audio"] == pytest.approx(num["audio"] / den["audio"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_drift_is_the_same_at_sp1_and_sp2(runs, tmp_path) -> None:
+    """Both start from the same non-zero adapters (init_from), so step 0's drift is comparable."""
+    lora = runs.export(tmp_path / "lora", step=6) / DIFFUSERS_WEIGHT_NAME
+    args = [f"lora.init_from={lora}", *COMMON, *runs.validation, "train.steps=1", "checkpoint.every=0"]
+    _train(tmp_path / "sp1", *args)
+    run_h3train(["train", str(TINY_LORA), f"logging.dir={tmp_path / 'sp2'}", *args, "parallel.sp=2"], nproc=2)
+    one, two = _rows(tmp_path / "sp1", "validation")[0], _rows(tmp_path / "sp2", "validation")[0]
+    assert one["step"] == two["step"] == 0 and one["val/drift_video"] > 1e-4
+    for key in ("val/drift_video", "val/drift_audio", "val/loss"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+
+
+# -- export ----------------------------------------------------------------------------------------
+
+
+def test_diffusers_export_loads_onto_the_base_and_forwards_like_the_trained_model(runs, tmp_path) -> None:
+    out = runs.export(tmp_path / "lora")
+    assert sorted(p.name for p in out.iterdir()) == [DIFFUSERS_WEIGHT_NAME]
+    with safe_open(out / DIFFUSERS_WEIGHT_NAME, "pt") as f:
+        assert all(k.startswith("transformer.") for k in f.keys())  # noqa: SIM118 - not iterable
+        meta = json.loads(f.metadata()["lora_adapter_metadata"])
+    assert meta["transformer.r"] == 4 and meta["transformer.lora_alpha"] == 8
+    want = _forward(runs.trained_model, runs.inputs)
+    base = _base(runs)
+    assert _rel(_forward(base, runs.inputs), want) > 1e-4, "the adapters changed nothing"
+    base.load_lora_adapter(str(out), weight_name=DIFFUSERS_WEIGHT_NAME, prefix="transformer")
+    assert _rel(_forward(base, runs.inputs), want) <= 1e-6
+    pipe = MiniMaxH3ModularPipeline()
+    pipe.update_components(transformer=_base(runs))
+    pipe.load_lora_weights(str(out), weight_name=DIFFUSERS_WEIGHT_NAME)
+    assert _rel(_forward(pipe.transformer, runs.inputs), want) <= 1e-6
+
+
+def test_comfyui_export_reads_back_through_diffusers_converter(runs, tmp_path) -> None:
+    out = runs.export(tmp_path / "comfy", "--format", "comfyui")
+    file = out / COMFYUI_WEIGHT_NAME
+    assert all(k.startswith("diffusion_model.") for k in load_file(file))
+    # diffusers' own reader detects the original layout and converts it to its names.
+    converted = MiniMaxH3LoraLoaderMixin.lora_state_dict(str(file))
+    base = _base(runs)
+    base.load_lora_adapter(converted, prefix="transformer")
+    assert _rel(_forward(base, runs.inputs), _forward(runs.trained_model, runs.inputs)) <= 1e-6
+
+
+def test_merged_export_loads_with_from_pretrained(runs, tmp_path) -> None:
+    out = runs.export(tmp_path / "merged", "--merge")
+    loaded = MiniMaxH3Transformer3DModel.from_pretrained(out, torch_dtype=torch.float32).eval()
+    assert _rel(_forward(loaded, runs.inputs), _forward(runs.trained_model, runs.inputs)) <= 1e-6
+    bf16 = runs.export(tmp_path / "merged_bf16", "--merge", "--dtype", "bfloat16")
+    weights = load_file(bf16 / "diffusion_pytorch_model.safetensors")
+    assert weights["transformer_blocks.0.attn.to_q.weight"].dtype == torch.bfloat16
+    assert weights["proj_in.weight"].dtype == torch.float32
+
+
+def test_merged_export_reads_a_pretrained_base_shard_by_shard(tmp_path, capsys) -> None:
+    config, folder = _pretrained_config(tmp_path, 5, max_shard_size="100KB")
+    run = tmp_path / "run"
+    common = ["logging.progress=false", "train.steps=2", "checkpoint.every=1", "optim.lr=2e-2", "debug.dump_step=2"]
+    _train(run, *common, config=config)
+    out = tmp_path / "merged"
+    # The base moved: --merge says where it is now; other weights are refused.
+    moved = folder.rename(tmp_path / "moved")
+    assert main(["export", str(_ckpt(run, 1)), "--out", str(out), "--merge"]) == 2
+    assert "--base" in capsys.readouterr().err
+    assert main(["export", str(_ckpt(run, 1)), "--out", str(out), "--merge", "--base", str(moved / "transformer")]) == 0
+    assert len(list(out.glob("diffusion_pytorch_model-*.safetensors"))) > 1
+    loaded = MiniMaxH3Transformer3DModel.from_pretrained(out, torch_dtype=torch.float32).eval()
+    trained = reference_model_from_dump(run / "dump" / "step_2").eval()
+    inputs = {k: v for k, v in load_file(run / "dump" / "step_2" / "inputs.safetensors").items()}
+    inputs = {name: inputs[f"m0.{name}"] for name in FORWARD_ARGS}
+    assert _rel(_forward(loaded, inputs), _forward(trained, inputs)) <= 1e-6
+
+
+def test_lora_export_errors_are_one_line(runs, tmp_path, capsys) -> None:
+    ckpt = str(_ckpt(runs.sp1, 3))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    cases = [
+        (["--out", str(tmp_path / "full")], "is not empty"),
+        (["--out", str(tmp_path / "a"), "--format", "kohya"], "choose diffusers or comfyui"),
+        (["--out", str(tmp_path / "b"), "--format", "comfyui", "--merge"], "drop --format or --merge"),
+        (["--out", str(tmp_path / "c"), "--merge", "--base", str(tmp_path)], "trained on a random base"),
+    ]
+    for extra, needle in cases:
+        assert main(["export", ckpt, *extra]) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full"], "a failed export left something behind"
+
+
+def test_train_modules_refuse_lora_formats_and_merge_keeps_them(tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    _train(run, "lora.train_modules=[norm_out.norm]", "train.steps=1", "checkpoint.every=1", "logging.progress=false")
+    capsys.readouterr()
+    assert main(["export", str(_ckpt(run, 1)), "--out", str(tmp_path / "lora")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "norm_out.norm.weight" in err and "--merge" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "lora").exists()
+    assert main(["export", str(_ckpt(run, 1)), "--out", str(tmp_path / "merged"), "--merge"]) == 0
+    trained = _components(_ckpt(run, 1), "model.")["model.transformer.norm_out.norm.weight"]
+    merged = load_file(tmp_path / "merged" / "diffusion_pytorch_model.safetensors")["norm_out.norm.weight"]
+    assert torch.equal(merged, trained)
+
+
+def test_ref2va_lora_export_lands_in_transformer_ref(tmp_path) -> None:
+    data = tmp_path / "data"
+    assert main(["synth", "--out", str(data), "--task", "ref2va", "--num-samples", "2", "--text-dim", "16"]) == 0
+    run = tmp_path / "run"
+    lora = ["lora.rank=4", "lora.alpha=8", "optim.lr=2e-2"]
+    _train(run, f"data.path={data}", *lora, "train.steps=1", "checkpoint.every=1", "logging.progress=false",
+           config=TINY_REF2VA)  # fmt: skip
+    out = tmp_path / "lora"
+    assert main(["export", str(_ckpt(run, 1)), "--out", str(out)]) == 0
+    assert all(k.startswith("transformer_ref.") for k in load_file(out / DIFFUSERS_WEIGHT_NAME))
+    config = json.loads((_ckpt(run, 1) / "trainer_state.json").read_text())["model_config"]
+    pipe = MiniMaxH3ModularPipeline()
+    pipe.update_components(
+        transformer=MiniMaxH3Transformer3DModel(**config), transformer_ref=MiniMaxH3Transformer3DModel(**config)
+    )
+    pipe.load_lora_weights(str(out), weight_name=DIFFUSERS_WEIGHT_NAME)
+    assert getattr(pipe.transformer_ref, "_hf_peft_config_loaded", False)
+    assert not getattr(pipe.transformer, "_hf_peft_config_loaded", False), "the LoRA went into transformer"
+
+
+# -- --ema -----------------------------------------------------------------------------------------
+
+
+def test_ema_export_of_a_lora_checkpoint_writes_the_ema_adapters(runs, tmp_path) -> None:
+    plain = load_file(runs.export(tmp_path / "plain", step=6) / DIFFUSERS_WEIGHT_NAME)
+    ema = load_file(runs.export(tmp_path / "ema", "--ema", step=6) / DIFFUSERS_WEIGHT_NAME)
+    shadow = _components(_ckpt(runs.sp1, 6), "ema.")
+    key = "transformer.transformer_blocks.0.attn.to_q.lora_B.weight"
+    assert plain.keys() == ema.keys() and not torch.equal(plain[key], ema[key])
+    assert torch.equal(ema[key], shadow["ema.transformer.transformer_blocks.0.attn.to_q.lora_B.default.weight"])
+
+
+def test_ema_export_of_a_full_checkpoint_loads_with_from_pretrained(tmp_path, capsys) -> None:
+    from reference import TINY_FL2VA
+
+    run = tmp_path / "run"
+    _train(run, "train.steps=2", "train.ema.decay=0.5", "checkpoint.every=2", "logging.progress=false",
+           config=TINY_FL2VA)  # fmt: skip
+    ckpt = str(_ckpt(run, 2))
+    assert main(["export", ckpt, "--out", str(tmp_path / "plain")]) == 0
+    assert main(["export", ckpt, "--out", str(tmp_path / "ema"), "--ema"]) == 0
+    plain = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "plain").state_dict()
+    ema = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "ema").state_dict()
+    shadow = _components(_ckpt(run, 2), "ema.")
+    assert plain.keys() == ema.keys()
+    assert all(torch.equal(ema[k], shadow[f"ema.transformer.{k}"]) for k in ema)
+    assert any(not torch.equal(plain[k], ema[k]) for k in ema)
+    # A checkpoint without an EMA says so in one line.
+    _train(tmp_path / "noema", "train.steps=1", "checkpoint.every=1", "logging.progress=false", config=TINY_FL2VA)
+    capsys.readouterr()
+    assert main(["export", str(_ckpt(tmp_path / "noema", 1)), "--out", str(tmp_path / "x"), "--ema"]) == 2
+    assert "holds no EMA" in capsys.readouterr().err
+
+
+# -- lora.init_from ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["diffusers", "comfyui"])
+def test_init_from_an_export_continues_exactly_where_it_was_saved(runs, tmp_path, fmt) -> None:
+    """Export step 3, start a run from the file: its first step runs the saved model (step 4's dump)."""
+    out = runs.export(tmp_path / "lora", "--format", fmt)
+    file = out / (DIFFUSERS_WEIGHT_NAME if fmt == "diffusers" else COMFYUI_WEIGHT_NAME)
+    run = tmp_path / "run"
+    _train(run, f"lora.init_from={file}", "train.steps=1", "checkpoint.every=0", "debug.dump_step=1",
+           "logging.progress=false")  # fmt: skip
+    saved = load_file(runs.sp1 / "dump" / "step_4" / "weights.safetensors")
+    started = load_file(run / "dump" / "step_1" / "weights.safetensors")
+    assert saved.keys() == started.keys()
+    for key, value in saved.items():
+        if fmt == "diffusers" or ".lora_" not in key:
+            assert torch.equal(started[key], value), key
+        else:
+            # ComfyUI stores alpha beside the factors; the converter folds it in, init_from unfolds it.
+            torch.testing.assert_close(started[key], value, rtol=1e-6, atol=1e-7)
+    model = reference_model_from_dump(run / "dump" / "step_1").eval()
+    assert _rel(_forward(model, runs.inputs), _forward(runs.trained_model, runs.inputs)) <= 1e-6
+    assert math.isfinite(_rows(run)[0]["loss"])
