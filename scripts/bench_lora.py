@@ -1,0 +1,111 @@
+"""LoRA against full fine-tuning on the CPU bench's reduced model: optimizer-state bytes and step time.
+
+The model is `h3train bench --reduced`'s (`h3train.bench.REDUCED_DIMS`, 2 blocks) and the sample its
+FL2VA clip (`REDUCED_CLIP`: 22 frames at 128x192, both keyframes, stereo audio), laid out as
+synthetic data of that geometry. Both runs go through `Trainer.train_step` in this process on one
+rank (forward, backward, clip, AdamW): the full fine-tune with float32 master weights, the LoRA run
+with `lora.rank` adapters on the default targets and the base frozen in bfloat16 (computed in
+float32). Optimizer state is every tensor in `optimizer.state` after the first step (AdamW's
+`exp_avg`, `exp_avg_sq`, `step`); step time is the median of `--repeats` steps after a warm-up.
+
+    .venv/bin/python scripts/bench_lora.py [--rank 4] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from h3train.bench import REDUCED_CLIP, REDUCED_DIMS, bench_sample  # noqa: E402
+from h3train.config import load_config  # noqa: E402
+from h3train.tasks.layout import Geometry  # noqa: E402
+from h3train.train.trainer import Trainer  # noqa: E402
+
+
+def _overrides(tmp: Path, steps: int) -> list[str]:
+    geometry = bench_sample(REDUCED_CLIP, REDUCED_DIMS["text_dim"], 0).geometry
+    dims = [f"model.config.{k}={v}" for k, v in REDUCED_DIMS.items()]
+    return [
+        *dims,
+        "model.config.num_layers=2",
+        f"data.synthetic.text_len={REDUCED_CLIP.text_len}",
+        f"data.synthetic.vision_tokens={REDUCED_CLIP.vision_tokens}",
+        *_geometry(geometry),
+        "train.grad_accum=1",
+        f"train.steps={steps}",
+        "checkpoint.every=0",
+        f"logging.dir={tmp}",
+        "logging.progress=false",
+    ]
+
+
+def _geometry(g: Geometry) -> list[str]:
+    return [
+        f"data.synthetic.num_latent_frames={g.num_latent_frames}",
+        f"data.synthetic.latent_height={g.latent_height}",
+        f"data.synthetic.latent_width={g.latent_width}",
+        f"data.synthetic.num_audio_latents={g.num_audio_latents}",
+    ]
+
+
+def measure(config: str, overrides: list[str], repeats: int) -> tuple[int, int, float, int]:
+    """(optimizer-state bytes, trainable parameters, median step seconds, packed rows) of one run."""
+    cfg = load_config(ROOT / "configs" / config, overrides)
+    trainer = Trainer(cfg, hooks=[])
+    try:
+        stats = trainer.train_step(1)  # warm-up; creates the AdamW state
+        state_bytes = sum(
+            t.numel() * t.element_size()
+            for per_param in trainer.optimizer.state.values()
+            for t in per_param.values()
+            if torch.is_tensor(t)
+        )
+        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        times = []
+        for step in range(2, repeats + 2):
+            start = time.perf_counter()
+            trainer.train_step(step)
+            times.append(time.perf_counter() - start)
+    finally:
+        trainer.close()
+    return state_bytes, trainable, statistics.median(times), int(stats["seq_len"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rank", type=int, default=4, help="lora.rank (alpha = rank)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per run (median)")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        steps = args.repeats + 1
+        full = measure("tiny_fl2va.yaml", _overrides(tmp / "full", steps), args.repeats)
+        lora = measure(
+            "tiny_lora.yaml",
+            [*_overrides(tmp / "lora", steps), f"lora.rank={args.rank}", f"lora.alpha={args.rank}"],
+            args.repeats,
+        )
+    (full_bytes, full_params, full_time, rows), (lora_bytes, lora_params, lora_time, _) = full, lora
+    dims = ", ".join(f"{k} {REDUCED_DIMS[k]}" for k in ("hidden_size", "num_attention_heads", "ffn_dim"))
+    print(f"model: h3train bench --reduced ({dims}, 2 blocks), {rows} packed rows, CPU, one rank")
+    print(f"{'':24}{'full':>14}{f'LoRA r={args.rank}':>14}{'LoRA / full':>14}")
+    print(f"{'trainable parameters':24}{full_params:>14,}{lora_params:>14,}{lora_params / full_params:>14.4f}")
+    print(f"{'optimizer state bytes':24}{full_bytes:>14,}{lora_bytes:>14,}{lora_bytes / full_bytes:>14.4f}")
+    print(
+        f"{'step time (ms, median)':24}{full_time * 1e3:>14.1f}{lora_time * 1e3:>14.1f}{lora_time / full_time:>14.3f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
