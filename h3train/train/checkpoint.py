@@ -17,6 +17,10 @@ model, the optimizer, the LR schedule position, the sampler, the step counters. 
 feature joins it with `trainer.checkpoint_state["ema"] = ema`. Tensors are keyed by their FQN, so
 DCP reshards on load: a run resumes under another `dp_shard` / `sp` / `dp_replicate`.
 
+A LoRA run's `model` component holds the trainable parameters only (`ModelState(trainable_only=True)`:
+adapters and `lora.train_modules`, no frozen base weight); its `trainer_state.json` adds the
+adapter's peft config (`lora`) and the base it was trained on (`lora_base`, `h3train/lora/base.py`).
+
 Commit order is recorded, not inferred: each commit writes `commit` (one more than any checkpoint
 in the folder) into `trainer_state.json`, so a run folder copied elsewhere (new mtimes) keeps it.
 """
