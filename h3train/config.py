@@ -29,8 +29,16 @@ class ModelConfig:
     # Compute dtype. Master weights stay float32; bfloat16 computes the blocks in bf16 and keeps
     # the `_keep_in_fp32_modules` islands in float32.
     dtype: str = "float32"
+    # Older spelling of `activation_checkpointing: full` (true turns `none` into `full`).
     gradient_checkpointing: bool = False
+    # Recompute blocks in backward: none | full (every refiner and transformer block) | selective
+    # (every `checkpoint_every`-th transformer block: 0, N, 2N, ...).
+    activation_checkpointing: str = "none"
+    checkpoint_every: int = 2
     attention_backend: str = "native"
+    # Regional torch.compile of each transformer block, with `compile_backend` (inductor, aot_eager, ...).
+    compile: bool = False
+    compile_backend: str = "inductor"
 
 
 @dataclass
@@ -78,6 +86,9 @@ class ParallelConfig:
     # gloo on CPU, nccl on CUDA.
     backend: str = "auto"
     timeout_s: int = 600
+    # FSDP2 CPUOffloadPolicy: sharded parameters, gradients and the optimizer step live in host
+    # memory; each unit is copied to the device for its forward and backward.
+    cpu_offload: bool = False
 
 
 @dataclass
@@ -301,6 +312,7 @@ class Config:
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16"),
     "model.attention_backend": ("auto", "native", "flash", "cudnn"),
+    "model.activation_checkpointing": ("none", "full", "selective"),
     "task.name": ("fl2va", "ref2va", "mixed"),
     "data.source": ("synthetic", "cached"),
     "data.on_error": ("raise", "skip"),
@@ -503,8 +515,18 @@ def validate(cfg: Config) -> None:
         "data.synthetic.num_samples",
         "data.synthetic.text_len",
         "data.synthetic.num_latent_frames",
+        "model.checkpoint_every",
     ):
         positive(key)
+    if cfg.model.gradient_checkpointing and cfg.model.activation_checkpointing == "none":
+        cfg.model.activation_checkpointing = "full"
+    if cfg.model.gradient_checkpointing and cfg.model.activation_checkpointing != "full":
+        raise ConfigError(
+            "config key 'model.gradient_checkpointing' is the older spelling of model.activation_checkpointing=full; "
+            f"it conflicts with '{cfg.model.activation_checkpointing}': set only one"
+        )
+    if cfg.model.activation_checkpointing == "full":
+        cfg.model.gradient_checkpointing = True
     for key in (
         "optim.warmup_steps",
         "optim.weight_decay",

@@ -13,11 +13,21 @@ sp = 1 it returns exactly what the diffusers forward returns. At sp > 1:
 
 This module is the FSDP2 root (it owns the transformer), so the root's unshard / reduce-scatter
 hooks wrap this forward.
+
+Activation checkpointing (`activation_checkpointing`): `none`; `full` recomputes every refiner and
+transformer block in backward, keeping only each block's inputs; `selective` recomputes every
+`checkpoint_every`-th transformer block (blocks 0, N, 2N, ...; torchtitan's per-N-blocks selective
+mode), trading part of the memory saving for less recompute. A recomputed block sees the same
+arguments as its forward, including the real sequence length (it travels in `UlyssesRotary`).
+
+Regional compilation (`compile_blocks`): each transformer block's `forward` is compiled on its own
+(the block's module hooks, FSDP2's unshard and reshard, stay eager around it). The Ulysses
+processor reads everything it needs from its arguments, so the block traces as one graph.
 """
 
 from __future__ import annotations
 
-from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -47,11 +57,29 @@ FORWARD_ARGS = (
 )
 
 
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+class UlyssesRotary(NamedTuple):
+    """The rotary angles of this rank's rows and the real (unpadded) length of the whole sequence.
+
+    The block hands `rotary_emb` to its attention processor untouched, so the sequence length rides
+    along as an argument rather than processor state: a compiled block traces it, and a checkpointed
+    block's recompute gets the length of its own forward.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    seq_len: int
+
+
 class UlyssesAttnProcessor:
     """Self-attention of one block on this rank's rows, attending over the whole sequence.
 
     q, k, v `[B, S_pad/sp, H, D]` -> all-to-all -> `[B, S_pad, H/sp, D]` -> drop padding rows ->
     attention over the `seq_len` real rows -> pad -> all-to-all back -> `[B, S_pad/sp, H, D]`.
+    `rotary_emb` is a `UlyssesRotary` (angles of the local rows and the real sequence length); at
+    sp = 1 a plain `(cos, sin)` pair also does, the sequence then having no padding.
     """
 
     _attention_backend = None
@@ -59,19 +87,23 @@ class UlyssesAttnProcessor:
 
     def __init__(self, sp: SequenceParallel) -> None:
         self.sp = sp
-        # Real (unpadded) length of the sequence in flight, set right before each block runs (also
-        # inside a checkpointed block's recompute, which may follow a forward of another length).
-        self.seq_len = 0
 
     def __call__(
         self,
         attn: MiniMaxH3Attention,
         hidden_states: torch.Tensor,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rotary_emb: UlyssesRotary | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if attention_mask is not None:
             raise ValueError("MiniMax H3 attends over one unmasked packed sequence; no mask is expected")
+        if isinstance(rotary_emb, UlyssesRotary):
+            seq_len = rotary_emb.seq_len
+        elif not self.sp.enabled and rotary_emb is not None:
+            # A plain `(cos, sin)` at sp = 1: the sequence is not padded.
+            seq_len = hidden_states.shape[1]
+        else:
+            raise ValueError("at sp > 1 the Ulysses processor needs a UlyssesRotary (angles and real sequence length)")
         if attn.fused_projections:
             query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
         else:
@@ -79,17 +111,17 @@ class UlyssesAttnProcessor:
         query = attn.norm_q(query.unflatten(-1, (attn.heads, -1)))
         key = attn.norm_k(key.unflatten(-1, (attn.heads, -1)))
         value = value.unflatten(-1, (attn.heads, -1))
-        if rotary_emb is not None:
-            query = _apply_rotary_emb(query, *rotary_emb)
-            key = _apply_rotary_emb(key, *rotary_emb)
+        cos, sin = rotary_emb[0], rotary_emb[1]
+        query = _apply_rotary_emb(query, cos, sin)
+        key = _apply_rotary_emb(key, cos, sin)
 
         padded = query.shape[1] * self.sp.size
-        query, key, value = (t[:, : self.seq_len] for t in self.sp.heads_to_sequence(query, key, value))
+        query, key, value = (t[:, :seq_len] for t in self.sp.heads_to_sequence(query, key, value))
         out = dispatch_attention_fn(
             query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
         )
-        if padded > self.seq_len:
-            out = torch.cat([out, out.new_zeros(out.shape[0], padded - self.seq_len, *out.shape[2:])], dim=1)
+        if padded > seq_len:
+            out = torch.cat([out, out.new_zeros(out.shape[0], padded - seq_len, *out.shape[2:])], dim=1)
         out = self.sp.sequence_to_heads(out)
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
@@ -103,12 +135,30 @@ class SequenceParallelH3(nn.Module):
     """
 
     def __init__(
-        self, transformer: MiniMaxH3Transformer3DModel, sp: SequenceParallel, gradient_checkpointing: bool = False
+        self,
+        transformer: MiniMaxH3Transformer3DModel,
+        sp: SequenceParallel,
+        gradient_checkpointing: bool = False,
+        *,
+        activation_checkpointing: str = "none",
+        checkpoint_every: int = 1,
+        compile_blocks: bool = False,
+        compile_backend: str = "inductor",
     ) -> None:
+        """`gradient_checkpointing=True` is the older spelling of `activation_checkpointing="full"`."""
         super().__init__()
+        if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(
+                f"activation_checkpointing {activation_checkpointing!r} is not one of {ACTIVATION_CHECKPOINTING}"
+            )
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        if gradient_checkpointing and activation_checkpointing == "none":
+            activation_checkpointing = "full"
         self.transformer = transformer
         self.sp = sp
-        self.gradient_checkpointing = gradient_checkpointing
+        self.activation_checkpointing = activation_checkpointing
+        self.checkpoint_every = checkpoint_every
         heads = transformer.config.num_attention_heads
         if heads % sp.size:
             raise ValueError(f"sequence parallel size {sp.size} does not divide {heads} attention heads")
@@ -119,16 +169,30 @@ class SequenceParallelH3(nn.Module):
                 proc._attention_backend = block.attn.processor._attention_backend
                 block.attn.set_processor(proc)
                 self.processors.append(proc)
+        if compile_blocks:
+            # The bound `forward` is replaced on the instance: parameter names (state dicts, DCP,
+            # export) stay those of the plain model, and the module hooks run eagerly around it.
+            for block in transformer.transformer_blocks:
+                block.forward = torch.compile(block.forward, backend=compile_backend, fullgraph=True)
 
-    def _run(self, fn, *args):
-        if self.gradient_checkpointing and torch.is_grad_enabled():
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Whether any block is recomputed in backward."""
+        return self.activation_checkpointing != "none"
+
+    def checkpointed(self, index: int, refiner: bool = False) -> bool:
+        """Whether transformer block `index` (or refiner block `index`) is recomputed in backward."""
+        if self.activation_checkpointing == "full":
+            return True
+        if self.activation_checkpointing == "selective":
+            # The refiner runs over the text rows only; selective mode leaves it alone.
+            return not refiner and index % self.checkpoint_every == 0
+        return False
+
+    def _run(self, checkpointed: bool, fn, *args):
+        if checkpointed and torch.is_grad_enabled():
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
-
-    def _block(self, block: nn.Module, seq_len: int, *args) -> torch.Tensor:
-        if self.sp.enabled:
-            block.attn.processor.seq_len = seq_len
-        return block(*args)
 
     def forward(
         self,
@@ -150,8 +214,8 @@ class SequenceParallelH3(nn.Module):
         video_embeds = m.proj_in(hidden_states.to(get_parameter_dtype(m.proj_in)))
         audio_embeds = m.audio_proj_in(audio_hidden_states.to(get_parameter_dtype(m.audio_proj_in)))
         text_embeds = m.context_embedder(encoder_hidden_states.to(get_parameter_dtype(m.context_embedder)))
-        for block in m.token_refiner.refiner_blocks:
-            text_embeds = self._run(block, text_embeds)
+        for i, block in enumerate(m.token_refiner.refiner_blocks):
+            text_embeds = self._run(self.checkpointed(i, refiner=True), block, text_embeds)
         text_embeds = m.token_refiner.final_norm(text_embeds)
 
         if sp.enabled:
@@ -172,10 +236,10 @@ class SequenceParallelH3(nn.Module):
         if sp.enabled:
             adaln_indices = sp.local_slice(sp.pad(adaln_indices, 0))
             timestep_indices = sp.local_slice(sp.pad(timestep_indices, 0))
-            rotary_emb = tuple(sp.local_slice(sp.pad(t, 0)) for t in rotary_emb)
+            rotary_emb = UlyssesRotary(*(sp.local_slice(sp.pad(t, 0)) for t in rotary_emb), seq_len)
 
-        for block in m.transformer_blocks:
-            hidden = self._run(partial(self._block, block, seq_len), hidden, temb, adaln_indices, rotary_emb)
+        for i, block in enumerate(m.transformer_blocks):
+            hidden = self._run(self.checkpointed(i), block, hidden, temb, adaln_indices, rotary_emb)
 
         hidden = m.norm_out(hidden, temb, timestep_indices).to(get_parameter_dtype(m.proj_out))
         video_rows = m.proj_out(hidden)

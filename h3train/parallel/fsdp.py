@@ -1,11 +1,31 @@
-"""FSDP2 plan: one unit per transformer block, per refiner block, per float32 island, and the root.
+"""FSDP2 plan: one unit per transformer block and per refiner block, ONE unit for all float32 islands, and the root.
 
 Trained parameters have float32 master weights. With `model.dtype = bfloat16` the units compute in
-bf16 (`param_dtype`) and reduce gradients in float32, except the `_keep_in_fp32_modules` islands,
-which are their own units with a float32 policy: a mixed-precision policy applies to a whole unit,
-and the islands must compute in float32.
+bf16 (`param_dtype`) and reduce gradients in float32, except the `_keep_in_fp32_modules` islands
+(`proj_in`, `audio_proj_in`, `time_embedder`, `proj_out`, `audio_proj_out`), which share one unit
+with a float32 policy: a mixed-precision policy applies to a whole unit, and the islands must
+compute in float32. They are tiny, so one unit (one all-gather, one reduce-scatter) serves all five;
+it unshards at the first island's forward (the input projections) and, not resharding after
+forward, stays unsharded through the output heads into backward.
 `cast_forward_inputs=False` everywhere: FSDP's input cast would turn float64 positions and float32
 timesteps into bf16 (0.999 becomes 1.0).
+
+What reshards after forward: every refiner and transformer block except the last one, whose
+backward starts right after the forward ends (resharding it would only all-gather it again); the
+islands and the root (what is left: context_embedder, refiner final norm, norm_out) keep their
+parameters too. Per step with N blocks and R refiner blocks: N + R + 2 all-gathers in forward,
+N + R - 1 in backward, N + R + 2 reduce-scatters (`collectives.fsdp_collectives_per_step`).
+
+A one-rank mesh (world size 1) is still an FSDP2 mesh: every consumer (DCP state dicts, clip over
+DTensors, export, LoRA's trainable state, EMA shadows, `.full_tensor()`) keeps one code path, and
+the mixed-precision policy (bf16 compute over float32 master weights) keeps working. torch issues
+no collective on a one-rank group, only the copy into the unsharded parameter; nothing reshards
+after forward there (resharding would save no memory a one-rank run can use: the unsharded copy
+comes back for backward anyway), so each unit is copied once per step, not twice.
+
+`parallel.cpu_offload` (FSDP2 `CPUOffloadPolicy`): the sharded float32 parameters, their gradients
+and so the AdamW state and step stay in host memory (pinned on CUDA); each unit is copied to the
+device for its forward and backward. On a CPU-only run it moves nothing.
 
 A LoRA run (`lora/adapters.py`) holds two original dtypes in one unit: the frozen base in bf16 and
 the adapters (and `lora.train_modules`) in float32. FSDP2 shards each parameter in its own dtype
@@ -23,7 +43,7 @@ it would be reduced by nothing and keep only its own rank's share.
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..model.build import fp32_island_names
@@ -37,20 +57,27 @@ def _policy(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def apply_fsdp(model: SequenceParallelH3, ctx: ParallelContext, compute_dtype: str) -> SequenceParallelH3:
+def apply_fsdp(
+    model: SequenceParallelH3, ctx: ParallelContext, compute_dtype: str, cpu_offload: bool = False
+) -> SequenceParallelH3:
     """Shard `model` in place over `ctx.fsdp_mesh` (HSDP when it is 2-D); returns it."""
     transformer = model.transformer
+    mesh = ctx.fsdp_mesh
+    one_rank = mesh.size() == 1
+    common: dict = {"mesh": mesh}
+    if cpu_offload:
+        common["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     block_policy = _policy(DTYPES[compute_dtype])
     island_policy = _policy(torch.float32)
-    for block in transformer.token_refiner.refiner_blocks:
-        fully_shard(block, mesh=ctx.fsdp_mesh, mp_policy=block_policy)
-    for block in transformer.transformer_blocks:
-        fully_shard(block, mesh=ctx.fsdp_mesh, mp_policy=block_policy)
-    for name in fp32_island_names(transformer):
-        fully_shard(getattr(transformer, name), mesh=ctx.fsdp_mesh, mp_policy=island_policy)
+    blocks = [*transformer.token_refiner.refiner_blocks, *transformer.transformer_blocks]
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
+        fully_shard(block, mp_policy=block_policy, reshard_after_forward=not (last or one_rank), **common)
+    islands = [getattr(transformer, name) for name in fp32_island_names(transformer)]
+    fully_shard(islands, mp_policy=island_policy, reshard_after_forward=False, **common)
     # The root keeps what is left (context_embedder, refiner final norm, norm_out) and no longer
     # reshards after forward: backward needs those parameters straight away.
-    fully_shard(model, mesh=ctx.fsdp_mesh, mp_policy=block_policy, reshard_after_forward=False)
+    fully_shard(model, mp_policy=block_policy, reshard_after_forward=False, **common)
     unsharded = [n for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
     if unsharded:
         raise RuntimeError(

@@ -176,10 +176,15 @@ class Trainer:
             transform(transformer, cfg)
         self.model_config = {k: v for k, v in dict(transformer.config).items() if not k.startswith("_")}
         self.model = SequenceParallelH3(
-            transformer, SequenceParallel(self.ctx.sp_group), cfg.model.gradient_checkpointing
+            transformer,
+            SequenceParallel(self.ctx.sp_group),
+            activation_checkpointing=cfg.model.activation_checkpointing,
+            checkpoint_every=cfg.model.checkpoint_every,
+            compile_blocks=cfg.model.compile,
+            compile_backend=cfg.model.compile_backend,
         )
         # fully_shard moves the (CPU-initialised) shards to the mesh's device.
-        apply_fsdp(self.model, self.ctx, cfg.model.dtype)
+        apply_fsdp(self.model, self.ctx, cfg.model.dtype, cpu_offload=cfg.parallel.cpu_offload)
         if self.resume_from is not None and not self.lora:
             materialize(self.model, device)
         elif pretrained:
