@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,6 +38,9 @@ from .checkpoint import (
     read_trainer_state,
     validate_checkpoint,
 )
+
+# One process reads the checkpoint on purpose (no_dist=True); DCP warns about it on every read.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 WEIGHTS_NAME = "diffusion_pytorch_model"
 # DCP key prefix of the EMA of the transformer's weights (`ema.py`): `ema.<fqn>` beside `model.<fqn>`.
