@@ -300,6 +300,27 @@ class Parity:
 
 
 @dataclass
+class StepCheck:
+    """One whole training step, `Trainer.train_step`, with one attention backend (`--whole-step`)."""
+
+    name: str
+    backend: str
+    status: str = "ok"  # ok | error
+    error: str | None = None
+    step_time_s: float | None = None
+    achieved_tflops: float | None = None
+    mfu: float | None = None
+    peak_memory_bytes: int | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    # ok | sync (a sync outside the step's one read-back; timing from a rerun without the check) | n/a (CPU)
+    sync_check: str = "n/a"
+    sync_error: SyncError | None = None
+    # Syncs inside `Trainer._reduce_step`, the step's one designed read-back (counted, not an error).
+    read_back_syncs: int | None = None
+
+
+@dataclass
 class BenchReport:
     device: str
     mode: str
@@ -316,6 +337,9 @@ class BenchReport:
     backends: list[BackendResult] = field(default_factory=list)
     parity: list[Parity] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # `--whole-step`: the trainer's step per backend, and how it was set up.
+    steps: list[StepCheck] = field(default_factory=list)
+    step_setup: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -324,6 +348,7 @@ class BenchReport:
             bool(ran)
             and all(b.status == "ok" and b.sync_check != "sync" for b in ran)
             and all(p.ok for p in self.parity)
+            and all(s.status == "ok" and s.sync_check != "sync" and (s.read_back_syncs or 0) <= 1 for s in self.steps)
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -465,8 +490,13 @@ def run_bench(
     clip: Clip | None = None,
     seed: int = 0,
     device: torch.device | None = None,
+    whole_step: bool = False,
 ) -> BenchReport:
-    """Build the model and the sample once, then warm-up and time one step per backend."""
+    """Build the model and the sample once, then warm-up and time one step per backend.
+
+    `whole_step`: afterwards, with the bench model freed, time `Trainer.train_step` per backend too
+    (`run_whole_steps`).
+    """
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     notes: list[str] = []
     if device.type != "cuda" and not reduced:
@@ -580,7 +610,182 @@ def run_bench(
     report.backends = [results[n] for n in names]
     if reference is None and len(names) > 1:
         report.notes.append(f"no gradient parity: the reference backend '{REFERENCE_BACKEND}' did not run")
+    if whole_step:
+        # The trainer builds its own (float32 master) copy: the bench model and its gradients go first.
+        del model, reference
+        _clear_cuda(device)
+        run_whole_steps(report, names, dims, clip, rows, flops.total, peak, gradient_checkpointing, device)
     return report
+
+
+def _clear_cuda(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def trainer_config(dims: dict[str, Any], clip: Clip, dtype_name: str, checkpointing: bool, log_dir: Path):
+    """A `Config` whose `Trainer` trains `dims` on `clip`'s synthetic FL2VA sample, one rank, sp = 1."""
+    from .config import load_config
+
+    defaults = model_dims({})
+    changed = {k: v for k, v in dims.items() if defaults.get(k) != v}
+    latent_frames = video_latent_num_frames(clip.frames, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK)
+    overrides = [
+        *(f"model.config.{k}={json.dumps(list(v) if isinstance(v, tuple) else v)}" for k, v in changed.items()),
+        f"model.dtype={dtype_name}",
+        f"model.gradient_checkpointing={str(checkpointing).lower()}",
+        "model.attention_backend=native",
+        "task.name=fl2va",
+        "data.source=synthetic",
+        "data.synthetic.num_samples=2",
+        f"data.synthetic.text_len={clip.text_len}",
+        f"data.synthetic.vision_tokens={clip.vision_tokens}",
+        f"data.synthetic.num_latent_frames={latent_frames}",
+        f"data.synthetic.latent_height={clip.height // 16}",
+        f"data.synthetic.latent_width={clip.width // 16}",
+        f"data.synthetic.num_audio_latents={audio_latent_num_frames(clip.frames)}",
+        "data.synthetic.keyframe_anchors=[first,last]",
+        "parallel.sp=1",
+        "train.grad_accum=1",
+        "train.steps=1000",
+        "checkpoint.every=0",
+        f"logging.dir={log_dir}",
+        "logging.progress=false",
+    ]
+    return load_config(None, overrides)
+
+
+def _whole_step(trainer: Any, step: int, device: torch.device, sync_check: bool):
+    """`trainer.train_step(step)`: `(stats, seconds, sync error or None, syncs in the read-back or None)`.
+
+    With `sync_check` (CUDA) the whole step runs under `torch.cuda.set_sync_debug_mode("error")`,
+    except `Trainer._reduce_step`, the step's one designed device->host copy: it runs under "warn"
+    and its syncs are counted (one is the design). Anything else that syncs raises and is reported.
+    """
+    if device.type != "cuda":
+        start = time.perf_counter()
+        stats = trainer.train_step(step)
+        return stats, time.perf_counter() - start, None, None
+    import warnings
+
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    previous = torch.cuda.get_sync_debug_mode()
+    read_back = getattr(trainer, "_reduce_step", None)
+    counted = [0] if read_back is not None else None
+
+    def exempt(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                return read_back(*args, **kwargs)
+            finally:
+                counted[0] += sum("synchroniz" in str(w.message).lower() for w in caught)
+                torch.cuda.set_sync_debug_mode("error")
+
+    sync, stats = None, None
+    start.record()
+    if sync_check:
+        if read_back is not None:
+            trainer._reduce_step = exempt
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        stats = trainer.train_step(step)
+    except RuntimeError as exc:
+        if "synchroniz" not in str(exc).lower():
+            raise
+        sync = SyncError(
+            str(getattr(trainer, "phase", "train_step")), str(exc).strip().splitlines()[0], _sync_frames(exc)
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+        trainer.__dict__.pop("_reduce_step", None)
+    end.record()
+    torch.cuda.synchronize(device)
+    if sync is not None:
+        return None, 0.0, sync, counted[0] if counted else None
+    return stats, start.elapsed_time(end) / 1000.0, None, (counted[0] if counted and sync_check else None)
+
+
+def run_whole_steps(
+    report: BenchReport,
+    names: list[str],
+    dims: dict[str, Any],
+    clip: Clip,
+    rows: Rows,
+    total_flops: int,
+    peak_tflops: float | None,
+    gradient_checkpointing: str,
+    device: torch.device,
+) -> None:
+    """Time `Trainer.train_step` (FSDP2 on a one-rank mesh, grad clip, AdamW, its one all-reduce and
+    read-back) per backend into `report.steps`: warm-up, then a checked step (`_whole_step`).
+
+    The trainer keeps float32 master weights, gradients and two AdamW moments (16 bytes per
+    parameter) beside the bf16 compute copy; "auto" checkpointing counts them against the device.
+    """
+    import tempfile
+
+    from .train.trainer import Trainer
+
+    cuda = device.type == "cuda"
+    dtype_name = "bfloat16" if cuda else "float32"
+    n_params = report.parameters
+    if gradient_checkpointing == "auto":
+        plain = 18 * n_params + plan.activation_bytes(dims, rows.seq_len, dtype_name, False)
+        total = torch.cuda.get_device_properties(device).total_memory if cuda else None
+        ckpt = total is not None and plain + int(plan.DEFAULT_RESERVE_GIB * GIB) > total
+    else:
+        ckpt = gradient_checkpointing == "on"
+    report.step_setup = {
+        "what": "Trainer.train_step: FSDP2 (one-rank mesh), clip_grad_norm_, AdamW, one all-reduce",
+        "dtype": dtype_name,
+        "master_weights": "float32",
+        "gradient_checkpointing": ckpt,
+    }
+    _progress(f"whole step: building the trainer ({'checkpointing' if ckpt else 'no checkpointing'})")
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(trainer_config(dims, clip, dtype_name, ckpt, Path(tmp)), hooks=[])
+        try:
+            step = 0
+            for name in names:
+                res = StepCheck(name=name, backend=BACKENDS[name])
+                try:
+                    set_backend(trainer.model.transformer, res.backend)
+                    step += 1
+                    _whole_step(trainer, step, device, sync_check=False)  # warm-up
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                        torch.cuda.reset_peak_memory_stats(device)
+                    step += 1
+                    stats, seconds, sync, read_back = _whole_step(trainer, step, device, sync_check=cuda)
+                    res.sync_check, res.read_back_syncs = ("ok" if cuda else "n/a"), read_back
+                    if sync is not None:
+                        res.sync_check, res.sync_error = "sync", sync
+                        step += 1
+                        if cuda:
+                            torch.cuda.reset_peak_memory_stats(device)
+                        stats, seconds, _, _ = _whole_step(trainer, step, device, sync_check=False)
+                    res.step_time_s = seconds
+                    res.achieved_tflops = total_flops / seconds / 1e12
+                    res.mfu = res.achieved_tflops / peak_tflops if peak_tflops else None
+                    res.loss, res.grad_norm = float(stats["loss"]), float(stats["grad_norm"])
+                    if cuda:
+                        res.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
+                except torch.cuda.OutOfMemoryError as exc:
+                    res.status, res.error = "error", f"out of memory: {str(exc).splitlines()[0]}"
+                except Exception as exc:  # reported per backend, like the forward/backward rows
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    res.status, res.error = "error", f"{type(exc).__name__}: {first}"
+                report.steps.append(res)
+                _progress(f"whole step {name}: {res.error or f'{res.step_time_s:.3f} s, sync check {res.sync_check}'}")
+                _clear_cuda(device)
+        finally:
+            trainer.close()
 
 
 def _run_backend(
@@ -673,6 +878,31 @@ def format_report(report: BenchReport) -> str:
                 f"  {p.backend:<8} max {p.max_rel_l2:.3e} ({p.worst_parameter}), all {p.global_rel_l2:.3e}; "
                 f"tolerance {p.tolerance:.0e}: {'ok' if p.ok else 'FAILED'}"
             )
+    if report.steps:
+        setup = report.step_setup
+        lines.append("")
+        lines.append(
+            f"whole step ({setup.get('what', 'Trainer.train_step')}; {setup.get('dtype')} compute, "
+            f"float32 master weights, checkpointing {'on' if setup.get('gradient_checkpointing') else 'off'})"
+        )
+        lines.append(
+            f"{'backend':<8} {'step s':>9} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {'loss':>10}  "
+            "sync (read-back syncs)"
+        )
+        for st in report.steps:
+            if st.status != "ok":
+                lines.append(f"{st.name:<8} {st.status}: {st.error}")
+                continue
+            mem = None if st.peak_memory_bytes is None else st.peak_memory_bytes / GIB
+            mfu = "n/a" if st.mfu is None else f"{100 * st.mfu:.1f}%"
+            back = "" if st.read_back_syncs is None else f" ({st.read_back_syncs})"
+            lines.append(
+                f"{st.name:<8} {st.step_time_s:>9.4f} {st.achieved_tflops:>9.2f} {mfu:>7} {_fmt(mem, '.2f'):>9} "
+                f"{st.loss:>10.5f}  {st.sync_check}{back}"
+            )
+            if st.sync_error:
+                lines.append(f"  host-device sync during {st.sync_error.phase}: {st.sync_error.message}")
+                lines.extend(f"    at {frame}" for frame in st.sync_error.frames)
     for note in report.notes:
         lines.append(f"note: {note}")
     lines.append(f"result: {'ok' if report.ok else 'FAILED'}")
@@ -699,6 +929,7 @@ def bench_command(args: argparse.Namespace) -> int:
         parity_tolerance=args.parity_tol,
         clip=clip,
         seed=args.seed,
+        whole_step=getattr(args, "whole_step", False),
     )
     print(format_report(report), flush=True)
     if args.out:

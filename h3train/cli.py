@@ -245,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak for MFU (default: by device name)")
     p.add_argument("--gradient-checkpointing", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--parity-tol", type=float, default=None, help="default 2e-2 in bf16, 1e-4 in float32")
+    p.add_argument(
+        "--whole-step", action="store_true", help="also time Trainer.train_step (FSDP2, clip, AdamW) per backend"
+    )
     p.add_argument("--frames", type=int, default=None, help="17 n + 5 (default 124; 22 when reduced)")
     p.add_argument("--height", type=int, default=None, help="pixels, multiple of 32 (default 768)")
     p.add_argument("--width", type=int, default=None, help="pixels, multiple of 32 (default 1344)")

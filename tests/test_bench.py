@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -142,7 +146,7 @@ def test_a_sync_in_the_timed_step_is_reported_with_its_phase_and_the_mode_restor
     assert "host-device sync during forward" in table and "result: FAILED" in table
 
 
-def _report_with(res: bench.BackendResult) -> bench.BenchReport:
+def _report_with(res: bench.BackendResult, ok: bool | None = False) -> bench.BenchReport:
     report = bench.BenchReport(
         device="test",
         mode="reduced",
@@ -168,5 +172,89 @@ def _report_with(res: bench.BackendResult) -> bench.BenchReport:
         plan_memory_bytes=0,
         backends=[res],
     )
-    assert report.ok is False
+    if ok is not None:
+        assert report.ok is ok
     return report
+
+
+class _FakeTrainer:
+    """A trainer stand-in whose step "syncs" where told to: in its forward, or in its read-back."""
+
+    def __init__(self, modes: list, sync_in_forward: bool) -> None:
+        self.modes, self.sync_in_forward, self.phase = modes, sync_in_forward, "start-up"
+
+    def _sync(self) -> None:
+        # What torch does on a synchronizing call under each sync debug mode.
+        if self.modes[-1] == "error":
+            raise RuntimeError("called a synchronizing CUDA operation")
+        if self.modes[-1] == "warn":
+            import warnings
+
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=2)
+
+    def _reduce_step(self) -> float:
+        self._sync()
+        return 1.0
+
+    def train_step(self, step: int) -> dict:
+        self.phase = f"forward of step {step}"
+        if self.sync_in_forward:
+            self._sync()
+        self.phase = f"reduce of step {step}"
+        return {"loss": self._reduce_step(), "grad_norm": 1.0}
+
+
+def _fake_cuda(monkeypatch, modes: list) -> None:
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    event = SimpleNamespace(record=lambda: None, elapsed_time=lambda other: 250.0)
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: event)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+
+def test_whole_step_check_counts_the_read_back_and_restores_the_mode(monkeypatch) -> None:
+    modes: list = [0]
+    _fake_cuda(monkeypatch, modes)
+    trainer = _FakeTrainer(modes, sync_in_forward=False)
+    stats, seconds, sync, read_back = bench._whole_step(trainer, 1, torch.device("cuda"), sync_check=True)
+    assert sync is None and stats["loss"] == 1.0 and seconds == 0.25
+    # The whole step under "error"; only the designed read-back under "warn", where its sync is counted.
+    assert read_back == 1 and modes == [0, "error", "warn", "error", 0]
+    assert "_reduce_step" not in vars(trainer)
+
+
+def test_whole_step_check_reports_a_sync_outside_the_read_back(monkeypatch) -> None:
+    modes: list = [0]
+    _fake_cuda(monkeypatch, modes)
+    trainer = _FakeTrainer(modes, sync_in_forward=True)
+    stats, seconds, sync, _ = bench._whole_step(trainer, 3, torch.device("cuda"), sync_check=True)
+    assert stats is None and seconds == 0.0
+    assert sync.phase == "forward of step 3" and sync.message == "called a synchronizing CUDA operation"
+    assert any("train_step" in frame for frame in sync.frames) and modes[-1] == 0
+
+    step = bench.StepCheck(name="flash", backend="flash", step_time_s=1.0, achieved_tflops=1.0, loss=1.0)
+    step.sync_check, step.sync_error = "sync", sync
+    fine = bench.BackendResult(
+        name="native", backend="native", step_time_s=1.0, tokens_per_s=1.0, achieved_tflops=1.0, loss=1.0
+    )
+    report = _report_with(fine, ok=True)
+    report.steps = [step]
+    assert report.ok is False
+    assert "host-device sync during forward of step 3" in bench.format_report(report)
+
+
+@pytest.mark.slow
+def test_gpu_check_script_runs_the_reduced_check_on_cpu_and_prints_its_json(tmp_path) -> None:
+    out = tmp_path / "check.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run([str(script), "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"gpu_check: JSON {out}" in done.stdout and "no CUDA device" in done.stderr
+    report = json.loads(out.read_text())
+    assert report["ok"] is True and report["mode"] == "reduced"
+    assert report["step_setup"]["master_weights"] == "float32"
+    assert [s["name"] for s in report["steps"]] == ["native", "math"]
+    for step in report["steps"]:
+        assert step["status"] == "ok" and step["sync_check"] == "n/a"
+        assert step["step_time_s"] > 0 and math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"])

@@ -101,6 +101,63 @@ def test_nan_names_file_and_field(tmp_path: Path) -> None:
     _expect_error(path, "ref.1.audio", "non-finite")
 
 
+@pytest.mark.parametrize(
+    ("field", "values", "dtype"),
+    [
+        ("video_latents", [float("inf")], torch.float32),
+        ("keyframe.0", [-float("inf")], torch.float32),
+        # inf + (-inf) is NaN: the one-reduction check still sees it.
+        ("audio_latents", [float("inf"), -float("inf"), float("nan")], torch.float32),
+        ("prompt_embeds", [float("nan"), float("nan")], torch.bfloat16),
+    ],
+)
+def test_non_finite_values_are_counted_and_named(field: str, values: list[float], dtype, tmp_path: Path) -> None:
+    sample = _sample("fl2va", 2)
+    tensors = sample.tensors()
+    bad = tensors[field].to(dtype).clone()
+    bad.view(-1)[: len(values)] = torch.tensor(values, dtype=dtype)
+    tensors[field] = bad
+    path = tmp_path / "bad.safetensors"
+    _write_raw(path, tensors, sample.metadata())
+    _expect_error(path, field, f"holds {len(values)} non-finite values")
+
+
+@pytest.mark.parametrize("tag", [2, -1])
+def test_tags_other_than_0_and_1_are_named(tag: int, tmp_path: Path) -> None:
+    sample = _sample()
+    tensors = sample.tensors()
+    tensors["negative_text_token_tags"] = tensors["negative_text_token_tags"].clone()
+    tensors["negative_text_token_tags"][-1] = tag
+    path = tmp_path / "tags.safetensors"
+    _write_raw(path, tensors, sample.metadata())
+    _expect_error(path, "negative_text_token_tags", "tags other than 0 (vision) and 1 (text)")
+
+
+def test_finite_values_whose_sum_overflows_still_load(tmp_path: Path) -> None:
+    sample = _sample("fl2va", 2)
+    sample.prompt_embeds = torch.full_like(sample.prompt_embeds, 3e38)
+    assert not torch.isfinite(sample.prompt_embeds.sum())
+    path = tmp_path / "big.safetensors"
+    write_sample(path, sample)
+    assert torch.equal(read_cached_sample(path).prompt_embeds, sample.prompt_embeds)
+
+
+def test_a_clean_sample_is_checked_by_reductions_without_an_element_scan(tmp_path: Path, monkeypatch) -> None:
+    """The element-wise scan (a bool tensor per field) runs only for a field whose reduction fails."""
+    path = tmp_path / "s.safetensors"
+    write_sample(path, _sample())
+    scanned: list[tuple[int, ...]] = []
+    isfinite = torch.isfinite
+
+    def recording(t: torch.Tensor) -> torch.Tensor:
+        scanned.append(tuple(t.shape))
+        return isfinite(t)
+
+    monkeypatch.setattr(torch, "isfinite", recording)
+    read_sample(path)
+    assert scanned and all(shape == () for shape in scanned), scanned
+
+
 @pytest.mark.parametrize("field", ["negative_prompt_embeds", "ref.1.audio", "ref.2.video"])
 def test_missing_field_names_file_and_field(field: str, tmp_path: Path) -> None:
     sample = _sample()

@@ -7,6 +7,11 @@ Exact resume: feed `sampler.iter_indices()` (which does not advance the sampler)
 `sampler.next_index()` for every sample the loop consumes, so a checkpoint's sampler state counts
 consumed samples, not prefetched ones. The prefetcher yields `(index, sample)` so the loop can check
 that the two agree.
+
+The training loop also noises each micro-batch on this thread: what it draws is a function of
+`(step, micro)`, which `micro_batch_positions` derives from the sampler position alone (micro-batch
+`micro` of step `step` is the `(step - 1) * grad_accum + micro`-th one consumed), so the prefetched
+items are exactly those the loop would have built, and the training thread only checks they agree.
 """
 
 from __future__ import annotations
@@ -14,12 +19,38 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 T = TypeVar("T")
+K = TypeVar("K")
 
 # How often a blocked thread re-checks whether the prefetcher was closed.
 _POLL_S = 0.1
+
+
+class MicroBatchPosition(NamedTuple):
+    """Sample `index` trains as micro-batch `micro` (0-based) of optimizer step `step` (1-based)."""
+
+    index: int
+    step: int
+    micro: int
+
+
+def micro_batch_positions(
+    indices: Iterable[int], step: int, micro: int, grad_accum: int
+) -> Iterator[MicroBatchPosition]:
+    """Attach `(step, micro)` to each index, the first being micro-batch `micro` of step `step`.
+
+    Steps advance every `grad_accum` micro-batches, whether the step is then taken or skipped, so
+    the `k`-th index is micro-batch `(micro + k) % grad_accum` of step `step + (micro + k) // grad_accum`.
+    """
+    if grad_accum < 1 or not 0 <= micro < grad_accum:
+        raise ValueError(f"micro-batch {micro} outside [0, grad_accum={grad_accum})")
+    for index in indices:
+        yield MicroBatchPosition(index, step, micro)
+        micro += 1
+        if micro == grad_accum:
+            step, micro = step + 1, 0
 
 
 class _Failure:
@@ -31,22 +62,23 @@ class _End:
     pass
 
 
-class Prefetcher(Generic[T]):
+class Prefetcher(Generic[K, T]):
     """Iterate `(index, load(index))` for `index in indices`, loading up to `depth` samples ahead.
 
-    `load` is a callable or anything indexable (`dataset[index]`). An exception raised while loading
+    `load` is a callable or anything indexable (`dataset[index]`); an index is any value `load`
+    takes (a `MicroBatchPosition` for the training loop). An exception raised while loading
     is re-raised, with its original traceback, by the `next()` that would have returned that sample;
     samples before it are still delivered. `close()` (or leaving a `with` block) stops the thread.
     """
 
     def __init__(
-        self, load: Callable[[int], T] | object, indices: Iterable[int], depth: int = 2, name: str = "prefetch"
+        self, load: Callable[[K], T] | object, indices: Iterable[K], depth: int = 2, name: str = "prefetch"
     ) -> None:
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
-        self._load: Callable[[int], T] = load if callable(load) else load.__getitem__  # type: ignore[attr-defined]
+        self._load: Callable[[K], T] = load if callable(load) else load.__getitem__  # type: ignore[attr-defined]
         self._indices = iter(indices)
-        self._queue: queue.Queue[tuple[int, T] | _Failure | _End] = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[tuple[K, T] | _Failure | _End] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -61,7 +93,7 @@ class Prefetcher(Generic[T]):
         except BaseException as exc:  # noqa: BLE001 - every failure belongs to the consumer
             self._put(_Failure(exc))
 
-    def _put(self, item: tuple[int, T] | _Failure | _End) -> bool:
+    def _put(self, item: tuple[K, T] | _Failure | _End) -> bool:
         """Block until there is room or the prefetcher is closed; False when closed."""
         while not self._stop.is_set():
             try:
@@ -71,10 +103,10 @@ class Prefetcher(Generic[T]):
                 continue
         return False
 
-    def __iter__(self) -> Iterator[tuple[int, T]]:
+    def __iter__(self) -> Iterator[tuple[K, T]]:
         return self
 
-    def __next__(self) -> tuple[int, T]:
+    def __next__(self) -> tuple[K, T]:
         if self._done:
             raise StopIteration
         while True:
@@ -105,7 +137,7 @@ class Prefetcher(Generic[T]):
                 break
         self._thread.join(timeout=10 * _POLL_S + 5)
 
-    def __enter__(self) -> Prefetcher[T]:
+    def __enter__(self) -> Prefetcher[K, T]:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

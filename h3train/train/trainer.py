@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..atomic import set_aside
 from ..config import Config, model_dims, to_yaml
-from ..data.prefetch import Prefetcher
+from ..data.prefetch import MicroBatchPosition, Prefetcher, micro_batch_positions
 from ..data.sampler import DistributedSampler
 from ..errors import CheckpointError, ConfigError, H3TrainError, TrainingError, UsageError
 from ..lora.adapters import adapter_config
@@ -484,15 +484,23 @@ class Trainer:
 
     def _micro_batch(self, step: int, micro: int) -> tuple[PackedSample, TrainingInputs]:
         if self._prefetcher is None:
+            dp, dp_rank = self.ctx.dims.dp, self.ctx.dp_rank
+
+            def load(at: MicroBatchPosition) -> tuple[PackedSample, TrainingInputs]:
+                # On the prefetch thread: reading and noising stay off the training thread.
+                sample = self.source[at.index]
+                slot = at.micro * dp + dp_rank
+                return sample, micro_batch_inputs(self.cfg, sample, at.step, slot, self.shared_negative)
+
             # Started lazily so that it reads from the sampler state a resume has restored.
-            self._prefetcher = Prefetcher(self.source, self.sampler.iter_indices(), max(1, self.cfg.data.prefetch))
+            positions = micro_batch_positions(self.sampler.iter_indices(), step, micro, self.cfg.train.grad_accum)
+            self._prefetcher = Prefetcher(load, positions, max(1, self.cfg.data.prefetch))
             self._samples = iter(self._prefetcher)
-        index, sample = next(self._samples)
+        at, (sample, ti) = next(self._samples)
         # The sampler state counts consumed samples only, so a checkpoint never skips prefetched ones.
-        expected = self.sampler.next_index()
-        assert index == expected, f"prefetcher delivered sample {index}, the sampler expects {expected}"
-        slot = micro * self.ctx.dims.dp + self.ctx.dp_rank
-        return sample, micro_batch_inputs(self.cfg, sample, step, slot, self.shared_negative)
+        expected = MicroBatchPosition(self.sampler.next_index(), step, micro)
+        assert at == expected, f"prefetcher delivered {at}, the training loop expects {expected}"
+        return sample, ti
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg = self.cfg

@@ -1,0 +1,606 @@
+"""Step efficiency and memory of h3train on the CPU, every figure a ratio or count from one run.
+
+The model is a random 256-wide, 2-block H3 (4 heads x 64, SwiGLU 1024, 1 refiner block, text_dim
+64) and the sample one FL2VA clip of 56 frames at 256x320 with both keyframes (17 latent frames of
+8 x 10 rows, 2 keyframes, 2 x 93 stereo audio rows, a 352-row text prefix): 2,058 packed rows. Two
+launches of this script by torchrun (gloo) measure it:
+
+- `sp1`, one rank: `Trainer.train_step` against a bare diffusers step (the same model unwrapped,
+  `model(**inputs)`, the same loss, `backward()`, `torch.optim.AdamW`; no FSDP, no clipping), both
+  timed alternately (median of `--repeats`); saved activations at sp = 1; the data load.
+- `sp2`, two ranks at sp = 2: steps timed; one counted stretch of `Trainer.fit` (`--counted` steps
+  and everything between them) for collectives and host syncs; saved activations per rank; one
+  checkpoint save.
+
+How each figure is taken:
+
+- saved activations: bytes of every tensor storage an operation creates during the forward and
+  loss that is still alive when the forward returns (what backward keeps), less the parameters,
+  gradients and inputs; a `TorchDispatchMode` sees the operations, storage weak references tell
+  what is alive. Measured with `gradient_checkpointing` off and on (`full`).
+- collectives: c10d and functional-collective operations seen by the same dispatch mode on the
+  training thread, per step of the counted stretch: all-to-alls per transformer block, all-reduces,
+  FSDP2 all-gathers and reduce-scatters.
+- host syncs: a CPU has no device->host sync to observe, so the training thread's calls that would be
+  one on a GPU are counted: `item`, `tolist`, `cpu`, `numpy`, `float()`, `int()`, `bool()` of a
+  tensor, except on tensors an earlier counted call already brought to the host. On a GPU the whole
+  step runs under `torch.cuda.set_sync_debug_mode("error")` in `scripts/gpu_check.sh` instead.
+- checkpoint save: wall time `Trainer.save_checkpoint()` blocks the training thread, over the
+  median step time; a background write it leaves is waited for afterwards and reported apart.
+- data: a 480p 5 s FL2VA sample (124 frames at 480x864: 37 latent frames of 30 x 54, two keyframes,
+  2 x 207 audio latents, a 1,024-token bfloat16 prompt of width 5120), written once, evicted from
+  the page cache (`posix_fadvise(DONTNEED)`) before each read, read by `read_sample` (read,
+  validation, packing); the sp = 1 step time over the median read. Noising it
+  (`micro_batch_inputs`) is timed apart: the trainer does it on the prefetch thread.
+
+Run from the repository: `.venv/bin/python scripts/step_report.py [--out report.json]`. To measure
+another checkout's package, put it first on the path: `PYTHONPATH=/tmp/before python
+scripts/step_report.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+try:
+    import h3train  # noqa: F401
+except ImportError:  # a plain checkout without the editable install
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+# The table's model and sample (`h3train/bench_memory.py`'s ISSUE_DIMS and ISSUE_CLIP, spelled out so
+# that an older package is measured on the same ones).
+MODEL = {
+    "num_attention_heads": 4,
+    "attention_head_dim": 64,
+    "rope_freq_dim": 2,
+    "hidden_size": 256,
+    "num_layers": 2,
+    "num_refiner_layers": 1,
+    "ffn_dim": 1024,
+    "text_dim": 64,
+    "freq_dim": 16,
+    "time_embed_hidden_dim": 256,
+    "time_embed_dim": 64,
+}
+# 56 frames at 256x320 -> 17 latent frames of 16x20 (8 x 10 rows), both keyframes, 93 stereo audio
+# latents, 352 text rows (176 vision tokens): 352 + 19 * 80 + 186 = 2,058 rows.
+SAMPLE = {
+    "text_len": 352,
+    "vision_tokens": 176,
+    "num_latent_frames": 17,
+    "latent_height": 16,
+    "latent_width": 20,
+    "num_audio_latents": 93,
+    "keyframe_anchors": ["first", "last"],
+}
+PACKED_ROWS = 2058
+# The data row's sample: 480p (16:9 at short edge 480 -> 480x864), 124 frames.
+DATA_FRAMES, DATA_LATENT_HW, DATA_TEXT, DATA_TEXT_DIM = 124, (30, 54), 1024, 5120
+
+
+def overrides(run_dir: Path, sp: int, steps: int) -> list[str]:
+    model = [f"model.config.{k}={v}" for k, v in MODEL.items()]
+    data = [f"data.synthetic.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in SAMPLE.items()]
+    return [
+        *model,
+        *data,
+        "data.synthetic.num_samples=8",
+        "task.name=fl2va",
+        f"parallel.sp={sp}",
+        "train.grad_accum=1",
+        f"train.steps={steps}",
+        "checkpoint.every=0",
+        f"checkpoint.dir={run_dir / 'checkpoints'}",
+        f"logging.dir={run_dir}",
+        "logging.progress=false",
+    ]
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without storage (DTensor)
+        return None
+
+
+class OpWatch(TorchDispatchMode):
+    """Counts collectives by kind and, with `track_storage`, remembers every storage an op outputs."""
+
+    KINDS = (("alltoall", "all_to_all"), ("allreduce", "all_reduce"), ("allgather", "all_gather"), ("reduce_scatter",))
+
+    def __init__(self, track_storage: bool = False) -> None:
+        super().__init__()
+        self.collectives: Counter = Counter()
+        self.track_storage = track_storage
+        self.storages: dict[int, StorageWeakRef] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        if name.startswith(("c10d.", "_c10d_functional.")):
+            for kind in self.KINDS:
+                if any(k in name for k in kind):
+                    self.collectives[kind[0]] += 1
+        if self.track_storage:
+            for t in _tensors(out):
+                key = _storage_key(t)
+                if key is not None:
+                    self.storages[key] = StorageWeakRef(t.untyped_storage())
+        return out
+
+    def alive_bytes(self, exclude: set[int]) -> int:
+        total = 0
+        for key, ref in self.storages.items():
+            if key in exclude or ref.expired():
+                continue
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            total += storage.nbytes()
+            del storage
+        return total
+
+
+def _owned_storages(model: torch.nn.Module, inputs: Any) -> set[int]:
+    """Storages of the parameters as registered now (sharded or not), their gradients and the inputs."""
+    keys: set[int] = set()
+    for module in model.modules():
+        for p in list(module._parameters.values()) + list(module._buffers.values()):
+            if p is None:
+                continue
+            for t in (p, getattr(p, "_local_tensor", None), p.grad, getattr(p.grad, "_local_tensor", None)):
+                if isinstance(t, torch.Tensor) and (key := _storage_key(t)) is not None:
+                    keys.add(key)
+    keys |= {k for t in _tensors(inputs) if (k := _storage_key(t)) is not None}
+    return keys
+
+
+def saved_activation_bytes(forward: torch.nn.Module, ti: Any) -> int:
+    """What the forward and loss leave alive for backward (module docstring); runs the backward after."""
+    from h3train.objective import compute_loss
+
+    watch = OpWatch(track_storage=True)
+    with watch:
+        loss = compute_loss(forward, ti).loss
+    gc.collect()  # garbage in reference cycles is not kept for backward
+    alive = watch.alive_bytes(_owned_storages(forward, ti))
+    loss.backward()
+    return alive
+
+
+def activation_bytes(trainer, ti: Any) -> dict[str, Any]:
+    """Saved activations of this rank without and with checkpointing, on the trainer's model unsharded.
+
+    FSDP2's unsharded parameters would count as created in the forward, so the measured model is the
+    same architecture (the trainer's dims, its SP group) without FSDP. The package's own measure
+    (`h3train.bench_memory.saved_activation_bytes`) is used where it exists.
+    """
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from h3train.model.sp_forward import SequenceParallelH3
+    from h3train.parallel.ulysses import SequenceParallel
+
+    try:
+        from h3train.bench_memory import saved_activation_bytes as measure
+
+        source = "h3train.bench_memory.saved_activation_bytes"
+    except ImportError:
+        measure, source = saved_activation_bytes, "scripts/step_report.py"
+    torch.manual_seed(0)
+    transformer = MiniMaxH3Transformer3DModel(**trainer.model_config)
+    transformer.set_attention_backend("native")
+    out: dict[str, Any] = {"measure": source}
+    for key, ckpt in (("none", False), ("full", True)):
+        # Positional: older packages call the third argument `gradient_checkpointing` too.
+        forward = SequenceParallelH3(transformer, SequenceParallel(trainer.ctx.sp_group), ckpt)
+        out[key] = int(measure(forward, ti))
+        transformer.zero_grad(set_to_none=True)
+    return out
+
+
+class SyncCounter:
+    """Counts, on one thread, the tensor reads that are a device->host sync on a GPU (module docstring)."""
+
+    METHODS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
+
+    def __init__(self) -> None:
+        self.active = False
+        self.calls: Counter = Counter()
+        self._thread = threading.current_thread()
+        # id -> weak reference of tensors already on the host (tensors compare by value, not identity).
+        self._host: dict[int, weakref.ref] = {}
+        self._originals = {name: getattr(torch.Tensor, name) for name in self.METHODS}
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, self._wrap(name, original))
+
+    def _wrap(self, name: str, original):
+        counter = self
+
+        def wrapper(tensor, *args, **kwargs):
+            counting = counter.active and threading.current_thread() is counter._thread
+            frame = sys._getframe(1)
+            if counting and id(tensor) not in counter._host and not _host_side(frame.f_code):
+                where = f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}"
+                counter.active = False  # calls made by the counted call itself are not counted
+                try:
+                    result = original(tensor, *args, **kwargs)
+                finally:
+                    counter.active = True
+                counter.calls[f"{name.strip('_')} in {where}"] += 1
+                if isinstance(result, torch.Tensor):
+                    key = id(result)
+                    counter._host[key] = weakref.ref(result, lambda _, key=key: counter._host.pop(key, None))
+                return result
+            return original(tensor, *args, **kwargs)
+
+        return wrapper
+
+    def restore(self) -> None:
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+# Code whose tensors live on the host on a GPU as well: AdamW's step counters (not capturable), the
+# sampler's permutation, and the noising of a sample (`make_training_inputs` and what it calls).
+_HOST_FILES = ("/torch/optim/", "/h3train/data/", "/h3train/tasks/")
+_DEVICE_OBJECTIVE = ("compute_loss", "masked_mse", "guided_mse")
+
+
+def _host_side(code) -> bool:
+    path = code.co_filename.replace(os.sep, "/")
+    if any(part in path for part in _HOST_FILES):
+        return True
+    return path.endswith("/h3train/objective.py") and code.co_name not in _DEVICE_OBJECTIVE
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# -- the two workers -----------------------------------------------------------------------------
+
+
+def _trainer(run_dir: Path, sp: int, steps: int):
+    from h3train.config import load_config
+    from h3train.train.trainer import Trainer
+
+    root = Path(__file__).resolve().parents[1]
+    return Trainer(load_config(root / "configs" / "tiny_fl2va.yaml", overrides(run_dir, sp, steps)))
+
+
+def _inputs(trainer, step: int):
+    from h3train.train.trainer import micro_batch_inputs
+
+    sample = trainer.source[0]
+    return sample, micro_batch_inputs(trainer.cfg, sample, step, 0, trainer.shared_negative).to(trainer.device)
+
+
+def worker_sp1(run_dir: Path, repeats: int) -> dict[str, Any]:
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from h3train.objective import compute_loss
+
+    trainer = _trainer(run_dir, 1, 1000)
+    try:
+        sample, ti = _inputs(trainer, 1)
+        rows = int(ti.model_inputs["position_ids"].shape[0])
+        dims = {k: v for k, v in trainer.model_config.items()}
+        torch.manual_seed(0)
+        bare = MiniMaxH3Transformer3DModel(**dims)
+        bare.set_attention_backend("native")
+        o = trainer.cfg.optim
+        adamw = torch.optim.AdamW(
+            bare.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+        )
+
+        def bare_step() -> None:
+            adamw.zero_grad(set_to_none=True)
+            compute_loss(lambda **kw: bare(**kw, return_dict=False), ti).loss.backward()
+            adamw.step()
+
+        step = [1]
+
+        def h3_step() -> None:
+            trainer.train_step(step[0])
+            step[0] += 1
+
+        assert rows == PACKED_ROWS, rows
+        h3_step()
+        bare_step()  # warm-up of both
+        # Alternated, and the ratio of each pair: load from other processes hits both alike.
+        h3_times, bare_times = [], []
+        for _ in range(repeats):
+            h3_times.append(_median_time(h3_step, 1))
+            bare_times.append(_median_time(bare_step, 1))
+        h3, plain = statistics.median(h3_times), statistics.median(bare_times)
+        ratio = statistics.median(a / b for a, b in zip(h3_times, bare_times))
+        activations = activation_bytes(trainer, ti)
+        load, noise = data_load_times(run_dir, trainer.cfg)
+    finally:
+        trainer.close()
+    return {
+        "rows": rows,
+        "step_s": h3,
+        "bare_step_s": plain,
+        "step_ratio": ratio,
+        "activation_bytes": activations["none"],
+        "activation_bytes_checkpointed": activations["full"],
+        "activation_measure": activations["measure"],
+        "load_s": load,
+        "noise_s": noise,
+    }
+
+
+def worker_sp2(run_dir: Path, repeats: int, counted: int) -> dict[str, Any]:
+    trainer = _trainer(run_dir, 2, 1000)
+    rank = dist.get_rank()
+    try:
+        _, ti = _inputs(trainer, 1)
+
+        def h3_step() -> None:
+            trainer.train_step(trainer.step + 1)
+            trainer.step += 1
+
+        h3_step()  # warm-up
+        step_s = _median_time(h3_step, repeats)
+        activations = activation_bytes(trainer, ti)
+
+        # One counted stretch of the loop, as `fit` runs it.
+        first = trainer.step
+        trainer.cfg.train.steps = first + counted
+        syncs = SyncCounter()
+        watch = OpWatch()
+        try:
+            syncs.active = True
+            with watch:
+                trainer.fit()
+        finally:
+            syncs.active = False
+            syncs.restore()
+        assert trainer.step == first + counted, (trainer.step, first, counted)
+
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.save_checkpoint()
+        blocking = time.perf_counter() - start
+        background = 0.0
+        waiter = next(
+            (getattr(trainer.checkpointer, n) for n in ("wait", "finish", "join") if hasattr(trainer.checkpointer, n)),
+            None,
+        )
+        if callable(waiter):
+            start = time.perf_counter()
+            waiter()
+            background = time.perf_counter() - start
+    finally:
+        trainer.close()
+    return {
+        "rank": rank,
+        "step_s": step_s,
+        "activation_bytes": activations["none"],
+        "activation_bytes_checkpointed": activations["full"],
+        "activation_measure": activations["measure"],
+        "counted_steps": counted,
+        "collectives": dict(watch.collectives),
+        "syncs": dict(syncs.calls),
+        "save_blocking_s": blocking,
+        "save_background_s": background,
+        "blocks": MODEL["num_layers"],
+    }
+
+
+def data_load_times(run_dir: Path, cfg) -> tuple[float, float]:
+    """Median cold-cache `read_sample` of the 480p 5 s sample, and the median time to noise it."""
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+        audio_latent_num_frames,
+        video_latent_num_frames,
+    )
+
+    from h3train.data.format import CachedSample, read_sample, write_sample
+    from h3train.train.trainer import micro_batch_inputs
+
+    g = torch.Generator().manual_seed(0)
+    frames = video_latent_num_frames(DATA_FRAMES, 17, 5)
+    h, w = DATA_LATENT_HW
+    audio = audio_latent_num_frames(DATA_FRAMES)
+    tags = torch.ones(DATA_TEXT, dtype=torch.long)
+    tags[8 : 8 + 2 * 400] = 0  # the two keyframes' vision blocks
+    sample = CachedSample(
+        sample_id="480p_5s",
+        task="fl2va",
+        num_frames=DATA_FRAMES,
+        video_latents=torch.randn(24, frames, h, w, generator=g),
+        audio_latents=torch.randn(2, 32, audio, generator=g),
+        prompt_embeds=torch.randn(DATA_TEXT, DATA_TEXT_DIM, generator=g).bfloat16(),
+        text_token_tags=tags,
+        negative_prompt_embeds=torch.randn(3, DATA_TEXT_DIM, generator=g).bfloat16(),
+        negative_text_token_tags=torch.ones(3, dtype=torch.long),
+        keyframe_anchors=("first", "last"),
+        keyframes=tuple(torch.randn(24, 1, h, w, generator=g) for _ in range(2)),
+    )
+    path = run_dir / "data" / "480p_5s.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_sample(path, sample)
+    loads, packed = [], None
+    for _ in range(5):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        start = time.perf_counter()
+        packed = read_sample(path)
+        loads.append(time.perf_counter() - start)
+    noise = _median_time(lambda: micro_batch_inputs(cfg, packed, 1, 0), 5)
+    return statistics.median(loads), noise
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(part: str, nproc: int, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
+    out = tmp / f"{part}.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        f"--master-port={_free_port()}", __file__, "--worker", part, "--part-out", str(out),
+        "--repeats", str(args.repeats), "--counted", str(args.counted), "--run-dir", str(tmp / part),
+    ]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
+        raise SystemExit(f"step_report: the {part} run failed (exit {done.returncode})")
+    return json.loads(out.read_text())
+
+
+def build_rows(sp1: dict[str, Any], sp2: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(measure, value, goal, detail) per row of the issue's table."""
+    n = sp2["counted_steps"]
+    coll = {k: v / n for k, v in sp2["collectives"].items()}
+    syncs = sum(sp2["syncs"].values()) / n
+    sync_detail = ", ".join(f"{k} x{v / n:g}" for k, v in sorted(sp2["syncs"].items())) or "none"
+    fsdp = coll.get("allgather", 0) + coll.get("reduce_scatter", 0)
+    act = sp2["activation_bytes"] / sp1["activation_bytes"]
+    act_ck = sp2["activation_bytes_checkpointed"] / sp1["activation_bytes_checkpointed"]
+    save = sp2["save_blocking_s"] / sp2["step_s"]
+    mib = 2**20
+    return [
+        (
+            "step / bare diffusers forward+backward+AdamW, sp=1",
+            f"{sp1['step_ratio']:.3f}",
+            "<= 1.02",
+            f"median of paired ratios; medians {sp1['step_s'] * 1e3:.0f} / {sp1['bare_step_s'] * 1e3:.0f} ms, "
+            f"{sp1['rows']:,} rows, 1 rank",
+        ),
+        (
+            "saved activations per rank, sp=2 / sp=1",
+            f"{act:.3f}",
+            "<= 0.54",
+            f"{sp2['activation_bytes'] / mib:.1f} / {sp1['activation_bytes'] / mib:.1f} MiB "
+            f"({sp1['activation_measure']})",
+        ),
+        (
+            "  with gradient checkpointing (full)",
+            f"{act_ck:.3f}",
+            "<= 0.58",
+            f"{sp2['activation_bytes_checkpointed'] / mib:.1f} / {sp1['activation_bytes_checkpointed'] / mib:.1f} MiB",
+        ),
+        (
+            "all-to-alls per block per step",
+            f"{coll.get('alltoall', 0) / sp2['blocks']:g}",
+            "4",
+            f"{coll.get('alltoall', 0):g} per step over {sp2['blocks']} blocks, sp=2",
+        ),
+        ("device->host syncs per step", f"{syncs:g}", "1", f"CPU stand-in (calls that sync on a GPU): {sync_detail}"),
+        (
+            "extra all-reduces per step",
+            f"{coll.get('allreduce', 0):g}",
+            "2 (grad norm + 1)",
+            "all-reduces in the loop; FSDP2 reduces gradients by reduce-scatter",
+        ),
+        (
+            "checkpoint save blocking / step",
+            f"{save:.3f}",
+            "<= 0.05",
+            f"{sp2['save_blocking_s'] * 1e3:.0f} ms blocking (+{sp2['save_background_s'] * 1e3:.0f} ms in the "
+            f"background) / {sp2['step_s'] * 1e3:.0f} ms step, sp=2",
+        ),
+        (
+            "FSDP2 collectives per step",
+            f"{fsdp:g}",
+            "about half of 26",
+            f"{coll.get('allgather', 0):g} all-gathers + {coll.get('reduce_scatter', 0):g} reduce-scatters, 2 ranks",
+        ),
+        (
+            "data: step / load of a 480p 5 s sample, cold cache",
+            f"{sp1['step_s'] / sp1['load_s']:.1f}",
+            ">= 20",
+            f"{sp1['step_s'] * 1e3:.0f} ms sp=1 step / {sp1['load_s'] * 1e3:.1f} ms read_sample; noising it "
+            f"{sp1['noise_s'] * 1e3:.1f} ms",
+        ),
+    ]
+
+
+def format_rows(rows: list[tuple[str, str, str, str]], package: str) -> str:
+    width = max(len(r[0]) for r in rows)
+    lines = [f"h3train step report (package {package})", f"{'measure':<{width}}  {'value':>8}  {'goal':<18} detail"]
+    lines += [f"{m:<{width}}  {v:>8}  {g:<18} {d}" for m, v, g, d in rows]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps (median)")
+    parser.add_argument("--counted", type=int, default=2, help="steps of the counted fit stretch")
+    parser.add_argument("--out", help="also write the figures as JSON here")
+    parser.add_argument("--worker", choices=("sp1", "sp2"), help=argparse.SUPPRESS)
+    parser.add_argument("--part-out", help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        run_dir = Path(args.run_dir)
+        part = (
+            worker_sp1(run_dir, args.repeats)
+            if args.worker == "sp1"
+            else worker_sp2(run_dir, args.repeats, args.counted)
+        )
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(args.part_out).write_text(json.dumps(part))
+        return 0
+
+    import h3train
+
+    package = str(Path(h3train.__file__).resolve().parent.parent)
+    with tempfile.TemporaryDirectory() as tmp:
+        sp1 = _launch("sp1", 1, Path(tmp), args)
+        sp2 = _launch("sp2", 2, Path(tmp), args)
+    rows = build_rows(sp1, sp2)
+    print(format_rows(rows, package), flush=True)
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps({"package": package, "sp1": sp1, "sp2": sp2, "rows": rows}, indent=2) + "\n"
+        )
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
