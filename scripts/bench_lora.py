@@ -6,7 +6,8 @@ synthetic data of that geometry. Both runs go through `Trainer.train_step` in th
 rank (forward, backward, clip, AdamW): the full fine-tune with float32 master weights, the LoRA run
 with `lora.rank` adapters on the default targets and the base frozen in bfloat16 (computed in
 float32). Optimizer state is every tensor in `optimizer.state` after the first step (AdamW's
-`exp_avg`, `exp_avg_sq`, `step`); step time is the median of `--repeats` steps after a warm-up.
+`exp_avg`, `exp_avg_sq`, `step`); step time is the median of `--repeats` steps after a warm-up, the two runs'
+steps alternating in one process, wall clock and CPU time.
 
     .venv/bin/python scripts/bench_lora.py [--rank 4] [--repeats 7]
 """
@@ -57,27 +58,50 @@ def _geometry(g: Geometry) -> list[str]:
     ]
 
 
-def measure(config: str, overrides: list[str], repeats: int) -> tuple[int, int, float, int]:
-    """(optimizer-state bytes, trainable parameters, median step seconds, packed rows) of one run."""
-    cfg = load_config(ROOT / "configs" / config, overrides)
-    trainer = Trainer(cfg, hooks=[])
+def _state_bytes(trainer: Trainer) -> int:
+    return sum(
+        t.numel() * t.element_size()
+        for per_param in trainer.optimizer.state.values()
+        for t in per_param.values()
+        if torch.is_tensor(t)
+    )
+
+
+def measure(runs: dict[str, tuple[str, list[str]]], repeats: int) -> dict[str, dict[str, float]]:
+    """Per run: optimizer-state bytes, trainable parameters, median step seconds (wall and CPU), rows.
+
+    The runs' steps alternate (one of each, `repeats` times), so a machine shared with other work
+    slows them alike; CPU time (`time.process_time`) is the steadier figure on a busy machine.
+    """
+    trainers = {
+        name: Trainer(load_config(ROOT / "configs" / config, o), hooks=[]) for name, (config, o) in runs.items()
+    }
+    out: dict[str, dict[str, float]] = {}
     try:
-        stats = trainer.train_step(1)  # warm-up; creates the AdamW state
-        state_bytes = sum(
-            t.numel() * t.element_size()
-            for per_param in trainer.optimizer.state.values()
-            for t in per_param.values()
-            if torch.is_tensor(t)
-        )
-        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-        times = []
+        for name, trainer in trainers.items():
+            stats = trainer.train_step(1)  # warm-up; creates the AdamW state
+            out[name] = {
+                "state_bytes": _state_bytes(trainer),
+                "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+                "rows": stats["seq_len"],
+            }
+        wall: dict[str, list[float]] = {name: [] for name in trainers}
+        cpu: dict[str, list[float]] = {name: [] for name in trainers}
         for step in range(2, repeats + 2):
-            start = time.perf_counter()
-            trainer.train_step(step)
-            times.append(time.perf_counter() - start)
+            for name, trainer in trainers.items():
+                w, c = time.perf_counter(), time.process_time()
+                trainer.train_step(step)
+                wall[name].append(time.perf_counter() - w)
+                cpu[name].append(time.process_time() - c)
+        for name in trainers:
+            out[name].update(wall=statistics.median(wall[name]), cpu=statistics.median(cpu[name]))
     finally:
-        trainer.close()
-    return state_bytes, trainable, statistics.median(times), int(stats["seq_len"])
+        # One process group serves both; the last close leaves it.
+        names = list(trainers)
+        for name in names[:-1]:
+            trainers[name].close(clean=False)
+        trainers[names[-1]].close()
+    return out
 
 
 def main() -> int:
@@ -89,21 +113,25 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         steps = args.repeats + 1
-        full = measure("tiny_fl2va.yaml", _overrides(tmp / "full", steps), args.repeats)
-        lora = measure(
-            "tiny_lora.yaml",
-            [*_overrides(tmp / "lora", steps), f"lora.rank={args.rank}", f"lora.alpha={args.rank}"],
+        lora = [*_overrides(tmp / "lora", steps), f"lora.rank={args.rank}", f"lora.alpha={args.rank}"]
+        got = measure(
+            {"full": ("tiny_fl2va.yaml", _overrides(tmp / "full", steps)), "lora": ("tiny_lora.yaml", lora)},
             args.repeats,
         )
-    (full_bytes, full_params, full_time, rows), (lora_bytes, lora_params, lora_time, _) = full, lora
+    full, lora = got["full"], got["lora"]
     dims = ", ".join(f"{k} {REDUCED_DIMS[k]}" for k in ("hidden_size", "num_attention_heads", "ffn_dim"))
-    print(f"model: h3train bench --reduced ({dims}, 2 blocks), {rows} packed rows, CPU, one rank")
-    print(f"{'':24}{'full':>14}{f'LoRA r={args.rank}':>14}{'LoRA / full':>14}")
-    print(f"{'trainable parameters':24}{full_params:>14,}{lora_params:>14,}{lora_params / full_params:>14.4f}")
-    print(f"{'optimizer state bytes':24}{full_bytes:>14,}{lora_bytes:>14,}{lora_bytes / full_bytes:>14.4f}")
-    print(
-        f"{'step time (ms, median)':24}{full_time * 1e3:>14.1f}{lora_time * 1e3:>14.1f}{lora_time / full_time:>14.3f}"
+    print(f"model: h3train bench --reduced ({dims}, 2 blocks), {int(full['rows'])} packed rows, CPU, one rank")
+    print(f"{'':28}{'full':>14}{f'LoRA r={args.rank}':>14}{'LoRA / full':>14}")
+    rows = (
+        ("trainable parameters", "trainable", "{:,.0f}", 1),
+        ("optimizer state bytes", "state_bytes", "{:,.0f}", 1),
+        ("step time, wall (ms)", "wall", "{:.1f}", 1e3),
+        ("step time, CPU (ms)", "cpu", "{:.1f}", 1e3),
     )
+    for label, key, spec, scale in rows:
+        a, b = full[key] * scale, lora[key] * scale
+        print(f"{label:28}{spec.format(a):>14}{spec.format(b):>14}{b / a:>14.4f}")
+    print(f"(step times: medians of {args.repeats} alternating steps after a warm-up)")
     return 0
 
 
