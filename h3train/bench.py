@@ -626,6 +626,13 @@ def _clear_cuda(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _parameter_count(dims: dict[str, Any]) -> int:
+    """Parameters of `MiniMaxH3Transformer3DModel(**dims)`, counted on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = MiniMaxH3Transformer3DModel(**dims)
+    return sum(p.numel() for p in model.parameters())
+
+
 def trainer_config(dims: dict[str, Any], clip: Clip, dtype_name: str, checkpointing: bool, log_dir: Path):
     """A `Config` whose `Trainer` trains `dims` on `clip`'s synthetic FL2VA sample, one rank, sp = 1."""
     from .config import load_config
@@ -734,18 +741,37 @@ def run_whole_steps(
 
     cuda = device.type == "cuda"
     dtype_name = "bfloat16" if cuda else "float32"
-    n_params = report.parameters
+    total = torch.cuda.get_device_properties(device).total_memory if cuda else None
+    reserve = int(plan.DEFAULT_RESERVE_GIB * GIB)
+
+    def need(step_dims: dict[str, Any], ckpt: bool) -> int:
+        # float32 master weight, gradient, two AdamW moments (16 B) and the bf16 compute copy (2 B).
+        return 18 * _parameter_count(step_dims) + plan.activation_bytes(step_dims, rows.seq_len, dtype_name, ckpt)
+
     if gradient_checkpointing == "auto":
-        plain = 18 * n_params + plan.activation_bytes(dims, rows.seq_len, dtype_name, False)
-        total = torch.cuda.get_device_properties(device).total_memory if cuda else None
-        ckpt = total is not None and plain + int(plan.DEFAULT_RESERVE_GIB * GIB) > total
+        ckpt = total is not None and need(dims, False) + reserve > total
     else:
         ckpt = gradient_checkpointing == "on"
+    layers = int(dims["num_layers"])
+    if total is not None:
+        # An 80 GB card cannot hold the optimizer state of 4 full-width blocks: fewer blocks, same widths.
+        while layers > 1 and need({**dims, "num_layers": layers}, ckpt) + reserve > total:
+            layers -= 1
+    if layers != dims["num_layers"]:
+        report.notes.append(
+            f"whole step: {layers} of {dims['num_layers']} blocks, the most whose float32 master weights, "
+            f"gradients and AdamW moments fit in {total / GIB:.1f} GiB"
+        )
+        dims = {**dims, "num_layers": layers}
+        total_flops = step_flops(dims, rows).total
     report.step_setup = {
         "what": "Trainer.train_step: FSDP2 (one-rank mesh), clip_grad_norm_, AdamW, one all-reduce",
         "dtype": dtype_name,
         "master_weights": "float32",
         "gradient_checkpointing": ckpt,
+        "num_layers": layers,
+        "flops": total_flops,
+        "plan_memory_bytes": need(dims, ckpt),
     }
     _progress(f"whole step: building the trainer ({'checkpointing' if ckpt else 'no checkpointing'})")
     with tempfile.TemporaryDirectory() as tmp:
@@ -882,8 +908,10 @@ def format_report(report: BenchReport) -> str:
         setup = report.step_setup
         lines.append("")
         lines.append(
-            f"whole step ({setup.get('what', 'Trainer.train_step')}; {setup.get('dtype')} compute, "
-            f"float32 master weights, checkpointing {'on' if setup.get('gradient_checkpointing') else 'off'})"
+            f"whole step ({setup.get('what', 'Trainer.train_step')}; {setup.get('num_layers')} blocks, "
+            f"{setup.get('dtype')} compute, float32 master weights, "
+            f"checkpointing {'on' if setup.get('gradient_checkpointing') else 'off'}, "
+            f"plan {setup.get('plan_memory_bytes', 0) / GIB:.1f} GiB)"
         )
         lines.append(
             f"{'backend':<8} {'step s':>9} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {'loss':>10}  "
