@@ -160,6 +160,11 @@ class MemoryPlan:
     lora: LoraCounts | None = None
     # LoRA runs: the longest clips that fit here and on reference setups, for the printout.
     fit_lines: tuple[str, ...] = ()
+    # `parallel.cpu_offload`: the sharded state (weights, gradients, AdamW) lives in host memory.
+    cpu_offload: bool = False
+    # Transformer blocks recomputed in backward (`model.activation_checkpointing`); None: all of them
+    # when `gradient_checkpointing`, else none.
+    checkpointed_layers: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -175,9 +180,16 @@ class MemoryPlan:
         return self.master_weights_bytes + self.grads_bytes + self.optimizer_bytes
 
     @property
+    def host_bytes(self) -> int:
+        """Host memory per rank the plan moves off the device (`cpu_offload`)."""
+        return self.sharded_state_bytes if self.cpu_offload else 0
+
+    @property
     def total_bytes(self) -> int:
+        """Device memory per rank."""
         return (
             self.sharded_state_bytes
+            - self.host_bytes
             + self.unsharded_params_bytes
             + self.unsharded_grads_bytes
             + self.activation_bytes
@@ -317,18 +329,26 @@ def outside_stack_row_bytes(dims: Mapping[str, Any], dtype: str) -> int:
 
 
 def activation_bytes(
-    dims: Mapping[str, Any], local_rows: int, dtype: str, gradient_checkpointing: bool, sp: int = 1
+    dims: Mapping[str, Any],
+    local_rows: int,
+    dtype: str,
+    gradient_checkpointing: bool,
+    sp: int = 1,
+    checkpointed_layers: int | None = None,
 ) -> int:
     """Peak activation memory of one rank holding `local_rows` rows of the packed sequence.
 
     With checkpointing each block keeps only its input (bh per row) and the backward recomputes
     one block at a time, so the peak is every block's input plus one block's full activations.
-    Without it every block keeps everything `block_activation_row_bytes` lists.
+    Without it every block keeps everything `block_activation_row_bytes` lists. Selective
+    checkpointing (`checkpointed_layers` of the blocks) sits between: the checkpointed blocks keep
+    their inputs, the others everything, plus one recomputed block at a time.
     """
     b = _DTYPE_BYTES[dtype]
     layers = _dim(dims, "num_layers")
     block = block_activation_row_bytes(dims, dtype, sp)
-    per_row = layers * _dim(dims, "hidden_size") * b + block if gradient_checkpointing else layers * block
+    done = (layers if gradient_checkpointing else 0) if checkpointed_layers is None else checkpointed_layers
+    per_row = done * _dim(dims, "hidden_size") * b + (layers - done) * block + (block if done else 0)
     return local_rows * (per_row + outside_stack_row_bytes(dims, dtype))
 
 
@@ -345,13 +365,17 @@ def plan_memory(
     reserve_gib: float = DEFAULT_RESERVE_GIB,
     rows_source: str = "",
     lora: LoraCounts | None = None,
+    cpu_offload: bool = False,
+    checkpointed_layers: int | None = None,
 ) -> MemoryPlan:
     """Per-rank memory of an AdamW fine-tune on a resolved `(dp_replicate, dp_shard, sp)` mesh.
 
     `dims` are the constructor kwargs with defaults filled in (`h3train.config.model_dims`);
     `dtype` is the compute dtype (`model.dtype`); `rows` is the packed sequence length of the
     longest sample, padded to a multiple of `sp` as the SP forward does. `lora`: a LoRA run
-    (`lora_counts`), whose base is frozen in bfloat16; None: a full fine-tune.
+    (`lora_counts`), whose base is frozen in bfloat16; None: a full fine-tune. `cpu_offload`: the
+    sharded state is counted in host memory, not on the device. `checkpointed_layers`: selective
+    checkpointing (`activation_bytes`).
     """
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
@@ -363,7 +387,7 @@ def plan_memory(
     per_rank = -(-counts.total // shard)
     local_rows = -(-rows // sp)
     b = _DTYPE_BYTES[dtype]
-    activations = activation_bytes(dims, local_rows, dtype, gradient_checkpointing, sp)
+    activations = activation_bytes(dims, local_rows, dtype, gradient_checkpointing, sp, checkpointed_layers)
     if lora is None:
         weights, trainable, block_params, block_grads = per_rank * _FP32, per_rank, counts.block, counts.block
     else:
@@ -374,7 +398,9 @@ def plan_memory(
         block_params, block_grads = counts.block + lora.block_adapters, lora.block_trainable
         # Each adapted Linear keeps its lora_A output (r per row) for lora_B's backward; its input is
         # the base layer's, already counted. Checkpointing holds one block's worth at a time.
-        blocks = 1 if gradient_checkpointing else _dim(dims, "num_layers")
+        layers = _dim(dims, "num_layers")
+        done = (layers if gradient_checkpointing else 0) if checkpointed_layers is None else checkpointed_layers
+        blocks = layers - done + (1 if done else 0)
         activations += local_rows * blocks * lora.block_adapted_layers * lora.rank * b
     return MemoryPlan(
         dp_replicate=dp_replicate,
@@ -398,6 +424,8 @@ def plan_memory(
         device_bytes=int(device_memory_gib * GIB),
         rows_source=rows_source,
         lora=lora,
+        cpu_offload=cpu_offload,
+        checkpointed_layers=checkpointed_layers,
     )
 
 
@@ -443,6 +471,8 @@ def lora_fit_lines(dims: Mapping[str, Any], plan: MemoryPlan) -> tuple[str, ...]
         "device_memory_gib": plan.device_bytes / GIB,
         "reserve_gib": plan.reserve_bytes / GIB,
         "lora": plan.lora,
+        "cpu_offload": plan.cpu_offload,
+        "checkpointed_layers": plan.checkpointed_layers,
     }
     setups = [("this mesh", plan.dp_replicate, plan.dp_shard, plan.sp)]
     for label, ranks, sp in LORA_REFERENCE_SETUPS:
@@ -497,6 +527,16 @@ def config_rows(cfg: Config) -> tuple[int, str]:
         raise ConfigError(f"config key 'data.path': {exc}") from None
 
 
+def checkpointed_layers(cfg: Config, num_layers: int) -> int:
+    """Transformer blocks `model.activation_checkpointing` recomputes (`SequenceParallelH3.checkpointed`)."""
+    mode = cfg.model.activation_checkpointing
+    if mode == "full" or (mode == "none" and cfg.model.gradient_checkpointing):
+        return num_layers
+    if mode == "selective":
+        return len(range(0, num_layers, cfg.model.checkpoint_every))
+    return 0
+
+
 def estimate(
     dims: Mapping[str, Any],
     mesh: MeshSizes,
@@ -520,6 +560,8 @@ def estimate(
         device_memory_gib=device_memory_gib,
         rows_source=rows_source,
         lora=lora,
+        cpu_offload=cfg.parallel.cpu_offload,
+        checkpointed_layers=checkpointed_layers(cfg, _dim(dims, "num_layers")),
     )
     if lora is not None:
         plan = replace(plan, fit_lines=lora_fit_lines(dims, plan))
@@ -560,6 +602,11 @@ def format_plan(plan: MemoryPlan) -> str:
     p = plan.params
     shard = plan.shard_size
     ckpt = "on" if plan.gradient_checkpointing else "off"
+    if plan.checkpointed_layers is not None and 0 < plan.checkpointed_layers < p.num_layers:
+        ckpt = f"selective ({plan.checkpointed_layers} of {p.num_layers} blocks)"
+    elif plan.checkpointed_layers is not None:
+        ckpt = "on" if plan.checkpointed_layers else "off"
+    where = "  (host: cpu_offload)" if plan.cpu_offload else ""
     lines = [
         f"mesh          dp_replicate={plan.dp_replicate} dp_shard={plan.dp_shard} sp={plan.sp} "
         f"({plan.world_size} ranks, parameters sharded {shard}-way)",
@@ -574,9 +621,9 @@ def format_plan(plan: MemoryPlan) -> str:
     if lora is None:
         lines += [
             "memory per rank",
-            f"  master weights fp32           {_gib(plan.master_weights_bytes)}",
-            f"  gradients fp32                {_gib(plan.grads_bytes)}",
-            f"  AdamW exp_avg + exp_avg_sq    {_gib(plan.optimizer_bytes)}",
+            f"  master weights fp32           {_gib(plan.master_weights_bytes)}{where}",
+            f"  gradients fp32                {_gib(plan.grads_bytes)}{where}",
+            f"  AdamW exp_avg + exp_avg_sq    {_gib(plan.optimizer_bytes)}{where}",
         ]
     else:
         trainable_weights = plan.grads_bytes
@@ -585,17 +632,18 @@ def format_plan(plan: MemoryPlan) -> str:
             f"parameters ({_count(lora.adapters)}), {lora.train_modules:,} in train_modules; base frozen",
             "memory per rank",
             f"  frozen base bf16 (fp32 isl.)  {_gib(plan.master_weights_bytes - trainable_weights)}  "
-            f"(2 B/param, {lora.frozen_fp32:,} island params 4 B)",
-            f"  trainable weights fp32        {_gib(trainable_weights)}  (adapters + train_modules)",
-            f"  trainable gradients fp32      {_gib(plan.grads_bytes)}",
-            f"  AdamW of the trainable        {_gib(plan.optimizer_bytes)}",
+            f"(2 B/param, {lora.frozen_fp32:,} island params 4 B){where}",
+            f"  trainable weights fp32        {_gib(trainable_weights)}  (adapters + train_modules){where}",
+            f"  trainable gradients fp32      {_gib(plan.grads_bytes)}{where}",
+            f"  AdamW of the trainable        {_gib(plan.optimizer_bytes)}{where}",
         ]
     lines += [
         f"  2 unsharded blocks {plan.dtype:<11}{_gib(plan.unsharded_params_bytes)}  (running + prefetched)",
         f"  unsharded block grad fp32     {_gib(plan.unsharded_grads_bytes)}{'  (trainable only)' if lora else ''}",
         f"  activations                   {_gib(plan.activation_bytes)}",
         f"  reserve (CUDA, NCCL, frag.)   {_gib(plan.reserve_bytes)}",
-        f"  total                         {_gib(plan.total_bytes)} of {plan.device_bytes / GIB:.0f} GiB",
+        f"  total                         {_gib(plan.total_bytes)} of {plan.device_bytes / GIB:.0f} GiB"
+        + (f" on the device; {_gib(plan.host_bytes).strip()} in host memory" if plan.cpu_offload else ""),
     ]
     if plan.render_line:
         lines.append(plan.render_line)
@@ -604,7 +652,7 @@ def format_plan(plan: MemoryPlan) -> str:
     else:
         lines.append(
             f"fits: NO, {-plan.headroom_bytes / GIB:.1f} GiB over: shard over more ranks (dp_shard), "
-            "raise sp, enable model.gradient_checkpointing or shorten the clips"
+            "raise sp, enable model.activation_checkpointing or parallel.cpu_offload, or shorten the clips"
         )
     if plan.fit_lines:
         lines.append(f"longest packed sequence that fits ({plan.device_bytes / GIB:.0f} GiB devices, this LoRA):")

@@ -128,11 +128,12 @@ def _attempt_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"h3train/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
-def init_distributed(backend: str, timeout_s: int) -> tuple[int, torch.device]:
+def init_distributed(backend: str, timeout_s: int, cpu_offload: bool = False) -> tuple[int, torch.device]:
     """Join (or, alone, create) the default process group. Returns `(world_size, device)`.
 
     Launched alone, a one-rank group is created so that one code path (FSDP2, DTensor) serves
-    both cases.
+    both cases. With `cpu_offload` on CUDA the group also gets a gloo backend for host tensors:
+    offloaded gradients live on the CPU, and the grad norm's DTensor reduction runs on them.
     """
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     if backend == "auto":
@@ -143,6 +144,8 @@ def init_distributed(backend: str, timeout_s: int) -> tuple[int, torch.device]:
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if backend == "nccl" and cpu_offload:
+        backend = "cpu:gloo,cuda:nccl"
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         if "TORCHELASTIC_RESTART_COUNT" in os.environ:

@@ -146,7 +146,7 @@ class Trainer:
         if not candidates and not overwrite:
             check_fresh_run(self.log_dir, self.ckpt_dir)
 
-        _, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+        _, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
         self.ctx = ParallelContext(dims, device)
         self.device = device
         self.faults = FaultInjector(cfg.debug.fault, self.ctx.rank)
