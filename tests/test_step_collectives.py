@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from h3train.bench_memory import step_collectives
+from h3train.bench_memory import run_ranks, step_collectives
 from h3train.parallel.collectives import fsdp_collectives_per_step, functional_all_to_alls_per_step
 
 from reference import TINY_FL2VA
@@ -32,3 +32,43 @@ def test_sp2_step_issues_the_planned_collectives() -> None:
     # The output heads travel back in one all-gather; the clip's norm in one all-reduce.
     assert counts["dist.all_gather"] == 1
     assert counts.kind("all_reduce") == 1
+
+
+def _stale_worker(rank: int, world: int) -> dict[str, float]:
+    """A forward without gradients, then new sharded values (as the EMA swap writes them), then a forward."""
+    import torch
+
+    from h3train.config import load_config
+    from h3train.model.build import build_model
+    from h3train.model.sp_forward import SequenceParallelH3
+    from h3train.objective import compute_loss
+    from h3train.parallel.dims import ParallelContext, ParallelDims
+    from h3train.parallel.fsdp import apply_fsdp
+    from h3train.parallel.ulysses import SequenceParallel
+    from h3train.tasks.synthetic import SyntheticSource
+    from h3train.train.trainer import micro_batch_inputs
+
+    cfg = load_config(TINY_FL2VA)
+    ctx = ParallelContext(ParallelDims(1, world, 1, world), torch.device("cpu"))
+    transformer = build_model(cfg, cfg.train.seed)
+    model = apply_fsdp(SequenceParallelH3(transformer, SequenceParallel(None)), ctx, "float32")
+    ti = micro_batch_inputs(cfg, SyntheticSource(cfg.data.synthetic, 16, 0)[0], step=1, slot=0)
+    sharded = list(model.parameters())  # held as the EMA holds them
+    with torch.no_grad():
+        compute_loss(model, ti)
+        for p in sharded:
+            p.to_local().mul_(0.5)
+        halved = float(compute_loss(model, ti).loss)
+    fresh = build_model(cfg, cfg.train.seed)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(0.5)
+        expected = float(compute_loss(SequenceParallelH3(fresh, SequenceParallel(None)), ti).loss)
+    return {"halved": halved, "expected": expected}
+
+
+@pytest.mark.slow
+def test_forward_without_gradients_leaves_no_stale_unsharded_copy() -> None:
+    # One rank: no unit reshards after forward there, the case where a stale copy would hide most.
+    result = run_ranks(_stale_worker, 1)[0]
+    assert result["halved"] == pytest.approx(result["expected"], rel=1e-6)

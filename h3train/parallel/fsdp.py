@@ -21,7 +21,9 @@ DTensors, export, LoRA's trainable state, EMA shadows, `.full_tensor()`) keeps o
 the mixed-precision policy (bf16 compute over float32 master weights) keeps working. torch issues
 no collective on a one-rank group, only the copy into the unsharded parameter; nothing reshards
 after forward there (resharding would save no memory a one-rank run can use: the unsharded copy
-comes back for backward anyway), so each unit is copied once per step, not twice.
+comes back for backward anyway), so each unit is copied once per step, not twice. After a
+forward without gradients every unit reshards (`_reshard_after_inference`), so that no unsharded
+copy outlives a change of the sharded values.
 
 `parallel.cpu_offload` (FSDP2 `CPUOffloadPolicy`): the sharded float32 parameters, their gradients
 and so the AdamW state and step stay in host memory (pinned on CUDA); each unit is copied to the
@@ -43,7 +45,8 @@ it would be reduced by nothing and keep only its own rank's share.
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..model.build import fp32_island_names
@@ -55,6 +58,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def _policy(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def _reshard_after_inference(model: nn.Module, args: object, output: object) -> None:
+    # A unit that does not reshard after forward stays unsharded until its backward; after a
+    # forward without gradients (held-out loss, samples, the CFG negative) no backward comes, and
+    # the next forward would reuse that unsharded copy even if the sharded values changed in
+    # between (an optimizer step, the EMA swapped in for validation and out again).
+    if not torch.is_grad_enabled():
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
 
 
 def apply_fsdp(
@@ -78,6 +92,7 @@ def apply_fsdp(
     # The root keeps what is left (context_embedder, refiner final norm, norm_out) and no longer
     # reshards after forward: backward needs those parameters straight away.
     fully_shard(model, mp_policy=block_policy, reshard_after_forward=False, **common)
+    model.register_forward_hook(_reshard_after_inference)
     unsharded = [n for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
     if unsharded:
         raise RuntimeError(
