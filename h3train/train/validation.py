@@ -141,7 +141,10 @@ class HeldOutLoss(TrainerHook):
         finally:
             model.train(was_training)
         trainer.phase = "validation all-reduce"
-        dist.all_reduce(sums, group=ctx.dp_mesh.get_group())
+        # Over every rank, SP rank 0 of each group contributing: its SP peers hold the same sums.
+        if ctx.sp_rank != 0:
+            sums.zero_()
+        dist.all_reduce(sums)
         return self._summarise(sums.cpu())
 
     def _pair(self, trainer: Trainer, sample: PackedSample, sigma: float) -> torch.Tensor:
