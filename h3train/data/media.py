@@ -225,7 +225,23 @@ def native_soundtrack(
         return None, None
     stream = container.streams.audio[0]
     rate = int(stream.codec_context.sample_rate)
-    resampler = av.AudioResampler(format="fltp", layout=stream.layout, rate=rate)
+    waveform = _decode_audio(path, container, stream, stream.layout, rate, max_seconds)
+    return (None, None) if waveform is None else (waveform, rate)
+
+
+def _decode_audio(
+    path: str | os.PathLike,
+    container: av.container.InputContainer,
+    stream: av.audio.stream.AudioStream,
+    layout: object,
+    rate: int,
+    max_seconds: float | None,
+) -> torch.Tensor | None:
+    """`stream` decoded to planar float32 `[C, N]` in `layout` at `rate`, cut to `ceil(max_seconds * rate)`.
+
+    None when it holds no samples.
+    """
+    resampler = av.AudioResampler(format="fltp", layout=layout, rate=rate)
     limit = math.inf if max_seconds is None else math.ceil(max_seconds * rate)
     chunks, total = [], 0
     try:
@@ -241,11 +257,11 @@ def native_soundtrack(
     except av.error.FFmpegError as exc:
         raise MediaError(f"cannot decode the audio of '{path}': {exc}") from None
     if not chunks or sum(c.shape[-1] for c in chunks) == 0:
-        return None, None
+        return None
     waveform = torch.cat(chunks, dim=-1).to(torch.float32)
     if limit != math.inf:
         waveform = waveform[:, :limit]
-    return waveform.contiguous(), rate
+    return waveform.contiguous()
 
 
 def _open(path: str | os.PathLike) -> av.container.InputContainer:
@@ -296,29 +312,10 @@ def _soundtrack(
         return None
     stream = container.streams.audio[0]
     mono = stream.codec_context.channels == 1
-    resampler = av.AudioResampler(format="fltp", layout="mono" if mono else "stereo", rate=sample_rate)
-    limit = math.inf if max_seconds is None else math.ceil(max_seconds * sample_rate)
-    chunks, total = [], 0
-    try:
-        container.seek(0)
-        for frame in container.decode(stream):
-            for out in resampler.resample(frame):
-                chunks.append(torch.from_numpy(out.to_ndarray()))
-                total += chunks[-1].shape[-1]
-            if total >= limit:
-                break
-        else:
-            chunks += [torch.from_numpy(out.to_ndarray()) for out in resampler.resample(None)]
-    except av.error.FFmpegError as exc:
-        raise MediaError(f"cannot decode the audio of '{path}': {exc}") from None
-    if not chunks or sum(c.shape[-1] for c in chunks) == 0:
-        return None
-    waveform = torch.cat(chunks, dim=-1).to(torch.float32)
-    if mono:
-        waveform = waveform.expand(AUDIO_CHANNELS, -1)
-    if limit != math.inf:
-        waveform = waveform[:, :limit]
-    return waveform.contiguous()
+    waveform = _decode_audio(path, container, stream, "mono" if mono else "stereo", sample_rate, max_seconds)
+    if waveform is None or not mono:
+        return waveform
+    return waveform.expand(AUDIO_CHANNELS, -1).contiguous()
 
 
 # --------------------------------------------------------------------------------------------------
