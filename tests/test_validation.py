@@ -46,6 +46,17 @@ def _rows(log_dir, kind: str | None) -> list[dict]:
     return [m for m in read_metrics(log_dir) if m.get("kind") == kind]
 
 
+def _fit_with_heldout(cfg) -> HeldOutLoss:
+    """Train `cfg` in this process with only the held-out hook; return the hook (it counts forwards)."""
+    hook = HeldOutLoss(cfg)
+    trainer = Trainer(cfg, hooks=[hook])
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return hook
+
+
 def _mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> float:
     rows = mask.bool()
     return float((pred[0][rows].double() - target[rows].double()).square().mean())
@@ -67,12 +78,7 @@ def test_sigma_labels_are_distinct() -> None:
 
 def test_heldout_loss_equals_an_unsharded_diffusers_forward_on_the_same_noise(tmp_path, heldout) -> None:
     cfg = load_config(TINY_FL2VA, _args(tmp_path, heldout, "validation.at_start=true"))
-    hook = HeldOutLoss(cfg)
-    trainer = Trainer(cfg, hooks=[hook])
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    hook = _fit_with_heldout(cfg)
     got = _rows(tmp_path, "validation")[0]
     assert got["step"] == 0
     assert hook.forwards == 3 * len(SIGMAS), "every (sample, sigma) pair is one forward"
@@ -118,12 +124,7 @@ def test_cfg_runs_report_the_plain_and_the_calibrated_loss(tmp_path, heldout) ->
     cfg = load_config(
         TINY_FL2VA, _args(tmp_path, heldout, "validation.at_start=true", "train.steps=1", "cfg.scale=3.0")
     )
-    hook = HeldOutLoss(cfg)
-    trainer = Trainer(cfg, hooks=[hook])
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    hook = _fit_with_heldout(cfg)
     row = _rows(tmp_path, "validation")[0]
     assert hook.forwards == 2 * 3 * len(SIGMAS), "CFG adds the unconditional forward"
     assert row["val/loss_cfg"] != row["val/loss"] and row["val/loss_video_cfg"] > 0
