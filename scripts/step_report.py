@@ -18,9 +18,9 @@ How each figure is taken:
   loss that is still alive when the forward returns (what backward keeps), less the parameters,
   gradients and inputs; a `TorchDispatchMode` sees the operations, storage weak references tell
   what is alive. Measured with `gradient_checkpointing` off and on (`full`).
-- collectives: c10d and functional-collective operations seen by the same dispatch mode on the
-  training thread, per step of the counted stretch: all-to-alls per transformer block, all-reduces,
-  FSDP2 all-gathers and reduce-scatters.
+- collectives: `h3train/parallel/collectives.py`'s counter of this checkout (`collective_counter`),
+  per step of the counted stretch: all-to-alls per transformer block, all-reduces (the grad
+  norm's, which DTensor issues, included), FSDP2's all-gathers and reduce-scatters.
 - host syncs: a CPU has no device->host sync to observe, so the training thread's calls that would be
   one on a GPU are counted: `item`, `tolist`, `cpu`, `numpy`, `float()`, `int()`, `bool()` of a
   tensor, except on tensors an earlier counted call already brought to the host. On a GPU the whole
@@ -131,28 +131,18 @@ def _storage_key(t: torch.Tensor) -> int | None:
 
 
 class OpWatch(TorchDispatchMode):
-    """Counts collectives by kind and, with `track_storage`, remembers every storage an op outputs."""
+    """Remembers (weakly) every storage an op outputs on this thread."""
 
-    KINDS = (("alltoall", "all_to_all"), ("allreduce", "all_reduce"), ("allgather", "all_gather"), ("reduce_scatter",))
-
-    def __init__(self, track_storage: bool = False) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.collectives: Counter = Counter()
-        self.track_storage = track_storage
         self.storages: dict[int, StorageWeakRef] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        name = str(func)
-        if name.startswith(("c10d.", "_c10d_functional.")):
-            for kind in self.KINDS:
-                if any(k in name for k in kind):
-                    self.collectives[kind[0]] += 1
-        if self.track_storage:
-            for t in _tensors(out):
-                key = _storage_key(t)
-                if key is not None:
-                    self.storages[key] = StorageWeakRef(t.untyped_storage())
+        for t in _tensors(out):
+            key = _storage_key(t)
+            if key is not None:
+                self.storages[key] = StorageWeakRef(t.untyped_storage())
         return out
 
     def alive_bytes(self, exclude: set[int]) -> int:
@@ -184,7 +174,7 @@ def saved_activation_bytes(forward: torch.nn.Module, ti: Any) -> int:
     """What the forward and loss leave alive for backward (module docstring); runs the backward after."""
     from h3train.objective import compute_loss
 
-    watch = OpWatch(track_storage=True)
+    watch = OpWatch()
     with watch:
         loss = compute_loss(forward, ti).loss
     gc.collect()  # garbage in reference cycles is not kept for backward
@@ -197,8 +187,9 @@ def activation_bytes(trainer, ti: Any) -> dict[str, Any]:
     """Saved activations of this rank without and with checkpointing, on the trainer's model unsharded.
 
     FSDP2's unsharded parameters would count as created in the forward, so the measured model is the
-    same architecture (the trainer's dims, its SP group) without FSDP. The package's own measure
-    (`h3train.bench_memory.saved_activation_bytes`) is used where it exists.
+    same architecture (the trainer's dims, its SP group) without FSDP. The same measure serves every
+    package; where the package has its own (`h3train.bench_memory.saved_activation_bytes`), its
+    figure is recorded beside it.
     """
     from diffusers import MiniMaxH3Transformer3DModel
 
@@ -206,20 +197,20 @@ def activation_bytes(trainer, ti: Any) -> dict[str, Any]:
     from h3train.parallel.ulysses import SequenceParallel
 
     try:
-        from h3train.bench_memory import saved_activation_bytes as measure
-
-        source = "h3train.bench_memory.saved_activation_bytes"
-    except ImportError:
-        measure, source = saved_activation_bytes, "scripts/step_report.py"
+        from h3train.bench_memory import saved_activation_bytes as cross_check
+    except ImportError:  # an older package: this script's measure only
+        cross_check = None
     torch.manual_seed(0)
     transformer = MiniMaxH3Transformer3DModel(**trainer.model_config)
     transformer.set_attention_backend("native")
-    out: dict[str, Any] = {"measure": source}
+    out: dict[str, Any] = {}
     for key, ckpt in (("none", False), ("full", True)):
         # Positional: older packages call the third argument `gradient_checkpointing` too.
         forward = SequenceParallelH3(transformer, SequenceParallel(trainer.ctx.sp_group), ckpt)
-        out[key] = int(measure(forward, ti))
+        out[key] = saved_activation_bytes(forward, ti)
         transformer.zero_grad(set_to_none=True)
+        if cross_check is not None:
+            out[f"{key} (h3train.bench_memory)"] = int(cross_check(forward, ti))
     return out
 
 
@@ -276,6 +267,23 @@ def _host_side(code) -> bool:
     if any(part in path for part in _HOST_FILES):
         return True
     return path.endswith("/h3train/objective.py") and code.co_name not in _DEVICE_OBJECTIVE
+
+
+def collective_counter():
+    """`h3train/parallel/collectives.py` of this script's checkout, loaded by path (it needs only torch).
+
+    Loaded from here, not imported from the measured package, so an older package is counted by
+    the same counter: entry points of `torch.distributed` and of the functional collectives (which
+    DTensor calls, e.g. for the grad norm) wrapped in Python, and `_c10d_functional` ops by a dispatch
+    mode, each call counted once at its outermost entry.
+    """
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "h3train" / "parallel" / "collectives.py"
+    spec = importlib.util.spec_from_file_location("_step_report_collectives", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -355,7 +363,7 @@ def worker_sp1(run_dir: Path, repeats: int) -> dict[str, Any]:
         "step_ratio": ratio,
         "activation_bytes": activations["none"],
         "activation_bytes_checkpointed": activations["full"],
-        "activation_measure": activations["measure"],
+        "activations": activations,
         "load_s": load,
         "noise_s": noise,
     }
@@ -379,14 +387,22 @@ def worker_sp2(run_dir: Path, repeats: int, counted: int) -> dict[str, Any]:
         first = trainer.step
         trainer.cfg.train.steps = first + counted
         syncs = SyncCounter()
-        watch = OpWatch()
         try:
-            syncs.active = True
-            with watch:
+            with collective_counter().count_collectives(functional=True) as counts:
+                syncs.active = True
                 trainer.fit()
         finally:
             syncs.active = False
             syncs.restore()
+        fsdp = counts.fsdp()
+        collectives = {
+            "all_to_all": counts.kind("all_to_all"),
+            "all_reduce": counts.kind("all_reduce"),
+            "all_gather": counts.kind("all_gather"),
+            "fsdp_all_gather": fsdp["all_gather"],
+            "fsdp_reduce_scatter": fsdp["reduce_scatter"],
+            "by_entry": dict(counts),
+        }
         assert trainer.step == first + counted, (trainer.step, first, counted)
 
         dist.barrier()
@@ -409,9 +425,9 @@ def worker_sp2(run_dir: Path, repeats: int, counted: int) -> dict[str, Any]:
         "step_s": step_s,
         "activation_bytes": activations["none"],
         "activation_bytes_checkpointed": activations["full"],
-        "activation_measure": activations["measure"],
+        "activations": activations,
         "counted_steps": counted,
-        "collectives": dict(watch.collectives),
+        "collectives": collectives,
         "syncs": dict(syncs.calls),
         "save_blocking_s": blocking,
         "save_background_s": background,
@@ -494,10 +510,10 @@ def _launch(part: str, nproc: int, tmp: Path, args: argparse.Namespace) -> dict[
 def build_rows(sp1: dict[str, Any], sp2: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """(measure, value, goal, detail) per row of the issue's table."""
     n = sp2["counted_steps"]
-    coll = {k: v / n for k, v in sp2["collectives"].items()}
+    coll = {k: v / n for k, v in sp2["collectives"].items() if k != "by_entry"}
     syncs = sum(sp2["syncs"].values()) / n
     sync_detail = ", ".join(f"{k} x{v / n:g}" for k, v in sorted(sp2["syncs"].items())) or "none"
-    fsdp = coll.get("allgather", 0) + coll.get("reduce_scatter", 0)
+    fsdp = coll["fsdp_all_gather"] + coll["fsdp_reduce_scatter"]
     act = sp2["activation_bytes"] / sp1["activation_bytes"]
     act_ck = sp2["activation_bytes_checkpointed"] / sp1["activation_bytes_checkpointed"]
     save = sp2["save_blocking_s"] / sp2["step_s"]
@@ -514,27 +530,28 @@ def build_rows(sp1: dict[str, Any], sp2: dict[str, Any]) -> list[tuple[str, str,
             "saved activations per rank, sp=2 / sp=1",
             f"{act:.3f}",
             "<= 0.54",
-            f"{sp2['activation_bytes'] / mib:.1f} / {sp1['activation_bytes'] / mib:.1f} MiB "
-            f"({sp1['activation_measure']})",
+            f"{sp2['activation_bytes'] / mib:.1f} / {sp1['activation_bytes'] / mib:.1f} MiB"
+            + _cross_check(sp1, sp2, "none"),
         ),
         (
             "  with gradient checkpointing (full)",
             f"{act_ck:.3f}",
             "<= 0.58",
-            f"{sp2['activation_bytes_checkpointed'] / mib:.1f} / {sp1['activation_bytes_checkpointed'] / mib:.1f} MiB",
+            f"{sp2['activation_bytes_checkpointed'] / mib:.1f} / {sp1['activation_bytes_checkpointed'] / mib:.1f} MiB"
+            + _cross_check(sp1, sp2, "full"),
         ),
         (
             "all-to-alls per block per step",
-            f"{coll.get('alltoall', 0) / sp2['blocks']:g}",
+            f"{coll['all_to_all'] / sp2['blocks']:g}",
             "4",
-            f"{coll.get('alltoall', 0):g} per step over {sp2['blocks']} blocks, sp=2",
+            f"{coll['all_to_all']:g} per step over {sp2['blocks']} blocks, sp=2",
         ),
         ("device->host syncs per step", f"{syncs:g}", "1", f"CPU stand-in (calls that sync on a GPU): {sync_detail}"),
         (
             "extra all-reduces per step",
-            f"{coll.get('allreduce', 0):g}",
+            f"{coll['all_reduce']:g}",
             "2 (grad norm + 1)",
-            "all-reduces in the loop; FSDP2 reduces gradients by reduce-scatter",
+            "all-reduces in the loop, the grad norm's included; FSDP2 reduces gradients by reduce-scatter",
         ),
         (
             "checkpoint save blocking / step",
@@ -547,7 +564,8 @@ def build_rows(sp1: dict[str, Any], sp2: dict[str, Any]) -> list[tuple[str, str,
             "FSDP2 collectives per step",
             f"{fsdp:g}",
             "about half of 26",
-            f"{coll.get('allgather', 0):g} all-gathers + {coll.get('reduce_scatter', 0):g} reduce-scatters, 2 ranks",
+            f"{coll['fsdp_all_gather']:g} all-gathers + {coll['fsdp_reduce_scatter']:g} reduce-scatters, 2 ranks "
+            f"(the SP output gather apart: {coll['all_gather'] - coll['fsdp_all_gather']:g})",
         ),
         (
             "data: step / load of a 480p 5 s sample, cold cache",
@@ -557,6 +575,13 @@ def build_rows(sp1: dict[str, Any], sp2: dict[str, Any]) -> list[tuple[str, str,
             f"{sp1['noise_s'] * 1e3:.1f} ms",
         ),
     ]
+
+
+def _cross_check(sp1: dict[str, Any], sp2: dict[str, Any], key: str) -> str:
+    """The package's own measure of the same ratio, where it has one."""
+    name = f"{key} (h3train.bench_memory)"
+    a, b = sp2.get("activations", {}).get(name), sp1.get("activations", {}).get(name)
+    return f"; h3train.bench_memory: {a / b:.3f}" if a and b else ""
 
 
 def format_rows(rows: list[tuple[str, str, str, str]], package: str) -> str:

@@ -298,7 +298,8 @@ def test_step_report_prints_every_row_of_the_issue_table() -> None:
     sp1 = {"rows": 2058, "step_s": 1.0, "bare_step_s": 0.98, "step_ratio": 1.02, "activation_bytes": 200,
            "activation_bytes_checkpointed": 20, "activation_measure": "m", "load_s": 0.04, "noise_s": 0.01}  # fmt: skip
     sp2 = {"step_s": 1.0, "activation_bytes": 100, "activation_bytes_checkpointed": 11, "counted_steps": 2,
-           "collectives": {"alltoall": 16, "allreduce": 4, "allgather": 20, "reduce_scatter": 6},
+           "collectives": {"all_to_all": 16, "all_reduce": 4, "all_gather": 22, "fsdp_all_gather": 20,
+                           "fsdp_reduce_scatter": 6, "by_entry": {}},
            "syncs": {"tolist in trainer.py:_reduce_step": 2}, "save_blocking_s": 0.05, "save_background_s": 0.2,
            "blocks": 2}  # fmt: skip
     rows = report.build_rows(sp1, sp2)
