@@ -27,6 +27,14 @@ The timed step runs under `torch.cuda.set_sync_debug_mode("error")`, after a war
 every input already on the device. Exit status: 0 when every backend ran, made no sync and held
 gradient parity; 1 otherwise; 2 for a bad option.
 
+Whole step (`--whole-step`, what `scripts/gpu_check.sh` runs): afterwards, with the bench model
+freed, `Trainer.train_step` itself per backend on the same layout: the trainer's FSDP2 policy on a
+one-rank mesh (bf16 compute, float32 master weights), gradient clipping, AdamW and the step's one
+all-reduce. On CUDA the whole step runs under `set_sync_debug_mode("error")` except
+`Trainer._reduce_step`, the step's one designed device->host copy, which runs under "warn" with its
+syncs counted (`read_back_syncs`, at most 1 passes). Where 16 bytes per parameter of optimizer state
+for `--layers` blocks do not fit the device, the whole step runs fewer blocks (a note says how many).
+
 Reduced mode (`--reduced`, and always on CPU): hidden 64, 4 heads x 16, 2 blocks, a 22-frame
 128x192 clip (a few hundred rows), float32 on CPU; the CPU stand-in for the flash-vs-native
 parity is `_native_math` vs `native`. It finishes in seconds so the test suite runs it.
