@@ -87,7 +87,9 @@ class _Created(TorchDispatchMode):
                     key = storage.data_ptr()
                 except RuntimeError:  # a wrapper subclass (e.g. an async collective's) without storage
                     continue
-                if storage.nbytes() and key not in self.storages:
+                known = self.storages.get(key)
+                # An address freed and handed out again names a new storage.
+                if storage.nbytes() and (known is None or known[0].expired()):
                     self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
         return out
 
@@ -164,12 +166,15 @@ def _activation_worker(rank: int, world: int, modes: list[tuple[str, int]], time
         entry: dict[str, Any] = {"saved_bytes": saved_activation_bytes(forward, ti)}
         if timed:
             compute_loss(forward, ti).loss.backward()  # warm-up
-            model.zero_grad(set_to_none=True)
-            if group is not None:
-                dist.barrier()
-            start = time.perf_counter()
-            compute_loss(forward, ti).loss.backward()
-            entry["step_s"] = time.perf_counter() - start
+            times = []
+            for _ in range(2):  # the faster of two: the machine may be shared
+                model.zero_grad(set_to_none=True)
+                if group is not None:
+                    dist.barrier()
+                start = time.perf_counter()
+                compute_loss(forward, ti).loss.backward()
+                times.append(time.perf_counter() - start)
+            entry["step_s"] = min(times)
         results[key] = entry
     return results
 
