@@ -624,7 +624,8 @@ class Trainer:
             host_t = host_t.pin_memory().to(self.device, non_blocking=True)
         reduced = torch.cat([device_sums * lead, host_t])
         dist.all_reduce(reduced)
-        local = torch.stack([grad_norm.double(), *(loss.double() for loss in losses)])
+        # The norm may live on the host (parameters offloaded to the CPU); the losses on the device.
+        local = torch.stack([grad_norm.to(self.device, torch.float64), *(loss.double() for loss in losses)])
         values = torch.cat([reduced, local]).tolist()
         sums, stops = values[:10], values[10:12]
         stop = INTERRUPT if stops[1] > 0 else PREEMPT if stops[0] > 0 else NONE
