@@ -196,6 +196,9 @@ class CheckpointConfig:
     keep_last: int = 2
     # auto: newest complete checkpoint in `dir` (a fresh start when there is none); none; or a path.
     resume: str = "auto"
+    # Write in the background (`torch.distributed.checkpoint.async_save`): the step waits only for
+    # the copy to host memory; the commit follows when every rank's write is done.
+    async_save: bool = False
 
 
 @dataclass

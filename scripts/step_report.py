@@ -98,6 +98,13 @@ PACKED_ROWS = 2058
 DATA_FRAMES, DATA_LATENT_HW, DATA_TEXT, DATA_TEXT_DIM = 124, (30, 54), 1024, 5120
 
 
+def _async_save() -> list[str]:
+    """Background checkpoint writes where the measured package has them."""
+    from h3train.config import CheckpointConfig
+
+    return ["checkpoint.async_save=true"] if "async_save" in CheckpointConfig.__dataclass_fields__ else []
+
+
 def overrides(run_dir: Path, sp: int, steps: int) -> list[str]:
     model = [f"model.config.{k}={v}" for k, v in MODEL.items()]
     data = [f"data.synthetic.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in SAMPLE.items()]
@@ -110,6 +117,7 @@ def overrides(run_dir: Path, sp: int, steps: int) -> list[str]:
         "train.grad_accum=1",
         f"train.steps={steps}",
         "checkpoint.every=0",
+        *_async_save(),
         f"checkpoint.dir={run_dir / 'checkpoints'}",
         f"logging.dir={run_dir}",
         "logging.progress=false",

@@ -89,20 +89,54 @@ def test_resume_on_another_layout_continues_the_same_run(runs, tmp_path, saved, 
 
 
 @pytest.mark.slow
-def test_kill_during_save_keeps_previous_checkpoint(runs, tmp_path) -> None:
+@pytest.mark.parametrize("write", ["sync", "async"])
+def test_kill_during_save_keeps_previous_checkpoint(runs, tmp_path, write) -> None:
+    # Async: the kill lands while step 2's shards are written in the background.
     run = tmp_path / "crashed"
-    proc = _train(run, ["checkpoint.every=1", "debug.fault=[kill_in_save@2]"], check=False)
+    mode = f"checkpoint.async_save={write == 'async'}"
+    proc = _train(run, ["checkpoint.every=1", "debug.fault=[kill_in_save@2]", mode], check=False)
     assert proc.returncode == -signal.SIGKILL
     ckpt = run / "checkpoints"
     assert [p.name for p in complete_checkpoints(ckpt)] == ["step_00000001"]
     assert (ckpt / ".tmp-step_00000002").is_dir()  # the half-written save, never loadable
 
-    again = _train(run, ["checkpoint.every=1", "checkpoint.keep_last=3"])
+    again = _train(run, ["checkpoint.every=1", "checkpoint.keep_last=3", mode])
     assert "step_00000001" in again.stdout
     assert not (ckpt / ".tmp-step_00000002").exists()
     assert [p.name for p in complete_checkpoints(ckpt)] == ["step_00000004", "step_00000005", "step_00000006"]
     # Step 2 was redone: the log has each step once and ends where the straight run ends.
     assert _curve(run) == _curve(runs.straight(SP1))
+
+
+def _tensors(checkpoint) -> dict:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(str(checkpoint))
+    meta = reader.read_metadata().state_dict_metadata
+    out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if hasattr(m, "size")}
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    return out
+
+
+@pytest.mark.slow
+def test_async_save_writes_what_the_step_held_and_resumes_bitwise(runs, tmp_path) -> None:
+    """Training goes on while the shards are written: the checkpoint still holds the saved step's state."""
+    import torch
+
+    sync, background = tmp_path / "sync", tmp_path / "async"
+    _train(sync, ["checkpoint.every=2", "checkpoint.keep_last=0"])
+    proc = _train(background, ["checkpoint.every=2", "checkpoint.keep_last=0", "checkpoint.async_save=true"])
+    assert proc.stdout.count("saving checkpoint") == 3 and proc.stdout.count("saved checkpoint") == 3
+    assert _curve(background) == _curve(sync)
+    for step in ("step_00000002", "step_00000004"):
+        a, b = _tensors(sync / "checkpoints" / step), _tensors(background / "checkpoints" / step)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
+    resumed = tmp_path / "resumed"
+    shutil.copytree(background, resumed)
+    _train(resumed, [f"checkpoint.resume={resumed / 'checkpoints' / 'step_00000004'}", "checkpoint.async_save=true"])
+    assert _curve(resumed) == _curve(sync)
 
 
 @pytest.mark.slow

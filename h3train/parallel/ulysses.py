@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 
 def padded_length(seq_len: int, sp: int) -> int:
@@ -109,7 +109,7 @@ class SequenceParallel:
         g, sp = len(xs), self.size
         # [sp, B, S/sp, G, H/sp, D]: chunk j of every tensor's heads goes to rank j.
         send = torch.stack(xs, dim=2).reshape(b, s_local, g, sp, h // sp, d).permute(3, 0, 1, 2, 4, 5).contiguous()
-        recv = all_to_all_single_autograd(send.flatten(0, 1).flatten(1), None, None, self.group)
+        recv = wait_tensor(all_to_all_single_autograd(send.flatten(0, 1).flatten(1), None, None, self.group))
         recv = recv.view(sp, b, s_local, g, h // sp, d)
         # Received chunk i holds source rank i's rows, so concatenating by source restores row order.
         full = recv.permute(1, 0, 2, 3, 4, 5).reshape(b, sp * s_local, g, h // sp, d)
@@ -123,7 +123,7 @@ class SequenceParallel:
         s_local = s // self.size
         # [sp, B, S/sp, H/sp, D]: row chunk j goes back to rank j.
         send = x.reshape(b, self.size, s_local, h_local, d).permute(1, 0, 2, 3, 4).contiguous()
-        recv = all_to_all_single_autograd(send.flatten(0, 1).flatten(1), None, None, self.group)
+        recv = wait_tensor(all_to_all_single_autograd(send.flatten(0, 1).flatten(1), None, None, self.group))
         recv = recv.view(self.size, b, s_local, h_local, d)
         # Received chunk i holds head block i of this rank's rows.
         return recv.permute(1, 2, 0, 3, 4).reshape(b, s_local, self.size * h_local, d)

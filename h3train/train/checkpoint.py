@@ -35,6 +35,7 @@ import shutil
 import threading
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -398,13 +399,29 @@ def read_failure_reason(exc: BaseException) -> str:
 # -- writing checkpoints --------------------------------------------------------------------------
 
 
+@dataclass
+class _PendingSave:
+    """A background save: DCP's future and what its commit needs."""
+
+    future: Any
+    tmp: Path
+    final: Path
+    step: int
+    info: dict[str, Any]
+
+
 class Checkpointer:
     """Saves commit by rename; prunes only what this run's lineage holds (see `_prune`)."""
 
-    def __init__(self, root: Path, keep_last: int, is_main: bool) -> None:
+    def __init__(self, root: Path, keep_last: int, is_main: bool, async_save: bool = False) -> None:
         self.root = root
         self.keep_last = keep_last
         self.is_main = is_main
+        self.async_save = async_save
+        self._pending: _PendingSave | None = None
+        # Background writes plan over a gloo group of their own, so their collectives never
+        # interleave with the training loop's on the default group (and work beside NCCL).
+        self._group = dist.new_group(backend="gloo") if async_save else None
         # Checkpoints newer than the resume point that this run did not write are never pruned.
         # Resuming sets such later ones aside under another name, so this is a second guard.
         self.protected_after: int | None = None
@@ -432,15 +449,42 @@ class Checkpointer:
     ) -> Path:
         """Write every rank's shards to a temporary folder, then commit it by an atomic rename.
 
-        `info` goes to `trainer_state.json` with the step and the commit number.
+        `info` goes to `trainer_state.json` with the step and the commit number. With `async_save`
+        the call returns once the state is copied to host memory and written in the background;
+        the commit happens in `wait()`, which the next save, the end of training and a stop call.
+        `before_commit` (fault injection) then runs while the background write is in flight.
+        Returns the checkpoint's final name (committed, or to be committed by `wait()`).
         """
+        self.wait()
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{final.name}"
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
+        if self.async_save:
+            future = dcp.async_save(dict(components), checkpoint_id=str(tmp), process_group=self._group)
+            self._pending = _PendingSave(future, tmp, final, step, dict(info))
+            if before_commit is not None:
+                before_commit()
+            return final
         dcp.save(dict(components), checkpoint_id=str(tmp))
+        self._commit(tmp, final, step, info, before_commit)
+        return final
+
+    def wait(self) -> Path | None:
+        """Finish the background save in flight, if any, and commit it (collective). Returns its path."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        pending.future.result()
+        self._commit(pending.tmp, pending.final, pending.step, pending.info, None)
+        return pending.final
+
+    def _commit(
+        self, tmp: Path, final: Path, step: int, info: dict[str, Any], before_commit: Callable[[], None] | None
+    ) -> None:
+        """Every rank's shards are in `tmp`: write the record, then rename it into place (rank 0)."""
         if self.is_main:
             record = {"step": step, "commit": self._next_commit(), **info}
             atomic_write_text(tmp / STATE_FILE, json.dumps(record, indent=2, default=str))
@@ -460,7 +504,6 @@ class Checkpointer:
         dist.barrier()
         if self.is_main:
             self._prune(keep=final)
-        return final
 
     def _prune(self, keep: Path) -> None:
         """Retire all but the newest `keep_last` checkpoints; delete them in the background.

@@ -237,7 +237,9 @@ class Trainer:
         self.hooks: list[TrainerHook] = []
         for hook in step_hooks(cfg, self.ctx.rank) if hooks is None else hooks:
             self.add_hook(hook)
-        self.checkpointer = Checkpointer(self.ckpt_dir, cfg.checkpoint.keep_last, self.ctx.is_main)
+        self.checkpointer = Checkpointer(
+            self.ckpt_dir, cfg.checkpoint.keep_last, self.ctx.is_main, async_save=cfg.checkpoint.async_save
+        )
         self.checkpointer.clean_incomplete()
         if self.resume_from is not None:
             self._resume(self.resume_from)
@@ -711,16 +713,27 @@ class Trainer:
                 preempted = self.stop_request
                 self.interrupted = preempted == INTERRUPT
                 if preempted or (every and (step % every == 0 or step == cfg.train.steps)):
+                    self._finish_saves()
                     self.phase = f"checkpoint save at step {step}"
                     path = self.save_checkpoint()
                     if self.ctx.is_main:
-                        print(f"saved checkpoint {path}", flush=True)
+                        background = self.checkpointer.async_save
+                        print(f"{'saving' if background else 'saved'} checkpoint {path}", flush=True)
                 if preempted:
+                    self._finish_saves()
                     if self.ctx.is_main:
                         print(self._stop_line(step, preempted), flush=True)
                     break
+            self._finish_saves()
             for hook in self.hooks:
                 hook.on_fit_end(self)
+
+    def _finish_saves(self) -> None:
+        """Commit the background save in flight, if any (every rank waits for its own write)."""
+        self.phase = "waiting for the background checkpoint write"
+        path = self.checkpointer.wait()
+        if path is not None and self.ctx.is_main:
+            print(f"saved checkpoint {path}", flush=True)
 
     def _stop_line(self, step: int, kind: int) -> str:
         sig = self.preempt.signal
