@@ -75,6 +75,23 @@ def run_process_group(cmd: list[str], env: dict[str, str], timeout: float) -> su
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def checkpoint_tensors(checkpoint: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of a DCP checkpoint whose keys start with `prefix` (e.g. `model.`), read in this
+    process, keyed without the prefix."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(str(checkpoint))
+    metadata = reader.read_metadata().state_dict_metadata
+    out = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in metadata.items()
+        if k.startswith(prefix) and hasattr(m, "size")
+    }
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    return {k.removeprefix(prefix): v for k, v in out.items()}
+
+
 def read_metrics(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines() if line]
 

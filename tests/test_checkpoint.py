@@ -14,7 +14,7 @@ import pytest
 
 from h3train.train.checkpoint import complete_checkpoints
 
-from reference import ROOT, TINY_FL2VA, h3train_command, read_metrics, run_env, run_h3train
+from reference import ROOT, TINY_FL2VA, checkpoint_tensors, h3train_command, read_metrics, run_env, run_h3train
 
 COMMON = ["train.steps=6", "logging.progress=false", "optim.schedule=cosine", "optim.warmup_steps=2"]
 SP2 = (2, ("parallel.sp=2",))
@@ -108,18 +108,6 @@ def test_kill_during_save_keeps_previous_checkpoint(runs, tmp_path, write) -> No
     assert _curve(run) == _curve(runs.straight(SP1))
 
 
-def _tensors(checkpoint) -> dict:
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    reader = FileSystemReader(str(checkpoint))
-    meta = reader.read_metadata().state_dict_metadata
-    out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if hasattr(m, "size")}
-    dcp.load(out, storage_reader=reader, no_dist=True)
-    return out
-
-
 @pytest.mark.slow
 def test_async_save_writes_what_the_step_held_and_resumes_bitwise(runs, tmp_path) -> None:
     """Training goes on while the shards are written: the checkpoint still holds the saved step's state."""
@@ -131,7 +119,7 @@ def test_async_save_writes_what_the_step_held_and_resumes_bitwise(runs, tmp_path
     assert proc.stdout.count("saving checkpoint") == 3 and proc.stdout.count("saved checkpoint") == 3
     assert _curve(background) == _curve(sync)
     for step in ("step_00000002", "step_00000004"):
-        a, b = _tensors(sync / "checkpoints" / step), _tensors(background / "checkpoints" / step)
+        a, b = checkpoint_tensors(sync / "checkpoints" / step), checkpoint_tensors(background / "checkpoints" / step)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
     resumed = tmp_path / "resumed"
     shutil.copytree(background, resumed)

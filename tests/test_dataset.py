@@ -305,8 +305,14 @@ def test_trainer_noises_micro_batches_on_the_prefetch_thread(tmp_path: Path, mon
     monkeypatch.setattr(trainer_module, "micro_batch_inputs", recording)
     cfg = load_config(
         TINY_FL2VA,
-        [f"logging.dir={tmp_path}", "train.steps=2", "train.grad_accum=2", "logging.progress=false",
-         "checkpoint.every=0", "data.prefetch=1"],  # fmt: skip
+        [
+            f"logging.dir={tmp_path}",
+            "train.steps=2",
+            "train.grad_accum=2",
+            "logging.progress=false",
+            "checkpoint.every=0",
+            "data.prefetch=1",
+        ],  # fmt: skip
     )
     order = [(1, 0), (1, 1), (2, 0), (2, 1)]
     trainer = trainer_module.Trainer(cfg, hooks=[])

@@ -4,29 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.model.build import build_model
 
-from reference import TINY_FL2VA, read_metrics, run_h3train
+from reference import TINY_FL2VA, checkpoint_tensors, read_metrics, run_h3train
 
 DECAY = 0.75
-
-
-def _tensors(checkpoint, prefix: str) -> dict[str, torch.Tensor]:
-    """The tensors of one component of a DCP checkpoint, by FQN without the component's prefix."""
-    reader = FileSystemReader(str(checkpoint))
-    metadata = reader.read_metadata().state_dict_metadata
-    out = {
-        k: torch.empty(m.size, dtype=m.properties.dtype)
-        for k, m in metadata.items()
-        if k.startswith(prefix) and hasattr(m, "size")
-    }
-    dcp.load(out, storage_reader=reader, no_dist=True)
-    return {k.removeprefix(prefix): v for k, v in out.items()}
 
 
 def _args(log_dir, *extra: str) -> list[str]:
@@ -59,10 +44,10 @@ def test_ema_follows_the_recurrence_over_the_saved_weights(every_step) -> None:
     assert [m["skipped_steps"] for m in read_metrics(every_step)] == [0, 0, 1, 1]
     expected = {k: v.double() for k, v in initial.items()}
     for step in (1, 2, 3, 4):
-        weights = _tensors(_step(every_step, step), "model.")
+        weights = checkpoint_tensors(_step(every_step, step), "model.")
         if step != 3:  # a skipped step updates neither the weights nor the EMA
             expected = {k: DECAY * e + (1 - DECAY) * weights[k].double() for k, e in expected.items()}
-        ema = _tensors(_step(every_step, step), "ema.")
+        ema = checkpoint_tensors(_step(every_step, step), "ema.")
         assert ema.keys() == expected.keys()
         for key, value in expected.items():
             torch.testing.assert_close(ema[key].double(), value, rtol=1e-6, atol=1e-7, msg=f"step {step}: {key}")
@@ -76,7 +61,7 @@ def test_ema_resumes_bitwise(tmp_path) -> None:
     run_h3train(_args(resumed, "train.steps=4", "checkpoint.every=4", "debug.fault=[sigterm@2]"))
     assert _step(resumed, 2).is_dir() and not _step(resumed, 4).exists()
     run_h3train(_args(resumed, "train.steps=4", "checkpoint.every=4"))
-    a, b = _tensors(_step(straight, 4), "ema."), _tensors(_step(resumed, 4), "ema.")
+    a, b = checkpoint_tensors(_step(straight, 4), "ema."), checkpoint_tensors(_step(resumed, 4), "ema.")
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[k], b[k]) for k in a), "the resumed EMA differs from the straight run's"
 

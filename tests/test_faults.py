@@ -10,24 +10,13 @@ import subprocess
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
 from h3train.cli import main
 from h3train.data.format import read_index
 
-from reference import ROOT, TINY_FL2VA, h3train_command, read_metrics, run_env, run_h3train
+from reference import ROOT, TINY_FL2VA, checkpoint_tensors, h3train_command, read_metrics, run_env, run_h3train
 
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
-
-
-def _tensors(checkpoint) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP checkpoint (model and optimizer state), read in this process."""
-    reader = FileSystemReader(str(checkpoint))
-    metadata = reader.read_metadata().state_dict_metadata
-    out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items() if hasattr(m, "size")}
-    dcp.load(out, storage_reader=reader, no_dist=True)
-    return out
 
 
 @pytest.mark.slow
@@ -51,7 +40,7 @@ def test_non_finite_step_is_skipped_by_every_rank(tmp_path, fault) -> None:
     assert [m["skipped_steps"] for m in metrics] == [0, 1, 1]
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in (metrics[0], metrics[2]))
     ckpt = tmp_path / "checkpoints"
-    before, after, later = (_tensors(ckpt / f"step_0000000{i}") for i in (1, 2, 3))
+    before, after, later = (checkpoint_tensors(ckpt / f"step_0000000{i}") for i in (1, 2, 3))
     assert before.keys() == after.keys() and any(k.startswith("optim.") for k in before)
     assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step changed weights or AdamW state"
     assert any(not torch.equal(after[k], later[k]) for k in after), "training did not continue after the skip"

@@ -54,5 +54,3 @@ class Preemption:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-
-
