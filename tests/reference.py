@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,27 @@ def run_process_group(cmd: list[str], env: dict[str, str], timeout: float) -> su
             proc.communicate()
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def signal_after_steps(
+    proc: subprocess.Popen, log_dir: Path, signum: int, steps: int = 1, timeout: float = 120
+) -> tuple[str, str]:
+    """Once `log_dir/metrics.jsonl` holds `steps` lines, send `signum` to `proc`; return its (stdout, stderr).
+
+    On a timeout or a failed assertion the process's whole session is killed.
+    """
+    metrics = Path(log_dir) / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    try:
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= steps):
+            assert proc.poll() is None and time.monotonic() < deadline, "training never logged a step"
+            time.sleep(0.1)
+        proc.send_signal(signum)
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
 
 
 def checkpoint_tensors(checkpoint: Path, prefix: str = "") -> dict[str, torch.Tensor]:

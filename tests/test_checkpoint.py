@@ -8,13 +8,21 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 
 import pytest
 
 from h3train.train.checkpoint import complete_checkpoints
 
-from reference import ROOT, TINY_FL2VA, checkpoint_tensors, h3train_command, read_metrics, run_env, run_h3train
+from reference import (
+    ROOT,
+    TINY_FL2VA,
+    checkpoint_tensors,
+    h3train_command,
+    read_metrics,
+    run_env,
+    run_h3train,
+    signal_after_steps,
+)
 
 COMMON = ["train.steps=6", "logging.progress=false", "optim.schedule=cosine", "optim.warmup_steps=2"]
 SP2 = (2, ("parallel.sp=2",))
@@ -140,14 +148,10 @@ def test_sigterm_saves_and_exits_zero(tmp_path) -> None:
             "logging.progress=false",
         ]
     )
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = log_dir / "metrics.jsonl"
-    deadline = time.time() + 120
-    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    out, err = signal_after_steps(proc, log_dir, signal.SIGTERM, steps=2)
     assert proc.returncode == 0, err[-2000:]
     saved = complete_checkpoints(log_dir / "checkpoints")
     assert len(saved) == 1

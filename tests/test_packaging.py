@@ -16,6 +16,8 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from reference import signal_after_steps
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 SCRIPTS = sorted([*ROOT.glob("scripts/*.sh"), *ROOT.glob("scripts/*.sbatch")])
@@ -194,16 +196,7 @@ def test_launch_script_stops_on_term_and_ctrl_c_with_a_checkpoint_and_no_traceba
         text=True,
         start_new_session=True,
     )
-    try:
-        deadline = time.monotonic() + 120
-        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip()):
-            assert time.monotonic() < deadline and proc.poll() is None, "training never started"
-            time.sleep(0.1)
-        proc.send_signal(signum)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    out, err = signal_after_steps(proc, run, signum)
     assert proc.returncode == code, out[-2000:] + err[-4000:]
     assert f"launch.sh: {why} on" in err and "preempted by SIGTERM: stopped after step" in out
     assert "Traceback" not in err and "SignalException" not in err, err[-4000:]

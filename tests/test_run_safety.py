@@ -14,7 +14,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from h3train.config import load_config
 from h3train.train.checkpoint import committed_checkpoints
 from h3train.train.optim import lr_factor
 
-from reference import ROOT, TINY_FL2VA, h3train_command, read_metrics, run_env, run_h3train
+from reference import ROOT, TINY_FL2VA, h3train_command, read_metrics, run_env, run_h3train, signal_after_steps
 
 COMMON = ["logging.progress=false", "train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=0"]
 SP2 = ["parallel.sp=2"]
@@ -294,18 +293,7 @@ def _stop_with(signum: int, log_dir: Path, nproc: int = 1, extra: tuple[str, ...
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
-    metrics = log_dir / "metrics.jsonl"
-    deadline = time.time() + 120
-    try:
-        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
-            time.sleep(0.2)
-        proc.send_signal(signum)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    out, err = signal_after_steps(proc, log_dir, signum, steps=2)
     saved = committed_checkpoints(log_dir / "checkpoints")
     assert len(saved) == 1 and int(saved[0].name[5:]) == read_metrics(log_dir)[-1]["step"]
     return proc.returncode, out, err
