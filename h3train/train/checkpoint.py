@@ -350,22 +350,25 @@ class NamingReader(FileSystemReader):
             raise UnreadableFile(f"{name} cannot be read ({_first_line(exc)})") from exc
 
 
-def check_components(path: Path, components: dict[str, Stateful]) -> None:
-    """On this rank, before the collective read: checkpoint `path` holds every component of this run.
+def check_components(path: Path, components: dict[str, Stateful]) -> dict[str, Stateful]:
+    """On this rank, before the collective read: the components of this run to read from `path`.
 
-    Raises CorruptCheckpoint when its metadata cannot be read, CheckpointError naming the missing
-    components (e.g. a run that adds an EMA resuming a checkpoint written without one).
+    An optional component (`fresh_if_missing`, e.g. an EMA switched on for the resumed part of a
+    run) that the checkpoint lacks is left out, to start afresh. Raises CorruptCheckpoint when the
+    metadata cannot be read, CheckpointError naming any other component the checkpoint lacks.
     """
     try:
         saved = {key.split(".", 1)[0] for key in NamingReader(path).read_metadata().state_dict_metadata}
     except Exception as exc:  # noqa: BLE001 - any unpickling failure: unreadable
         raise CorruptCheckpoint(f"checkpoint '{path}' cannot be read: {METADATA_FILE} ({_first_line(exc)})") from exc
-    missing = [name for name in components if name not in saved]
+    optional = {name for name, c in components.items() if getattr(c, "fresh_if_missing", False)}
+    missing = [name for name in components if name not in saved and name not in optional]
     if missing:
         raise CheckpointError(
             f"checkpoint '{path}' holds no state for {', '.join(missing)}, which this run has (it holds "
             f"{', '.join(sorted(saved))}); resume with the settings it was written with, or start afresh"
         )
+    return {name: c for name, c in components.items() if name in saved}
 
 
 def read_components(path: Path, components: dict[str, Stateful]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -228,19 +229,25 @@ class MetricsLogger:
             if key != "step":
                 record[key] = _jsonable(value)
 
+        self._write_line(record)
+        self._console(record)
+        self._wandb_log(lambda: {k: v for k, v in record.items() if k != "step"}, record["step"])
+
+    def _write_line(self, record: dict[str, Any]) -> None:
         assert self._fh is not None
         self._fh.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
         # Flushed per line so `tail -f` and a crash both see every completed step.
         self._fh.flush()
 
-        self._console(record)
-
-        if self._wandb_run is not None:
-            try:
-                self._wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-            except Exception as exc:  # noqa: BLE001 - a dashboard failure must not stop training
-                self._warn_wandb("failed to log", exc)
-                self._finish_wandb(exit_code=1)
+    def _wandb_log(self, values: Callable[[], dict[str, Any]], step: int) -> None:
+        """`wandb.log(values(), step)` when wandb runs; a failure warns once and turns wandb off."""
+        if self._wandb_run is None:
+            return
+        try:
+            self._wandb_run.log(values(), step=int(step))
+        except Exception as exc:  # noqa: BLE001 - a dashboard failure must not stop training
+            self._warn_wandb("failed to log", exc)
+            self._finish_wandb(exit_code=1)
 
     def log_validation(self, step: int, metrics: dict[str, float]) -> None:
         """Record a held-out evaluation after step `step` (0: before training) as a row of its own.
@@ -252,21 +259,14 @@ class MetricsLogger:
             return
         record: dict[str, Any] = {"step": int(step), "kind": "validation"}
         record.update({k: _jsonable(v) for k, v in metrics.items()})
-        assert self._fh is not None
-        self._fh.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
-        self._fh.flush()
+        self._write_line(record)
         shown = " ".join(f"{k}={v:.4f}" for k, v in metrics.items() if "@" not in k and isinstance(v, float))
         message = f"validation after step {step}: {shown}"
         if self._bar is not None:
             self._bar.write(message, file=sys.stderr)
         else:
             print(message, file=sys.stderr, flush=True)
-        if self._wandb_run is not None:
-            try:
-                self._wandb_run.log({k: v for k, v in record.items() if k not in ("step", "kind")}, step=int(step))
-            except Exception as exc:  # noqa: BLE001 - a dashboard failure must not stop training
-                self._warn_wandb("failed to log", exc)
-                self._finish_wandb(exit_code=1)
+        self._wandb_log(lambda: {k: v for k, v in record.items() if k not in ("step", "kind")}, step)
 
     def log_videos(self, step: int, videos: dict[str, tuple[Path, str]]) -> None:
         """Log rendered clips `{name: (mp4 path, caption)}` to wandb as videos `samples/<name>` at step `step`.
@@ -275,14 +275,13 @@ class MetricsLogger:
         """
         if not self.is_main or self._closed or self._wandb_run is None or not videos:
             return
-        try:
+
+        def media() -> dict[str, Any]:
             import wandb
 
-            media = {f"samples/{name}": wandb.Video(str(path), caption=text) for name, (path, text) in videos.items()}
-            self._wandb_run.log(media, step=int(step))
-        except Exception as exc:  # noqa: BLE001 - a dashboard failure must not stop training
-            self._warn_wandb("failed to log", exc)
-            self._finish_wandb(exit_code=1)
+            return {f"samples/{name}": wandb.Video(str(path), caption=text) for name, (path, text) in videos.items()}
+
+        self._wandb_log(media, step)
 
     def _console(self, record: dict[str, Any]) -> None:
         step = record["step"]

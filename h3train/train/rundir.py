@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..atomic import set_aside
 from ..errors import ConfigError, UsageError
-from .checkpoint import committed_checkpoints
+from .checkpoint import committed_checkpoints, step_of
 
 # What h3train writes into `logging.dir` (besides checkpoints); `--overwrite` moves these aside.
 RUN_FILES = ("metrics.jsonl", "config.yaml", "data_errors.jsonl", "loss_spikes.jsonl", "dump", "wandb")
@@ -119,5 +119,5 @@ def move_run_aside(log_dir: Path, ckpt_dir: Path) -> Path | None:
 
 def set_aside_later_checkpoints(ckpt_dir: Path, step: int) -> list[Path]:
     """Rename committed checkpoints after `step` to `step_N.abandoned-<step>`; return the new paths."""
-    later = [p for p in committed_checkpoints(ckpt_dir) if int(p.name.split("_")[1]) > step]
+    later = [p for p in committed_checkpoints(ckpt_dir) if step_of(p) > step]
     return [set_aside(p, f"abandoned-{step}") for p in later]

@@ -15,7 +15,6 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..atomic import set_aside
@@ -54,6 +53,7 @@ from .checkpoint import (
     read_trainer_state,
     resume_candidates,
     schedule_changes,
+    step_of,
     validate_checkpoint,
 )
 from .dump import diffusers_state, lora_meta, micro_batch_tensors, write_dump
@@ -349,7 +349,7 @@ class Trainer:
         """Rank 0: set a checkpoint that cannot be loaded aside (never deleted) and say so in one line."""
         moved = set_aside(path, "corrupt")
         print(
-            f"h3train: warning: skipped checkpoint {path} (step {int(path.name[5:])}): {problem}; "
+            f"h3train: warning: skipped checkpoint {path} (step {step_of(path)}): {problem}; "
             f"renamed it {moved.name} and trying the next older one",
             file=sys.stderr,
             flush=True,
@@ -380,10 +380,9 @@ class Trainer:
         fails on any rank fails on all, and all move on to the same older checkpoint.
         """
         while True:
-            components = self._components_to_load(path)
             # Each part ends in an all-reduce of its outcome, so no rank enters DCP's collective read
             # while another has already failed.
-            code, failure, _ = self._agreed_attempt(check_components, path, components)
+            code, failure, components = self._agreed_attempt(check_components, path, self.checkpoint_state)
             if code == 0:
                 code, failure, saved = self._agreed_attempt(read_components, path, components)
             if code == 0:
@@ -433,22 +432,6 @@ class Trainer:
                     flush=True,
                 )
         dist.barrier()
-
-    def _components_to_load(self, path: Path) -> dict[str, Stateful]:
-        """The components to read from `path`: all, less the optional ones it was saved without.
-
-        An optional component (`fresh_if_missing`, e.g. an EMA switched on for the resumed part of a
-        run) starts afresh instead; any other missing one is `check_components`' error.
-        """
-        try:
-            saved = {key.split(".", 1)[0] for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata}
-        except Exception:  # noqa: BLE001 - an unreadable checkpoint is check_components' to report
-            return dict(self.checkpoint_state)
-        return {
-            name: component
-            for name, component in self.checkpoint_state.items()
-            if name in saved or not getattr(component, "fresh_if_missing", False)
-        }
 
     def _agreed_attempt(self, attempt: Callable[..., Any], *args: Any) -> tuple[int, CheckpointError | None, Any]:
         """Run `attempt(*args)` on every rank; all agree on the worst outcome (MAX all-reduce).
