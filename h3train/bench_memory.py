@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from .config import LossWeights, TimestepConfig
 from .model.sp_forward import SequenceParallelH3
 from .objective import TrainingInputs, compute_loss, make_training_inputs
 from .parallel.collectives import CollectiveCounts
+from .parallel.dims import free_port
 from .parallel.ulysses import SequenceParallel
 
 ISSUE_DIMS: dict[str, Any] = model_dims(
@@ -123,12 +123,6 @@ def saved_activation_bytes(model: torch.nn.Module, inputs: TrainingInputs | dict
     return total
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -145,9 +139,7 @@ def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
     `fn` must be importable (a module-level function) and its result picklable.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _rank_main, args=(world, _free_port(), out_dir, fn, args), nprocs=world, start_method="spawn"
-        )
+        mp.start_processes(_rank_main, args=(world, free_port(), out_dir, fn, args), nprocs=world, start_method="spawn")
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

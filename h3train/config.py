@@ -753,7 +753,12 @@ def default_subfolder(cfg: Config) -> str:
         from .tasks.partition import mixed_subfolder
 
         return mixed_subfolder(cfg)
-    return "transformer_ref" if cfg.task.name == "ref2va" else "transformer"
+    return partition_for_task(cfg.task.name)
+
+
+def partition_for_task(task: str) -> str:
+    """The checkpoint partition a task trains: `transformer_ref` for ref2va, `transformer` otherwise."""
+    return "transformer_ref" if task == "ref2va" else "transformer"
 
 
 def model_dims(cfg: Config) -> dict[str, Any]:

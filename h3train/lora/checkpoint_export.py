@@ -33,14 +33,11 @@ import yaml
 from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..config import partition_for_task
 from ..errors import CheckpointError, UsageError
+from ..tasks.partition import PARTITION_TASKS
 from .base import as_trained, folder_digest, island_prefixes, random_base_state, read_record
-from .export import (
-    COMFYUI_WEIGHT_NAME,
-    partition_for_task,
-    save_comfyui_lora,
-    save_diffusers_lora,
-)
+from .export import COMFYUI_WEIGHT_NAME, save_comfyui_lora, save_diffusers_lora
 from .names import export_name, is_adapter_param
 
 FORMATS = ("diffusers", "comfyui")
@@ -57,7 +54,7 @@ def trained_partition(state: dict[str, Any]) -> str:
     except yaml.YAMLError:
         saved = {}
     subfolder = (saved.get("model") or {}).get("subfolder")
-    if subfolder in ("transformer", "transformer_ref"):
+    if subfolder in PARTITION_TASKS:
         return subfolder
     return partition_for_task((saved.get("task") or {}).get("name", "fl2va"))
 

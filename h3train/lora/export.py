@@ -61,11 +61,6 @@ _BLOCKS = (
 _QKV = ("attn.to_q", "attn.to_k", "attn.to_v")
 
 
-def partition_for_task(task: str) -> str:
-    """The checkpoint partition a task trains: `transformer_ref` for ref2va, `transformer` otherwise."""
-    return "transformer_ref" if task == "ref2va" else "transformer"
-
-
 def _modules(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Module path -> (lora_A, lora_B); anything but LoRA factors is an error."""
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
+from ..tasks.partition import PARTITION_TASKS
 
 _QKV = (".attn.to_q", ".attn.to_k", ".attn.to_v")
-_PARTITIONS = ("transformer", "transformer_ref")
+_PARTITIONS = tuple(PARTITION_TASKS)
 
 
 def _key(msg: str) -> ConfigError:

@@ -103,7 +103,7 @@ class ParallelContext:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -160,6 +160,6 @@ def init_distributed(backend: str, timeout_s: int, cpu_offload: bool = False) ->
             dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=timeout
+                backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timeout
             )
     return dist.get_world_size(), device
