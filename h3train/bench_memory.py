@@ -7,8 +7,10 @@ The figures of the step-efficiency table are measured on one model and one sampl
 `saved_activation_bytes(model, inputs)` is the memory one forward leaves behind for its backward:
 every storage created during the forward (an op's output, a collective's buffer) that is still
 alive once the forward has returned and garbage is collected, counted once per storage, parameters
-excluded. That is what autograd keeps (saved tensors, including a checkpointed block's inputs,
-which `torch.utils.checkpoint` holds outside the saved-tensor hooks) plus the outputs themselves.
+and inputs excluded (a view of an input, such as a linear layer's flattened input, shares the
+input's storage: that is data the caller holds, not an activation). That is what autograd keeps
+(saved tensors, including a checkpointed block's inputs, which `torch.utils.checkpoint` holds
+outside the saved-tensor hooks) plus the outputs themselves.
 Measure an unsharded model (no `apply_fsdp`): FSDP2's unsharded parameters would count otherwise.
 
 `run_ranks(fn, world, ...)` runs `fn(rank, world, *args)` in `world` spawned processes joined over
@@ -17,6 +19,7 @@ gloo and returns each rank's (picklable) result; the functions below use it for 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import tempfile
@@ -102,6 +105,13 @@ def _parameter_storages(model: torch.nn.Module) -> set[int]:
     return keys
 
 
+def input_storages(inputs: TrainingInputs | dict[str, torch.Tensor]) -> set[int]:
+    """Data pointers of every tensor in `inputs` (its model inputs, targets, masks)."""
+    fields = dataclasses.fields(inputs) if dataclasses.is_dataclass(inputs) else None
+    values = [getattr(inputs, f.name) for f in fields] if fields else inputs
+    return {t.untyped_storage().data_ptr() for t in tree_leaves(values) if isinstance(t, torch.Tensor)}
+
+
 def saved_activation_bytes(model: torch.nn.Module, inputs: TrainingInputs | dict[str, torch.Tensor]) -> int:
     """Bytes one forward of `model` on `inputs` keeps alive for backward, this rank (module docstring).
 
@@ -116,8 +126,8 @@ def saved_activation_bytes(model: torch.nn.Module, inputs: TrainingInputs | dict
         else:
             out = model(**inputs)
     gc.collect()
-    params = _parameter_storages(model)
-    total = sum(nbytes for key, (ref, nbytes) in mode.storages.items() if key not in params and not ref.expired())
+    owned = _parameter_storages(model) | input_storages(inputs)
+    total = sum(nbytes for key, (ref, nbytes) in mode.storages.items() if key not in owned and not ref.expired())
     del out
     gc.collect()
     return total

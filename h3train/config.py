@@ -144,6 +144,9 @@ class OptimConfig:
     warmup_steps: int = 0
     # Floor of cosine / linear decay, as a fraction of `lr`.
     min_lr_ratio: float = 0.0
+    # AdamW kernel: `fused` (one kernel over all parameters of a device and dtype), `foreach`
+    # (batched ops) or `for-loop` (one parameter at a time). All three compute the same update.
+    implementation: str = "fused"
 
 
 @dataclass
@@ -323,6 +326,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "train.timestep.sampling": ("uniform", "logit_normal"),
     "train.timestep.weighting": ("none", "cosmap"),
     "optim.schedule": ("constant", "cosine", "linear"),
+    "optim.implementation": ("fused", "foreach", "for-loop"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
     "cfg.schedule": ("constant", "sigma"),
     "cfg.negative": ("per_sample", "shared"),

@@ -41,6 +41,7 @@ scripts/step_report.py`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -174,7 +175,10 @@ def _owned_storages(model: torch.nn.Module, inputs: Any) -> set[int]:
             for t in (p, getattr(p, "_local_tensor", None), p.grad, getattr(p.grad, "_local_tensor", None)):
                 if isinstance(t, torch.Tensor) and (key := _storage_key(t)) is not None:
                     keys.add(key)
-    keys |= {k for t in _tensors(inputs) if (k := _storage_key(t)) is not None}
+    # TrainingInputs is a dataclass, which pytree does not open: its fields are flattened one by one.
+    fields = dataclasses.fields(inputs) if dataclasses.is_dataclass(inputs) else None
+    values = [getattr(inputs, f.name) for f in fields] if fields else inputs
+    keys |= {k for t in _tensors(values) if (k := _storage_key(t)) is not None}
     return keys
 
 

@@ -209,7 +209,6 @@ class SequenceParallelH3(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         m, sp = self.transformer, self.sp
         seq_len = position_ids.shape[0]
-        rotary_emb = m.rope(position_ids)
 
         video_embeds = m.proj_in(hidden_states.to(get_parameter_dtype(m.proj_in)))
         audio_embeds = m.audio_proj_in(audio_hidden_states.to(get_parameter_dtype(m.audio_proj_in)))
@@ -236,7 +235,11 @@ class SequenceParallelH3(nn.Module):
         if sp.enabled:
             adaln_indices = sp.local_slice(sp.pad(adaln_indices, 0))
             timestep_indices = sp.local_slice(sp.pad(timestep_indices, 0))
-            rotary_emb = UlyssesRotary(*(sp.local_slice(sp.pad(t, 0)) for t in rotary_emb), seq_len)
+            # The angles of this rank's rows only (they are row-wise; padding rows take position 0):
+            # every block saves them for backward.
+            rotary_emb = UlyssesRotary(*m.rope(sp.local_slice(sp.pad(position_ids, 0))), seq_len)
+        else:
+            rotary_emb = m.rope(position_ids)
 
         for i, block in enumerate(m.transformer_blocks):
             hidden = self._run(self.checkpointed(i), block, hidden, temb, adaln_indices, rotary_emb)

@@ -66,9 +66,13 @@ class SequenceParallel:
         return torch.cat([x, x.new_full(shape, value)], dim=dim)
 
     def local_slice(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        """This rank's rows of a non-differentiable per-row tensor (indices, rope angles)."""
+        """This rank's rows of a non-differentiable per-row tensor (indices, positions), as a copy.
+
+        A copy, not a view: a view would keep the full-length storage alive for as long as the
+        slice is saved for backward (an index of `index_select`, the AdaLN indices of every block).
+        """
         n = x.shape[dim] // self.size
-        return x.narrow(dim, self.rank * n, n)
+        return x.narrow(dim, self.rank * n, n).clone()
 
     def local_rows(self, seq_len: int, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """This rank's rows `[B, S_pad / sp, C]` of a packed sequence of `seq_len` rows.
