@@ -8,6 +8,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from h3train.config import load_config
+from h3train.train.dump import full_tensor
 from h3train.train.hooks import TrainerHook, trace_step_ranges
 from h3train.train.trainer import Trainer
 
@@ -22,7 +23,7 @@ def _config(tmp_path, *extra: str):
 
 
 def _full(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.full_tensor().detach().clone() for name, p in module.named_parameters()}
+    return {name: full_tensor(p).detach().clone() for name, p in module.named_parameters()}
 
 
 class Recorder(TrainerHook):

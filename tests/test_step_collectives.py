@@ -72,3 +72,31 @@ def test_forward_without_gradients_leaves_no_stale_unsharded_copy() -> None:
     # One rank: no unit reshards after forward there, the case where a stale copy would hide most.
     result = run_ranks(_stale_worker, 1)[0]
     assert result["halved"] == pytest.approx(result["expected"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "lora_rank", "sharded"),
+    [("float32", 0, False), ("bfloat16", 0, True), ("float32", 4, True)],
+    ids=["float32", "bf16_compute", "lora_bf16_base"],
+)
+def test_one_rank_run_keeps_fsdp2_only_where_it_casts(tmp_path, dtype, lora_rank, sharded) -> None:
+    # Alone and in float32, FSDP2 would only copy every unit into an unsharded twin and back.
+    import math
+
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from h3train.config import load_config
+    from h3train.train.trainer import Trainer
+
+    overrides = [f"logging.dir={tmp_path}", "logging.progress=false", "checkpoint.every=0", "train.steps=1"]
+    cfg = load_config(TINY_FL2VA, [*overrides, f"model.dtype={dtype}", f"lora.rank={lora_rank}"])
+    trainer = Trainer(cfg, hooks=[])
+    try:
+        units = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
+        distributed = [p for p in trainer.model.parameters() if isinstance(p, DTensor)]
+        stats = trainer.train_step(1)
+    finally:
+        trainer.close()
+    assert bool(units) is sharded and bool(distributed) is sharded
+    assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0

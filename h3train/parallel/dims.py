@@ -131,8 +131,8 @@ def _attempt_store(timeout: timedelta) -> dist.Store:
 def init_distributed(backend: str, timeout_s: int, cpu_offload: bool = False) -> tuple[int, torch.device]:
     """Join (or, alone, create) the default process group. Returns `(world_size, device)`.
 
-    Launched alone, a one-rank group is created so that one code path (FSDP2, DTensor) serves
-    both cases. With `cpu_offload` on CUDA the group also gets a gloo backend for host tensors:
+    Launched alone, a one-rank group is created so that the collectives (the step's all-reduce,
+    DCP's planning) run the same way in both cases. With `cpu_offload` on CUDA the group also gets a gloo backend for host tensors:
     offloaded gradients live on the CPU, and the grad norm's DTensor reduction runs on them.
     """
     use_cuda = torch.cuda.is_available() and backend != "gloo"

@@ -16,14 +16,17 @@ islands and the root (what is left: context_embedder, refiner final norm, norm_o
 parameters too. Per step with N blocks and R refiner blocks: N + R + 2 all-gathers in forward,
 N + R - 1 in backward, N + R + 2 reduce-scatters (`collectives.fsdp_collectives_per_step`).
 
-A one-rank mesh (world size 1) is still an FSDP2 mesh: every consumer (DCP state dicts, clip over
-DTensors, export, LoRA's trainable state, EMA shadows, `.full_tensor()`) keeps one code path, and
-the mixed-precision policy (bf16 compute over float32 master weights) keeps working. torch issues
-no collective on a one-rank group, only the copy into the unsharded parameter; nothing reshards
-after forward there (resharding would save no memory a one-rank run can use: the unsharded copy
-comes back for backward anyway), so each unit is copied once per step, not twice. After a
-forward without gradients every unit reshards (`_reshard_after_inference`), so that no unsharded
-copy outlives a change of the sharded values.
+One rank (world size 1): FSDP2 shards nothing there, and on a one-rank group it still copies each
+unit into an unsharded twin every forward (the whole model twice in memory, since nothing reshards)
+and each gradient through its reduce-scatter buffers. So `shards_nothing` tells the trainer to skip
+it where it would do no other work: float32 compute over float32 parameters, no CPU offload. The
+model then trains as plain tensors, which every consumer takes as well as DTensors (DCP reshards
+between the two on resume, the clip, export, EMA and LoRA state read either). A one-rank run that
+casts (bf16 compute over float32 master weights, LoRA's bf16 base upcast to float32) or offloads
+keeps FSDP2 for that work: nothing reshards after forward there (the unsharded copy comes back for
+backward anyway), so each unit is copied once per step, not twice. After a forward without
+gradients every unit reshards (`_reshard_after_inference`), so that no unsharded copy outlives a
+change of the sharded values.
 
 `parallel.cpu_offload` (FSDP2 `CPUOffloadPolicy`): the sharded float32 parameters, their gradients
 and so the AdamW state and step stay in host memory (pinned on CUDA); each unit is copied to the
@@ -69,6 +72,17 @@ def _reshard_after_inference(model: nn.Module, args: object, output: object) -> 
         for unit in model.modules():
             if isinstance(unit, FSDPModule):
                 unit.reshard()
+
+
+def shards_nothing(model: nn.Module, ctx: ParallelContext, compute_dtype: str, cpu_offload: bool = False) -> bool:
+    """Whether FSDP2 would only copy parameters for this run: one rank, float32 compute over float32
+    parameters (no cast to a compute dtype), no CPU offload. The trainer then skips `apply_fsdp`."""
+    return (
+        ctx.fsdp_mesh.size() == 1
+        and not cpu_offload
+        and DTYPES[compute_dtype] == torch.float32
+        and all(p.dtype == torch.float32 for p in model.parameters())
+    )
 
 
 def apply_fsdp(

@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from ..atomic import set_aside
 from ..config import Config, model_dims, to_yaml
@@ -35,7 +36,7 @@ from ..objective import (
     text_dropped,
 )
 from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
-from ..parallel.fsdp import apply_fsdp
+from ..parallel.fsdp import apply_fsdp, shards_nothing
 from ..parallel.ulysses import SequenceParallel
 from ..preflight import preflight, resolve_attention_backend
 from ..tasks.layout import PackedSample
@@ -183,8 +184,12 @@ class Trainer:
             compile_blocks=cfg.model.compile,
             compile_backend=cfg.model.compile_backend,
         )
-        # fully_shard moves the (CPU-initialised) shards to the mesh's device.
-        apply_fsdp(self.model, self.ctx, cfg.model.dtype, cpu_offload=cfg.parallel.cpu_offload)
+        if shards_nothing(self.model, self.ctx, cfg.model.dtype, cfg.parallel.cpu_offload):
+            if not from_meta:
+                self.model.to(device)
+        else:
+            # fully_shard moves the (CPU-initialised) shards to the mesh's device.
+            apply_fsdp(self.model, self.ctx, cfg.model.dtype, cpu_offload=cfg.parallel.cpu_offload)
         if self.resume_from is not None and not self.lora:
             materialize(self.model, device)
         elif pretrained:
@@ -532,7 +537,8 @@ class Trainer:
                 dumped.update(micro_batch_tensors(micro, ti))
                 metas.append(sample.meta())
         if self.faults.active("nan_grad", step):
-            next(p for p in self.model.parameters() if p.grad is not None).grad.to_local().fill_(float("nan"))
+            grad = next(p for p in self.model.parameters() if p.grad is not None).grad
+            (grad.to_local() if isinstance(grad, DTensor) else grad).fill_(float("nan"))
 
         if dump:
             self._dump(step, dumped, metas)
