@@ -208,3 +208,95 @@ def test_prune_never_retires_later_checkpoints_this_run_did_not_write(tmp_path) 
     ckpt._prune(keep=tmp_path / "step_00000120")
     _join_prune_threads()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000120", "step_00000200"]
+
+
+# -- async save: the snapshot is taken before the state changes -----------------------------------
+
+
+def _held_staging(monkeypatch, release: threading.Event, timeout: float = 1.0) -> None:
+    """DCP's background copy to host memory starts only once `release` is set (or after `timeout`).
+
+    Training code that changes the state without waiting for the copy then always loses the race:
+    the copy runs after the change. Code that waits pays at most `timeout`.
+    """
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    stage = DefaultStager._stage
+
+    def held(self, state_dict, **kwargs):
+        release.wait(timeout)
+        return stage(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(DefaultStager, "_stage", held)
+
+
+def _in_process_trainer(log_dir, hooks):
+    from h3train.config import load_config
+    from h3train.train.trainer import Trainer
+
+    overrides = [f"logging.dir={log_dir}", "train.steps=4", "logging.progress=false", "checkpoint.async_save=true"]
+    return Trainer(load_config(TINY_FL2VA, [*overrides, "checkpoint.keep_last=0"]), hooks=hooks)
+
+
+def _sync_copy(trainer, root):
+    """The checkpoint state as it is now, written by a plain (blocking) save of its own."""
+    from h3train.train.checkpoint import Checkpointer
+
+    path = Checkpointer(root, keep_last=0, is_main=True).save(trainer.checkpoint_state, {}, trainer.step)
+    return checkpoint_tensors(path)
+
+
+def _differing(a: dict, b: dict) -> list[str]:
+    """The keys whose tensors differ (both checkpoints must hold the same keys)."""
+    import torch
+
+    assert a.keys() == b.keys()
+    return sorted(k for k in a if not torch.equal(a[k], b[k]))
+
+
+def test_async_save_holds_the_state_at_the_save_although_the_next_update_follows_at_once(tmp_path, monkeypatch) -> None:
+    """The step after an async save updates weights and AdamW moments only once the copy is taken."""
+    trainer = _in_process_trainer(tmp_path / "run", hooks=[])
+    try:
+        trainer.train_step(1)  # AdamW's moments exist from here on
+        trainer.step = 1
+        expected = _sync_copy(trainer, tmp_path / "expected")
+        updated = threading.Event()
+        trainer.optimizer.register_step_post_hook(lambda *_: updated.set())
+        _held_staging(monkeypatch, updated)
+        path = trainer.save_checkpoint()
+        trainer.train_step(2)
+        trainer.step = 2
+        trainer.checkpointer.wait()
+        later = _sync_copy(trainer, tmp_path / "later")
+    finally:
+        trainer.close()
+    assert _differing(expected, checkpoint_tensors(path)) == []
+    # The step did change the checkpointed tensors: a copy taken after it would differ.
+    changed = _differing(expected, later)
+    assert any(k.startswith("model.") for k in changed) and any(k.startswith("optim.") for k in changed)
+
+
+def test_async_save_holds_the_weights_not_the_ema_swapped_in_before_the_next_update(tmp_path, monkeypatch) -> None:
+    """Validation with the EMA can run before the next update (after a skipped step): it waits for the copy."""
+    from h3train.train.ema import EmaHook
+
+    ema = EmaHook(0.5)
+    trainer = _in_process_trainer(tmp_path / "run", hooks=[ema])
+    try:
+        trainer.train_step(1)
+        ema.after_step(trainer, 1, {})  # the EMA now differs from the weights
+        trainer.step = 1
+        expected = _sync_copy(trainer, tmp_path / "expected")
+        swapped = threading.Event()
+        _held_staging(monkeypatch, swapped)
+        path = trainer.save_checkpoint()
+        with ema.swapped_in():
+            swapped.set()
+            trainer.checkpointer.wait_staged()  # the copy, if still to come, sees the EMA in the weights
+            with_ema = _sync_copy(trainer, tmp_path / "with_ema")
+        trainer.checkpointer.wait()
+    finally:
+        trainer.close()
+    assert _differing(expected, checkpoint_tensors(path)) == []
+    assert any(k.startswith("model.") for k in _differing(expected, with_ema))

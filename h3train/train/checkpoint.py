@@ -34,6 +34,7 @@ import re
 import shutil
 import threading
 from collections.abc import Callable, Generator, Iterable
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,7 @@ import yaml
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -404,19 +406,58 @@ def read_failure_reason(exc: BaseException) -> str:
 
 @dataclass
 class _PendingSave:
-    """A background save: DCP's future and what its commit needs."""
+    """A background save: DCP's two futures and what its commit needs."""
 
-    future: Any
+    staged: Future  # the snapshot of the state is taken (host copy done)
+    written: Future  # every rank's shards and the metadata are written
     tmp: Path
     final: Path
     step: int
     info: dict[str, Any]
 
 
-class Checkpointer:
-    """Saves commit by rename; prunes only what this run's lineage holds (see `_prune`)."""
+def staging_options(device: torch.device) -> StagingOptions:
+    """DCP's staging for `device`: in the background; pinned buffers and non-blocking copies on CUDA.
 
-    def __init__(self, root: Path, keep_last: int, is_main: bool, async_save: bool = False) -> None:
+    Shared memory is for a staging process; the writes here run on a thread of this process.
+    """
+    cuda = device.type == "cuda"
+    return StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+    )
+
+
+class Checkpointer:
+    """Saves commit by rename; prunes only what this run's lineage holds (see `_prune`).
+
+    With `async_save` a save runs in three parts: on the training thread, each component's
+    `state_dict()` (plain values such as the step counters, the sampler and schedule positions are
+    read here, so they are already a snapshot) and rank 0's creation of the temporary folder; on a
+    staging thread, the copy of every tensor to host memory (DCP's `DefaultStager`); on a writer
+    thread, DCP's planning (over this checkpointer's own gloo group) and the writes. `wait()`
+    commits after both threads are done.
+
+    The invariant the caller keeps: until `wait_staged()` has returned, nothing changes a tensor of
+    the checkpoint state in place, or the checkpoint would hold part of a later state. The trainer
+    calls it right before `optimizer.step()`, the first write after a save (weights, AdamW moments;
+    the LR schedule, the EMA shadows and LoRA weights change after that point), and `EmaHook.swapped_in`
+    calls it before writing the EMA into the parameters (validation or rendering after a step that
+    was skipped runs before the next update). On a CPU the forward and backward of the next step
+    take far longer than the copy, so the wait is normally over before it starts.
+
+    One stager serves every save of a checkpointer: it owns the staging thread and, on CUDA, the
+    pinned host buffers, which the next save reuses; that is safe because a save first waits for the
+    previous one's writes. `close()` releases them.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        keep_last: int,
+        is_main: bool,
+        async_save: bool = False,
+        device: torch.device | None = None,
+    ) -> None:
         self.root = root
         self.keep_last = keep_last
         self.is_main = is_main
@@ -425,6 +466,7 @@ class Checkpointer:
         # Background writes plan over a gloo group of their own, so their collectives never
         # interleave with the training loop's on the default group (and work beside NCCL).
         self._group = dist.new_group(backend="gloo") if async_save else None
+        self._stager = DefaultStager(staging_options(device or torch.device("cpu"))) if async_save else None
         # Checkpoints newer than the resume point that this run did not write are never pruned.
         # Resuming sets such later ones aside under another name, so this is a second guard.
         self.protected_after: int | None = None
@@ -453,21 +495,29 @@ class Checkpointer:
         """Write every rank's shards to a temporary folder, then commit it by an atomic rename.
 
         `info` goes to `trainer_state.json` with the step and the commit number. With `async_save`
-        the call returns once the state is copied to host memory and written in the background;
-        the commit happens in `wait()`, which the next save, the end of training and a stop call.
-        `before_commit` (fault injection) then runs while the background write is in flight.
+        the call returns once the components' `state_dict()` are taken; the copy to host memory and
+        the writes run in the background (see the class docstring for what must wait for the copy),
+        and the commit happens in `wait()`, which the next save, the end of training and a stop call.
+        `before_commit` (fault injection) then runs while the background work is in flight.
         Returns the checkpoint's final name (committed, or to be committed by `wait()`).
         """
         self.wait()
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{final.name}"
         if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
+            # `clean_incomplete` left none; a leftover of this name would mix its files into the new one.
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True, exist_ok=True)
+        # No barrier: DCP's writer creates the folder on every rank, and no rank writes a file before
+        # the plan exchange, which needs rank 0's plan, made after the lines above.
         if self.async_save:
-            future = dcp.async_save(dict(components), checkpoint_id=str(tmp), process_group=self._group)
-            self._pending = _PendingSave(future, tmp, final, step, dict(info))
+            response = dcp.async_save(
+                dict(components), checkpoint_id=str(tmp), process_group=self._group, async_stager=self._stager
+            )
+            self._pending = _PendingSave(
+                response.staging_completion, response.upload_completion, tmp, final, step, dict(info)
+            )
             if before_commit is not None:
                 before_commit()
             return final
@@ -475,14 +525,33 @@ class Checkpointer:
         self._commit(tmp, final, step, info, before_commit)
         return final
 
+    def wait_staged(self) -> None:
+        """Block until the save in flight has its snapshot of the state; after it, the state may change.
+
+        Cheap when there is no save in flight or its copy is done; raises what the copy raised.
+        """
+        pending = self._pending
+        if pending is not None:
+            pending.staged.result()
+
     def wait(self) -> Path | None:
         """Finish the background save in flight, if any, and commit it (collective). Returns its path."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        pending.future.result()
+        pending.staged.result()
+        pending.written.result()
         self._commit(pending.tmp, pending.final, pending.step, pending.info, None)
         return pending.final
+
+    def close(self) -> None:
+        """Release the stager (its thread, its host buffers); no collective, so also after a failure.
+
+        A save still in flight is not committed: call `wait()` first to keep it.
+        """
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _commit(
         self, tmp: Path, final: Path, step: int, info: dict[str, Any], before_commit: Callable[[], None] | None

@@ -44,8 +44,10 @@ class EmaHook(TrainerHook):
         self.params: dict[str, torch.nn.Parameter] = {}
         self.shadow: dict[str, torch.Tensor] = {}
         self._skipped_before = 0
+        self._trainer: Trainer | None = None
 
     def on_attach(self, trainer: Trainer) -> None:
+        self._trainer = trainer
         # Before any resume, which then overwrites the shadows in place.
         self.params = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
         with torch.no_grad():
@@ -86,6 +88,10 @@ class EmaHook(TrainerHook):
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
         """The trainable parameters hold the EMA inside the block and their own values again after it."""
+        if self._trainer is not None:
+            # After a skipped step, validation runs before the next update: a background save may
+            # still be copying these parameters (`Checkpointer.wait_staged`).
+            self._trainer.checkpointer.wait_staged()
         with torch.no_grad():
             saved = {n: _local(p).clone() for n, p in self.params.items()}
             for n, p in self.params.items():

@@ -243,7 +243,11 @@ class Trainer:
         for hook in step_hooks(cfg, self.ctx.rank) if hooks is None else hooks:
             self.add_hook(hook)
         self.checkpointer = Checkpointer(
-            self.ckpt_dir, cfg.checkpoint.keep_last, self.ctx.is_main, async_save=cfg.checkpoint.async_save
+            self.ckpt_dir,
+            cfg.checkpoint.keep_last,
+            self.ctx.is_main,
+            async_save=cfg.checkpoint.async_save,
+            device=device,
         )
         self.checkpointer.clean_incomplete()
         if self.resume_from is not None:
@@ -458,7 +462,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         info = {
             "model_config": self.model_config,
-            "config_yaml": to_yaml(self.cfg),
+            "config_yaml": self._config_yaml(),
             "skipped_steps": self.skipped_steps,
         }
         if self.lora:
@@ -469,6 +473,17 @@ class Trainer:
             self.step,
             before_commit=lambda: self.faults.maybe_die("kill_in_save", self.step),
         )
+
+    def _config_yaml(self) -> str:
+        """`to_yaml(self.cfg)`, rendered again only when the config changed.
+
+        OmegaConf takes tens of milliseconds, which every save would spend on the training thread.
+        """
+        key = repr(self.cfg)
+        cached = getattr(self, "_yaml_cache", None)
+        if cached is None or cached[0] != key:
+            cached = self._yaml_cache = (key, to_yaml(self.cfg))
+        return cached[1]
 
     # -- one optimizer step ---------------------------------------------------------------------
 
@@ -551,6 +566,8 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         finite = math.isfinite(grad_norm) and math.isfinite(s[0])
         if finite:
+            # The first write to the checkpoint state after a save: its background copy must be done.
+            self.checkpointer.wait_staged()
             self.optimizer.step()
             self.scheduler.step()
             self.consecutive_skips = 0
@@ -667,7 +684,7 @@ class Trainer:
         cfg = self.cfg
         if self.ctx.is_main:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            write_resolved_config(self.log_dir, to_yaml(cfg))
+            write_resolved_config(self.log_dir, self._config_yaml())
         every = cfg.checkpoint.every
         with (
             self.preempt,
@@ -739,6 +756,7 @@ class Trainer:
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
+        self.checkpointer.close()
         if clean and dist.is_initialized():
             # Ranks leave together: one tearing down gloo while another still talks aborts it.
             dist.barrier()
