@@ -427,27 +427,62 @@ def staging_options(device: torch.device) -> StagingOptions:
     )
 
 
+class HeldStager(DefaultStager):
+    """DCP's `DefaultStager`, whose copy starts when `release()` is called and after queued device work.
+
+    Held: the copy is Python-heavy (a deep copy of the state dicts) and, started at once, would take
+    the GIL from the training thread while `dcp.async_save` still sets up its writer thread; the
+    checkpointer releases it as `save()` returns. Ordered: DefaultStager copies on a stream of its
+    own, which does not wait for the training thread's stream, where the step's optimizer and EMA
+    updates may still run when the save starts; the copy stream now waits for that work.
+    """
+
+    def __init__(self, options: StagingOptions) -> None:
+        super().__init__(options)
+        self._non_blocking = options.use_non_blocking_copy
+        self._released = threading.Event()
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        """On the training thread (inside `dcp.async_save`): queue the copy, held until `release()`."""
+        self._released.clear()
+        if self._non_blocking:
+            # DefaultStager's copy stream (it has one whenever its copies are non-blocking).
+            self._staging_stream.wait_stream(torch.accelerator.current_stream())
+        return super().stage(state_dict, **kwargs)
+
+    def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        self._released.wait()
+        return super()._stage(state_dict, **kwargs)
+
+    def release(self) -> None:
+        self._released.set()
+
+    def close(self) -> None:
+        self.release()
+        super().close()
+
+
 class Checkpointer:
     """Saves commit by rename; prunes only what this run's lineage holds (see `_prune`).
 
     With `async_save` a save runs in three parts: on the training thread, each component's
     `state_dict()` (plain values such as the step counters, the sampler and schedule positions are
     read here, so they are already a snapshot) and rank 0's creation of the temporary folder; on a
-    staging thread, the copy of every tensor to host memory (DCP's `DefaultStager`); on a writer
-    thread, DCP's planning (over this checkpointer's own gloo group) and the writes. `wait()`
-    commits after both threads are done.
+    staging thread, started as `save()` returns, the copy of every tensor to host memory
+    (`HeldStager`); on a writer thread, DCP's planning (over this checkpointer's own gloo group)
+    and the writes. `wait()` commits after both threads are done.
 
     The invariant the caller keeps: until `wait_staged()` has returned, nothing changes a tensor of
     the checkpoint state in place, or the checkpoint would hold part of a later state. The trainer
     calls it right before `optimizer.step()`, the first write after a save (weights, AdamW moments;
     the LR schedule, the EMA shadows and LoRA weights change after that point), and `EmaHook.swapped_in`
     calls it before writing the EMA into the parameters (validation or rendering after a step that
-    was skipped runs before the next update). On a CPU the forward and backward of the next step
-    take far longer than the copy, so the wait is normally over before it starts.
+    was skipped runs before the next update). The next step's forward and backward normally outlast
+    the copy, so the wait is over before it starts (`scripts/step_report.py` measures it).
 
-    One stager serves every save of a checkpointer: it owns the staging thread and, on CUDA, the
-    pinned host buffers, which the next save reuses; that is safe because a save first waits for the
-    previous one's writes. `close()` releases them.
+    One stager serves every save of a checkpointer: it owns the staging thread and the host buffers
+    (pinned on CUDA), which the next save copies into again; that is safe because a save first waits
+    for the previous one's writes. `close()` releases them.
     """
 
     def __init__(
@@ -466,7 +501,7 @@ class Checkpointer:
         # Background writes plan over a gloo group of their own, so their collectives never
         # interleave with the training loop's on the default group (and work beside NCCL).
         self._group = dist.new_group(backend="gloo") if async_save else None
-        self._stager = DefaultStager(staging_options(device or torch.device("cpu"))) if async_save else None
+        self._stager = HeldStager(staging_options(device or torch.device("cpu"))) if async_save else None
         # Checkpoints newer than the resume point that this run did not write are never pruned.
         # Resuming sets such later ones aside under another name, so this is a second guard.
         self.protected_after: int | None = None
@@ -512,9 +547,12 @@ class Checkpointer:
         # No barrier: DCP's writer creates the folder on every rank, and no rank writes a file before
         # the plan exchange, which needs rank 0's plan, made after the lines above.
         if self.async_save:
-            response = dcp.async_save(
-                dict(components), checkpoint_id=str(tmp), process_group=self._group, async_stager=self._stager
-            )
+            try:
+                response = dcp.async_save(
+                    dict(components), checkpoint_id=str(tmp), process_group=self._group, async_stager=self._stager
+                )
+            finally:
+                self._stager.release()
             self._pending = _PendingSave(
                 response.staging_completion, response.upload_completion, tmp, final, step, dict(info)
             )
