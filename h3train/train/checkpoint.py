@@ -481,8 +481,9 @@ class Checkpointer:
     the copy, so the wait is over before it starts (`scripts/step_report.py` measures it).
 
     One stager serves every save of a checkpointer: it owns the staging thread and the host buffers
-    (pinned on CUDA), which the next save copies into again; that is safe because a save first waits
-    for the previous one's writes. `close()` releases them.
+    (pinned on CUDA; one copy of this rank's shard of the state, kept between saves), which the next
+    save copies into again; that is safe because a save first waits for the previous one's writes.
+    `close()` releases them.
     """
 
     def __init__(
