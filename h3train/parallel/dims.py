@@ -132,8 +132,9 @@ def init_distributed(backend: str, timeout_s: int, cpu_offload: bool = False) ->
     """Join (or, alone, create) the default process group. Returns `(world_size, device)`.
 
     Launched alone, a one-rank group is created so that the collectives (the step's all-reduce,
-    DCP's planning) run the same way in both cases. With `cpu_offload` on CUDA the group also gets a gloo backend for host tensors:
-    offloaded gradients live on the CPU, and the grad norm's DTensor reduction runs on them.
+    DCP's planning) run the same way in both cases. With `cpu_offload` on CUDA the group also gets
+    a gloo backend for host tensors: offloaded gradients live on the CPU, and the grad norm's
+    DTensor reduction runs on them.
     """
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     if backend == "auto":
