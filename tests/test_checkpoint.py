@@ -300,3 +300,23 @@ def test_async_save_holds_the_weights_not_the_ema_swapped_in_before_the_next_upd
         trainer.close()
     assert _differing(expected, checkpoint_tensors(path)) == []
     assert any(k.startswith("model.") for k in _differing(expected, with_ema))
+
+
+def test_async_save_without_a_background_stager_holds_the_state_at_the_save(tmp_path, monkeypatch) -> None:
+    """Before torch 2.8 (no DefaultStager) `dcp.async_save` copies on the calling thread: the same checkpoint."""
+    import h3train.train.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "DefaultStager", None)
+    trainer = _in_process_trainer(tmp_path / "run", hooks=[])
+    try:
+        assert trainer.checkpointer._stager is None
+        trainer.train_step(1)
+        trainer.step = 1
+        expected = _sync_copy(trainer, tmp_path / "expected")
+        path = trainer.save_checkpoint()
+        trainer.train_step(2)
+        trainer.step = 2
+        assert trainer.checkpointer.wait() == path
+    finally:
+        trainer.close()
+    assert _differing(expected, checkpoint_tensors(path)) == []

@@ -47,7 +47,6 @@ import yaml
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -55,6 +54,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+try:  # torch >= 2.8: DCP can stage on a thread of its own
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+except ImportError:  # older torch: `dcp.async_save` copies to host memory on the calling thread
+    DefaultStager = StagingOptions = None
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..atomic import apply_file_mode, atomic_write_text, fsync_path, set_aside
@@ -427,7 +431,7 @@ def staging_options(device: torch.device) -> StagingOptions:
     )
 
 
-class HeldStager(DefaultStager):
+class HeldStager(DefaultStager or object):
     """DCP's `DefaultStager`, whose copy starts when `release()` is called and after queued device work.
 
     Held: the copy is Python-heavy (a deep copy of the state dicts) and, started at once, would take
@@ -446,8 +450,13 @@ class HeldStager(DefaultStager):
         """On the training thread (inside `dcp.async_save`): queue the copy, held until `release()`."""
         self._released.clear()
         if self._non_blocking:
-            # DefaultStager's copy stream (it has one whenever its copies are non-blocking).
-            self._staging_stream.wait_stream(torch.accelerator.current_stream())
+            # DefaultStager's copy stream (it has one whenever its copies are non-blocking); a
+            # version without it gets a plain device sync, once per save.
+            stream = getattr(self, "_staging_stream", None)
+            if stream is not None:
+                stream.wait_stream(torch.accelerator.current_stream())
+            else:
+                torch.accelerator.synchronize()
         return super().stage(state_dict, **kwargs)
 
     def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
@@ -502,7 +511,8 @@ class Checkpointer:
         # Background writes plan over a gloo group of their own, so their collectives never
         # interleave with the training loop's on the default group (and work beside NCCL).
         self._group = dist.new_group(backend="gloo") if async_save else None
-        self._stager = HeldStager(staging_options(device or torch.device("cpu"))) if async_save else None
+        background_copy = async_save and DefaultStager is not None
+        self._stager = HeldStager(staging_options(device or torch.device("cpu"))) if background_copy else None
         # Checkpoints newer than the resume point that this run did not write are never pruned.
         # Resuming sets such later ones aside under another name, so this is a second guard.
         self.protected_after: int | None = None
@@ -547,7 +557,13 @@ class Checkpointer:
             tmp.mkdir(parents=True, exist_ok=True)
         # No barrier: DCP's writer creates the folder on every rank, and no rank writes a file before
         # the plan exchange, which needs rank 0's plan, made after the lines above.
-        if self.async_save:
+        if self.async_save and self._stager is None:
+            # Staged before `async_save` returns: the snapshot is taken already.
+            written = dcp.async_save(dict(components), checkpoint_id=str(tmp), process_group=self._group)
+            staged: Future = Future()
+            staged.set_result(None)
+            self._pending = _PendingSave(staged, written, tmp, final, step, dict(info))
+        elif self.async_save:
             try:
                 response = dcp.async_save(
                     dict(components), checkpoint_id=str(tmp), process_group=self._group, async_stager=self._stager
@@ -557,6 +573,7 @@ class Checkpointer:
             self._pending = _PendingSave(
                 response.staging_completion, response.upload_completion, tmp, final, step, dict(info)
             )
+        if self.async_save:
             if before_commit is not None:
                 before_commit()
             return final
