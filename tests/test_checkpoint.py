@@ -320,3 +320,21 @@ def test_async_save_without_a_background_stager_holds_the_state_at_the_save(tmp_
     finally:
         trainer.close()
     assert _differing(expected, checkpoint_tensors(path)) == []
+
+
+def test_async_save_commits_once_written_without_waiting_for_the_next_save(tmp_path) -> None:
+    """A crash after the background write, before the next save, still finds the checkpoint committed."""
+    trainer = _in_process_trainer(tmp_path / "run", hooks=[])
+    try:
+        trainer.train_step(1)
+        trainer.step = 1
+        path = trainer.save_checkpoint()
+        pending = trainer.checkpointer._pending
+        pending.committed.result(timeout=60)
+        # Nothing on the training thread has waited for the save: the writer thread committed it.
+        assert trainer.checkpointer._pending is pending
+        assert complete_checkpoints(path.parent) == [path]
+        assert json.loads((path / "trainer_state.json").read_text())["step"] == 1
+        assert trainer.checkpointer.wait() == path
+    finally:
+        trainer.close()

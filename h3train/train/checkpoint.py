@@ -10,8 +10,9 @@ Layout of `checkpoint.dir`:
     step_00000014.corrupt    a checkpoint that failed to load, set aside by a resume (never read)
     step_00000020.abandoned-12   a later checkpoint set aside when a run resumed from step 12
 
-A checkpoint is valid only once it has its final name: the rename is the commit, done by rank 0 after
-a barrier that follows every rank's write. `.tmp-*` folders are never read and are removed at start.
+A checkpoint is valid only once it has its final name: the rename is the commit, done by rank 0 once
+every rank's write is complete (after a barrier; a background save, as soon as DCP reports it done).
+`.tmp-*` folders are never read and are removed at start.
 The checkpoint state is one dict of named `Stateful` components (`Trainer.checkpoint_state`): the
 model, the optimizer, the LR schedule position, the sampler, the step counters. A later
 feature joins it with `trainer.checkpoint_state["ema"] = ema`. Tensors are keyed by their FQN, so
@@ -414,6 +415,7 @@ class _PendingSave:
 
     staged: Future  # the snapshot of the state is taken (host copy done)
     written: Future  # every rank's shards and the metadata are written
+    committed: Future  # rank 0: renamed into place (`written` on the other ranks)
     tmp: Path
     final: Path
     step: int
@@ -479,7 +481,8 @@ class Checkpointer:
     read here, so they are already a snapshot) and rank 0's creation of the temporary folder; on a
     staging thread, started as `save()` returns, the copy of every tensor to host memory
     (`HeldStager`); on a writer thread, DCP's planning (over this checkpointer's own gloo group)
-    and the writes. `wait()` commits after both threads are done.
+    and the writes. Rank 0 commits on the writer thread as soon as the writes are complete
+    (`_commit_when_written`); `wait()` waits for all of it and lines the ranks up after it.
 
     The invariant the caller keeps: until `wait_staged()` has returned, nothing changes a tensor of
     the checkpoint state in place, or the checkpoint would hold part of a later state. The trainer
@@ -543,9 +546,9 @@ class Checkpointer:
         `info` goes to `trainer_state.json` with the step and the commit number. With `async_save`
         the call returns once the components' `state_dict()` are taken; the copy to host memory and
         the writes run in the background (see the class docstring for what must wait for the copy),
-        and the commit happens in `wait()`, which the next save, the end of training and a stop call.
-        `before_commit` (fault injection) then runs while the background work is in flight.
-        Returns the checkpoint's final name (committed, or to be committed by `wait()`).
+        and rank 0 commits as soon as they are complete; `wait()` (the next save, the end of training,
+        a stop) waits for that. `before_commit` (fault injection) then runs while the background work
+        is in flight. Returns the checkpoint's final name (committed, or committed once written).
         """
         self.wait()
         final = self.root / step_dir_name(step)
@@ -557,23 +560,22 @@ class Checkpointer:
             tmp.mkdir(parents=True, exist_ok=True)
         # No barrier: DCP's writer creates the folder on every rank, and no rank writes a file before
         # the plan exchange, which needs rank 0's plan, made after the lines above.
-        if self.async_save and self._stager is None:
-            # Staged before `async_save` returns: the snapshot is taken already.
-            written = dcp.async_save(dict(components), checkpoint_id=str(tmp), process_group=self._group)
-            staged: Future = Future()
-            staged.set_result(None)
-            self._pending = _PendingSave(staged, written, tmp, final, step, dict(info))
-        elif self.async_save:
-            try:
-                response = dcp.async_save(
-                    dict(components), checkpoint_id=str(tmp), process_group=self._group, async_stager=self._stager
-                )
-            finally:
-                self._stager.release()
-            self._pending = _PendingSave(
-                response.staging_completion, response.upload_completion, tmp, final, step, dict(info)
-            )
         if self.async_save:
+            if self._stager is None:
+                # Staged before `async_save` returns: the snapshot is taken already.
+                written = dcp.async_save(dict(components), checkpoint_id=str(tmp), process_group=self._group)
+                staged: Future = Future()
+                staged.set_result(None)
+            else:
+                try:
+                    response = dcp.async_save(
+                        dict(components), checkpoint_id=str(tmp), process_group=self._group, async_stager=self._stager
+                    )
+                finally:
+                    self._stager.release()
+                staged, written = response.staging_completion, response.upload_completion
+            committed = self._commit_when_written(written, tmp, final, step, dict(info))
+            self._pending = _PendingSave(staged, written, committed, tmp, final, step, dict(info))
             if before_commit is not None:
                 before_commit()
             return final
@@ -597,13 +599,40 @@ class Checkpointer:
             return None
         pending.staged.result()
         pending.written.result()
-        self._commit(pending.tmp, pending.final, pending.step, pending.info, None)
+        pending.committed.result()
+        self.written.add(pending.final.name)
+        # Every rank returns once rank 0 has committed.
+        dist.barrier()
         return pending.final
+
+    def _commit_when_written(self, written: Future, tmp: Path, final: Path, step: int, info: dict[str, Any]) -> Future:
+        """Rank 0 commits a background save as soon as it is written, on the writer thread.
+
+        DCP's future completes on every rank only after the coordinator (rank 0 of the group) has
+        gathered every rank's write results and written the metadata, so rank 0's completion means
+        the whole checkpoint is on disk and no collective is needed. Committing then, not at the next
+        save, means a crash any time after the write finds this checkpoint.
+        """
+        if not self.is_main:
+            return written
+        committed: Future = Future()
+
+        def commit(done: Future) -> None:
+            try:
+                done.result()
+                self._rename_into_place(tmp, final, step, info)
+                committed.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the training thread
+                committed.set_exception(exc)
+
+        written.add_done_callback(commit)
+        return committed
 
     def close(self) -> None:
         """Release the stager (its thread, its host buffers); no collective, so also after a failure.
 
-        A save still in flight is not committed: call `wait()` first to keep it.
+        A save still in flight commits on its own once written (rank 0's writer thread); `wait()`
+        waits for that.
         """
         if self._stager is not None:
             self._stager.close()
@@ -612,26 +641,29 @@ class Checkpointer:
     def _commit(
         self, tmp: Path, final: Path, step: int, info: dict[str, Any], before_commit: Callable[[], None] | None
     ) -> None:
-        """Every rank's shards are in `tmp`: write the record, then rename it into place (rank 0)."""
-        if self.is_main:
-            record = {"step": step, "commit": self._next_commit(), **info}
-            atomic_write_text(tmp / STATE_FILE, json.dumps(record, indent=2, default=str))
+        """Every rank's shards are in `tmp` once all ranks reach the barrier: rank 0 commits it."""
         dist.barrier()
         if before_commit is not None:
             before_commit()
         if self.is_main:
-            for file in tmp.iterdir():
-                apply_file_mode(file)
-            if final.exists():
-                # Only a checkpoint of this very lineage can be here (later ones were set aside at
-                # resume); it is still kept, under another name, rather than deleted.
-                set_aside(final, "replaced")
-            os.replace(tmp, final)
-            fsync_path(self.root)
+            self._rename_into_place(tmp, final, step, info)
         self.written.add(final.name)
         dist.barrier()
-        if self.is_main:
-            self._prune(keep=final)
+
+    def _rename_into_place(self, tmp: Path, final: Path, step: int, info: dict[str, Any]) -> None:
+        """Rank 0, no collective: write the record into the complete `tmp`, rename it to `final`, prune."""
+        record = {"step": step, "commit": self._next_commit(), **info}
+        atomic_write_text(tmp / STATE_FILE, json.dumps(record, indent=2, default=str))
+        for file in tmp.iterdir():
+            apply_file_mode(file)
+        if final.exists():
+            # Only a checkpoint of this very lineage can be here (later ones were set aside at
+            # resume); it is still kept, under another name, rather than deleted.
+            set_aside(final, "replaced")
+        os.replace(tmp, final)
+        fsync_path(self.root)
+        self.written.add(final.name)
+        self._prune(keep=final)
 
     def _prune(self, keep: Path) -> None:
         """Retire all but the newest `keep_last` checkpoints; delete them in the background.
