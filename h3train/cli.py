@@ -6,9 +6,12 @@ A bad config or bad input exits 2 with one line on stderr, before any process gr
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
+import threading
 from pathlib import Path
+from typing import NoReturn
 
 from .config import load_config
 from .errors import H3TrainError
@@ -289,5 +292,31 @@ def _reports_errors() -> bool:
     return bool(dist is not None and dist.is_available() and dist.is_initialized())
 
 
+def run() -> NoReturn:
+    """The `h3train` command: `main()`, then an exit that skips the interpreter's final teardown.
+
+    When the interpreter finalizes, a gloo worker thread may still be releasing the tensors of the
+    run's last collective; it needs the GIL for that, a finalizing interpreter ends such a thread
+    inside a C++ destructor, and the process aborts (SIGABRT, or SIGSEGV) after a run that
+    succeeded. So everything the run owns is finished first, while the interpreter is whole (the
+    threads that are not daemons joined, `atexit` handlers run, the standard streams flushed), and
+    the process then leaves with `os._exit` and `main()`'s code. An uncaught exception still takes
+    the ordinary way out, traceback included.
+    """
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse's usage errors and --help
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

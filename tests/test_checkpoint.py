@@ -85,7 +85,12 @@ def test_interrupted_run_resumes_bitwise(runs, tmp_path, layout) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("saved", "resumed"), [(SP2, SP1), (DP2, DP1)], ids=["sp2_to_sp1", "dp_shard2_to_1"])
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [(SP2, SP1), (SP1, SP2), (DP2, DP1)],
+    # One rank in float32 trains plain tensors, more ranks DTensors: DCP reshards both ways.
+    ids=["sp2_to_sp1", "sp1_to_sp2", "dp_shard2_to_1"],
+)
 def test_resume_on_another_layout_continues_the_same_run(runs, tmp_path, saved, resumed) -> None:
     path = runs.preempted_copy(saved, tmp_path / "resumed")
     _train(path, resumed[1], resumed[0])

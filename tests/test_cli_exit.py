@@ -1,0 +1,39 @@
+"""`h3train` leaves through `cli.run`: main()'s code, after the run's threads and exit handlers are done."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+@pytest.mark.parametrize(("returned", "code"), [("3", 3), ("raise SystemExit('bad usage')", 1)])
+def test_run_finishes_threads_and_exit_handlers_then_exits_with_mains_code(tmp_path, returned, code) -> None:
+    program = textwrap.dedent(
+        f"""
+        import atexit, pathlib, threading, time
+        from h3train import cli
+
+        out = pathlib.Path({str(tmp_path)!r})
+        atexit.register(lambda: (out / "atexit").write_text("ran"))
+
+        def late_writer():
+            time.sleep(0.3)
+            (out / "thread").write_text("joined")
+
+        def main():
+            threading.Thread(target=late_writer).start()
+            {"return " + returned if returned.isdigit() else returned}
+
+        cli.main = main
+        cli.run()
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code, proc.stderr
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "joined"
+    if code == 1:
+        assert "bad usage" in proc.stderr
