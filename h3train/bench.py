@@ -737,8 +737,9 @@ def run_whole_steps(
     gradient_checkpointing: str,
     device: torch.device,
 ) -> None:
-    """Time `Trainer.train_step` (FSDP2 on a one-rank mesh, grad clip, AdamW, its one all-reduce and
-    read-back) per backend into `report.steps`: warm-up, then a checked step (`_whole_step`).
+    """Time `Trainer.train_step` (on CUDA FSDP2 on a one-rank mesh for its bf16 policy; grad clip,
+    AdamW, its one all-reduce and read-back) per backend into `report.steps`: warm-up, then a
+    checked step (`_whole_step`).
 
     The trainer keeps float32 master weights, gradients and two AdamW moments (16 bytes per
     parameter) beside the bf16 compute copy; "auto" checkpointing counts them against the device.
@@ -773,7 +774,9 @@ def run_whole_steps(
         dims = {**dims, "num_layers": layers}
         total_flops = step_flops(dims, rows).total
     report.step_setup = {
-        "what": "Trainer.train_step: FSDP2 (one-rank mesh), clip_grad_norm_, AdamW, one all-reduce",
+        # One rank in float32 (the CPU) trains plain tensors: FSDP2 would only copy them (`shards_nothing`).
+        "what": f"Trainer.train_step: {'FSDP2 (one-rank mesh)' if cuda else 'plain tensors'}, clip_grad_norm_, "
+        "fused AdamW, one all-reduce",
         "dtype": dtype_name,
         "master_weights": "float32",
         "gradient_checkpointing": ckpt,
