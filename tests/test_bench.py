@@ -295,17 +295,21 @@ def test_step_report_counts_host_reads_of_the_training_thread_once() -> None:
 
 def test_step_report_prints_every_row_of_the_issue_table() -> None:
     report = _step_report()
-    sp1 = {"rows": 2058, "step_s": 1.0, "bare_step_s": 0.98, "step_ratio": 1.02, "activation_bytes": 200,
+    sp1 = {"rows": 2058, "step_s": 1.0, "bare_step_s": 0.98, "step_ratio": 1.02, "step_ratio_fused_bare": 1.01,
+           "activation_bytes": 200,
            "activation_bytes_checkpointed": 20, "activation_measure": "m", "load_s": 0.04, "noise_s": 0.01}  # fmt: skip
     sp2 = {"step_s": 1.0, "activation_bytes": 100, "activation_bytes_checkpointed": 11, "counted_steps": 2,
            "collectives": {"all_to_all": 16, "all_reduce": 4, "all_gather": 22, "fsdp_all_gather": 20,
                            "fsdp_reduce_scatter": 6, "by_entry": {}},
-           "syncs": {"tolist in trainer.py:_reduce_step": 2}, "save_blocking_s": 0.05, "save_background_s": 0.2,
+           "syncs": {"tolist in trainer.py:_reduce_step": 2}, "save_blocking_s": 0.04, "save_staged_wait_s": 0.01,
+           "save_background_s": 0.2, "step_after_save_s": 1.2, "save_commit_s": 0.01, "save_first_blocking_s": 0.1,
+           "save_first_background_s": 0.3,
            "blocks": 2}  # fmt: skip
     rows = report.build_rows(sp1, sp2)
     values = {measure.strip(): value for measure, value, _, _ in rows}
     assert values == {
         "step / bare diffusers forward+backward+AdamW, sp=1": "1.020",
+        "the same, the bare step with fused AdamW": "1.010",
         "saved activations per rank, sp=2 / sp=1": "0.500",
         "with gradient checkpointing (full)": "0.550",
         "all-to-alls per block per step": "4",
