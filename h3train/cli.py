@@ -293,22 +293,33 @@ def _reports_errors() -> bool:
 
 
 def run() -> NoReturn:
-    """The `h3train` command: `main()`, then an exit that skips the interpreter's final teardown.
+    """The `h3train` command: `main()`, then, after a process group, an exit that skips the
+    interpreter's final teardown.
 
     When the interpreter finalizes, a gloo worker thread may still be releasing the tensors of the
     run's last collective; it needs the GIL for that, a finalizing interpreter ends such a thread
     inside a C++ destructor, and the process aborts (SIGABRT, or SIGSEGV) after a run that
     succeeded. So everything the run owns is finished first, while the interpreter is whole (the
     threads that are not daemons joined, `atexit` handlers run, the standard streams flushed), and
-    the process then leaves with `os._exit` and `main()`'s code. An uncaught exception still takes
-    the ordinary way out, traceback included.
+    the process then leaves with `os._exit` and `main()`'s code. A process that never joined a
+    group (a bad input found first, `check`, `export`) exits the ordinary way, as does an uncaught
+    exception, traceback included.
     """
+    def joined_process_group() -> bool:
+        # Not imported means no group: `init_distributed` lives there.
+        dims = sys.modules.get(f"{__package__}.parallel.dims")
+        return dims is not None and dims.joined_process_group()
+
     try:
         code = main()
     except SystemExit as exc:  # argparse's usage errors and --help
+        if not joined_process_group():
+            raise
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    if not joined_process_group():
+        sys.exit(code)
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()

@@ -9,12 +9,16 @@ import textwrap
 import pytest
 
 
+@pytest.mark.parametrize("joined", [True, False], ids=["after_a_group", "without_a_group"])
 @pytest.mark.parametrize(("returned", "code"), [("3", 3), ("raise SystemExit('bad usage')", 1)])
-def test_run_finishes_threads_and_exit_handlers_then_exits_with_mains_code(tmp_path, returned, code) -> None:
+def test_run_finishes_threads_and_exit_handlers_then_exits_with_mains_code(tmp_path, returned, code, joined) -> None:
     program = textwrap.dedent(
         f"""
         import atexit, pathlib, threading, time
         from h3train import cli
+        from h3train.parallel import dims
+
+        dims._joined_group = {joined}  # as init_distributed leaves it
 
         out = pathlib.Path({str(tmp_path)!r})
         atexit.register(lambda: (out / "atexit").write_text("ran"))

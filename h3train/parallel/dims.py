@@ -128,6 +128,15 @@ def _attempt_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"h3train/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
+# Whether this process joined a process group: its gloo worker threads outlive the group's use (`cli.run`).
+_joined_group = False
+
+
+def joined_process_group() -> bool:
+    """Whether `init_distributed` ran in this process (the group may be destroyed since)."""
+    return _joined_group
+
+
 def init_distributed(backend: str, timeout_s: int, cpu_offload: bool = False) -> tuple[int, torch.device]:
     """Join (or, alone, create) the default process group. Returns `(world_size, device)`.
 
@@ -147,6 +156,8 @@ def init_distributed(backend: str, timeout_s: int, cpu_offload: bool = False) ->
         torch.cuda.set_device(device)
     if backend == "nccl" and cpu_offload:
         backend = "cpu:gloo,cuda:nccl"
+    global _joined_group
+    _joined_group = True
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         if "TORCHELASTIC_RESTART_COUNT" in os.environ:
