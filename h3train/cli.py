@@ -10,6 +10,7 @@ import atexit
 import os
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import NoReturn
 
@@ -301,10 +302,11 @@ def run() -> NoReturn:
     inside a C++ destructor, and the process aborts (SIGABRT, or SIGSEGV) after a run that
     succeeded. So everything the run owns is finished first, while the interpreter is whole (the
     threads that are not daemons joined, `atexit` handlers run, the standard streams flushed), and
-    the process then leaves with `os._exit` and `main()`'s code. A process that never joined a
-    group (a bad input found first, `check`, `export`) exits the ordinary way, as does an uncaught
-    exception, traceback included.
+    the process then leaves with `os._exit` and `main()`'s code; an uncaught exception is printed
+    as the interpreter prints it and exits 1. A process that never joined a group (a bad input
+    found first, `check`, `export`) exits the ordinary way.
     """
+
     def joined_process_group() -> bool:
         # Not imported means no group: `init_distributed` lives there.
         dims = sys.modules.get(f"{__package__}.parallel.dims")
@@ -318,6 +320,11 @@ def run() -> NoReturn:
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except Exception:
+        if not joined_process_group():
+            raise
+        traceback.print_exc()
+        code = 1
     if not joined_process_group():
         sys.exit(code)
     for thread in threading.enumerate():

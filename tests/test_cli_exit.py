@@ -10,7 +10,9 @@ import pytest
 
 
 @pytest.mark.parametrize("joined", [True, False], ids=["after_a_group", "without_a_group"])
-@pytest.mark.parametrize(("returned", "code"), [("3", 3), ("raise SystemExit('bad usage')", 1)])
+@pytest.mark.parametrize(
+    ("returned", "code"), [("3", 3), ("raise SystemExit('bad usage')", 1), ("raise RuntimeError('boom')", 1)]
+)
 def test_run_finishes_threads_and_exit_handlers_then_exits_with_mains_code(tmp_path, returned, code, joined) -> None:
     program = textwrap.dedent(
         f"""
@@ -39,5 +41,7 @@ def test_run_finishes_threads_and_exit_handlers_then_exits_with_mains_code(tmp_p
     assert proc.returncode == code, proc.stderr
     assert (tmp_path / "atexit").read_text() == "ran"
     assert (tmp_path / "thread").read_text() == "joined"
-    if code == 1:
+    if "SystemExit" in returned:
         assert "bad usage" in proc.stderr
+    if "RuntimeError" in returned:
+        assert "Traceback" in proc.stderr and "RuntimeError: boom" in proc.stderr
