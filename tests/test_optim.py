@@ -1,4 +1,4 @@
-"""AdamW parameter groups and LR schedules."""
+"""AdamW parameter groups, the kernel choice, gradient clipping and LR schedules."""
 
 from __future__ import annotations
 
@@ -41,3 +41,34 @@ def test_warmup_then_schedule(schedule: str) -> None:
         assert math.isclose(end, 0.1)
         if schedule == "cosine":
             assert math.isclose(lr_factor(9, cfg, 14), 0.1 + 0.9 * 0.5)
+
+
+@pytest.mark.parametrize(("max_norm", "implementation"), [(1e-3, "fused"), (0.0, "fused"), (1e-3, "for-loop")])
+def test_the_update_sees_gradients_clipped_to_max_grad_norm(tmp_path, max_norm, implementation) -> None:
+    import torch
+
+    from h3train.train.trainer import Trainer
+
+    overrides = [f"logging.dir={tmp_path}", "logging.progress=false", "checkpoint.every=0", "train.steps=1"]
+    overrides += [f"train.max_grad_norm={max_norm}", f"optim.implementation={implementation}"]
+    cfg = load_config(TINY_FL2VA, overrides)
+    trainer = Trainer(cfg, hooks=[])
+    seen = {}
+
+    def before_update(optimizer, args, kwargs) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        seen["norm"] = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        seen["kernel"] = (optimizer.defaults["fused"], optimizer.defaults["foreach"])
+
+    trainer.optimizer.register_step_pre_hook(before_update)
+    try:
+        stats = trainer.train_step(1)
+    finally:
+        trainer.close()
+    assert seen["kernel"] == ((True, None) if implementation == "fused" else (None, False))
+    if max_norm:
+        # The logged norm is the one before clipping; the update gets it scaled down to max_norm.
+        assert stats["grad_norm"] > 100 * max_norm
+        assert seen["norm"] == pytest.approx(max_norm, rel=1e-3)
+    else:
+        assert seen["norm"] == pytest.approx(stats["grad_norm"], rel=1e-5)

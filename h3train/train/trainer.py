@@ -560,12 +560,19 @@ class Trainer:
         # Both reductions are global, so every rank reaches the same update decision without an
         # extra collective: the grad norm covers every parameter shard, the loss every DP rank.
         self.phase = f"gradient norm of step {step}"
-        grad_norm = self._clip_grad_norm()
+        grads, norm = self._grad_norm()
+        coef = self._clip_coefficient(norm)
         self.phase = f"step all-reduce of step {step}"
-        s, grad_norm, loss_values, self.stop_request = self._reduce_step(device_sums, host_sums, grad_norm, losses)
+        s, (grad_norm, clip), loss_values, self.stop_request = self._reduce_step(
+            device_sums, host_sums, [norm, coef], losses
+        )
         lr = self.scheduler.get_last_lr()[0]
         finite = math.isfinite(grad_norm) and math.isfinite(s[0])
         if finite:
+            if clip < 1.0:
+                # Only a step over `train.max_grad_norm` pays the pass over every gradient; below
+                # it the coefficient is exactly 1. Shards scale as the whole gradient does.
+                torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
             # The first write to the checkpoint state after a save: its background copy must be done.
             self.checkpointer.wait_staged()
             self.optimizer.step()
@@ -610,17 +617,21 @@ class Trainer:
         return stats
 
     def _reduce_step(
-        self, device_sums: torch.Tensor, host_sums: list[float], grad_norm: torch.Tensor, losses: list[torch.Tensor]
-    ) -> tuple[list[float], float, list[float], int]:
+        self,
+        device_sums: torch.Tensor,
+        host_sums: list[float],
+        scalars: list[torch.Tensor],
+        losses: list[torch.Tensor],
+    ) -> tuple[list[float], list[float], list[float], int]:
         """The step's one all-reduce and its one device->host copy.
 
         Reduced over every rank (SUM), in one float64 tensor: the loss sums `[loss, video, audio,
         video_fm, audio_fm]`, the host counts `[has_audio, rows, cfg_scale_video, cfg_scale_audio,
         data_errors]` (both from SP rank 0 of each group only: the other SP ranks hold the same
         values, and adding zeros keeps the sum exact), and how many ranks were asked to stop by a
-        preemption signal and by Ctrl-C. Copied to the host with it, unreduced: the global grad
-        norm (already reduced by the clip) and this rank's micro-batch losses (spike detection).
-        Returns (sums, grad_norm, micro-batch losses, agreed stop request).
+        preemption signal and by Ctrl-C. Copied to the host with it, unreduced: `scalars` (the
+        global grad norm, already reduced, and the clip coefficient) and this rank's micro-batch
+        losses (spike detection). Returns (sums, scalars, micro-batch losses, agreed stop request).
         """
         lead = float(self.ctx.sp_rank == 0)
         flag = self.preempt.flag
@@ -633,11 +644,12 @@ class Trainer:
         reduced = torch.cat([device_sums * lead, host_t])
         dist.all_reduce(reduced)
         # The norm may live on the host (parameters offloaded to the CPU); the losses on the device.
-        local = torch.stack([grad_norm.to(self.device, torch.float64), *(loss.double() for loss in losses)])
+        local = torch.stack([*(t.to(self.device, torch.float64) for t in scalars), *(loss.double() for loss in losses)])
         values = torch.cat([reduced, local]).tolist()
         sums, stops = values[:10], values[10:12]
         stop = INTERRUPT if stops[1] > 0 else PREEMPT if stops[0] > 0 else NONE
-        return sums, values[12], values[13:], stop
+        n = len(scalars)
+        return sums, values[12 : 12 + n], values[12 + n :], stop
 
     def _report_spikes(self, step: int, sample_ids: list[str], losses: list[float], step_loss: float) -> None:
         median = self.spikes.median()
@@ -653,14 +665,20 @@ class Trainer:
     def cfg_enabled(self) -> bool:
         return configured_scales(self.cfg.cfg) != (1.0, 1.0)
 
-    def _clip_grad_norm(self) -> torch.Tensor:
-        """Clip to `train.max_grad_norm` and return the global norm before clipping, on the device (no sync)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.cfg.train.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        if hasattr(norm, "full_tensor"):
+    def _grad_norm(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The gradients and their global L2 norm (over every shard), on the device (no sync)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        return norm
+        return grads, norm
+
+    def _clip_coefficient(self, norm: torch.Tensor) -> torch.Tensor:
+        """`clip_grad_norm_`'s factor for `train.max_grad_norm` (1 when it is off), on the device."""
+        max_norm = self.cfg.train.max_grad_norm
+        if max_norm <= 0:
+            return torch.ones_like(norm)
+        return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
     def _dump(self, step: int, inputs: dict, metas: list[dict]) -> None:
         # Unsharding is collective: every rank gathers, rank 0 writes.
