@@ -636,9 +636,9 @@ def _clear_cuda(device: torch.device) -> None:
 
 def _parameter_count(dims: dict[str, Any]) -> int:
     """Parameters of `MiniMaxH3Transformer3DModel(**dims)`, counted on the meta device (no memory)."""
-    with torch.device("meta"):
-        model = MiniMaxH3Transformer3DModel(**dims)
-    return sum(p.numel() for p in model.parameters())
+    from .model.build import meta_transformer
+
+    return sum(p.numel() for p in meta_transformer(dims).parameters())
 
 
 def trainer_config(dims: dict[str, Any], clip: Clip, dtype_name: str, checkpointing: bool, log_dir: Path):

@@ -95,14 +95,10 @@ class LoraCounts:
 
 def lora_counts(dims: Mapping[str, Any], lora: Any) -> LoraCounts:
     """Count a `LoraConfig`'s adapters on the architecture `dims`, built on the meta device (no memory)."""
-    import torch
-    from diffusers import MiniMaxH3Transformer3DModel
-
     from .lora.targets import resolve_targets, resolve_train_modules
-    from .model.build import fp32_island_names
+    from .model.build import fp32_island_names, meta_transformer
 
-    with torch.device("meta"):
-        model = MiniMaxH3Transformer3DModel(**{k: v for k, v in dims.items() if not str(k).startswith("_")})
+    model = meta_transformer(dict(dims))
     targets = resolve_targets(model, lora.target_modules)
     trained = resolve_train_modules(model, lora.train_modules, targets)
     modules = dict(model.named_modules())

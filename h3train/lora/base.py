@@ -94,13 +94,9 @@ def random_base_state(model_config: dict[str, Any], seed: int) -> dict[str, torc
 
 def island_prefixes(model_config: dict[str, Any]) -> tuple[str, ...]:
     """`name.` of each float32 island of the architecture `model_config` (built on meta)."""
-    from diffusers import MiniMaxH3Transformer3DModel
+    from ..model.build import fp32_island_names, meta_transformer
 
-    from ..model.build import fp32_island_names
-
-    with torch.device("meta"):
-        model = MiniMaxH3Transformer3DModel(**model_config)
-    return tuple(f"{n}." for n in fp32_island_names(model))
+    return tuple(f"{n}." for n in fp32_island_names(meta_transformer(model_config)))
 
 
 def read_record(state: dict[str, Any]) -> dict[str, Any] | None:

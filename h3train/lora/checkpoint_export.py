@@ -149,9 +149,8 @@ def _write_merged(
     dtype: torch.dtype,
     base: Path | None,
 ) -> None:
-    from diffusers import MiniMaxH3Transformer3DModel
-
     from ..atomic import apply_file_mode, atomic_save_file, atomic_write_text
+    from ..model.build import meta_transformer
     from .export import merge_adapters
 
     model_config = state["model_config"]
@@ -178,8 +177,7 @@ def _write_merged(
     if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         atomic_write_text(out / "diffusion_pytorch_model.safetensors.index.json", json.dumps(index, indent=2))
-    with torch.device("meta"):
-        MiniMaxH3Transformer3DModel(**model_config).save_config(out)
+    meta_transformer(model_config).save_config(out)
     apply_file_mode(out / "config.json")
 
 

@@ -212,10 +212,9 @@ def merge_adapters(
 
 def save_merged_transformer(out_dir: str | os.PathLike, model_config: dict, merged: dict[str, torch.Tensor]) -> Path:
     """Write `merged` as a diffusers `MiniMaxH3Transformer3DModel` folder; returns it."""
-    from diffusers import MiniMaxH3Transformer3DModel
+    from ..model.build import meta_transformer
 
-    with torch.device("meta"):
-        model = MiniMaxH3Transformer3DModel(**model_config)
+    model = meta_transformer(model_config)
     model.load_state_dict(merged, strict=True, assign=True)
     model.save_pretrained(str(out_dir))
     return Path(out_dir)

@@ -101,11 +101,9 @@ def meta_model(cfg: Config) -> nn.Module:
     Away from the model folder (planning on a laptop) the released architecture stands in, as in
     `planned_model_dims`; training checks the folder itself in preflight.
     """
-    import torch
-    from diffusers import MiniMaxH3Transformer3DModel
+    from ..model.build import meta_transformer
 
-    with torch.device("meta"):
-        return MiniMaxH3Transformer3DModel(**planned_model_dims(cfg)[0])
+    return meta_transformer(planned_model_dims(cfg)[0])
 
 
 def validate_lora(cfg: Config) -> None:

@@ -54,10 +54,18 @@ def fp32_island_names(model: MiniMaxH3Transformer3DModel) -> list[str]:
     ]
 
 
+def meta_transformer(dims: dict[str, Any]) -> MiniMaxH3Transformer3DModel:
+    """`MiniMaxH3Transformer3DModel(**dims)` on the `meta` device: names, shapes and config, no memory.
+
+    Keys starting with `_` (diffusers' bookkeeping in a saved `config.json`) are left out.
+    """
+    with torch.device("meta"):
+        return MiniMaxH3Transformer3DModel(**{k: v for k, v in dims.items() if not str(k).startswith("_")})
+
+
 def build_meta_model(cfg: Config) -> MiniMaxH3Transformer3DModel:
     """The architecture on the `meta` device: no memory until FSDP has sharded it."""
-    with torch.device("meta"):
-        return MiniMaxH3Transformer3DModel(**model_config_dict(cfg))
+    return meta_transformer(model_config_dict(cfg))
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:

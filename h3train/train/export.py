@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..atomic import apply_file_mode, atomic_save_file, atomic_write_text
 from ..errors import CheckpointError, ConfigError, UsageError
+from ..model.build import meta_transformer
 from .checkpoint import (
     MODEL_PREFIX,
     NamingReader,
@@ -191,6 +192,5 @@ def _write_export(checkpoint: Path, out: Path, target: torch.dtype, max_shard_by
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         atomic_write_text(out / f"{WEIGHTS_NAME}.safetensors.index.json", json.dumps(index, indent=2))
-    with torch.device("meta"):
-        MiniMaxH3Transformer3DModel(**state["model_config"]).save_config(out)
+    meta_transformer(state["model_config"]).save_config(out)
     apply_file_mode(out / "config.json")
