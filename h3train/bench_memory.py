@@ -41,6 +41,7 @@ from .model.sp_forward import SequenceParallelH3
 from .objective import TrainingInputs, compute_loss, make_training_inputs
 from .parallel.collectives import CollectiveCounts
 from .parallel.dims import free_port
+from .parallel.fsdp import local_tensor
 from .parallel.ulysses import SequenceParallel
 
 ISSUE_DIMS: dict[str, Any] = model_dims(
@@ -100,7 +101,7 @@ class _Created(TorchDispatchMode):
 def _parameter_storages(model: torch.nn.Module) -> set[int]:
     keys = set()
     for p in [*model.parameters(), *model.buffers()]:
-        local = p.to_local() if hasattr(p, "to_local") else p
+        local = local_tensor(p)
         keys.add(local.untyped_storage().data_ptr())
     return keys
 

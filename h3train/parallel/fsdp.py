@@ -74,6 +74,11 @@ def _reshard_after_inference(model: nn.Module, args: object, output: object) -> 
                 unit.reshard()
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view of its storage), or `t` itself when it is a plain tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def shards_nothing(model: nn.Module, ctx: ParallelContext, compute_dtype: str, cpu_offload: bool = False) -> bool:
     """Whether FSDP2 would only copy parameters for this run: one rank, float32 compute over float32
     parameters (no cast to a compute dtype), no CPU offload. The trainer then skips `apply_fsdp`."""

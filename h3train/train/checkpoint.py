@@ -411,15 +411,11 @@ def read_failure_reason(exc: BaseException) -> str:
 
 @dataclass
 class _PendingSave:
-    """A background save: DCP's two futures and what its commit needs."""
+    """A background save in flight."""
 
     staged: Future  # the snapshot of the state is taken (host copy done)
-    written: Future  # every rank's shards and the metadata are written
-    committed: Future  # rank 0: renamed into place (`written` on the other ranks)
-    tmp: Path
+    committed: Future  # rank 0: written and renamed into place; the other ranks: written
     final: Path
-    step: int
-    info: dict[str, Any]
 
 
 def staging_options(device: torch.device) -> StagingOptions:
@@ -575,7 +571,7 @@ class Checkpointer:
                     self._stager.release()
                 staged, written = response.staging_completion, response.upload_completion
             committed = self._commit_when_written(written, tmp, final, step, dict(info))
-            self._pending = _PendingSave(staged, written, committed, tmp, final, step, dict(info))
+            self._pending = _PendingSave(staged, committed, final)
             if before_commit is not None:
                 before_commit()
             return final
@@ -597,8 +593,7 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        pending.staged.result()
-        pending.written.result()
+        # The writes wait for the snapshot, so `committed` also raises what the copy raised.
         pending.committed.result()
         self.written.add(pending.final.name)
         # Every rank returns once rank 0 has committed.
@@ -662,7 +657,6 @@ class Checkpointer:
             set_aside(final, "replaced")
         os.replace(tmp, final)
         fsync_path(self.root)
-        self.written.add(final.name)
         self._prune(keep=final)
 
     def _prune(self, keep: Path) -> None:

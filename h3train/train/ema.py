@@ -16,18 +16,14 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from ..parallel.fsdp import local_tensor
 from .hooks import TrainerHook
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
 EMA_COMPONENT = "ema"
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class EmaHook(TrainerHook):
@@ -57,7 +53,7 @@ class EmaHook(TrainerHook):
         """Restart the average at the current weights."""
         with torch.no_grad():
             for name, shadow in self.shadow.items():
-                _local(shadow).copy_(_local(self.params[name]))
+                local_tensor(shadow).copy_(local_tensor(self.params[name]))
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.shadow)
@@ -80,8 +76,8 @@ class EmaHook(TrainerHook):
         names = list(self.shadow)
         with torch.no_grad():
             torch._foreach_lerp_(
-                [_local(self.shadow[n]) for n in names],
-                [_local(self.params[n]).float() for n in names],
+                [local_tensor(self.shadow[n]) for n in names],
+                [local_tensor(self.params[n]).float() for n in names],
                 1.0 - self.decay,
             )
 
@@ -93,12 +89,12 @@ class EmaHook(TrainerHook):
             # still be copying these parameters (`Checkpointer.wait_staged`).
             self._trainer.checkpointer.wait_staged()
         with torch.no_grad():
-            saved = {n: _local(p).clone() for n, p in self.params.items()}
+            saved = {n: local_tensor(p).clone() for n, p in self.params.items()}
             for n, p in self.params.items():
-                _local(p).copy_(_local(self.shadow[n]))
+                local_tensor(p).copy_(local_tensor(self.shadow[n]))
         try:
             yield
         finally:
             with torch.no_grad():
                 for n, p in self.params.items():
-                    _local(p).copy_(saved[n])
+                    local_tensor(p).copy_(saved[n])

@@ -36,7 +36,7 @@ from ..objective import (
     text_dropped,
 )
 from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
-from ..parallel.fsdp import apply_fsdp, shards_nothing
+from ..parallel.fsdp import apply_fsdp, local_tensor, shards_nothing
 from ..parallel.ulysses import SequenceParallel
 from ..preflight import preflight, resolve_attention_backend
 from ..tasks.layout import PackedSample
@@ -553,7 +553,7 @@ class Trainer:
                 metas.append(sample.meta())
         if self.faults.active("nan_grad", step):
             grad = next(p for p in self.model.parameters() if p.grad is not None).grad
-            (grad.to_local() if isinstance(grad, DTensor) else grad).fill_(float("nan"))
+            local_tensor(grad).fill_(float("nan"))
 
         if dump:
             self._dump(step, dumped, metas)
@@ -572,7 +572,7 @@ class Trainer:
             if clip < 1.0:
                 # Only a step over `train.max_grad_norm` pays the pass over every gradient; below
                 # it the coefficient is exactly 1. Shards scale as the whole gradient does.
-                torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
+                torch._foreach_mul_([local_tensor(g) for g in grads], coef)
             # The first write to the checkpoint state after a save: its background copy must be done.
             self.checkpointer.wait_staged()
             self.optimizer.step()
