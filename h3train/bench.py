@@ -277,12 +277,18 @@ class SyncError:
 
 
 @dataclass
-class BackendResult:
+class _BackendRun:
+    """What every per-backend measurement starts with (its fields lead in the JSON)."""
+
     name: str
     backend: str
     status: str = "ok"  # ok | error | skipped
     error: str | None = None
     step_time_s: float | None = None
+
+
+@dataclass
+class BackendResult(_BackendRun):
     tokens_per_s: float | None = None
     achieved_tflops: float | None = None
     mfu: float | None = None
@@ -308,14 +314,9 @@ class Parity:
 
 
 @dataclass
-class StepCheck:
+class StepCheck(_BackendRun):
     """One whole training step, `Trainer.train_step`, with one attention backend (`--whole-step`)."""
 
-    name: str
-    backend: str
-    status: str = "ok"  # ok | error
-    error: str | None = None
-    step_time_s: float | None = None
     achieved_tflops: float | None = None
     mfu: float | None = None
     peak_memory_bytes: int | None = None
