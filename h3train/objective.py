@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 from diffusers import MiniMaxH3Scheduler
 
-from .config import CfgConfig, LossWeights, TimestepConfig
+from .config import CfgConfig, Config, LossWeights, TimestepConfig
 from .tasks.layout import CONDITION_VIDEO_T, REFERENCE_AUDIO_T, Layout, PackedSample, row_timesteps
 
 # The pipeline's forward process. `scale_noise` reads nothing of the scheduler's shift or schedule.
@@ -99,6 +99,11 @@ def configured_scales(cfg: CfgConfig) -> tuple[float, float]:
     s_video = cfg.video_scale if cfg.video_scale is not None else cfg.scale
     s_audio = cfg.audio_scale if cfg.audio_scale is not None else cfg.scale
     return s_video, s_audio
+
+
+def cfg_enabled(cfg: CfgConfig) -> bool:
+    """Whether the CFG-calibrated target is on for either modality (a scale other than 1)."""
+    return configured_scales(cfg) != (1.0, 1.0)
 
 
 def guidance_for(cfg: CfgConfig, sigma_video: float, sigma_audio: float) -> Guidance:
@@ -354,3 +359,22 @@ def compute_loss(forward: Forward, ti: TrainingInputs) -> LossParts:
     else:
         video_fm, audio_fm = video.detach(), audio.detach()
     return LossParts(loss, video, audio, video_fm, audio_fm)
+
+
+def micro_batch_inputs(
+    cfg: Config,
+    sample: PackedSample,
+    step: int,
+    slot: int,
+    shared_negative: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> TrainingInputs:
+    """The inputs of `sample` as micro-batch `slot` of the global batch of optimizer step `step`.
+
+    Everything random about a micro-batch comes from (seed, step, slot, sample), so it is the same on
+    every SP rank, at any prefetch depth and across a resume.
+    """
+    gen = step_generator(cfg.train.seed, step, slot)
+    drop = text_dropped(cfg.train.seed, step, sample.sample_id, cfg.cfg.text_dropout)
+    return make_training_inputs(
+        sample, gen, cfg.train.timestep, cfg.train.loss_weights, cfg.cfg, shared_negative, drop_text=drop
+    )

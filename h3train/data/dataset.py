@@ -13,17 +13,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..tasks.layout import PackedSample
+from ..tasks.table import TRAINING_TASKS
 from .format import INDEX_NAME, DatasetError, IndexEntry, SampleError, read_index, read_sample, resolve_in_folder
 
 logger = logging.getLogger(__name__)
 
-# Which sample tasks a training task accepts: fl2va training includes text-only (t2va) samples,
-# which the same checkpoint serves.
-TASK_FILTERS: dict[str, tuple[str, ...]] = {
-    "fl2va": ("t2va", "fl2va"),
-    "ref2va": ("ref2va",),
-    "mixed": ("t2va", "fl2va", "ref2va"),
-}
 ON_ERROR = ("raise", "skip")
 
 
@@ -49,7 +43,8 @@ def _parsed_index(folder: str, inode: int, mtime_ns: int, size: int) -> tuple[In
 class CachedDataset:
     """Indexable `PackedSample`s of one dataset folder.
 
-    `task_filter` is `fl2va | ref2va | mixed` (see `TASK_FILTERS`). `on_error="skip"` replaces a sample
+    `task_filter` is a `task.name`: the dataset holds the index entries of its `TRAINING_TASKS[...].sample_tasks`
+    (a t2va run skips the fl2va clips of a mixed folder). `on_error="skip"` replaces a sample
     whose file fails validation (`SampleError`) by the next loadable one in index order, with a warning;
     the substitute is a function of the index alone, so every SP rank still gets the identical sample.
     I/O errors (`OSError`) always raise: they can be transient and differ between ranks.
@@ -63,15 +58,15 @@ class CachedDataset:
         on_skip: Callable[[str, str], None] | None = None,
         injected_corrupt: Iterable[str] = (),
     ) -> None:
-        if task_filter not in TASK_FILTERS:
-            raise DatasetError(f"task filter '{task_filter}' is not one of {', '.join(TASK_FILTERS)}")
+        if task_filter not in TRAINING_TASKS:
+            raise DatasetError(f"task filter '{task_filter}' is not one of {', '.join(TRAINING_TASKS)}")
         if on_error not in ON_ERROR:
             raise DatasetError(f"on_error '{on_error}' is not one of {', '.join(ON_ERROR)}")
         self.folder = Path(folder)
         self.task_filter = task_filter
         self.on_error = on_error
         all_entries = index_entries(self.folder)
-        accepted = TASK_FILTERS[task_filter]
+        accepted = TRAINING_TASKS[task_filter].sample_tasks
         self.entries: list[IndexEntry] = [e for e in all_entries if e.task in accepted]
         if not self.entries:
             found = sorted({e.task for e in all_entries}) or ["none"]

@@ -42,13 +42,20 @@ from ..atomic import atomic_save_file, atomic_write_text
 from ..errors import DatasetError, SampleError
 from ..tasks.layout import (
     AUDIO_CHANNELS,
-    TASKS,
     Geometry,
     PackedSample,
     ReferenceSpec,
     audio_latents_to_rows,
     build_layout,
     video_latents_to_rows,
+)
+from ..tasks.table import (
+    FRAME_RULE,
+    SAMPLE_TASKS,
+    VAE_FRAMES_PER_CHUNK,
+    VAE_LATENTS_PER_CHUNK,
+    is_frame_count,
+    sample_task_of,
 )
 
 FORMAT_VERSION = 1
@@ -57,9 +64,6 @@ INDEX_NAME = "index.jsonl"
 SAMPLE_SUFFIX = ".safetensors"
 VIDEO_LATENT_CHANNELS = 24
 AUDIO_LATENT_CHANNELS = 32
-# The video VAE encodes `17 n + 5` pixel frames into `5 n + 2` latent frames.
-VAE_FRAMES_PER_CHUNK = 17
-VAE_LATENTS_PER_CHUNK = 5
 ANCHORS = ("first", "last")
 REFERENCE_KINDS = ("image", "video", "audio")
 
@@ -318,11 +322,11 @@ def _check_task_metadata(where: str, meta: Mapping[str, Any]) -> None:
     if not _meta_value(where, meta, "sample_id", str):
         raise _fail(where, "metadata.sample_id", "is empty")
     task = _meta_value(where, meta, "task", str)
-    if task not in TASKS:
-        raise _fail(where, "metadata.task", f"is {task!r}, expected one of {', '.join(TASKS)}")
+    if task not in SAMPLE_TASKS:
+        raise _fail(where, "metadata.task", f"is {task!r}, expected one of {', '.join(SAMPLE_TASKS)}")
     num_frames = _meta_value(where, meta, "num_frames", int)
-    if num_frames < VAE_LATENTS_PER_CHUNK or num_frames % VAE_FRAMES_PER_CHUNK != VAE_LATENTS_PER_CHUNK:
-        raise _fail(where, "metadata.num_frames", f"is {num_frames}, expected 17 n + 5 pixel frames")
+    if not is_frame_count(num_frames):
+        raise _fail(where, "metadata.num_frames", f"is {num_frames}, expected {FRAME_RULE} pixel frames")
     _meta_value(where, meta, "has_audio", bool)
     if meta.get("source") is not None:
         _meta_value(where, meta, "source", str)
@@ -330,19 +334,23 @@ def _check_task_metadata(where: str, meta: Mapping[str, Any]) -> None:
     anchors = _meta_value(where, meta, "keyframe_anchors", list)
     if any(a not in ANCHORS for a in anchors):
         raise _fail(where, "metadata.keyframe_anchors", f"is {anchors}, expected entries 'first' or 'last'")
-    if (task == "fl2va") != bool(anchors):
+    # A sample carries anchors / references exactly when its task takes that conditioning.
+    conditioning = SAMPLE_TASKS[task].conditioning
+    if (conditioning == "keyframes") != bool(anchors):
         raise _fail(
             where,
             "metadata.keyframe_anchors",
-            f"is {anchors}: fl2va samples need at least one anchor, other tasks none",
+            f"is {anchors}: {sample_task_of('keyframes')} samples need at least one anchor, other tasks none",
         )
 
     references = _meta_value(where, meta, "references", list)
     for i, ref in enumerate(references):
         _check_reference_metadata(where, i, ref)
-    if (task == "ref2va") != bool(references):
+    if (conditioning == "references") != bool(references):
         raise _fail(
-            where, "metadata.references", "must list the references of a ref2va sample, and be empty for other tasks"
+            where,
+            "metadata.references",
+            f"must list the references of a {sample_task_of('references')} sample, and be empty for other tasks",
         )
     # As in diffusers' Ref2VA setup step: an audio reference must come with a visual one.
     if references and all(r["kind"] == "audio" for r in references):
@@ -433,7 +441,7 @@ def _check_reference_shapes(where: str, i: int, kind: str, specs: dict[str, _Ten
         _Shapes(where).check(video, specs[video].shape, (VIDEO_LATENT_CHANNELS, frames, "h", "w"))
         _, f, h, w = specs[video].shape
         if kind == "video" and f % VAE_LATENTS_PER_CHUNK != 2:
-            raise _fail(where, video, f"has {f} latent frames, expected 5 n + 2 (a 17 n + 5 frame clip)")
+            raise _fail(where, video, f"has {f} latent frames, expected 5 n + 2 (a {FRAME_RULE} frame clip)")
         if h < 2 or w < 2 or h % 2 or w % 2:
             raise _fail(where, video, f"has latent size {h}x{w}, expected even sizes (2x2 patches)")
     if audio in specs:
@@ -696,7 +704,7 @@ def _parse_index_line(folder: Path, where: str, line: str) -> IndexEntry:
         )
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise DatasetError(f"{where}: malformed entry ({type(exc).__name__}: {exc})") from None
-    if entry.task not in TASKS:
-        raise DatasetError(f"{where}: task '{entry.task}' is not one of {', '.join(TASKS)}")
+    if entry.task not in SAMPLE_TASKS:
+        raise DatasetError(f"{where}: task '{entry.task}' is not one of {', '.join(SAMPLE_TASKS)}")
     resolve_in_folder(folder, entry.file, where)
     return entry

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..tasks.table import SAMPLE_TASKS, sample_task_of
 from .format import ANCHORS, REFERENCE_KINDS
 
-MANIFEST_TASKS = ("t2va", "fl2va", "ref2va")
 DEFAULT_NEGATIVE_PROMPT = " "
 _KEYS = {"video", "prompt", "task", "keyframes", "references", "negative_prompt", "id"}
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
@@ -177,20 +177,22 @@ def _parse_line(where: _Where, folder: Path, raw: str) -> ManifestEntry:
     video = _media(where, folder, "video", _string(where, row, "video"))
     prompt = _string(where, row, "prompt", allow_empty=True)
     task = _string(where, row, "task")
-    if task not in MANIFEST_TASKS:
-        raise where.error("task", f"is {task!r}, expected one of {', '.join(MANIFEST_TASKS)}")
+    if task not in SAMPLE_TASKS:
+        raise where.error("task", f"is {task!r}, expected one of {', '.join(SAMPLE_TASKS)}")
     negative = _string(where, row, "negative_prompt", allow_empty=True) if "negative_prompt" in row else None
 
+    # The one conditioning field the task takes (`SampleTask.conditioning`); the other is refused.
+    conditioning = SAMPLE_TASKS[task].conditioning
     keyframes: tuple[Keyframe, ...] = ()
     references: tuple[Reference, ...] = ()
-    if task == "fl2va":
+    if conditioning == "keyframes":
         keyframes = _keyframes(where, folder, row.get("keyframes"))
     elif "keyframes" in row:
-        raise where.error("keyframes", f"is for fl2va clips, this one is {task}")
-    if task == "ref2va":
+        raise where.error("keyframes", f"is for {sample_task_of('keyframes')} clips, this one is {task}")
+    if conditioning == "references":
         references = _references(where, folder, row.get("references"))
     elif "references" in row:
-        raise where.error("references", f"are for ref2va clips, this one is {task}")
+        raise where.error("references", f"are for {sample_task_of('references')} clips, this one is {task}")
 
     return ManifestEntry(
         line=where.line,

@@ -121,3 +121,14 @@ class DistributedSampler:
                 f"{self.bucket_size}; resume with the same data.bucket_size"
             )
         self.position = int(state["position"])
+
+
+def assigned_indices(num_samples: int, dp_rank: int, dp: int) -> list[int | None]:
+    """The evaluation items DP group `dp_rank` takes (item `i` goes to group `i % dp`), padded with None.
+
+    Every group gets `ceil(num_samples / dp)` slots: FSDP2's collectives need every rank of the
+    sharding group to run the same number of forwards, so a group with fewer items repeats one in a
+    None slot without counting it. Shared by the held-out loss and the sample renderer.
+    """
+    slots = (num_samples + dp - 1) // dp
+    return [i if (i := j * dp + dp_rank) < num_samples else None for j in range(slots)]

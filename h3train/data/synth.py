@@ -2,12 +2,13 @@
 
 Geometry follows the pipeline: `17 n + 5` pixel frames (5 or 22 here) give `5 n + 2` latent frames
 (2 or 7) and `round(frames / 24 * 40)` audio latents per channel (8 or 37); latents are 4x4 or 4x6.
+A dataset for `task.name=X` holds only the sample tasks X trains (`TRAINING_TASKS[X].sample_tasks`).
 Conditioning varies over samples so that every layout branch is exercised: fl2va anchors first /
-last / both / none (t2va), ref2va references image, video with and without soundtrack, audio, and
-several mixed, some samples without target audio. Reference media follow the pipeline's rules too:
-video references are at most as long as the target and soundtracks and audio references are
-truncated to the target duration. Text token tags mimic the prompt presentations (labels as text,
-vision blocks tagged 0).
+last / both / none (t2va; a t2va dataset holds only those), ref2va references image, video with and
+without soundtrack, audio, and several mixed, some samples without target audio. Reference media
+follow the pipeline's rules too: video references are at most as long as the target and soundtracks
+and audio references are truncated to the target duration. Text token tags mimic the prompt
+presentations (labels as text, vision blocks tagged 0).
 
 Sample `i` is a pure function of `(seed, i)`.
 """
@@ -24,6 +25,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     video_latent_num_frames,
 )
 
+from ..tasks.table import SAMPLE_TASKS, TRAINING_TASKS, sample_task_of
 from .format import (
     AUDIO_LATENT_CHANNELS,
     INDEX_NAME,
@@ -38,7 +40,6 @@ from .format import (
     write_sample,
 )
 
-SYNTH_TASKS = ("fl2va", "ref2va", "mixed")
 PIXEL_FRAMES = (5, 22)
 LATENT_SIZES = ((4, 4), (4, 6))
 REFERENCE_SIZES = ((4, 4), (6, 4), (4, 6))
@@ -72,12 +73,13 @@ def write_synthetic_dataset(
 ) -> Path:
     """Write `num_samples` synthetic samples and their `index.jsonl` into `out_dir`; return the folder.
 
-    `task` is `fl2va` (t2va + fl2va samples), `ref2va` or `mixed` (alternating). `text_dim` is the
+    `task` is a `task.name`: `fl2va` (t2va + fl2va samples), `t2va`, `ref2va` or `mixed` (packed and
+    ref2va samples alternating). `text_dim` is the
     width of the prompt embeddings (the model's `text_dim`). A folder that already holds samples or
     an index is refused unless `overwrite`, which first removes those files (and nothing else).
     """
-    if task not in SYNTH_TASKS:
-        raise DatasetError(f"synthetic task '{task}' is not one of {', '.join(SYNTH_TASKS)}")
+    if task not in TRAINING_TASKS:
+        raise DatasetError(f"synthetic task '{task}' is not one of {', '.join(TRAINING_TASKS)}")
     if num_samples < 1 or text_dim < 1:
         raise DatasetError(f"need num_samples >= 1 and text_dim >= 1, got {num_samples} and {text_dim}")
     out = Path(out_dir)
@@ -101,12 +103,22 @@ def _prepare_folder(out: Path, overwrite: bool) -> None:
         path.unlink()
 
 
+def _anchor_cycle(trained: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """The anchor sets of `ANCHOR_CYCLE` whose sample task (fl2va with anchors, t2va without) is in `trained`."""
+    return tuple(a for a in ANCHOR_CYCLE if sample_task_of("keyframes" if a else None) in trained)
+
+
 def synthetic_sample(task: str, i: int, seed: int, text_dim: int) -> CachedSample:
-    """Sample `i` of a synthetic dataset of `task` (`fl2va | ref2va | mixed`)."""
+    """Sample `i` of a synthetic dataset of `task` (a `task.name`), one of the sample tasks it trains.
+
+    The layouts of those tasks (`packed` for t2va / fl2va, `ref2va`) take turns, in table order.
+    """
     rng = random.Random(seed * 1_000_003 + i)
     g = torch.Generator().manual_seed(seed * 1_000_003 + i)
-    family = task if task != "mixed" else ("fl2va", "ref2va")[i % 2]
-    turn = i if task != "mixed" else i // 2
+    trained = TRAINING_TASKS[task].sample_tasks
+    layouts = tuple(dict.fromkeys(SAMPLE_TASKS[t].layout for t in trained))
+    layout = layouts[i % len(layouts)]
+    turn = i // len(layouts)
 
     num_frames = rng.choice(PIXEL_FRAMES)
     frames = video_latent_num_frames(num_frames, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK)
@@ -118,8 +130,9 @@ def synthetic_sample(task: str, i: int, seed: int, text_dim: int) -> CachedSampl
 
     anchors: tuple[str, ...] = ()
     references: tuple[ReferenceLatents, ...] = ()
-    if family == "fl2va":
-        anchors = ANCHOR_CYCLE[turn % len(ANCHOR_CYCLE)]
+    if layout == "packed":
+        cycle = _anchor_cycle(trained)
+        anchors = cycle[turn % len(cycle)]
         # "<Picture i>: " and a vision block per keyframe.
         blocks = [1] * len(anchors)
     else:
@@ -136,7 +149,7 @@ def synthetic_sample(task: str, i: int, seed: int, text_dim: int) -> CachedSampl
     visual_tags = _presentation_tags(blocks, NEGATIVE_TOKENS) if blocks else None
     return CachedSample(
         sample_id=f"synth-{i:06d}",
-        task="ref2va" if references else ("fl2va" if anchors else "t2va"),
+        task=sample_task_of("references" if references else "keyframes" if anchors else None),
         num_frames=num_frames,
         video_latents=video,
         audio_latents=audio,

@@ -32,6 +32,7 @@ from ..data.components import reads_videos
 from ..data.encode import ENCODER_VERSION, EncodeSettings, EncodingPipeline, _fl2va, _prompts, _ref2va
 from ..data.format import ReferenceLatents
 from ..data.media import MediaError
+from ..tasks.table import SAMPLE_TASKS
 from .requests import SampleRequest
 
 CACHE_KEY = "h3train_request"
@@ -51,6 +52,7 @@ class Conditioning:
     def pipeline_inputs(self, device: torch.device) -> dict[str, Any]:
         """What diffusers' encoder blocks hand to the task's core denoise blocks, on `device`."""
         r = self.request
+        conditioning = SAMPLE_TASKS[r.task].conditioning
         inputs: dict[str, Any] = {
             "prompt_embeds": self.prompt_embeds[None].to(device),
             "text_token_tags": self.text_token_tags,
@@ -58,10 +60,10 @@ class Conditioning:
             "width": r.width,
             "num_frames": r.num_frames,
         }
-        if r.task == "fl2va":
+        if conditioning == "keyframes":
             inputs["keyframe_anchors"] = tuple(self.keyframe_anchors)
             inputs["condition_latents"] = [k[None].to(device) for k in self.keyframes]
-        if r.task == "ref2va":
+        if conditioning == "references":
             # The layout reads only `kind` and `has_audio` of each normalized reference.
             inputs["normalized_references"] = list(self.references)
             inputs["condition_latents"] = [
@@ -110,10 +112,11 @@ def encode_request(pipe: EncodingPipeline, request: SampleRequest, settings: Enc
     blank = np.broadcast_to(
         np.zeros((1, 1, 1, 3), dtype=np.uint8), (request.num_frames, request.height, request.width, 3)
     )
-    if request.task == "fl2va":
+    conditioning = SAMPLE_TASKS[request.task].conditioning
+    if conditioning == "keyframes":
         anchors, keyframes, prompts = _fl2va(pipe, entry, blank)
         return Conditioning(request, prompts.embeds, prompts.tags, tuple(anchors), tuple(keyframes))
-    if request.task == "ref2va":
+    if conditioning == "references":
         references, prompts = _ref2va(pipe, entry, settings, blank)
         return Conditioning(request, prompts.embeds, prompts.tags, references=tuple(references))
     prompts = _prompts(pipe, entry)

@@ -23,19 +23,17 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Mapping
-from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from ..config import Config
+from ..data.sampler import assigned_indices
 from ..errors import ConfigError, H3TrainError
-from ..train.ema import EMA_COMPONENT
-from ..train.hooks import TrainerHook
-from ..train.validation import assigned_indices
+from ..train.hooks import TrainerHook, TrainerView
 from .conditioning import (
     Conditioning,
     encode_request,
@@ -46,9 +44,6 @@ from .conditioning import (
 )
 from .pipeline import LiveTransformer, decode, denoise, fresh_path, render_pipeline, write_clip
 from .requests import KEY, parse_requests, text_encoder_dtype
-
-if TYPE_CHECKING:
-    from ..train.trainer import Trainer
 
 SAMPLES_DIR = "samples"
 REQUESTS_DIR = "requests"
@@ -85,16 +80,16 @@ class SampleRenderer(TrainerHook):
 
     # -- start-up --------------------------------------------------------------------------------
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         self._prepare(trainer)
         if self.v.at_start and trainer.step == 0:
             self.render(trainer, 0)
 
-    def after_step(self, trainer: Trainer, step: int, stats: Mapping[str, float]) -> None:
+    def after_step(self, trainer: TrainerView, step: int, stats: Mapping[str, float]) -> None:
         if self.v.sample_every and step % self.v.sample_every == 0:
             self.render(trainer, step)
 
-    def _prepare(self, trainer: Trainer) -> None:
+    def _prepare(self, trainer: TrainerView) -> None:
         from ..data.components import components_fingerprint
 
         trainer.phase = f"encoding {KEY}"
@@ -158,7 +153,7 @@ class SampleRenderer(TrainerHook):
 
     # -- rendering -------------------------------------------------------------------------------
 
-    def render(self, trainer: Trainer, step: int) -> dict[str, Path]:
+    def render(self, trainer: TrainerView, step: int) -> dict[str, Path]:
         """Render every request after step `step` (0: before training); returns the files, by id, on every rank."""
         ctx, model = trainer.ctx, trainer.model
         folder = self.root / f"step_{step}"
@@ -175,7 +170,7 @@ class SampleRenderer(TrainerHook):
         self.transformer.forwards = 0
         was_training = model.training
         model.eval()
-        weights = trainer.hook(EMA_COMPONENT).swapped_in() if self.v.use_ema else nullcontext()
+        weights = trainer.evaluation_weights(self.v.use_ema)
         devices = [torch.cuda.current_device()] if trainer.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad(), weights:
@@ -199,14 +194,14 @@ class SampleRenderer(TrainerHook):
         dist.all_gather_object(gathered, written)
         found = {name: Path(path) for part in gathered for name, path in (part or {}).items()}
         self.files = {r.sample_id: found[r.sample_id] for r in self.requests}
+        captions = {r.sample_id: r.prompt for r in self.requests}
+        trainer.log_videos(step, {name: (path, captions[name]) for name, path in self.files.items()})
         if ctx.is_main:
-            captions = {r.sample_id: r.prompt for r in self.requests}
-            trainer._metrics.log_videos(step, {name: (path, captions[name]) for name, path in self.files.items()})
             listed = ", ".join(str(path) for path in self.files.values())
             tqdm.write(f"validation samples after step {step}: {listed}", file=sys.stderr)
         return self.files
 
-    def _write(self, trainer: Trainer, folder: Path, cond: Conditioning, state: Any) -> Path:
+    def _write(self, trainer: TrainerView, folder: Path, cond: Conditioning, state: Any) -> Path:
         """Decode on the accelerator (the VAEs visit it only for this) and write the mp4 (and latents)."""
         pipe = self.pipe
         pipe.vae.to(trainer.device)

@@ -14,6 +14,7 @@ generator, so the loop's inputs are identical on each and the gathered velocitie
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import uuid
@@ -25,28 +26,24 @@ import numpy as np
 import torch
 from diffusers import MiniMaxH3Scheduler
 from diffusers.modular_pipelines import PipelineState
-from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import (
-    MiniMaxH3CoreDenoiseStep,
-    MiniMaxH3DecodeStep,
-    MiniMaxH3FL2VACoreDenoiseStep,
-    MiniMaxH3Ref2VACoreDenoiseStep,
-)
+from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3DecodeStep
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
 from diffusers.utils import logging as diffusers_logging
 from diffusers.video_processor import VideoProcessor
 from torch import nn
 
 from ..data.media import FPS, write_video
+from ..tasks.table import DENOISE_BLOCKS_MODULE, SAMPLE_TASKS
 from .conditioning import Conditioning
 
 # The released schedulers (`scheduler/`, `audio_scheduler/` of MiniMax-H3): video shift 12, audio shift 3.
 VIDEO_SHIFT = 12.0
 AUDIO_SHIFT = 3.0
-CORE_STEPS = {
-    "t2va": MiniMaxH3CoreDenoiseStep,
-    "fl2va": MiniMaxH3FL2VACoreDenoiseStep,
-    "ref2va": MiniMaxH3Ref2VACoreDenoiseStep,
-}
+
+
+def core_step(task: str) -> type:
+    """The core denoise block class diffusers renders a `task` request with (`SampleTask.denoise_block`)."""
+    return getattr(importlib.import_module(DENOISE_BLOCKS_MODULE), SAMPLE_TASKS[task].denoise_block)
 
 
 class RenderPipeline(MiniMaxH3ModularPipeline):
@@ -154,7 +151,7 @@ def denoise(
     `latents` `[1, 24, F, h, w]` and `audio_latents` `[2, 32, n]` as `MiniMaxH3AfterDenoiseStep` leaves them.
     The request's generator is a CPU generator seeded with its seed, as a user passes one to the pipeline.
     """
-    core = CORE_STEPS[cond.request.task]()
+    core = core_step(cond.request.task)()
     core.sub_blocks["denoise"].set_progress_bar_config(**(progress or {"disable": True}))
     state = PipelineState()
     values = {

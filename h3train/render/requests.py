@@ -5,7 +5,7 @@ fl2va keyframe images or ref2va references, plus what a clip would have given: `
 at 24 fps, n >= 1, since the video VAE decoder needs at least 7 latent frames), `resolution`
 (`WIDTHxHEIGHT`, multiples of 32) and the `seed` of the request's generator.
 
-Media paths are made absolute when the config is loaded (`anchor_sample_paths`): a relative path is
+Media paths are made absolute when the config is loaded (`config.anchor_sample_paths`): a relative path is
 relative to the folder of the config file that names it, or to the working directory for a
 command-line override. Every problem is a one-line `ConfigError` naming `validation.samples[i].field`.
 """
@@ -17,22 +17,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..data.format import ANCHORS, REFERENCE_KINDS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
-from ..data.manifest import MANIFEST_TASKS, Keyframe, ManifestEntry, MediaPath, Reference
+from ..config import SAMPLES_KEY as KEY
+from ..config import sample_key as _where
+from ..data.format import ANCHORS, REFERENCE_KINDS
+from ..data.manifest import Keyframe, ManifestEntry, MediaPath, Reference
 from ..errors import ConfigError
+from ..tasks.table import (
+    FRAME_RULE,
+    PARTITIONS,
+    SAMPLE_TASKS,
+    TRAINING_TASKS,
+    frame_counts_around,
+    is_frame_count,
+    partition_tasks,
+    sample_task_of,
+)
 
 if TYPE_CHECKING:
     import torch
 
     from ..config import Config, SampleRequestConfig
 
-KEY = "validation.samples"
-_FIELDS = ("id", "prompt", "task", "keyframes", "references", "frames", "resolution", "seed")
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _RESOLUTION = re.compile(r"\s*(\d+)\s*[xX]\s*(\d+)\s*")
 CANVAS_MULTIPLE = 32
 # 17 n + 5 frames with n >= 1: 7 latent frames, the fewest the video VAE decoder takes.
-MIN_FRAMES = VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
+MIN_CHUNKS = 1
 
 
 @dataclass(frozen=True)
@@ -69,63 +79,6 @@ class SampleRequest:
         return {**entry, "num_frames": self.num_frames, "height": self.height, "width": self.width}
 
 
-def _where(i: int, name: str | None = None) -> str:
-    return f"config key '{KEY}[{i}]" + (f".{name}'" if name else "'")
-
-
-def _absolute(value: Any, base: Path) -> Any:
-    if not isinstance(value, str) or not value or value.startswith("${"):
-        return value
-    path = Path(value).expanduser()
-    return str(path if path.is_absolute() else (base / path).resolve())
-
-
-def anchor_sample_paths(layer: dict[str, Any], base: Path, origin: str) -> None:
-    """Shape-check one config layer's `validation.samples` and make its relative media paths absolute.
-
-    Runs on the plain containers of one layer (the YAML file, or the overrides) before they merge, so a
-    wrong shape names its item and field, and each path is taken relative to the layer it came from.
-    """
-    section = layer.get("validation")
-    if not isinstance(section, dict) or section.get("samples") is None:
-        return
-    samples = section["samples"]
-    if isinstance(samples, dict):
-        raise ConfigError(f"config key '{KEY}' ({origin}) takes a list of requests, not a section")
-    if not isinstance(samples, list):
-        samples = section["samples"] = [samples]
-    for i, item in enumerate(samples):
-        if not isinstance(item, dict):
-            raise ConfigError(
-                f"{_where(i)} ({origin}) is {item!r}; each request is a mapping such as "
-                "{prompt: ..., task: fl2va, keyframes: {first: a.png}, frames: 124, resolution: 1344x768}"
-            )
-        unknown = sorted(set(item) - set(_FIELDS))
-        if unknown:
-            raise ConfigError(
-                f"{_where(i, unknown[0])} ({origin}) is not a request field (fields: {', '.join(_FIELDS)})"
-            )
-        keyframes = item.get("keyframes")
-        if keyframes is not None:
-            if not isinstance(keyframes, dict):
-                raise ConfigError(
-                    f"{_where(i, 'keyframes')} ({origin}) is {keyframes!r}; it maps an anchor to an image, "
-                    "e.g. {first: stills/a.png, last: stills/b.png}"
-                )
-            item["keyframes"] = {anchor: _absolute(image, base) for anchor, image in keyframes.items()}
-        references = item.get("references")
-        if references is not None:
-            if not isinstance(references, list):
-                references = item["references"] = [references]
-            for j, ref in enumerate(references):
-                if not isinstance(ref, dict) or set(ref) != {"kind", "path"}:
-                    raise ConfigError(
-                        f"{_where(i, f'references[{j}]')} ({origin}) is {ref!r}; expected "
-                        "{kind: image | video | audio, path: ...}"
-                    )
-                ref["path"] = _absolute(ref["path"], base)
-
-
 def parse_resolution(i: int, text: str) -> tuple[int, int]:
     """`WIDTHxHEIGHT` -> `(height, width)`, both positive multiples of 32."""
     match = _RESOLUTION.fullmatch(text or "")
@@ -141,13 +94,12 @@ def parse_resolution(i: int, text: str) -> tuple[int, int]:
 
 
 def _frames(i: int, frames: int) -> int:
-    n, rest = divmod(frames - VAE_LATENTS_PER_CHUNK, VAE_FRAMES_PER_CHUNK)
-    if frames < MIN_FRAMES or rest:
-        below = max(MIN_FRAMES, VAE_FRAMES_PER_CHUNK * n + VAE_LATENTS_PER_CHUNK)
-        above = below + VAE_FRAMES_PER_CHUNK if below < frames else below
-        hint = f"e.g. {below} or {above}" if below != above else f"at least {MIN_FRAMES}"
+    if not is_frame_count(frames, MIN_CHUNKS):
+        below, above = frame_counts_around(frames, MIN_CHUNKS)
+        hint = f"e.g. {below} or {above}" if below != above else f"at least {below}"
         raise ConfigError(
-            f"{_where(i, 'frames')} is {frames}; it takes 17 n + 5 frames with n >= 1 ({hint}; 124 is 5 s at 24 fps)"
+            f"{_where(i, 'frames')} is {frames}; it takes {FRAME_RULE} frames with n >= {MIN_CHUNKS} "
+            f"({hint}; 124 is 5 s at 24 fps)"
         )
     return frames
 
@@ -166,11 +118,12 @@ def parse_request(i: int, item: SampleRequestConfig) -> SampleRequest:
     sample_id = item.id or f"sample_{i}"
     if not _ID_PATTERN.fullmatch(sample_id):
         raise ConfigError(f"{_where(i, 'id')} is {item.id!r}; use letters, digits, '.', '_' or '-' (it names the file)")
-    if item.task not in MANIFEST_TASKS:
-        raise ConfigError(f"{_where(i, 'task')} is {item.task!r}; choose one of {', '.join(MANIFEST_TASKS)}")
+    if item.task not in SAMPLE_TASKS:
+        raise ConfigError(f"{_where(i, 'task')} is {item.task!r}; choose one of {', '.join(SAMPLE_TASKS)}")
+    conditioning = SAMPLE_TASKS[item.task].conditioning
     keyframes: tuple[Keyframe, ...] = ()
     references: tuple[Reference, ...] = ()
-    if item.task == "fl2va":
+    if conditioning == "keyframes":
         if not item.keyframes or any(anchor not in ANCHORS for anchor in item.keyframes):
             raise ConfigError(
                 f"{_where(i, 'keyframes')} is {dict(item.keyframes)!r}; an fl2va request maps 'first' and/or "
@@ -182,8 +135,10 @@ def parse_request(i: int, item: SampleRequestConfig) -> SampleRequest:
             if anchor in item.keyframes
         )
     elif item.keyframes:
-        raise ConfigError(f"{_where(i, 'keyframes')} are for fl2va requests, this one is {item.task}")
-    if item.task == "ref2va":
+        raise ConfigError(
+            f"{_where(i, 'keyframes')} are for {sample_task_of('keyframes')} requests, this one is {item.task}"
+        )
+    if conditioning == "references":
         if not item.references:
             raise ConfigError(f"{_where(i, 'references')} is empty; a ref2va request needs at least one reference")
         for j, ref in enumerate(item.references):
@@ -199,7 +154,9 @@ def parse_request(i: int, item: SampleRequestConfig) -> SampleRequest:
         if all(ref.kind == "audio" for ref in references):
             raise ConfigError(f"{_where(i, 'references')} are all audio; diffusers' H3 needs an image or video one too")
     elif item.references:
-        raise ConfigError(f"{_where(i, 'references')} are for ref2va requests, this one is {item.task}")
+        raise ConfigError(
+            f"{_where(i, 'references')} are for {sample_task_of('references')} requests, this one is {item.task}"
+        )
     height, width = parse_resolution(i, item.resolution)
     if item.seed < 0:
         raise ConfigError(f"{_where(i, 'seed')} must be >= 0, got {item.seed}")
@@ -241,16 +198,15 @@ def text_encoder_dtype(cfg: Config) -> torch.dtype:
 
 def served_tasks(cfg: Config) -> tuple[str, ...]:
     """The request tasks diffusers runs on the partition this run trains (all three for a mixed random init)."""
-    from ..tasks.partition import PARTITION_TASKS
-
-    if cfg.task.name == "fl2va":
-        return PARTITION_TASKS["transformer"]
-    if cfg.task.name == "ref2va":
-        return PARTITION_TASKS["transformer_ref"]
+    task = TRAINING_TASKS.get(cfg.task.name)
+    partition = task.partition if task is not None else None
+    if partition is not None:
+        return partition_tasks(partition)
     if cfg.model.config or not cfg.model.pretrained or not cfg.model.subfolder:
         # A random init serves every task; a pretrained mixed run without a subfolder is refused elsewhere.
-        return MANIFEST_TASKS
-    return PARTITION_TASKS.get(Path(cfg.model.subfolder).name, MANIFEST_TASKS)
+        return tuple(SAMPLE_TASKS)
+    subfolder = Path(cfg.model.subfolder).name
+    return partition_tasks(subfolder) if subfolder in PARTITIONS else tuple(SAMPLE_TASKS)
 
 
 def validate_samples(cfg: Config) -> None:

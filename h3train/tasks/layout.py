@@ -29,11 +29,12 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     MiniMaxH3ModularPipeline,
 )
 
+from .table import SAMPLE_TASKS
+
 PATCH_SIZE: tuple[int, int, int] = (1, 2, 2)
 AUDIO_CHANNELS: int = MINIMAX_H3_AUDIO_CHANNELS
 VIDEO_TAG: int = MINIMAX_H3_VIDEO_TAG
 AUDIO_TAG: int = MINIMAX_H3_AUDIO_TAG
-TASKS = ("t2va", "fl2va", "ref2va")
 
 
 def _pipeline_constant(name: str) -> float:
@@ -138,8 +139,9 @@ def build_layout(
     references: tuple[ReferenceSpec, ...] = (),
     patch_size: tuple[int, int, int] = PATCH_SIZE,
 ) -> Layout:
-    """Build the packed layout with diffusers' builders. `task` is `t2va | fl2va | ref2va`."""
-    if task in ("t2va", "fl2va"):
+    """Build the packed layout with the diffusers builder of `task` (a `SAMPLE_TASKS` name: its `layout`)."""
+    builder = SAMPLE_TASKS[task].layout if task in SAMPLE_TASKS else None
+    if builder == "packed":
         out = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
             text_token_tags,
             geometry.num_latent_frames,
@@ -152,7 +154,7 @@ def build_layout(
             VIDEO_TAG,
             tuple(keyframe_anchors),
         )
-    elif task == "ref2va":
+    elif builder == "ref2va":
         # The builder reads only `.kind` / `.has_audio` of a reference and the shapes of the latents,
         # so shape-only meta tensors stand in for them.
         refs = [SimpleNamespace(kind=r.kind, has_audio=r.has_audio) for r in references]
@@ -179,7 +181,7 @@ def build_layout(
             VIDEO_TAG,
         )
     else:
-        raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+        raise ValueError(f"unknown task {task!r}; expected one of {tuple(SAMPLE_TASKS)}")
     return Layout(*out)
 
 

@@ -19,12 +19,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import ConfigError
-
-# Sample tasks each released partition serves at inference.
-PARTITION_TASKS: dict[str, tuple[str, ...]] = {"transformer": ("t2va", "fl2va"), "transformer_ref": ("ref2va",)}
-# What `data.create_synthetic` / `data.source=synthetic` produce for `task.name=mixed`.
-SYNTHETIC_MIXED_TASKS = ("t2va", "fl2va", "ref2va")
-SYNTHETIC_SOURCE_TASKS = ("t2va", "fl2va")
+from .table import PARTITIONS, TRAINING_TASKS, partition_tasks, sample_task_of
 
 
 def mixed_subfolder(cfg: Config) -> str:
@@ -41,13 +36,16 @@ def _data_tasks(cfg: Config) -> Counter[str] | None:
     """Sample tasks of the data the run reads (None when there is no index to read yet)."""
     data = cfg.data
     if data.source == "synthetic":
-        return Counter(dict.fromkeys(SYNTHETIC_SOURCE_TASKS, data.synthetic.num_samples))
+        from .synthetic import synthetic_anchors
+
+        made = sample_task_of("keyframes" if synthetic_anchors(data.synthetic, cfg.task.name) else None)
+        return Counter({made: data.synthetic.num_samples})
     if data.path is None:
         return None
     from ..data.format import INDEX_NAME, read_index
 
     if not (Path(data.path) / INDEX_NAME).is_file():
-        return Counter(dict.fromkeys(SYNTHETIC_MIXED_TASKS, 1)) if data.create_synthetic else None
+        return Counter(dict.fromkeys(TRAINING_TASKS[cfg.task.name].sample_tasks, 1)) if data.create_synthetic else None
     return Counter(entry.task for entry in read_index(data.path))
 
 
@@ -69,17 +67,17 @@ def check_partition(cfg: Config) -> str | None:
     else:
         subfolder = mixed_subfolder(cfg)
         partition = Path(subfolder).name
-        if partition not in PARTITION_TASKS:
+        if partition not in PARTITIONS:
             raise ConfigError(
                 f"config key 'model.subfolder' is '{subfolder}', not one of H3's partitions; with task.name=mixed "
                 "use transformer (t2va, fl2va samples) or transformer_ref (ref2va samples)"
             )
-        fits = PARTITION_TASKS[partition]
+        fits = partition_tasks(partition)
         if tasks is not None:
             misfits = {task: n for task, n in sorted(tasks.items()) if task not in fits}
             if misfits:
                 listed = ", ".join(f"{n} {task}" for task, n in misfits.items())
-                other = "transformer_ref" if partition == "transformer" else "transformer"
+                other = next(p for p in PARTITIONS if p != partition)
                 raise ConfigError(
                     f"config key 'task.name' is 'mixed' training partition '{partition}' ({', '.join(fits)}), but "
                     f"the data holds {listed} samples, which diffusers runs on '{other}'; train those with "

@@ -1,6 +1,8 @@
-"""Synthetic FL2VA samples: random latents and text embeddings of a real H3 geometry.
+"""Synthetic t2va / fl2va samples (`data.source=synthetic`): random latents and text embeddings of a real H3 geometry.
 
-Sample `i` is a pure function of `(seed, i)`, so every rank that asks for it gets the same tensors.
+Which of the two a run gets is the training task's: keyframe samples (`data.synthetic.keyframe_anchors`)
+only when `task.name` trains fl2va samples, text-only ones otherwise. Sample `i` is a pure function of
+`(seed, i)`, so every rank that asks for it gets the same tensors.
 """
 
 from __future__ import annotations
@@ -8,19 +10,42 @@ from __future__ import annotations
 import torch
 
 from ..config import SyntheticDataConfig
+from ..errors import ConfigError
 from .layout import Geometry, PackedSample, audio_latents_to_rows, video_latents_to_rows
+from .table import TRAINING_TASKS, sample_task_of
 
 VIDEO_LATENT_CHANNELS = 24
 AUDIO_LATENT_CHANNELS = 32
 
 
-class SyntheticSource:
-    """Indexable source of FL2VA `PackedSample`s (T2VA when no anchors are configured)."""
+def synthetic_anchors(cfg: SyntheticDataConfig, task: str) -> tuple[str, ...]:
+    """The keyframe anchors of the synthetic samples `task.name=task` trains on (none: t2va samples).
 
-    def __init__(self, cfg: SyntheticDataConfig, text_dim: int, seed: int) -> None:
+    `data.synthetic.keyframe_anchors` when the task trains fl2va samples; none otherwise, so a t2va run
+    never sees an anchor whatever the synthetic section says. Raises `ConfigError` for a task that trains
+    neither t2va nor fl2va samples (ref2va: this source makes no references).
+    """
+    trained = TRAINING_TASKS[task].sample_tasks
+    anchors = tuple(cfg.keyframe_anchors) if sample_task_of("keyframes") in trained else ()
+    made = sample_task_of("keyframes" if anchors else None)
+    if made not in trained:
+        raise ConfigError(
+            f"config key 'data.source' is 'synthetic', which makes {made} samples, but task.name={task} trains "
+            f"{', '.join(trained)} samples; write a synthetic dataset instead (data.source=cached, "
+            "data.create_synthetic=true)"
+        )
+    return anchors
+
+
+class SyntheticSource:
+    """Indexable source of the `PackedSample`s `task.name=task` trains: fl2va, or t2va (see `synthetic_anchors`)."""
+
+    def __init__(self, cfg: SyntheticDataConfig, text_dim: int, seed: int, task: str = "fl2va") -> None:
         self.cfg = cfg
         self.text_dim = text_dim
         self.seed = seed
+        self.anchors = synthetic_anchors(cfg, task)
+        self.sample_task = sample_task_of("keyframes" if self.anchors else None)
         self.geometry = Geometry(cfg.num_latent_frames, cfg.latent_height, cfg.latent_width, cfg.num_audio_latents)
 
     def __len__(self) -> int:
@@ -40,7 +65,7 @@ class SyntheticSource:
         audio = torch.randn(2, AUDIO_LATENT_CHANNELS, geo.num_audio_latents, generator=g)
         if not cfg.has_audio:
             audio.zero_()
-        anchors = tuple(cfg.keyframe_anchors)
+        anchors = self.anchors
         # Keyframe latents are the target's own first / last latent frame, as when encoded from the clip.
         frame_of = {"first": 0, "last": geo.num_latent_frames - 1}
         cond = [video_latents_to_rows(video[:, frame_of[a] : frame_of[a] + 1]) for a in anchors]
@@ -59,7 +84,7 @@ class SyntheticSource:
         negative_visual_tags[1 : 1 + vision.shape[0]] = 0
         return PackedSample(
             sample_id=f"synthetic-{index:06d}",
-            task="fl2va" if anchors else "t2va",
+            task=self.sample_task,
             geometry=geo,
             video_rows=video_rows,
             audio_rows=audio_latents_to_rows(audio),

@@ -13,21 +13,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..parallel.fsdp import local_tensor
-from .hooks import TrainerHook
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
+from .hooks import TrainerHook, TrainerView
 
 EMA_COMPONENT = "ema"
 
 
 class EmaHook(TrainerHook):
-    """Updates after each taken step; joins the checkpoint as `ema`."""
+    """Updates after each taken step; joins the checkpoint as `ema`.
+
+    It is the run's `EvaluationWeights` (`swapped_in`), through which `validation.use_ema` evaluates.
+    """
 
     name = EMA_COMPONENT
     # Switched on when resuming a checkpoint written without one, the EMA starts from the resumed weights.
@@ -40,9 +40,9 @@ class EmaHook(TrainerHook):
         self.params: dict[str, torch.nn.Parameter] = {}
         self.shadow: dict[str, torch.Tensor] = {}
         self._skipped_before = 0
-        self._trainer: Trainer | None = None
+        self._trainer: TrainerView | None = None
 
-    def on_attach(self, trainer: Trainer) -> None:
+    def on_attach(self, trainer: TrainerView) -> None:
         self._trainer = trainer
         # Before any resume, which then overwrites the shadows in place.
         self.params = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
@@ -67,10 +67,10 @@ class EmaHook(TrainerHook):
                 if state[name] is not shadow:
                     shadow.copy_(state[name])
 
-    def before_step(self, trainer: Trainer, step: int) -> None:
+    def before_step(self, trainer: TrainerView, step: int) -> None:
         self._skipped_before = trainer.skipped_steps
 
-    def after_step(self, trainer: Trainer, step: int, stats: Mapping[str, float]) -> None:
+    def after_step(self, trainer: TrainerView, step: int, stats: Mapping[str, float]) -> None:
         if trainer.skipped_steps != self._skipped_before:
             return
         names = list(self.shadow)
@@ -86,8 +86,8 @@ class EmaHook(TrainerHook):
         """The trainable parameters hold the EMA inside the block and their own values again after it."""
         if self._trainer is not None:
             # After a skipped step, validation runs before the next update: a background save may
-            # still be copying these parameters (`Checkpointer.wait_staged`).
-            self._trainer.checkpointer.wait_staged()
+            # still be copying these parameters (`TrainerView.wait_staged`).
+            self._trainer.wait_staged()
         with torch.no_grad():
             saved = {n: local_tensor(p).clone() for n, p in self.params.items()}
             for n, p in self.params.items():

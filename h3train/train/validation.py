@@ -26,23 +26,18 @@ its base in memory, so it has no drift.
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Callable, Mapping
-from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..objective import compute_loss, configured_scales, make_training_inputs, masked_mse
+from ..data.sampler import assigned_indices
+from ..objective import cfg_enabled, compute_loss, make_training_inputs, masked_mse
 from ..tasks.layout import PackedSample
-from .ema import EMA_COMPONENT
-from .hooks import TrainerHook
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
+from .hooks import TrainerHook, TrainerView
 
 # Columns of the per-sigma sums: [video_fm, audio_fm, video_cfg, audio_cfg, samples, samples_with_audio,
 # then for LoRA runs the drift terms MSE(p_lora, p_base) and MSE(p_base, v), video then audio]
@@ -71,12 +66,6 @@ def heldout_generator(seed: int, sample_id: str, sigma: float) -> torch.Generato
     return torch.Generator().manual_seed(key)
 
 
-def assigned_indices(num_samples: int, dp_rank: int, dp: int) -> list[int | None]:
-    """The samples DP group `dp_rank` evaluates, padded with None to `ceil(num_samples / dp)` slots."""
-    slots = math.ceil(num_samples / dp)
-    return [i if (i := j * dp + dp_rank) < num_samples else None for j in range(slots)]
-
-
 def sigma_label(sigma: float, sigmas: list[float]) -> str:
     """Two decimals (`0.50`), or as many more as it takes to tell the configured sigmas apart."""
     for digits in range(2, 8):
@@ -86,16 +75,29 @@ def sigma_label(sigma: float, sigmas: list[float]) -> str:
 
 
 class HeldOutLoss(TrainerHook):
-    """`validation.every` / `validation.at_start`: the held-out loss, logged as its own metrics row."""
+    """`validation.every` / `validation.at_start`: the held-out loss, logged as its own metrics row.
 
-    def __init__(self, cfg: Config, source_factory: Callable[[], object] | None = None) -> None:
+    `shared_negative` is the `cfg.negative=shared` text negative the trainer loaded (None otherwise):
+    it is passed in, not read from the trainer, so evaluation uses exactly the training negative.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        source_factory: Callable[[], object] | None = None,
+        *,
+        shared_negative: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        if cfg.cfg.negative == "shared" and shared_negative is None:
+            raise ValueError("cfg.negative is 'shared': HeldOutLoss needs the loaded shared_negative")
         self.cfg = cfg
+        self.shared_negative = shared_negative
         self.v = cfg.validation
         self._source_factory = source_factory
         self._source = None
         self.sigmas = list(self.v.sigmas)
         self.labels = [sigma_label(s, self.sigmas) for s in self.sigmas]
-        self.cfg_enabled = configured_scales(cfg.cfg) != (1.0, 1.0)
+        self.cfg_enabled = cfg_enabled(cfg.cfg)
         self.drift = cfg.lora.rank > 0
         # Forwards run by this rank in its last pass (tests count them).
         self.forwards = 0
@@ -105,20 +107,20 @@ class HeldOutLoss(TrainerHook):
             if self._source_factory is not None:
                 self._source = self._source_factory()
             else:
-                from ..data.dataset import CachedDataset
+                from ..data.source import build_source
 
-                self._source = CachedDataset(self.v.dataset, self.cfg.task.name)
+                self._source = build_source(self.cfg, path=self.v.dataset)
         return self._source
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         if self.v.at_start and trainer.step == 0:
             trainer.log_validation(0, self.evaluate(trainer))
 
-    def after_step(self, trainer: Trainer, step: int, stats: Mapping[str, float]) -> None:
+    def after_step(self, trainer: TrainerView, step: int, stats: Mapping[str, float]) -> None:
         if self.v.every and step % self.v.every == 0:
             trainer.log_validation(step, self.evaluate(trainer))
 
-    def evaluate(self, trainer: Trainer) -> dict[str, float]:
+    def evaluate(self, trainer: TrainerView) -> dict[str, float]:
         """One pass over the held-out set; every rank returns the same, DP-reduced values."""
         source = self._samples()
         n = len(source) if not self.v.num_samples else min(self.v.num_samples, len(source))
@@ -128,7 +130,7 @@ class HeldOutLoss(TrainerHook):
         was_training = model.training
         model.eval()
         self.forwards = 0
-        weights = trainer.hook(EMA_COMPONENT).swapped_in() if self.v.use_ema else nullcontext()
+        weights = trainer.evaluation_weights(self.v.use_ema)
         try:
             with torch.no_grad(), weights:
                 for index in assigned_indices(n, ctx.dp_rank, ctx.dims.dp):
@@ -147,11 +149,11 @@ class HeldOutLoss(TrainerHook):
         dist.all_reduce(sums)
         return self._summarise(sums.cpu())
 
-    def _pair(self, trainer: Trainer, sample: PackedSample, sigma: float) -> torch.Tensor:
+    def _pair(self, trainer: TrainerView, sample: PackedSample, sigma: float) -> torch.Tensor:
         cfg = self.cfg
         gen = heldout_generator(self.v.seed, sample.sample_id, sigma)
         ti = make_training_inputs(
-            sample, gen, cfg.train.timestep, cfg.train.loss_weights, cfg.cfg, trainer.shared_negative, sigma=sigma
+            sample, gen, cfg.train.timestep, cfg.train.loss_weights, cfg.cfg, self.shared_negative, sigma=sigma
         )
         self.forwards += 1 + (ti.uncond_inputs is not None)
         ti = ti.to(trainer.device)
