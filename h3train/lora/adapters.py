@@ -25,20 +25,22 @@ from __future__ import annotations
 
 import math
 import zlib
+from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
 from peft import LoraConfig as PeftLoraConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..config import Config, LoraConfig
-from ..model.build import fp32_island_names
+from ..model.build import fp32_island_names, pretrained_folder
+from ..parallel.shards import fill_from_full
+from .base import BASE_DTYPE, BASE_KEY, base_record, check_same_base, read_record
 from .names import ADAPTER_NAME, export_name, is_adapter_param
 from .targets import resolve_targets, resolve_train_modules
 
-BASE_DTYPE = torch.bfloat16
 ROOT_PREFIX = "transformer."
 
 
@@ -93,18 +95,6 @@ def adapter_init(name: str, shape: torch.Size | tuple[int, ...], seed: int) -> t
     return value
 
 
-@torch.no_grad()
-def assign_full(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the unsharded value `full` into `param`, or into this rank's shard of a DTensor."""
-    if isinstance(param, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        local = param.to_local()
-        if local.numel():
-            local.copy_(full[tuple(slice(o, o + s) for o, s in zip(offset, shape))])
-    else:
-        param.copy_(full)
-
-
 def adapter_values(model: nn.Module, cfg: Config) -> dict[str, torch.Tensor]:
     """Initial values of `model`'s adapter parameters by file name: from `lora.init_from`, or seeded."""
     shapes = {
@@ -130,7 +120,8 @@ def init_adapters(model: nn.Module, cfg: Config) -> None:
     values = adapter_values(model, cfg)
     for name, param in model.named_parameters():
         if is_adapter_param(name):
-            assign_full(param, values[export_name(name.removeprefix(ROOT_PREFIX))].to(param.device))
+            full = values[export_name(name.removeprefix(ROOT_PREFIX))].to(param.device)
+            fill_from_full(param, full.__getitem__)
 
 
 def add_adapters(transformer: MiniMaxH3Transformer3DModel, cfg: Config) -> None:
@@ -155,10 +146,35 @@ def add_adapters(transformer: MiniMaxH3Transformer3DModel, cfg: Config) -> None:
 
 
 class LoraTransform:
-    """The model transform of `lora.rank > 0` (see the module docstring)."""
+    """The model transform of `lora.rank > 0` (see the module docstring), and the run's adapter.
+
+    As the adapter it says what a checkpoint of the run records (`checkpoint_info`), that the
+    checkpoint holds the trainable state only (`trainable_only`: the frozen base is rebuilt as on a
+    fresh start) and which checkpoints a resume may continue (`check_checkpoint`: the same base).
+    """
+
+    #: A checkpoint holds the parameters that train; the frozen base is rebuilt where a fresh start gets it.
+    trainable_only = True
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        self._base: dict[str, Any] | None = None
+
+    @property
+    def base(self) -> dict[str, Any]:
+        """What `trainer_state.json` records about the frozen base (`base.base_record`)."""
+        if self._base is None:
+            pretrained = pretrained_folder(self.cfg) if self.cfg.model.pretrained else None
+            self._base = base_record(pretrained, self.cfg.train.seed)
+        return self._base
+
+    def checkpoint_info(self, model: nn.Module) -> dict[str, Any]:
+        """The adapter's entries of `trainer_state.json`: its peft config and its base."""
+        return {"lora": adapter_config(getattr(model, "transformer", model)), BASE_KEY: self.base}
+
+    def check_checkpoint(self, saved: dict[str, Any], path: Path) -> None:
+        """A LoRA checkpoint resumes only on the base it was trained on (`CheckpointError` otherwise)."""
+        check_same_base(read_record(saved), self.base, path)
 
     def __call__(self, transformer: MiniMaxH3Transformer3DModel, cfg: Config) -> None:
         add_adapters(transformer, cfg)
@@ -166,11 +182,6 @@ class LoraTransform:
     def after_load(self, model: nn.Module) -> None:
         """Once the (sharded) model holds its base values: the adapters' initial values."""
         init_adapters(model, self.cfg)
-
-
-def trainable_names(model: nn.Module) -> list[str]:
-    """File names (see `names.export_name`) of the parameters that train, in model order."""
-    return [export_name(n.removeprefix(ROOT_PREFIX)) for n, p in model.named_parameters() if p.requires_grad]
 
 
 def trainable_state_dict(model: nn.Module, adapters_only: bool = False) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ was trained on. `trainer_state.json` records it under `lora_base`:
 The model config is recorded beside it (`model_config`) and checked as for any resume.
 
 `trained_base_state` gives the base weights as the run computed with them: every weight outside the
-float32 islands rounded to bfloat16 (`adapters.BASE_DTYPE`), returned in float32.
+float32 islands rounded to bfloat16 (`BASE_DTYPE`), returned in float32.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import torch
 from ..errors import CheckpointError
 
 BASE_KEY = "lora_base"
+# The frozen base is held in bfloat16 outside the float32 islands; adapters and train_modules in float32.
+BASE_DTYPE = torch.bfloat16
 
 
 def folder_digest(folder: Path) -> str:
@@ -76,8 +78,6 @@ def check_same_base(saved: dict[str, Any] | None, current: dict[str, Any], path:
 
 def as_trained(name: str, value: torch.Tensor, islands: tuple[str, ...]) -> torch.Tensor:
     """A base weight as the LoRA run held it (bf16 outside the float32 islands), in float32."""
-    from .adapters import BASE_DTYPE
-
     if name.startswith(islands):
         return value.float()
     return value.to(BASE_DTYPE).float()

@@ -15,12 +15,12 @@ import torch
 from diffusers import MiniMaxH3Transformer3DModel
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..config import Config, default_subfolder, model_config_dict
+from ..config import Config
 from ..errors import ConfigError
 from ..lora.names import pretrained_key
+from ..parallel.shards import fill_from_full
+from .dims import default_subfolder, model_config_dict
 
 
 def build_model(cfg: Config, seed: int) -> MiniMaxH3Transformer3DModel:
@@ -129,13 +129,6 @@ def load_pretrained_shards(model: nn.Module, folder: Path, device: torch.device,
                     f"config key 'model.pretrained': weight '{key}' in '{file.name}' has shape "
                     f"{tensor_slice.get_shape()}, the model expects {list(param.shape)}"
                 )
-            if isinstance(param, DTensor):
-                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-                local = param.to_local()
-                if local.numel():
-                    rows = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-                    local.copy_(tensor_slice[rows].to(local.dtype))
-            else:
-                param.copy_(tensor_slice[:].to(param.dtype))
+            fill_from_full(param, tensor_slice.__getitem__)
     finally:
         handles.clear()

@@ -6,6 +6,7 @@ import json
 import statistics
 import threading
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -44,3 +45,15 @@ class SpikeDetector:
 
     def update(self, step_loss: float) -> None:
         self.history.append(step_loss)
+
+
+@dataclass
+class Progress:
+    """The run's position: optimizer steps done (`step`) and how many of them were skipped.
+
+    Shared by the trainer, which advances it, and the data-error log, which records the step being
+    trained when a sample was skipped; a checkpoint holds it.
+    """
+
+    step: int = 0
+    skipped_steps: int = 0

@@ -1,273 +1,155 @@
-"""The training loop: config -> parallel plan -> data -> packed sample -> objective -> step."""
+"""The training loop: config -> parallel plan -> data -> packed sample -> objective -> step.
+
+`Trainer` receives its parts built (`assemble.py`) and wires them: a step is `forward_backward`
+(micro-batches, losses, gradients) then `update` (norm, clip, optimizer, schedule), and `fit` runs
+steps with the hooks, metrics and checkpoints around them.
+"""
 
 from __future__ import annotations
 
 import math
-import os
 import signal
-import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from ..atomic import set_aside
-from ..config import Config, model_dims, to_yaml
-from ..data.prefetch import MicroBatchPosition, Prefetcher, micro_batch_positions
-from ..data.sampler import DistributedSampler
-from ..errors import CheckpointError, ConfigError, H3TrainError, TrainingError, UsageError
-from ..lora.adapters import adapter_config
-from ..lora.base import BASE_KEY, base_record, check_same_base, read_record
-from ..model.build import build_meta_model, build_model, load_pretrained_shards, materialize, pretrained_folder
-from ..model.sp_forward import SequenceParallelH3
-from ..objective import (
-    TrainingInputs,
-    compute_loss,
-    configured_scales,
-    make_training_inputs,
-    step_generator,
-    text_dropped,
-)
-from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
-from ..parallel.fsdp import apply_fsdp, local_tensor, shards_nothing
-from ..parallel.ulysses import SequenceParallel
-from ..preflight import preflight, resolve_attention_backend
-from ..tasks.layout import PackedSample
-from .checkpoint import (
-    AttributeState,
-    Checkpointer,
-    CorruptCheckpoint,
-    ModelState,
-    OptimizerState,
-    ScheduleState,
-    check_components,
-    check_same_model,
-    is_complete,
-    read_components,
-    read_trainer_state,
-    resume_candidates,
-    schedule_changes,
-    step_of,
-    validate_checkpoint,
-)
+from ..config import to_yaml
+from ..errors import TrainingError
+from ..objective import cfg_enabled, compute_loss
+from ..parallel.fsdp import local_tensor
+from .checkpoint import AttributeState, ModelState, OptimizerState, ScheduleState
 from .dump import diffusers_state, lora_meta, micro_batch_tensors, write_dump
-from .events import EventLog, SpikeDetector
-from .faults import FaultInjector
-from .hooks import ModelTransform, TrainerHook, after_load, model_transforms, step_hooks
-from .metrics import MetricsLogger, set_aside_later_lines, write_resolved_config
-from .optim import build_optimizer, build_scheduler
+from .events import SpikeDetector
+from .hooks import EvaluationWeights, TrainerHook
+from .metrics import MetricsLogger, write_resolved_config
 from .preemption import INTERRUPT, NONE, PREEMPT, Preemption
-from .rundir import check_fresh_run, move_run_aside, probe_writable, set_aside_later_checkpoints
 
-
-def load_shared_negative(cfg: Config) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`cfg.negative=shared`: one `(negative_prompt_embeds [L, D], negative_text_token_tags [L])` file."""
-    if cfg.cfg.negative != "shared":
-        return None
-    from safetensors.torch import load_file
-
-    path = cfg.cfg.shared_negative_path
-    tensors = load_file(path)
-    for key in ("negative_prompt_embeds", "negative_text_token_tags"):
-        if key not in tensors:
-            raise ConfigError(f"config key 'cfg.shared_negative_path': file '{path}' has no tensor '{key}'")
-    return tensors["negative_prompt_embeds"].float(), tensors["negative_text_token_tags"].long()
-
-
-def micro_batch_inputs(
-    cfg: Config,
-    sample: PackedSample,
-    step: int,
-    slot: int,
-    shared_negative: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> TrainingInputs:
-    """Everything random about a micro-batch comes from (seed, step, slot in the global batch, sample)."""
-    gen = step_generator(cfg.train.seed, step, slot)
-    drop = text_dropped(cfg.train.seed, step, sample.sample_id, cfg.cfg.text_dropout)
-    return make_training_inputs(
-        sample, gen, cfg.train.timestep, cfg.train.loss_weights, cfg.cfg, shared_negative, drop_text=drop
-    )
-
-
-def build_source(cfg: Config, text_dim: int, on_skip=None):
-    """The indexable sample source named by `data.source`; `on_skip(sample_id, reason)` hears skipped samples."""
-    if cfg.data.source == "synthetic":
-        from ..tasks.synthetic import SyntheticSource
-
-        return SyntheticSource(cfg.data.synthetic, text_dim, cfg.train.seed)
-    from ..data.dataset import CachedDataset
-
-    corrupt = FaultInjector(cfg.debug.fault, rank=0).corrupt_samples()
-    return CachedDataset(
-        cfg.data.path, cfg.task.name, on_error=cfg.data.on_error, on_skip=on_skip, injected_corrupt=corrupt
-    )
-
+if TYPE_CHECKING:
+    from .assemble import TrainingParts
 
 # FSDP2 warns about every Linear output that is a view; nothing here writes into one in place.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
+@dataclass
+class StepGradients:
+    """What `forward_backward` leaves for `update`: gradients on the parameters, and these sums.
+
+    `device_sums` `[5]` float64 on the device: loss, video, audio, video_fm, audio_fm summed over
+    micro-batches (audio terms of silent clips zeroed). `host_sums`: has_audio, rows,
+    cfg_scale_video, cfg_scale_audio summed on the host. `losses`: each micro-batch's loss on the
+    device (spike detection); `sample_ids` the micro-batches' samples.
+    """
+
+    started: float
+    device_sums: torch.Tensor
+    host_sums: list[float]
+    losses: list[torch.Tensor] = field(default_factory=list)
+    sample_ids: list[str] = field(default_factory=list)
+
+
 class Trainer:
-    """Builds everything from a `Config`; `fit()` runs the loop; `close()` leaves the process group."""
+    """Runs the loop over the parts `assemble` built; `fit()` trains; `close()` leaves the process group."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        transforms: Sequence[ModelTransform] | None = None,
-        hooks: Sequence[TrainerHook] | None = None,
-        overwrite: bool = False,
-    ) -> None:
-        """`transforms` / `hooks` default to what the config asks for (`model_transforms`, `step_hooks`).
-
-        `overwrite`: start afresh, moving an earlier run in the run folders aside (`rundir.py`).
-        """
-        self.cfg = cfg
-        # The mesh is checked against the launch before any process group exists.
-        dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
-        preflight(cfg)
-        self.log_dir = Path(cfg.logging.dir)
-        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.log_dir / "checkpoints"
-        # The run-folder policy (rundir.py), decided the same way on every rank from the shared folders.
-        probe_writable(self.log_dir, "logging.dir")
-        probe_writable(self.ckpt_dir, "checkpoint.dir" if cfg.checkpoint.dir else "logging.dir")
-        self.explicit_resume = cfg.checkpoint.resume not in ("auto", "none")
-        if overwrite and self.explicit_resume:
-            raise UsageError(
-                f"--overwrite starts afresh and cannot resume checkpoint.resume='{cfg.checkpoint.resume}'; "
-                "drop one of them"
-            )
-        candidates = [] if overwrite else resume_candidates(self.ckpt_dir, cfg.checkpoint.resume)
-        if not candidates and not overwrite:
-            check_fresh_run(self.log_dir, self.ckpt_dir)
-
-        _, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
-        self.ctx = ParallelContext(dims, device)
-        self.device = device
-        self.faults = FaultInjector(cfg.debug.fault, self.ctx.rank)
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
-        if self.ctx.is_main and dims.sp > 1 and per_node % dims.sp:
-            warnings.warn(
-                f"parallel.sp={dims.sp} does not divide the {per_node} ranks per node: Ulysses all-to-alls "
-                "will cross nodes, which is far slower than NVLink; prefer an sp that divides the GPUs per node",
-                stacklevel=2,
-            )
-
-        self._candidates = candidates
-        pretrained = pretrained_folder(cfg) if cfg.model.pretrained else None
-        # What a LoRA checkpoint records about its base, and a resume checks (`lora/base.py`).
-        self.lora = cfg.lora.rank > 0
-        self.lora_base = base_record(pretrained, cfg.train.seed) if self.lora else None
-        self.resume_from = self._choose_checkpoint(overwrite)
-        # A resumed run gets every value from its checkpoint: no rank builds or reads a full model.
-        # A LoRA checkpoint holds the trainable state only, so its base is built as on a fresh start.
-        from_meta = pretrained is not None or (self.resume_from is not None and not self.lora)
-        transformer = build_meta_model(cfg) if from_meta else build_model(cfg, cfg.train.seed)
-        transformer.set_attention_backend(
-            resolve_attention_backend(cfg.model.attention_backend, device.type, cfg.model.dtype)
-        )
-        self.transforms = list(model_transforms(cfg) if transforms is None else transforms)
-        for transform in self.transforms:
-            transform(transformer, cfg)
-        self.model_config = {k: v for k, v in dict(transformer.config).items() if not k.startswith("_")}
-        self.model = SequenceParallelH3(
-            transformer,
-            SequenceParallel(self.ctx.sp_group),
-            activation_checkpointing=cfg.model.activation_checkpointing,
-            checkpoint_every=cfg.model.checkpoint_every,
-            compile_blocks=cfg.model.compile,
-            compile_backend=cfg.model.compile_backend,
-        )
-        if shards_nothing(self.model, self.ctx, cfg.model.dtype, cfg.parallel.cpu_offload):
-            if not from_meta:
-                self.model.to(device)
-        else:
-            # fully_shard moves the (CPU-initialised) shards to the mesh's device.
-            apply_fsdp(self.model, self.ctx, cfg.model.dtype, cpu_offload=cfg.parallel.cpu_offload)
-        if self.resume_from is not None and not self.lora:
-            materialize(self.model, device)
-        elif pretrained:
-            load_pretrained_shards(self.model, pretrained, device)
-        if self.resume_from is None:
-            after_load(self.transforms, self.model)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
-
-        self.shared_negative = load_shared_negative(cfg)
-        self._create_synthetic_dataset()
-        # Every rank of an SP group skips the same samples; one of them writes the record. The step
-        # recorded is the one being trained when the sample was read, up to data.prefetch samples early.
-        self.data_errors = EventLog(self.log_dir / "data_errors.jsonl" if self.ctx.sp_rank == 0 else None)
+    def __init__(self, parts: TrainingParts) -> None:
+        self.cfg = cfg = parts.cfg
+        self.ctx, self.device = parts.ctx, parts.ctx.device
+        self.log_dir = parts.log_dir
+        self.model, self.model_config, self.adapter = parts.model, parts.model_config, parts.adapter
+        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.source, self.batches = parts.source, parts.batches
+        self.shared_negative = parts.shared_negative
+        self.checkpointer, self.faults, self.progress = parts.checkpointer, parts.faults, parts.progress
+        self.data_errors, self.spike_log = parts.data_errors, parts.spike_log
+        self.event_logs = [self.data_errors.path, self.spike_log.path]
         self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
-        self.spike_log = EventLog(self.log_dir / "loss_spikes.jsonl" if self.ctx.sp_rank == 0 else None)
-        self.source = build_source(
-            cfg,
-            self.model_config["text_dim"],
-            on_skip=lambda sample_id, reason: self.data_errors.write(
-                step=self.step + 1, sample_id=sample_id, reason=reason
-            ),
-        )
-        self.sampler = DistributedSampler(
-            len(self.source),
-            self.ctx.dp_rank,
-            dims.dp,
-            cfg.train.seed,
-            lengths=self.source.lengths if cfg.data.bucket_size > 1 else None,
-            bucket_size=cfg.data.bucket_size,
-        )
-        self._prefetcher: Prefetcher | None = None
+        self.cfg_enabled = cfg_enabled(cfg.cfg)
         # What this rank is doing, so a failed collective can say what it waited for.
         self.phase = "start-up"
-        self.step = 0
-        self.skipped_steps = 0
         self.consecutive_skips = 0
+        self.stop_request = NONE
         self.preempt = Preemption()
         self.interrupted = False
+        self._metrics: MetricsLogger | None = None
+        self._pending_validation: list[tuple[int, dict[str, float]]] = []
         # Everything a checkpoint holds, by name; a later feature adds its own component here
         # (`trainer.checkpoint_state["ema"] = ema`). Loaded in this order: the optimizer after the
         # model, the schedule after the optimizer (it sets the learning rate of each group).
+        trainable_only = self.adapter is not None and self.adapter.trainable_only
         self.checkpoint_state: dict[str, Stateful] = {
-            "model": ModelState(self.model, trainable_only=self.lora),
+            "model": ModelState(self.model, trainable_only=trainable_only),
             "optim": OptimizerState(self.model, self.optimizer),
             "schedule": ScheduleState(self.scheduler),
-            "sampler": self.sampler,
-            "progress": AttributeState(self, ("step", "skipped_steps")),
+            "sampler": self.batches,
+            "progress": AttributeState(self.progress, ("step", "skipped_steps")),
         }
         self.hooks: list[TrainerHook] = []
-        for hook in step_hooks(cfg, self.ctx.rank) if hooks is None else hooks:
+        for hook in parts.hooks:
             self.add_hook(hook)
-        self.checkpointer = Checkpointer(
-            self.ckpt_dir,
-            cfg.checkpoint.keep_last,
-            self.ctx.is_main,
-            async_save=cfg.checkpoint.async_save,
-            device=device,
-        )
-        self.checkpointer.clean_incomplete()
-        if self.resume_from is not None:
-            self._resume(self.resume_from)
+        self.resume = parts.resume
+        self.resume_from = self.resume.restore(self)
 
-    def log_validation(self, step: int, values: dict[str, float]) -> None:
+    @property
+    def step(self) -> int:
+        """Optimizer steps done (0 before training; restored by a resume)."""
+        return self.progress.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.progress.step = value
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.progress.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.progress.skipped_steps = value
+
+    @property
+    def sampler(self):
+        return self.batches.sampler
+
+    # -- what hooks see (`hooks.TrainerView`) ---------------------------------------------------
+
+    def log_validation(self, step: int, values: Mapping[str, float]) -> None:
         """Log held-out values after step `step` (0: before training) as a validation row (rank 0 writes).
 
         Rows wait until the step's training row is written, so `metrics.jsonl` stays in step order.
         """
-        self._pending_validation.append((step, values))
+        self._pending_validation.append((step, dict(values)))
 
     def _flush_validation(self) -> None:
         for step, values in self._pending_validation:
             self._metrics.log_validation(step, values)
         self._pending_validation.clear()
 
-    def hook(self, name: str) -> TrainerHook | None:
-        """The added hook called `name` (e.g. `ema`), if any."""
-        return next((h for h in self.hooks if h.name == name), None)
+    def log_videos(self, step: int, videos: Mapping[str, tuple[Path, str]]) -> None:
+        """Log rendered clips (id -> (mp4, caption)) after step `step`; rank 0 sends them to wandb."""
+        if self._metrics is not None:
+            self._metrics.log_videos(step, dict(videos))
+
+    def evaluation_weights(self, use_ema: bool) -> AbstractContextManager[None]:
+        """The weights evaluation runs with: the EMA's swapped in for the duration when `use_ema`."""
+        if not use_ema:
+            return nullcontext()
+        provider = next((h for h in self.hooks if isinstance(h, EvaluationWeights)), None)
+        if provider is None:
+            raise RuntimeError("validation.use_ema needs a hook that keeps evaluation weights (train.ema.decay > 0)")
+        return provider.swapped_in()
+
+    def wait_staged(self) -> None:
+        """Wait for a background checkpoint's copy of the state before writing to the state."""
+        self.checkpointer.wait_staged()
 
     def add_hook(self, hook: TrainerHook) -> None:
         """Run `hook` at the loop's points; a hook with state joins the checkpoint under `hook.name`.
@@ -281,183 +163,7 @@ class Trainer:
             self.checkpoint_state[hook.name] = hook
         self.hooks.append(hook)
 
-    def _choose_checkpoint(self, overwrite: bool = False) -> Path | None:
-        """The checkpoint every rank resumes from: rank 0 checks the candidates and all ranks follow.
-
-        Rank 0 validates the candidates newest first (`validate_checkpoint`). With `resume=auto` a
-        failing one is reported in one line, renamed `step_N.corrupt` and the next older one is
-        tried; an explicit `checkpoint.resume=PATH` that fails is a CheckpointError on every rank.
-        Nodes can list a shared checkpoint folder differently for a moment (directory caches on
-        network filesystems); ranks loading different steps would mix shards silently.
-        """
-        decision: list = [None]
-        if self.ctx.is_main:
-            decision[0] = self._decide_resume(overwrite)
-        dist.broadcast_object_list(decision, src=0)
-        chosen, error, remaining = decision[0]
-        self._candidates = [Path(p) for p in remaining]
-        if error is not None:
-            kind, message = error
-            self._agreed_error({"usage": UsageError, "checkpoint": CheckpointError}[kind](message))
-        if chosen is None:
-            return None
-        agreed = Path(chosen)
-        if not is_complete(agreed):
-            raise CheckpointError(
-                f"config key 'checkpoint.resume': rank {self.ctx.rank} cannot see the complete "
-                f"checkpoint '{agreed}' that rank 0 resumes from; check the shared filesystem"
-            )
-        try:
-            saved = read_trainer_state(agreed)
-            check_same_model(saved["model_config"], model_dims(self.cfg), agreed)
-            if self.lora:
-                check_same_base(read_record(saved), self.lora_base, agreed)
-            elif read_record(saved) is not None:
-                raise CheckpointError(
-                    f"checkpoint '{agreed}' is a LoRA checkpoint (adapters only) and this run fine-tunes the "
-                    "whole model; resume it with its lora settings or set checkpoint.resume=none"
-                )
-        except (ConfigError, CheckpointError) as exc:
-            self._agreed_error(exc)
-        return agreed
-
-    def _agreed_error(self, exc: H3TrainError) -> NoReturn:
-        """Raise an error every rank reached alike: rank 0 reports it, the others leave with its exit code.
-
-        Raised after the process group exists, it would otherwise be printed once per rank.
-        """
-        if self.ctx.is_main:
-            raise exc
-        raise SystemExit(exc.exit_code)
-
-    def _decide_resume(self, overwrite: bool) -> tuple[str | None, tuple[str, str] | None, list[str]]:
-        """Rank 0: (checkpoint to resume or None, (error kind, message) or None, candidates left)."""
-        if overwrite:
-            aside = move_run_aside(self.log_dir, self.ckpt_dir)
-            if aside is not None:
-                print(f"--overwrite: moved the earlier run to {aside}", flush=True)
-            return None, None, []
-        candidates = list(self._candidates)
-        while candidates:
-            path = candidates.pop(0)
-            problem = validate_checkpoint(path)
-            if problem is None:
-                return str(path), None, [str(p) for p in candidates]
-            if self.explicit_resume:
-                return None, ("checkpoint", f"checkpoint.resume '{path}' cannot be loaded: {problem}"), []
-            self._report_corrupt(path, problem)
-        if self._candidates:
-            # Every checkpoint failed: this is now a fresh run, under the same policy as any other.
-            try:
-                check_fresh_run(self.log_dir, self.ckpt_dir)
-            except UsageError as exc:
-                return None, ("usage", str(exc)), []
-        return None, None, []
-
-    def _report_corrupt(self, path: Path, problem: str) -> None:
-        """Rank 0: set a checkpoint that cannot be loaded aside (never deleted) and say so in one line."""
-        moved = set_aside(path, "corrupt")
-        print(
-            f"h3train: warning: skipped checkpoint {path} (step {step_of(path)}): {problem}; "
-            f"renamed it {moved.name} and trying the next older one",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def _create_synthetic_dataset(self) -> None:
-        data = self.cfg.data
-        if data.source != "cached" or not data.create_synthetic or (Path(data.path) / "index.jsonl").is_file():
-            return
-        if self.ctx.is_main:
-            from ..data.synth import write_synthetic_dataset
-
-            write_synthetic_dataset(
-                data.path,
-                task=self.cfg.task.name,
-                num_samples=data.synthetic.num_samples,
-                seed=self.cfg.train.seed,
-                text_dim=self.model_config["text_dim"],
-            )
-        dist.barrier()
-
     # -- checkpoints ----------------------------------------------------------------------------
-
-    def _resume(self, path: Path) -> None:
-        """Load every component from `path`, falling back to older checkpoints as `_choose_checkpoint` does.
-
-        All ranks read collectively and agree on the outcome with one all-reduce, so a file that
-        fails on any rank fails on all, and all move on to the same older checkpoint.
-        """
-        while True:
-            # Each part ends in an all-reduce of its outcome, so no rank enters DCP's collective read
-            # while another has already failed.
-            code, failure, components = self._agreed_attempt(check_components, path, self.checkpoint_state)
-            if code == 0:
-                code, failure, saved = self._agreed_attempt(read_components, path, components)
-            if code == 0:
-                break
-            if failure is None:
-                failure = CheckpointError(f"checkpoint '{path}' cannot be read on another rank")
-            if self.explicit_resume or code == 2:
-                self._agreed_error(failure)
-            if self.ctx.is_main:
-                self._report_corrupt(path, str(failure).split(": ", 1)[-1])
-            dist.barrier()
-            older = self._choose_checkpoint()
-            if older is None:
-                self._agreed_error(
-                    CheckpointError(
-                        f"no checkpoint in '{self.ckpt_dir}' could be loaded (the failing ones are set aside "
-                        "as step_N.corrupt); run again to start afresh, or set checkpoint.resume to a good one"
-                    )
-                )
-            path = older
-        for name, component in components.items():
-            try:
-                component.load_state_dict(saved[name])
-            except (ValueError, KeyError) as exc:
-                raise CheckpointError(f"checkpoint '{path}': its {name} state does not fit this run: {exc}") from exc
-        for name, component in self.checkpoint_state.items():
-            if name not in components:
-                component.start_fresh()
-                if self.ctx.is_main:
-                    print(f"resume: {path.name} holds no {name}; it starts from the resumed weights", flush=True)
-        self.resume_from = path
-        changes = schedule_changes(read_trainer_state(path).get("config_yaml", ""), self.cfg)
-        # Later history is kept, under names that no resume or prune picks up.
-        self.checkpointer.protected_after = self.step
-        if self.ctx.is_main:
-            for moved in set_aside_later_checkpoints(self.ckpt_dir, self.step):
-                print(f"kept the abandoned later checkpoint as {moved}", flush=True)
-            # The event logs of the steps about to be redone are kept beside them, as metrics.jsonl's.
-            for log in (self.data_errors.path, self.spike_log.path):
-                if log is not None:
-                    set_aside_later_lines(log, self.step)
-            print(f"resumed from {path} at step {self.step}", flush=True)
-            if changes:
-                print(
-                    f"resume: {', '.join(changes)} since {path.name}: the LR schedule is rebuilt from this "
-                    f"config at update {self.scheduler.last_epoch} (next lr {self.scheduler.get_last_lr()[0]:.3e})",
-                    flush=True,
-                )
-        dist.barrier()
-
-    def _agreed_attempt(self, attempt: Callable[..., Any], *args: Any) -> tuple[int, CheckpointError | None, Any]:
-        """Run `attempt(*args)` on every rank; all agree on the worst outcome (MAX all-reduce).
-
-        Codes: 0 it worked; 1 the checkpoint's files are damaged (an older one may serve); 2 the
-        checkpoint does not fit this run. Returns (agreed code, this rank's error or None, result).
-        """
-        result, failure, code = None, None, 0
-        try:
-            result = attempt(*args)
-        except CorruptCheckpoint as exc:
-            failure, code = exc, 1
-        except CheckpointError as exc:
-            failure, code = exc, 2
-        flag = torch.tensor([code], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item()), failure, result
 
     def save_checkpoint(self) -> Path:
         info = {
@@ -465,8 +171,8 @@ class Trainer:
             "config_yaml": self._config_yaml(),
             "skipped_steps": self.skipped_steps,
         }
-        if self.lora:
-            info.update({"lora": adapter_config(self.model.transformer), BASE_KEY: self.lora_base})
+        if self.adapter is not None:
+            info.update(self.adapter.checkpoint_info(self.model))
         return self.checkpointer.save(
             self.checkpoint_state,
             info,
@@ -487,42 +193,28 @@ class Trainer:
 
     # -- one optimizer step ---------------------------------------------------------------------
 
-    def _micro_batch(self, step: int, micro: int) -> tuple[PackedSample, TrainingInputs]:
-        if self._prefetcher is None:
-            dp, dp_rank = self.ctx.dims.dp, self.ctx.dp_rank
-
-            def load(at: MicroBatchPosition) -> tuple[PackedSample, TrainingInputs]:
-                # On the prefetch thread: reading and noising stay off the training thread.
-                sample = self.source[at.index]
-                slot = at.micro * dp + dp_rank
-                return sample, micro_batch_inputs(self.cfg, sample, at.step, slot, self.shared_negative)
-
-            # Started lazily so that it reads from the sampler state a resume has restored.
-            positions = micro_batch_positions(self.sampler.iter_indices(), step, micro, self.cfg.train.grad_accum)
-            self._prefetcher = Prefetcher(load, positions, max(1, self.cfg.data.prefetch))
-            self._samples = iter(self._prefetcher)
-        at, (sample, ti) = next(self._samples)
-        # The sampler state counts consumed samples only, so a checkpoint never skips prefetched ones.
-        expected = MicroBatchPosition(self.sampler.next_index(), step, micro)
-        assert at == expected, f"prefetcher delivered {at}, the training loop expects {expected}"
-        return sample, ti
-
     def train_step(self, step: int) -> dict[str, float]:
+        """Optimizer step `step` (1-based): `forward_backward`, then `update`; returns its logged values."""
+        return self.update(step, self.forward_backward(step))
+
+    def forward_backward(self, step: int) -> StepGradients:
+        """Every micro-batch of step `step`: forward, loss, backward; the gradients accumulate on the parameters.
+
+        Loss terms are summed on the device, so no micro-batch waits for the host; the host-side
+        counts join them once per step in `update`.
+        """
         cfg = self.cfg
         accum = cfg.train.grad_accum
         dump = cfg.debug.dump_step == step
-        t0 = time.perf_counter()
+        grads = StepGradients(
+            time.perf_counter(), torch.zeros(5, dtype=torch.float64, device=self.device), [0.0, 0.0, 0.0, 0.0]
+        )
         self.optimizer.zero_grad(set_to_none=True)
-        # Loss terms are summed on the device, so no micro-batch waits for the host; the host-side
-        # counts join them once per step: [loss, video, audio, video_fm, audio_fm] and
-        # [has_audio, rows, cfg_scale_video, cfg_scale_audio].
-        device_sums = torch.zeros(5, dtype=torch.float64, device=self.device)
-        host_sums = [0.0, 0.0, 0.0, 0.0]
-        dumped, metas, sample_ids, losses = {}, [], [], []
+        dumped, metas = {}, []
         for micro in range(accum):
             self.phase = f"loading micro-batch {micro} of step {step}"
-            sample, ti = self._micro_batch(step, micro)
-            sample_ids.append(sample.sample_id)
+            sample, ti = self.batches.next(step, micro)
+            grads.sample_ids.append(sample.sample_id)
             self.phase = f"forward of step {step}"
             parts = compute_loss(self.model, ti.to(self.device))
             loss = parts.loss
@@ -533,9 +225,9 @@ class Trainer:
                 # HSDP: reduce-scatter every micro-batch, all-reduce across replicas once per step.
                 self.model.set_requires_all_reduce(micro == accum - 1)
             (loss / accum).backward()
-            losses.append(loss.detach())
+            grads.losses.append(loss.detach())
             has_audio = float(sample.has_audio)
-            device_sums += torch.stack(
+            grads.device_sums += torch.stack(
                 [
                     loss.detach(),
                     parts.video.detach(),
@@ -547,24 +239,30 @@ class Trainer:
             for i, value in enumerate(
                 (has_audio, sample.layout.seq_len, ti.guidance.scale_video, ti.guidance.scale_audio)
             ):
-                host_sums[i] += value
+                grads.host_sums[i] += value
             if dump:
                 dumped.update(micro_batch_tensors(micro, ti))
                 metas.append(sample.meta())
         if self.faults.active("nan_grad", step):
             grad = next(p for p in self.model.parameters() if p.grad is not None).grad
             local_tensor(grad).fill_(float("nan"))
-
         if dump:
             self._dump(step, dumped, metas)
-        # Both reductions are global, so every rank reaches the same update decision without an
-        # extra collective: the grad norm covers every parameter shard, the loss every DP rank.
+        return grads
+
+    def update(self, step: int, grads: StepGradients) -> dict[str, float]:
+        """Norm, clip, optimizer and schedule for step `step`, or a skip when anything is non-finite.
+
+        Both reductions are global, so every rank reaches the same update decision without an
+        extra collective: the grad norm covers every parameter shard, the loss every DP rank.
+        """
+        cfg = self.cfg
         self.phase = f"gradient norm of step {step}"
-        grads, norm = self._grad_norm()
+        params, norm = self._grad_norm()
         coef = self._clip_coefficient(norm)
         self.phase = f"step all-reduce of step {step}"
         s, (grad_norm, clip), loss_values, self.stop_request = self._reduce_step(
-            device_sums, host_sums, [norm, coef], losses
+            grads.device_sums, grads.host_sums, [norm, coef], grads.losses
         )
         lr = self.scheduler.get_last_lr()[0]
         finite = math.isfinite(grad_norm) and math.isfinite(s[0])
@@ -572,7 +270,7 @@ class Trainer:
             if clip < 1.0:
                 # Only a step over `train.max_grad_norm` pays the pass over every gradient; below
                 # it the coefficient is exactly 1. Shards scale as the whole gradient does.
-                torch._foreach_mul_([local_tensor(g) for g in grads], coef)
+                torch._foreach_mul_([local_tensor(g) for g in params], coef)
             # The first write to the checkpoint state after a save: its background copy must be done.
             self.checkpointer.wait_staged()
             self.optimizer.step()
@@ -587,10 +285,10 @@ class Trainer:
                 raise TrainingError(
                     f"step {step}: {self.consecutive_skips} consecutive steps with a non-finite loss or gradient "
                     f"(train.max_consecutive_skips={cfg.train.max_consecutive_skips}); this rank's samples: "
-                    f"{', '.join(sample_ids)}"
+                    f"{', '.join(grads.sample_ids)}"
                 )
-        dt = time.perf_counter() - t0
-        n = accum * self.ctx.dims.dp
+        dt = time.perf_counter() - grads.started
+        n = cfg.train.grad_accum * self.ctx.dims.dp
         n_audio = max(s[5], 1.0)
         stats = {
             "loss": s[0] / n,
@@ -613,7 +311,7 @@ class Trainer:
                     "cfg_scale_audio": s[8] / n,
                 }
             )
-        self._report_spikes(step, sample_ids, loss_values, stats["loss"])
+        self._report_spikes(step, grads.sample_ids, loss_values, stats["loss"])
         return stats
 
     def _reduce_step(
@@ -660,10 +358,6 @@ class Trainer:
                 )
         if math.isfinite(step_loss):
             self.spikes.update(step_loss)
-
-    @property
-    def cfg_enabled(self) -> bool:
-        return configured_scales(self.cfg.cfg) != (1.0, 1.0)
 
     def _grad_norm(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The gradients and their global L2 norm (over every shard), on the device (no sync)."""
@@ -717,7 +411,6 @@ class Trainer:
             ) as metrics,
         ):
             self._metrics = metrics
-            self._pending_validation: list[tuple[int, dict[str, float]]] = []
             for hook in self.hooks:
                 hook.on_fit_start(self)
             self._flush_validation()
@@ -771,9 +464,7 @@ class Trainer:
         After a failure the group is left as it is: a peer may be dead or blocked in a collective,
         and tearing gloo down under it aborts this process before its error is reported.
         """
-        if self._prefetcher is not None:
-            self._prefetcher.close()
-            self._prefetcher = None
+        self.batches.close()
         self.checkpointer.close()
         if clean and dist.is_initialized():
             # Ranks leave together: one tearing down gloo while another still talks aborts it.

@@ -1,0 +1,292 @@
+"""The composition root: a `Config` becomes the parts a `Trainer` wires together.
+
+Every choice a config makes about *which* part to use is taken here and nowhere else: the model and
+its transforms (adapters), the optimizer and schedule, the sample source and its micro-batch stream,
+the step hooks, the checkpointer and the resume decision. `build_trainer` runs them in the order the
+start-up needs (checks before any process group, the resume decision before the model is built,
+FSDP2 before the optimizer) and hands the parts to `Trainer`, which only wires them into the loop.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import Config
+from ..data.sampler import DistributedSampler
+from ..data.source import MicroBatchStream, SampleSource, build_source, load_shared_negative
+from ..model.build import build_meta_model, build_model, load_pretrained_shards, materialize, pretrained_folder
+from ..model.dims import model_dims
+from ..model.sp_forward import SequenceParallelH3
+from ..objective import micro_batch_inputs
+from ..ops.attention import resolve_attention_backend
+from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
+from ..parallel.fsdp import apply_fsdp, shards_nothing
+from ..parallel.ulysses import SequenceParallel
+from ..preflight import preflight
+from .checkpoint import Checkpointer
+from .events import EventLog, Progress
+from .faults import FaultInjector
+from .hooks import ModelTransform, TrainerHook
+from .optim import build_optimizer, build_scheduler
+from .resume import ModelAdapter, Resume
+from .rundir import probe_writable
+
+
+@dataclass
+class TrainingParts:
+    """Everything a `Trainer` runs, built and placed on the device.
+
+    `model` is sharded (FSDP2) and holds its start values (pretrained, seeded, or to be restored by
+    `resume`); `adapter` is the transform that owns what checkpoints of an adapted model record
+    (None in full fine-tuning); `batches` yields the micro-batches of `source`; `data_errors` and
+    `spike_log` are this rank's event logs (written by SP rank 0 of each group only), `progress` the
+    step counters they and the trainer share.
+    """
+
+    cfg: Config
+    ctx: ParallelContext
+    log_dir: Path
+    model: SequenceParallelH3
+    model_config: dict[str, Any]
+    adapter: ModelAdapter | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    source: SampleSource
+    batches: MicroBatchStream
+    shared_negative: tuple[torch.Tensor, torch.Tensor] | None
+    hooks: list[TrainerHook]
+    checkpointer: Checkpointer
+    resume: Resume
+    faults: FaultInjector
+    data_errors: EventLog
+    spike_log: EventLog
+    progress: Progress
+
+
+def build_trainer(
+    cfg: Config,
+    transforms: Sequence[ModelTransform] | None = None,
+    hooks: Sequence[TrainerHook] | None = None,
+    overwrite: bool = False,
+):
+    """The `Trainer` of `cfg`, resumed where the config says (`resume.py`).
+
+    `transforms` / `hooks` default to what the config asks for (`model_transforms`, `step_hooks`).
+    `overwrite`: start afresh, moving an earlier run in the run folders aside (`rundir.py`).
+    """
+    from .trainer import Trainer
+
+    return Trainer(assemble(cfg, transforms, hooks, overwrite))
+
+
+def assemble(
+    cfg: Config,
+    transforms: Sequence[ModelTransform] | None = None,
+    hooks: Sequence[TrainerHook] | None = None,
+    overwrite: bool = False,
+) -> TrainingParts:
+    """Build every part of a run from `cfg` (see `build_trainer`)."""
+    # The mesh is checked against the launch before any process group exists.
+    dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+    preflight(cfg)
+    log_dir = Path(cfg.logging.dir)
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else log_dir / "checkpoints"
+    # The run-folder policy (rundir.py), decided the same way on every rank from the shared folders.
+    probe_writable(log_dir, "logging.dir")
+    probe_writable(ckpt_dir, "checkpoint.dir" if cfg.checkpoint.dir else "logging.dir")
+    resume = Resume(cfg, log_dir, ckpt_dir, overwrite)
+
+    _, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
+    ctx = ParallelContext(dims, device)
+    _warn_cross_node_sp(ctx)
+    transforms = list(model_transforms(cfg) if transforms is None else transforms)
+    adapter = next((t for t in transforms if isinstance(t, ModelAdapter)), None)
+    resumed = resume.choose(ctx, model_dims(cfg), adapter) is not None
+    model = build_sharded_model(cfg, ctx, transforms, resumed, trainable_only=adapter is not None)
+    model_config = {k: v for k, v in dict(model.transformer.config).items() if not k.startswith("_")}
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+
+    shared_negative = load_shared_negative(cfg)
+    _create_synthetic_dataset(cfg, ctx, model_config["text_dim"])
+    # Every rank of an SP group skips the same samples; one of them writes the record. The step
+    # recorded is the one being trained when the sample was read, up to data.prefetch samples early.
+    lead = ctx.sp_rank == 0
+    data_errors = EventLog(log_dir / "data_errors.jsonl" if lead else None)
+    spike_log = EventLog(log_dir / "loss_spikes.jsonl" if lead else None)
+    progress = Progress()
+    source = build_source(
+        cfg,
+        model_config["text_dim"],
+        on_skip=lambda sample_id, reason: data_errors.write(step=progress.step + 1, sample_id=sample_id, reason=reason),
+    )
+    sampler = DistributedSampler(
+        len(source),
+        ctx.dp_rank,
+        dims.dp,
+        cfg.train.seed,
+        lengths=source.lengths if cfg.data.bucket_size > 1 else None,
+        bucket_size=cfg.data.bucket_size,
+    )
+    batches = MicroBatchStream(
+        source,
+        sampler,
+        lambda sample, step, slot: micro_batch_inputs(cfg, sample, step, slot, shared_negative),
+        cfg.train.grad_accum,
+        cfg.data.prefetch,
+    )
+    checkpointer = Checkpointer(
+        ckpt_dir, cfg.checkpoint.keep_last, ctx.is_main, async_save=cfg.checkpoint.async_save, device=device
+    )
+    checkpointer.clean_incomplete()
+    parts = TrainingParts(
+        cfg=cfg,
+        ctx=ctx,
+        log_dir=log_dir,
+        model=model,
+        model_config=model_config,
+        adapter=adapter,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        source=source,
+        batches=batches,
+        shared_negative=shared_negative,
+        hooks=list(step_hooks(cfg, ctx.rank, shared_negative=shared_negative) if hooks is None else hooks),
+        checkpointer=checkpointer,
+        resume=resume,
+        faults=FaultInjector(cfg.debug.fault, ctx.rank),
+        data_errors=data_errors,
+        spike_log=spike_log,
+        progress=progress,
+    )
+    return parts
+
+
+def build_sharded_model(
+    cfg: Config,
+    ctx: ParallelContext,
+    transforms: Sequence[ModelTransform],
+    resumed: bool,
+    trainable_only: bool,
+) -> SequenceParallelH3:
+    """The transformer with its transforms, wrapped for sequence parallelism and sharded by FSDP2.
+
+    A resumed run gets every value from its checkpoint: no rank builds or reads a full model. A
+    checkpoint of the trainable state only (an adapter's) needs its base built as on a fresh start.
+    """
+    device = ctx.device
+    pretrained = pretrained_folder(cfg) if cfg.model.pretrained else None
+    restores_all = resumed and not trainable_only
+    from_meta = pretrained is not None or restores_all
+    transformer = build_meta_model(cfg) if from_meta else build_model(cfg, cfg.train.seed)
+    transformer.set_attention_backend(
+        resolve_attention_backend(cfg.model.attention_backend, device.type, cfg.model.dtype)
+    )
+    for transform in transforms:
+        transform(transformer, cfg)
+    model = SequenceParallelH3(
+        transformer,
+        SequenceParallel(ctx.sp_group),
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        checkpoint_every=cfg.model.checkpoint_every,
+        compile_blocks=cfg.model.compile,
+        compile_backend=cfg.model.compile_backend,
+    )
+    if shards_nothing(model, ctx, cfg.model.dtype, cfg.parallel.cpu_offload):
+        if not from_meta:
+            model.to(device)
+    else:
+        # fully_shard moves the (CPU-initialised) shards to the mesh's device.
+        apply_fsdp(model, ctx, cfg.model.dtype, cpu_offload=cfg.parallel.cpu_offload)
+    if restores_all:
+        materialize(model, device)
+    elif pretrained:
+        load_pretrained_shards(model, pretrained, device)
+    if not resumed:
+        after_load(transforms, model)
+    return model
+
+
+def _warn_cross_node_sp(ctx: ParallelContext) -> None:
+    dims = ctx.dims
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
+    if ctx.is_main and dims.sp > 1 and per_node % dims.sp:
+        warnings.warn(
+            f"parallel.sp={dims.sp} does not divide the {per_node} ranks per node: Ulysses all-to-alls "
+            "will cross nodes, which is far slower than NVLink; prefer an sp that divides the GPUs per node",
+            stacklevel=3,
+        )
+
+
+def _create_synthetic_dataset(cfg: Config, ctx: ParallelContext, text_dim: int) -> None:
+    """`data.create_synthetic`: rank 0 writes a synthetic dataset where `data.path` holds none yet."""
+    data = cfg.data
+    if data.source != "cached" or not data.create_synthetic or (Path(data.path) / "index.jsonl").is_file():
+        return
+    if ctx.is_main:
+        from ..data.synth import write_synthetic_dataset
+
+        write_synthetic_dataset(
+            data.path,
+            task=cfg.task.name,
+            num_samples=data.synthetic.num_samples,
+            seed=cfg.train.seed,
+            text_dim=text_dim,
+        )
+    dist.barrier()
+
+
+def model_transforms(cfg: Config) -> list[ModelTransform]:
+    """The transforms a config asks for, in the order they apply. Full fine-tuning has none."""
+    transforms: list[ModelTransform] = []
+    if cfg.lora.rank > 0:
+        from ..lora.adapters import LoraTransform
+
+        transforms.append(LoraTransform(cfg))
+    return transforms
+
+
+def after_load(transforms: Sequence[ModelTransform], model: nn.Module) -> None:
+    """Call each transform's `after_load(model)`, where it has one (see the module docstring)."""
+    for transform in transforms:
+        finish = getattr(transform, "after_load", None)
+        if callable(finish):
+            finish(model)
+
+
+def step_hooks(
+    cfg: Config, rank: int, *, shared_negative: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> list[TrainerHook]:
+    """The step hooks a config asks for, in the order they run.
+
+    `shared_negative` is the loaded `cfg.negative=shared` text negative (`load_shared_negative`), which
+    the held-out loss needs to build the same inputs as training.
+    """
+    hooks: list[TrainerHook] = []
+    if cfg.debug.profile_steps:
+        first, last = cfg.debug.profile_steps
+        from .profile import ProfilerHook
+
+        hooks.append(ProfilerHook(first, last, Path(cfg.logging.dir) / "profile", rank))
+    if cfg.train.ema.decay:
+        from .ema import EmaHook
+
+        hooks.append(EmaHook(cfg.train.ema.decay))
+    if cfg.validation.dataset and (cfg.validation.every or cfg.validation.at_start):
+        from .validation import HeldOutLoss
+
+        hooks.append(HeldOutLoss(cfg, shared_negative=shared_negative))
+    if cfg.validation.samples:
+        from ..render.hook import SampleRenderer
+
+        hooks.append(SampleRenderer(cfg))
+    return hooks

@@ -1,0 +1,293 @@
+"""Resume policy: which checkpoint a run continues from, and restoring it on every rank alike.
+
+`Resume` is made before any process group (`checkpoint.resume` and the run folders are checked
+there, so a bad value is one line before heavy work), `choose()` agrees on a checkpoint once the
+group exists (the model build depends on it: a resumed run reads every value from the checkpoint
+and never builds a full model), and `restore(trainer)` is the one call the trainer makes: validate,
+fall back to an older checkpoint, load every component, report what changed.
+
+- `checkpoint.resume=auto`: the newest complete checkpoint of `checkpoint.dir`. One that cannot be
+  loaded is reported in one line, renamed `step_N.corrupt` (never deleted) and the next older one
+  is tried; when none is left the run starts afresh under the fresh-run policy (`rundir.py`).
+- `checkpoint.resume=PATH`: exactly that checkpoint; any failure is a `CheckpointError`.
+- `none`, or `--overwrite`: a fresh start (`--overwrite` first moves the earlier run aside).
+
+Rank 0 decides and broadcasts: nodes can list a shared folder differently for a moment (directory
+caches on network filesystems), and ranks loading different steps would mix shards silently. The
+collective read ends in an all-reduce of its outcome, so a file that fails on any rank fails on all.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ..atomic import set_aside
+from ..config import Config
+from ..errors import CheckpointError, ConfigError, H3TrainError, UsageError
+from ..lora.base import read_record
+from ..parallel.dims import ParallelContext
+from .checkpoint import (
+    Checkpointer,
+    CorruptCheckpoint,
+    check_components,
+    check_same_model,
+    is_complete,
+    read_components,
+    read_trainer_state,
+    resume_candidates,
+    schedule_changes,
+    step_of,
+    validate_checkpoint,
+)
+from .metrics import set_aside_later_lines
+from .rundir import check_fresh_run, move_run_aside, set_aside_later_checkpoints
+
+
+@runtime_checkable
+class ModelAdapter(Protocol):
+    """A model transform that adds its own parameters (LoRA: `lora.adapters.LoraTransform`).
+
+    It owns what checkpoints of the adapted model are: whether they hold the trainable state only
+    (the frozen base is then rebuilt as on a fresh start), what `trainer_state.json` records about
+    the adapter, and which checkpoints a resume may continue. The trainer, resume and the build ask
+    it, so a new adapter kind is a new class, not a branch.
+    """
+
+    trainable_only: bool
+
+    def checkpoint_info(self, model: nn.Module) -> dict[str, Any]:
+        """The adapter's entries of `trainer_state.json` (its config, its base)."""
+        ...
+
+    def check_checkpoint(self, saved: dict[str, Any], path: Path) -> None:
+        """Raise `CheckpointError` when the trainer state `saved` of `path` does not fit this adapter."""
+        ...
+
+
+class Restorable(Protocol):
+    """The trainer as `restore` sees it."""
+
+    step: int
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    checkpoint_state: dict[str, Stateful]
+    checkpointer: Checkpointer
+    event_logs: list[Path | None]
+
+
+def check_full_checkpoint(saved: dict[str, Any], path: Path) -> None:
+    """A full fine-tune resumes only a checkpoint of the whole model, not an adapter checkpoint."""
+    if read_record(saved) is not None:
+        raise CheckpointError(
+            f"checkpoint '{path}' is a LoRA checkpoint (adapters only) and this run fine-tunes the "
+            "whole model; resume it with its lora settings or set checkpoint.resume=none"
+        )
+
+
+class Resume:
+    """The resume decision of one run (see the module docstring)."""
+
+    def __init__(self, cfg: Config, log_dir: Path, ckpt_dir: Path, overwrite: bool) -> None:
+        """Before any process group: the candidates, and the fresh-run policy when there are none."""
+        self.cfg = cfg
+        self.log_dir, self.ckpt_dir = log_dir, ckpt_dir
+        self.overwrite = overwrite
+        self.explicit = cfg.checkpoint.resume not in ("auto", "none")
+        if overwrite and self.explicit:
+            raise UsageError(
+                f"--overwrite starts afresh and cannot resume checkpoint.resume='{cfg.checkpoint.resume}'; "
+                "drop one of them"
+            )
+        self._candidates = [] if overwrite else resume_candidates(ckpt_dir, cfg.checkpoint.resume)
+        if not self._candidates and not overwrite:
+            check_fresh_run(log_dir, ckpt_dir)
+        self.ctx: ParallelContext | None = None
+        self.adapter: ModelAdapter | None = None
+        self.model_dims: dict[str, Any] = {}
+        self.path: Path | None = None
+
+    def choose(self, ctx: ParallelContext, model_dims: dict[str, Any], adapter: ModelAdapter | None) -> Path | None:
+        """The checkpoint every rank resumes from (None: a fresh start); collective.
+
+        Rank 0 validates the candidates newest first; all ranks then check that they see it and
+        that it fits this run (the model's architecture, the adapter or its absence).
+        """
+        self.ctx, self.model_dims, self.adapter = ctx, model_dims, adapter
+        self.path = self._agree(first=True)
+        return self.path
+
+    def restore(self, trainer: Restorable) -> Path | None:
+        """Load every component of `trainer.checkpoint_state` from the chosen checkpoint, if any.
+
+        Falls back to older checkpoints as `choose` does when the read fails; components the
+        checkpoint lacks start afresh (`start_fresh`); later checkpoints and event-log lines of
+        the steps about to be redone are kept aside; schedule changes since the checkpoint are said.
+        """
+        path = self.path
+        if path is None:
+            return None
+        ctx = self._context()
+        while True:
+            code, failure, components = self._agreed_attempt(check_components, path, trainer.checkpoint_state)
+            if code == 0:
+                code, failure, saved = self._agreed_attempt(read_components, path, components)
+            if code == 0:
+                break
+            if failure is None:
+                failure = CheckpointError(f"checkpoint '{path}' cannot be read on another rank")
+            if self.explicit or code == 2:
+                self._agreed_error(failure)
+            if ctx.is_main:
+                self._report_corrupt(path, str(failure).split(": ", 1)[-1])
+            dist.barrier()
+            older = self._agree(first=False)
+            if older is None:
+                self._agreed_error(
+                    CheckpointError(
+                        f"no checkpoint in '{self.ckpt_dir}' could be loaded (the failing ones are set aside "
+                        "as step_N.corrupt); run again to start afresh, or set checkpoint.resume to a good one"
+                    )
+                )
+            path = older
+        for name, component in components.items():
+            try:
+                component.load_state_dict(saved[name])
+            except (ValueError, KeyError) as exc:
+                raise CheckpointError(f"checkpoint '{path}': its {name} state does not fit this run: {exc}") from exc
+        for name, component in trainer.checkpoint_state.items():
+            if name not in components:
+                component.start_fresh()
+                if ctx.is_main:
+                    print(f"resume: {path.name} holds no {name}; it starts from the resumed weights", flush=True)
+        self.path = path
+        self._report(trainer, path)
+        dist.barrier()
+        return path
+
+    # -- the decision --------------------------------------------------------------------------
+
+    def _context(self) -> ParallelContext:
+        assert self.ctx is not None, "Resume.choose runs before restore"
+        return self.ctx
+
+    def _agree(self, first: bool) -> Path | None:
+        """Rank 0 picks the next loadable candidate and broadcasts it; every rank checks it fits."""
+        ctx = self._context()
+        decision: list = [None]
+        if ctx.is_main:
+            decision[0] = self._decide(self.overwrite and first)
+        dist.broadcast_object_list(decision, src=0)
+        chosen, error, remaining = decision[0]
+        self._candidates = [Path(p) for p in remaining]
+        if error is not None:
+            kind, message = error
+            self._agreed_error({"usage": UsageError, "checkpoint": CheckpointError}[kind](message))
+        if chosen is None:
+            return None
+        agreed = Path(chosen)
+        if not is_complete(agreed):
+            raise CheckpointError(
+                f"config key 'checkpoint.resume': rank {ctx.rank} cannot see the complete "
+                f"checkpoint '{agreed}' that rank 0 resumes from; check the shared filesystem"
+            )
+        try:
+            saved = read_trainer_state(agreed)
+            check_same_model(saved["model_config"], self.model_dims, agreed)
+            if self.adapter is not None:
+                self.adapter.check_checkpoint(saved, agreed)
+            else:
+                check_full_checkpoint(saved, agreed)
+        except (ConfigError, CheckpointError) as exc:
+            self._agreed_error(exc)
+        return agreed
+
+    def _decide(self, overwrite: bool) -> tuple[str | None, tuple[str, str] | None, list[str]]:
+        """Rank 0: (checkpoint to resume or None, (error kind, message) or None, candidates left)."""
+        if overwrite:
+            aside = move_run_aside(self.log_dir, self.ckpt_dir)
+            if aside is not None:
+                print(f"--overwrite: moved the earlier run to {aside}", flush=True)
+            return None, None, []
+        had_candidates = bool(self._candidates)
+        candidates = list(self._candidates)
+        while candidates:
+            path = candidates.pop(0)
+            problem = validate_checkpoint(path)
+            if problem is None:
+                return str(path), None, [str(p) for p in candidates]
+            if self.explicit:
+                return None, ("checkpoint", f"checkpoint.resume '{path}' cannot be loaded: {problem}"), []
+            self._report_corrupt(path, problem)
+        if had_candidates:
+            # Every checkpoint failed: this is now a fresh run, under the same policy as any other.
+            try:
+                check_fresh_run(self.log_dir, self.ckpt_dir)
+            except UsageError as exc:
+                return None, ("usage", str(exc)), []
+        return None, None, []
+
+    def _report_corrupt(self, path: Path, problem: str) -> None:
+        """Rank 0: set a checkpoint that cannot be loaded aside (never deleted) and say so in one line."""
+        moved = set_aside(path, "corrupt")
+        print(
+            f"h3train: warning: skipped checkpoint {path} (step {step_of(path)}): {problem}; "
+            f"renamed it {moved.name} and trying the next older one",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _agreed_error(self, exc: H3TrainError) -> NoReturn:
+        """Raise an error every rank reached alike: rank 0 reports it, the others leave with its exit code.
+
+        Raised after the process group exists, it would otherwise be printed once per rank.
+        """
+        if self._context().is_main:
+            raise exc
+        raise SystemExit(exc.exit_code)
+
+    def _agreed_attempt(self, attempt: Callable[..., Any], *args: Any) -> tuple[int, CheckpointError | None, Any]:
+        """Run `attempt(*args)` on every rank; all agree on the worst outcome (MAX all-reduce).
+
+        Codes: 0 it worked; 1 the checkpoint's files are damaged (an older one may serve); 2 the
+        checkpoint does not fit this run. Returns (agreed code, this rank's error or None, result).
+        """
+        result, failure, code = None, None, 0
+        try:
+            result = attempt(*args)
+        except CorruptCheckpoint as exc:
+            failure, code = exc, 1
+        except CheckpointError as exc:
+            failure, code = exc, 2
+        flag = torch.tensor([code], device=self._context().device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()), failure, result
+
+    # -- after the load ------------------------------------------------------------------------
+
+    def _report(self, trainer: Restorable, path: Path) -> None:
+        changes = schedule_changes(read_trainer_state(path).get("config_yaml", ""), self.cfg)
+        # Later history is kept, under names that no resume or prune picks up.
+        trainer.checkpointer.protected_after = trainer.step
+        if not self._context().is_main:
+            return
+        for moved in set_aside_later_checkpoints(self.ckpt_dir, trainer.step):
+            print(f"kept the abandoned later checkpoint as {moved}", flush=True)
+        # The event logs of the steps about to be redone are kept beside them, as metrics.jsonl's.
+        for log in trainer.event_logs:
+            if log is not None:
+                set_aside_later_lines(log, trainer.step)
+        print(f"resumed from {path} at step {trainer.step}", flush=True)
+        if changes:
+            sched = trainer.scheduler
+            print(
+                f"resume: {', '.join(changes)} since {path.name}: the LR schedule is rebuilt from this "
+                f"config at update {sched.last_epoch} (next lr {sched.get_last_lr()[0]:.3e})",
+                flush=True,
+            )
