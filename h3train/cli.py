@@ -14,17 +14,18 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
-from .config import load_config
 from .errors import H3TrainError
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    from .preflight import load_checked
+
+    cfg = load_checked(args.config, args.overrides)
     from .errors import DatasetError, SampleError, TrainingError
-    from .train.trainer import Trainer
+    from .train.assemble import build_trainer
 
     try:
-        trainer = Trainer(cfg, overwrite=args.overwrite)
+        trainer = build_trainer(cfg, overwrite=args.overwrite)
     except KeyboardInterrupt:
         print("h3train: interrupted during start-up; nothing was trained", file=sys.stderr)
         return 130
@@ -76,10 +77,11 @@ def _is_collective_failure(exc: RuntimeError) -> bool:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
-    from .config import planned_model_dims
+    from .model.dims import planned_model_dims
     from .parallel.dims import ParallelDims
-    from .preflight import preflight
+    from .preflight import load_checked, preflight
+
+    cfg = load_checked(args.config, args.overrides)
 
     world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     dims = ParallelDims.from_config(cfg.parallel, world)
@@ -188,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("synth", help="write a synthetic cached dataset (tests and demos)")
     p.add_argument("--out", required=True)
-    p.add_argument("--task", default="fl2va", choices=("fl2va", "ref2va", "mixed"))
+    from .tasks.table import TRAINING_TASKS
+
+    p.add_argument("--task", default="fl2va", choices=tuple(TRAINING_TASKS), help="a task.name: its sample tasks")
     p.add_argument("--num-samples", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text-dim", type=int, default=16)
@@ -241,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_tiny_components)
 
-    p = sub.add_parser("bench", help="one training step per attention backend: tokens/s, MFU, memory, grad parity")
+    p = sub.add_parser(
+        "bench", help="the trainer's step per attention backend: forward_backward and update times, MFU, grad parity"
+    )
     p.add_argument("--layers", type=int, default=None, help="transformer blocks (default 4; 2 when reduced)")
     p.add_argument("--out", default=None, help="write every figure to this JSON file")
     p.add_argument("--reduced", action="store_true", help="tiny widths and a short clip (always on CPU)")
@@ -249,9 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak for MFU (default: by device name)")
     p.add_argument("--gradient-checkpointing", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--parity-tol", type=float, default=None, help="default 2e-2 in bf16, 1e-4 in float32")
-    p.add_argument(
-        "--whole-step", action="store_true", help="also time Trainer.train_step (FSDP2, clip, AdamW) per backend"
-    )
+    p.add_argument("--repeats", type=int, default=None, help="timed steps after a warm-up step, medians reported (3)")
     p.add_argument("--frames", type=int, default=None, help="17 n + 5 (default 124; 22 when reduced)")
     p.add_argument("--height", type=int, default=None, help="pixels, multiple of 32 (default 768)")
     p.add_argument("--width", type=int, default=None, help="pixels, multiple of 32 (default 1344)")

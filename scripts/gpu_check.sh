@@ -3,11 +3,11 @@
 #
 #   scripts/gpu_check.sh [--out PATH] [other `h3train bench` options]
 #
-# Runs `h3train bench --whole-step` (h3train/bench.py): the full-width model (hidden 5376, 56 heads,
-# 4 blocks) in bfloat16 at the released 768x1344 x 124-frame layout (41,774 packed rows) with the
-# flash, cuDNN and native attention backends: each backend's gradients against native's, then a
-# whole `Trainer.train_step` per backend (FSDP2, gradient clipping, AdamW, the step's one
-# all-reduce) under torch.cuda.set_sync_debug_mode("error"), with step time, MFU and peak memory.
+# Runs `h3train bench` (h3train/bench.py): the full-width model (hidden 5376, 56 heads, 4 blocks) in
+# bfloat16 at the released 768x1344 x 124-frame layout (41,774 packed rows) with the flash, cuDNN and
+# native attention backends: one Trainer per backend, each backend's gradients against native's, and
+# the trainer's own step halves (`forward_backward`; `update`: FSDP2 norm, clip, AdamW, the step's
+# one all-reduce) under torch.cuda.set_sync_debug_mode, with step time, MFU and peak memory.
 # Writes one JSON (default gpu_check_<host>_<time>.json) and prints its path. Exit status: 0 when
 # every backend ran, held parity and made no sync beyond the step's one read-back; 1 otherwise.
 # Without CUDA it runs the reduced CPU model instead (seconds; what the test suite checks).
@@ -39,7 +39,7 @@ fi
 
 start=$SECONDS
 status=0
-"$python" -m h3train bench --whole-step "${args[@]}" --out "$out" || status=$?
+"$python" -m h3train bench "${args[@]}" --out "$out" || status=$?
 echo "gpu_check: $((SECONDS - start)) s, exit $status"
 if [[ -f $out ]]; then
   echo "gpu_check: JSON $out"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_minimax_h3
 
-from h3train import preflight
+from h3train import config
 from h3train.cli import main
 from h3train.config import LossWeights, TimestepConfig, load_config
 from h3train.errors import ConfigError
@@ -16,6 +16,7 @@ from h3train.model import sp_forward
 from h3train.model.build import build_model
 from h3train.model.sp_forward import SequenceParallelH3, UlyssesAttnProcessor
 from h3train.objective import make_training_inputs
+from h3train.ops import attention
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.tasks.synthetic import SyntheticSource
 
@@ -23,27 +24,27 @@ from reference import TINY_FL2VA
 
 
 def test_auto_and_native_resolve_to_sdpa_on_cpu() -> None:
-    assert preflight.resolve_attention_backend("auto", "cpu") == "native"
-    assert preflight.resolve_attention_backend("native", "cpu") == "native"
+    assert attention.resolve_attention_backend("auto", "cpu", "bfloat16") == "native"
+    assert attention.resolve_attention_backend("native", "cpu", "bfloat16") == "native"
 
 
 @pytest.mark.parametrize("name", ["flash", "cudnn"])
 def test_gpu_backends_on_cpu_are_a_one_line_config_error(name: str) -> None:
     with pytest.raises(ConfigError, match="'model.attention_backend'") as info:
-        preflight.resolve_attention_backend(name, "cpu")
+        attention.resolve_attention_backend(name, "cpu", "bfloat16")
     assert "\n" not in str(info.value) and name in str(info.value)
 
 
 def test_cuda_resolution_follows_flash_attn_availability(monkeypatch) -> None:
-    monkeypatch.setattr(preflight, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
     with pytest.raises(ConfigError, match="'model.attention_backend'.*flash-attn is not installed") as info:
-        preflight.resolve_attention_backend("flash", "cuda")
+        attention.resolve_attention_backend("flash", "cuda", "bfloat16")
     assert "\n" not in str(info.value)
-    assert preflight.resolve_attention_backend("auto", "cuda") == "native"
-    assert preflight.resolve_attention_backend("cudnn", "cuda") == "_native_cudnn"
-    monkeypatch.setattr(preflight, "flash_attn_available", lambda: True)
-    assert preflight.resolve_attention_backend("auto", "cuda") == "flash"
-    assert preflight.resolve_attention_backend("flash", "cuda") == "flash"
+    assert attention.resolve_attention_backend("auto", "cuda", "bfloat16") == "native"
+    assert attention.resolve_attention_backend("cudnn", "cuda", "bfloat16") == "_native_cudnn"
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    assert attention.resolve_attention_backend("auto", "cuda", "bfloat16") == "flash"
+    assert attention.resolve_attention_backend("flash", "cuda", "bfloat16") == "flash"
 
 
 def test_train_with_flash_on_cpu_exits_2_with_one_line(capsys) -> None:
@@ -135,9 +136,34 @@ def test_backend_set_before_wrapping_reaches_every_processor() -> None:
 
 
 def test_half_precision_kernels_need_bf16(monkeypatch) -> None:
-    monkeypatch.setattr(preflight, "flash_attn_available", lambda: True)
-    assert preflight.resolve_attention_backend("auto", "cuda", "bfloat16") == "flash"
-    assert preflight.resolve_attention_backend("auto", "cuda", "float32") == "native"
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    assert attention.resolve_attention_backend("auto", "cuda", "bfloat16") == "flash"
+    assert attention.resolve_attention_backend("auto", "cuda", "float32") == "native"
     for name in ("flash", "cudnn"):
         with pytest.raises(ConfigError, match="model.dtype"):
-            preflight.resolve_attention_backend(name, "cuda", "float32")
+            attention.resolve_attention_backend(name, "cuda", "float32")
+
+
+def test_config_choices_are_the_tables() -> None:
+    # config.py imports nothing from h3train but errors: its value check keeps a copy of the table's names.
+    assert config._CHOICES["model.attention_backend"] == attention.CONFIG_CHOICES
+    trained = tuple(name for name, b in attention.ATTENTION_BACKENDS.items() if b.trains)
+    assert attention.CONFIG_CHOICES[0] == "auto" and attention.CONFIG_CHOICES[1:] == trained
+
+
+def test_math_runs_in_the_bench_but_is_no_training_choice() -> None:
+    assert attention.unavailable("math", "cpu", "float32") is None
+    assert attention.ATTENTION_BACKENDS["math"].diffusers == "_native_math"
+    with pytest.raises(ConfigError, match="choose one of auto, native, flash, cudnn"):
+        attention.resolve_attention_backend("math", "cpu", "float32")
+
+
+def test_bench_and_training_read_one_availability_check(monkeypatch) -> None:
+    from h3train import bench
+
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
+    names, notes = bench.select_backends(None, torch.device("cuda"), "bfloat16")
+    why = attention.unavailable("flash", "cuda", "bfloat16")
+    assert names == ["cudnn", "native"] and notes == [f"flash skipped: {why}"] and "flash-attn" in why
+    with pytest.raises(ConfigError, match="flash-attn is not installed"):
+        bench.select_backends("flash", torch.device("cuda"), "bfloat16")

@@ -41,6 +41,9 @@ def test_reduced_bench_runs_through_the_cli_and_writes_its_figures(tmp_path, cap
         assert math.isfinite(b["tokens_per_s"]) and b["tokens_per_s"] > 0
         assert math.isfinite(b["loss"]) and b["loss"] > 0
         assert b["tokens_per_s"] == pytest.approx(report["layout"]["seq_len"] / b["step_time_s"])
+        # The trainer's two halves, each timed, and the step their sum.
+        assert b["forward_backward_s"] > 0 and b["update_s"] > 0 and math.isfinite(b["grad_norm"])
+        assert b["step_time_s"] == pytest.approx(b["forward_backward_s"] + b["update_s"])
     # The same weights and inputs under both kernels: the same loss to float32 rounding.
     assert report["backends"][0]["loss"] == pytest.approx(report["backends"][1]["loss"], rel=1e-5)
 
@@ -59,7 +62,7 @@ def test_reduced_bench_runs_through_the_cli_and_writes_its_figures(tmp_path, cap
 def test_failed_parity_exits_1(tmp_path, capsys) -> None:
     # A zero tolerance cannot hold between two different kernels.
     out = tmp_path / "bench.json"
-    assert main(["bench", "--reduced", "--parity-tol", "0", "--out", str(out)]) == 1
+    assert main(["bench", "--reduced", "--parity-tol", "0", "--repeats", "1", "--out", str(out)]) == 1
     assert "FAILED" in capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["ok"] is False and report["parity"][0]["max_rel_l2"] > 0
@@ -122,12 +125,20 @@ def test_a_sync_in_the_timed_step_is_reported_with_its_phase_and_the_mode_restor
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
 
-    def syncing_loss(forward, ti):
+    def syncing_loss():
         raise RuntimeError("called a synchronizing CUDA operation\nmore detail")
 
-    monkeypatch.setattr(bench, "compute_loss", syncing_loss)
-    loss, seconds, sync = bench._timed_step(None, None, torch.device("cuda"), sync_check=True)
-    assert loss is None and seconds == 0.0
+    class Trainer:
+        phase = "start-up"
+
+        def forward_backward(self, step: int):
+            self.phase = f"forward of step {step}"
+            syncing_loss()
+
+    cuda = torch.device("cuda")
+    timed = bench.timed_step(Trainer(), 1, bench.Clock(cuda), sync_check=True)
+    sync = timed.sync
+    assert timed.stats is None and timed.forward_backward_s == timed.update_s == 0.0
     assert sync.phase.startswith("forward") and sync.message == "called a synchronizing CUDA operation"
     assert any("syncing_loss" in frame for frame in sync.frames)
     assert modes == ["error", 0]
@@ -178,7 +189,7 @@ def _report_with(res: bench.BackendResult, ok: bool | None = False) -> bench.Ben
 
 
 class _FakeTrainer:
-    """A trainer stand-in whose step "syncs" where told to: in its forward, or in its read-back."""
+    """A trainer stand-in whose step "syncs" where told to: in its forward, or in its update's read-back."""
 
     def __init__(self, modes: list, sync_in_forward: bool) -> None:
         self.modes, self.sync_in_forward, self.phase = modes, sync_in_forward, "start-up"
@@ -196,10 +207,13 @@ class _FakeTrainer:
         self._sync()
         return 1.0
 
-    def train_step(self, step: int) -> dict:
+    def forward_backward(self, step: int) -> object:
         self.phase = f"forward of step {step}"
         if self.sync_in_forward:
             self._sync()
+        return object()
+
+    def update(self, step: int, grads: object) -> dict:
         self.phase = f"reduce of step {step}"
         return {"loss": self._reduce_step(), "grad_norm": 1.0}
 
@@ -216,9 +230,10 @@ def test_whole_step_check_counts_the_read_back_and_restores_the_mode(monkeypatch
     modes: list = [0]
     _fake_cuda(monkeypatch, modes)
     trainer = _FakeTrainer(modes, sync_in_forward=False)
-    stats, seconds, sync, read_back = bench._whole_step(trainer, 1, torch.device("cuda"), sync_check=True)
-    assert sync is None and stats["loss"] == 1.0 and seconds == 0.25
-    # The whole step under "error"; only the designed read-back under "warn", where its sync is counted.
+    timed = bench.timed_step(trainer, 1, bench.Clock(torch.device("cuda")), sync_check=True)
+    stats, sync, read_back = timed.stats, timed.sync, timed.read_back_syncs
+    assert sync is None and stats["loss"] == 1.0 and timed.forward_backward_s == timed.update_s == 0.25
+    # The step under "error"; only its update, which holds the designed read-back, under "warn", syncs counted.
     assert read_back == 1 and modes == [0, "error", "warn", "error", 0]
     assert "_reduce_step" not in vars(trainer)
 
@@ -227,20 +242,48 @@ def test_whole_step_check_reports_a_sync_outside_the_read_back(monkeypatch) -> N
     modes: list = [0]
     _fake_cuda(monkeypatch, modes)
     trainer = _FakeTrainer(modes, sync_in_forward=True)
-    stats, seconds, sync, _ = bench._whole_step(trainer, 3, torch.device("cuda"), sync_check=True)
-    assert stats is None and seconds == 0.0
+    timed = bench.timed_step(trainer, 3, bench.Clock(torch.device("cuda")), sync_check=True)
+    stats, sync = timed.stats, timed.sync
+    assert stats is None and timed.forward_backward_s == timed.update_s == 0.0
     assert sync.phase == "forward of step 3" and sync.message == "called a synchronizing CUDA operation"
-    assert any("train_step" in frame for frame in sync.frames) and modes[-1] == 0
+    assert any("forward_backward" in frame for frame in sync.frames) and modes[-1] == 0
 
-    step = bench.StepCheck(name="flash", backend="flash", step_time_s=1.0, achieved_tflops=1.0, loss=1.0)
+    step = bench.BackendResult(
+        name="flash", backend="flash", step_time_s=1.0, tokens_per_s=1.0, achieved_tflops=1.0, loss=1.0
+    )
     step.sync_check, step.sync_error = "sync", sync
     fine = bench.BackendResult(
         name="native", backend="native", step_time_s=1.0, tokens_per_s=1.0, achieved_tflops=1.0, loss=1.0
     )
     report = _report_with(fine, ok=True)
-    report.steps = [step]
+    report.backends.append(step)
     assert report.ok is False
     assert "host-device sync during forward of step 3" in bench.format_report(report)
+
+
+def test_more_than_the_designed_read_back_in_update_is_a_sync(monkeypatch) -> None:
+    modes: list = [0]
+    _fake_cuda(monkeypatch, modes)
+    trainer = _FakeTrainer(modes, sync_in_forward=False)
+    trainer.update = lambda step, grads: {"loss": trainer._reduce_step() + trainer._reduce_step(), "grad_norm": 1.0}
+    timed = bench.timed_step(trainer, 2, bench.Clock(torch.device("cuda")), sync_check=True)
+    # A warning stops nothing: the step ran and was timed, and both syncs are named.
+    assert timed.stats["loss"] == 2.0 and timed.update_s == 0.25 and timed.read_back_syncs == 2
+    assert timed.sync.phase == "update of step 2" and len(timed.sync.frames) == 2
+    assert all("test_bench.py" in frame for frame in timed.sync.frames) and modes[-1] == 0
+
+    res = bench.BackendResult(
+        name="native", backend="native", step_time_s=1.0, tokens_per_s=1.0, achieved_tflops=1.0, loss=1.0
+    )
+    res.sync_check, res.sync_error, res.read_back_syncs = "sync", timed.sync, timed.read_back_syncs
+    assert "host-device sync during update of step 2" in bench.format_report(_report_with(res, ok=False))
+
+
+def test_unchecked_step_sets_no_sync_mode_and_counts_nothing(monkeypatch) -> None:
+    modes: list = [0]
+    _fake_cuda(monkeypatch, modes)
+    timed = bench.timed_step(_FakeTrainer(modes, sync_in_forward=False), 1, bench.Clock(torch.device("cuda")), False)
+    assert timed.sync is None and timed.read_back_syncs is None and modes == [0]
 
 
 @pytest.mark.slow

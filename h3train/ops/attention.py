@@ -1,0 +1,102 @@
+"""The attention kernels h3train can run, in one table: what each is called, what it needs.
+
+`model.attention_backend` (resolved by `resolve_attention_backend` when the trainer is built and in
+`preflight`) and `h3train bench --backends` both read `ATTENTION_BACKENDS`, so a kernel's name, its
+diffusers `dispatch_attention_fn` backend and its requirements (a CUDA device, bf16 compute, the
+flash-attn package) are written here only. `config.py` imports nothing from h3train but `errors`,
+so its value check keeps its own tuple of choices; a test holds it equal to `CONFIG_CHOICES`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One attention kernel: h3train's name for it, diffusers' name, and what it needs to run.
+
+    `trains` is False for a kernel only the benchmark runs: it is not a `model.attention_backend` choice.
+    """
+
+    name: str
+    diffusers: str
+    needs_cuda: bool = False
+    needs_bf16: bool = False
+    needs_flash_attn: bool = False
+    trains: bool = True
+
+
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
+    b.name: b
+    for b in (
+        # PyTorch SDPA: picks its own kernel for the device and dtype; runs everywhere.
+        AttentionBackend("native", "native"),
+        # flash-attn and cuDNN attention compute in half precision only.
+        AttentionBackend("flash", "flash", needs_cuda=True, needs_bf16=True, needs_flash_attn=True),
+        AttentionBackend("cudnn", "_native_cudnn", needs_cuda=True, needs_bf16=True),
+        # SDPA's math kernel materialises the S x S scores: the CPU bench's second kernel, short sequences only.
+        AttentionBackend("math", "_native_math", trains=False),
+    )
+}
+
+# `model.attention_backend`'s choices: `auto` (flash-attn where it can run, else native) and every kernel that trains.
+CONFIG_CHOICES: tuple[str, ...] = (AUTO, *(name for name, b in ATTENTION_BACKENDS.items() if b.trains))
+
+_REASONS = {
+    "cuda": "it needs a CUDA device",
+    "flash_attn": "flash-attn is not installed (the 'flash' extra)",
+    "bf16": "it computes in half precision only",
+}
+
+
+def flash_attn_available() -> bool:
+    """Whether the flash-attn package is importable (found, not imported: importing it initialises CUDA)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _missing(backend: AttentionBackend, device_type: str, dtype: str) -> str | None:
+    """The first requirement of `backend` this device and compute dtype lack (a `_REASONS` key), or None."""
+    if backend.needs_cuda and device_type != "cuda":
+        return "cuda"
+    if backend.needs_flash_attn and not flash_attn_available():
+        return "flash_attn"
+    if backend.needs_bf16 and dtype != "bfloat16":
+        return "bf16"
+    return None
+
+
+def unavailable(name: str, device_type: str, dtype: str) -> str | None:
+    """Why kernel `name` cannot run on `device_type` computing in `dtype`, as a clause, or None when it can."""
+    missing = _missing(ATTENTION_BACKENDS[name], device_type, dtype)
+    return None if missing is None else _REASONS[missing]
+
+
+def resolve_attention_backend(name: str, device_type: str, dtype: str) -> str:
+    """The diffusers backend for `model.attention_backend` = `name`, or a one-line `ConfigError` naming the key.
+
+    `auto` picks flash-attn where it can run (CUDA, installed, bf16 compute), else PyTorch SDPA.
+    """
+    if name == AUTO:
+        name = "flash" if unavailable("flash", device_type, dtype) is None else "native"
+    backend = ATTENTION_BACKENDS.get(name)
+    if backend is None or not backend.trains:
+        raise ConfigError(
+            f"config key 'model.attention_backend' is {name!r}; choose one of {', '.join(CONFIG_CHOICES)}"
+        )
+    missing = _missing(backend, device_type, dtype)
+    fixes = {
+        "cuda": "use 'native' or 'auto' on this machine",
+        "flash_attn": "install the 'flash' extra or use 'auto'",
+        "bf16": f"model.dtype is '{dtype}': use model.dtype=bfloat16 or 'native'",
+    }
+    if missing is not None:
+        raise ConfigError(
+            f"config key 'model.attention_backend' is '{name}', but {_REASONS[missing]}; {fixes[missing]}"
+        )
+    return backend.diffusers
