@@ -216,16 +216,16 @@ def _collectives_worker(
     rank: int, world: int, sp: int, config: str, overrides: list[str], cpu_offload: bool
 ) -> dict[str, Any]:
     """Collectives of the second of two FSDP2 steps (forward, backward, clip, AdamW) of `config`."""
-    from .config import load_config
+    from .data.source import build_source
     from .model.build import build_model
+    from .objective import micro_batch_inputs
     from .parallel.collectives import count_collectives
     from .parallel.dims import ParallelContext, ParallelDims
     from .parallel.fsdp import apply_fsdp
-    from .tasks.synthetic import SyntheticSource
+    from .preflight import load_checked
     from .train.optim import build_optimizer
-    from .train.trainer import micro_batch_inputs
 
-    cfg = load_config(config, overrides)
+    cfg = load_checked(config, overrides)
     ctx = ParallelContext(ParallelDims(1, world // sp, sp, world), torch.device("cpu"))
     transformer = build_model(cfg, cfg.train.seed)
     model = SequenceParallelH3(
@@ -236,7 +236,7 @@ def _collectives_worker(
     )
     apply_fsdp(model, ctx, cfg.model.dtype, cpu_offload=cpu_offload)
     optimizer = build_optimizer(model, cfg.optim)
-    source = SyntheticSource(cfg.data.synthetic, transformer.config.text_dim, cfg.train.seed)
+    source = build_source(cfg, transformer.config.text_dim)
     for step in (1, 2):
         ti = micro_batch_inputs(cfg, source[ctx.dp_rank], step=step, slot=0)
         with count_collectives(functional=True) as counts:

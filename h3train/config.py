@@ -1,7 +1,11 @@
-"""Typed run configuration: dataclass schema, YAML loading, `key=value` overrides, validation.
+"""Typed run configuration: dataclass schema, YAML loading, `key=value` overrides, value checks.
 
 Every error here is a `ConfigError` whose message is one line naming the key and what to do;
 the CLI turns it into exit code 2 before any process group or model exists.
+
+This module imports nothing from h3train but `errors`, so every other module can read the schema.
+Checks that need more than the values (the task table, the model's module names, files the config
+names) are `h3train.preflight.check_config`; `h3train.preflight.load_checked` loads and runs both.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
+    # A training task of `h3train/tasks/table.py` (`TRAINING_TASKS`), checked by `preflight.check_config`.
     name: str = "fl2va"
 
 
@@ -319,7 +324,6 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16"),
     "model.attention_backend": ("auto", "native", "flash", "cudnn"),
     "model.activation_checkpointing": ("none", "full", "selective"),
-    "task.name": ("fl2va", "ref2va", "mixed"),
     "data.source": ("synthetic", "cached"),
     "data.on_error": ("raise", "skip"),
     "parallel.backend": ("auto", "gloo", "nccl"),
@@ -462,18 +466,22 @@ def _read_yaml(path: str | os.PathLike) -> DictConfig:
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
-    """Load YAML (if given) over the schema defaults, apply overrides, validate, return a `Config`."""
+    """Load YAML (if given) over the schema defaults, apply overrides, normalise, check values, return a `Config`.
+
+    Checks that read other files or build the model (module names, media paths, the partition) are
+    `h3train.preflight.check_config`; `h3train.preflight.load_checked` runs both.
+    """
     schema = _schema()
     tree = _schema_tree()
     layers: list[DictConfig] = []
     if path is not None:
         raw = OmegaConf.to_container(_read_yaml(path), resolve=False)
         _conform(tree, raw, "", f"in '{path}'")
-        _anchor_sample_paths(raw, Path(path).resolve().parent, f"in '{path}'")
+        anchor_sample_paths(raw, Path(path).resolve().parent, f"in '{path}'")
         layers.append(OmegaConf.create(raw))
     raw = OmegaConf.to_container(parse_overrides(list(overrides)), resolve=False)
     _conform(tree, raw, "", "in the overrides")
-    _anchor_sample_paths(raw, Path.cwd(), "in the overrides")
+    anchor_sample_paths(raw, Path.cwd(), "in the overrides")
     layers.append(OmegaConf.create(raw))
     try:
         merged = OmegaConf.merge(schema, *layers)
@@ -481,6 +489,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from None
+    _normalise(cfg)
     validate(cfg)
     return cfg
 
@@ -496,8 +505,25 @@ def get_key(cfg: Config, dotted: str) -> Any:
     return obj
 
 
+def _normalise(cfg: Config) -> None:
+    """One spelling per setting, set once at load: nothing later rewrites the config.
+
+    `model.gradient_checkpointing` is the older spelling of `model.activation_checkpointing: full`:
+    true turns `none` into `full`, and `full` sets it back to true for readers of the bool. Any other
+    pairing is left for `validate` to refuse.
+    """
+    if cfg.model.gradient_checkpointing and cfg.model.activation_checkpointing == "none":
+        cfg.model.activation_checkpointing = "full"
+    if cfg.model.activation_checkpointing == "full":
+        cfg.model.gradient_checkpointing = True
+
+
 def validate(cfg: Config) -> None:
-    """Value checks the type system cannot express. Raises `ConfigError` on the first problem."""
+    """Value checks the type system cannot express. Raises `ConfigError` on the first problem.
+
+    Only the values themselves are read: no file, no model, no other h3train module, so the
+    config stays a leaf every module can import (`h3train.preflight.check_config` does the rest).
+    """
     for key, choices in _CHOICES.items():
         value = get_key(cfg, key)
         if value not in choices:
@@ -525,15 +551,11 @@ def validate(cfg: Config) -> None:
         "model.checkpoint_every",
     ):
         positive(key)
-    if cfg.model.gradient_checkpointing and cfg.model.activation_checkpointing == "none":
-        cfg.model.activation_checkpointing = "full"
     if cfg.model.gradient_checkpointing and cfg.model.activation_checkpointing != "full":
         raise ConfigError(
             "config key 'model.gradient_checkpointing' is the older spelling of model.activation_checkpointing=full; "
             f"it conflicts with '{cfg.model.activation_checkpointing}': set only one"
         )
-    if cfg.model.activation_checkpointing == "full":
-        cfg.model.gradient_checkpointing = True
     for key in (
         "optim.warmup_steps",
         "optim.weight_decay",
@@ -578,64 +600,53 @@ def validate(cfg: Config) -> None:
     positive("train.spike_window")
     positive("train.max_consecutive_skips", allow_zero=True)
     positive("checkpoint.keep_last", allow_zero=True)
-    from .train.faults import parse_faults
-
-    parse_faults(cfg.debug.fault)
     if cfg.data.source == "cached" and not cfg.data.path:
         raise ConfigError("config key 'data.path' must name a cached dataset folder when data.source is 'cached'")
-    _validate_model_shape(cfg)
-    _validate_lora(cfg)
+    _validate_lora(cfg.lora)
     _validate_validation(cfg.validation)
-    _validate_samples(cfg)
     if not 0.0 <= cfg.train.ema.decay < 1.0:
         raise ConfigError(f"config key 'train.ema.decay' must be in [0, 1) (0: off), got {cfg.train.ema.decay}")
     if cfg.validation.use_ema and not cfg.train.ema.decay:
         raise ConfigError("config key 'validation.use_ema' needs an EMA: set train.ema.decay, e.g. 0.999")
 
 
+def measures_held_out_loss(v: ValidationConfig) -> bool:
+    """Whether the run measures the held-out loss, which needs `validation.dataset`.
+
+    `at_start` with samples and no dataset only renders them.
+    """
+    return bool(v.every or (v.at_start and (v.dataset or not v.samples)))
+
+
 def _validate_validation(v: ValidationConfig) -> None:
+    """`validation.*` values; whether the dataset is there is `preflight.check_config`'s."""
     if v.every < 0 or v.num_samples < 0:
         raise ConfigError("config keys 'validation.every' and 'validation.num_samples' must be >= 0")
-    # The held-out loss runs on a dataset; `at_start` with samples and no dataset only renders them.
-    if not (v.every or (v.at_start and (v.dataset or not v.samples))):
+    if not measures_held_out_loss(v):
         return
     if not v.dataset:
         raise ConfigError("config key 'validation.dataset' must name a cached dataset folder to validate on")
-    if not (Path(v.dataset) / "index.jsonl").is_file():
-        raise ConfigError(
-            f"config key 'validation.dataset': no dataset at '{v.dataset}' (no index.jsonl); "
-            "encode one with 'h3train encode' or write one with 'h3train synth'"
-        )
     if not v.sigmas or not all(0.0 < s < 1.0 for s in v.sigmas) or len(set(v.sigmas)) != len(v.sigmas):
         raise ConfigError(f"config key 'validation.sigmas' must be distinct numbers in (0, 1), got {list(v.sigmas)}")
 
 
-def _anchor_sample_paths(layer: dict[str, Any], base: Path, origin: str) -> None:
-    """Check the shape of one layer's `validation.samples` and make their relative media paths absolute.
-
-    Relative paths are relative to `base`: the config file's folder, or the working directory for
-    command-line overrides (`SampleRequestConfig`).
-    """
-    from .render.requests import anchor_sample_paths
-
-    anchor_sample_paths(layer, base, origin)
-
-
-def _validate_samples(cfg: Config) -> None:
-    """`validation.samples` and the keys that render them (`h3train/render/requests.py`)."""
-    from .render.requests import validate_samples
-
-    validate_samples(cfg)
-
-
-def _validate_lora(cfg: Config) -> None:
-    """`lora.*`: values, and targets checked against the module names of the model built on meta."""
-    from .lora.targets import validate_lora
-
-    validate_lora(cfg)
+def _validate_lora(lora: LoraConfig) -> None:
+    """`lora.*` values; the module names and the `init_from` file are `preflight.check_config`'s."""
+    if lora.rank < 0:
+        raise ConfigError(f"config key 'lora.rank' must be >= 0 (0 = full fine-tuning), got {lora.rank}")
+    if lora.rank == 0:
+        for key, value in (("init_from", lora.init_from), ("train_modules", lora.train_modules)):
+            if value:
+                raise ConfigError(f"config key 'lora.{key}' needs LoRA: set lora.rank > 0 (rank 0 is full fine-tuning)")
+        return
+    if lora.alpha is not None and lora.alpha <= 0:
+        raise ConfigError(f"config key 'lora.alpha' must be > 0 (default: lora.rank), got {lora.alpha}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"config key 'lora.dropout' must be in [0, 1), got {lora.dropout}")
 
 
 def _validate_cfg(c: CfgConfig) -> None:
+    """`cfg.*` values; whether `cfg.shared_negative_path` exists is `preflight.check_config`'s."""
     for key, value in (("cfg.scale", c.scale), ("cfg.video_scale", c.video_scale), ("cfg.audio_scale", c.audio_scale)):
         if value is not None and value < 1.0:
             raise ConfigError(f"config key '{key}' must be >= 1 (1 = no guidance), got {value}")
@@ -646,152 +657,72 @@ def _validate_cfg(c: CfgConfig) -> None:
             raise ConfigError(
                 "config key 'cfg.shared_negative_path' must name a safetensors file when cfg.negative is 'shared'"
             )
-        if not Path(c.shared_negative_path).is_file():
-            raise ConfigError(f"config key 'cfg.shared_negative_path': file '{c.shared_negative_path}' does not exist")
         if c.negative_visual == "keep":
             raise ConfigError(
                 "config key 'cfg.negative_visual' must be 'drop' with cfg.negative=shared: vision blocks are per sample"
             )
 
 
-def model_defaults() -> dict[str, Any]:
-    """`MiniMaxH3Transformer3DModel`'s constructor defaults: the released MiniMax-H3 architecture."""
-    import inspect
-
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    sig = inspect.signature(MiniMaxH3Transformer3DModel.__init__)
-    return {name: p.default for name, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+# `validation.samples`: requests in the encoder manifest's schema (`h3train/render/requests.py` checks
+# their values). Their shape and media paths are settled here, per layer, before the layers merge.
+SAMPLES_KEY = "validation.samples"
+SAMPLE_FIELDS = ("id", "prompt", "task", "keyframes", "references", "frames", "resolution", "seed")
 
 
-# Constructor arguments that may be 0 (every other integer is a size or a count that must be > 0).
-_MAY_BE_ZERO = frozenset({"num_refiner_layers"})
+def sample_key(i: int, name: str | None = None) -> str:
+    """`config key 'validation.samples[i].name'`, the prefix of every message about request `i`."""
+    return f"config key '{SAMPLES_KEY}[{i}]" + (f".{name}'" if name else "'")
 
 
-def check_model_kwargs(kwargs: dict[str, Any], where: str, strict_keys: bool) -> None:
-    """Each constructor argument has the type and sign of its diffusers default; `where` prefixes the key.
+def _absolute(value: Any, base: Path) -> Any:
+    if not isinstance(value, str) or not value or value.startswith("${"):
+        return value
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else (base / path).resolve())
 
-    `where` is e.g. "config key 'model.config." or "'.../config.json' key '". With `strict_keys`
-    an argument the constructor does not take is an error (`model.config`); a pretrained
-    config.json may carry extra keys diffusers ignores.
+
+def anchor_sample_paths(layer: dict[str, Any], base: Path, origin: str) -> None:
+    """Shape-check one config layer's `validation.samples` and make its relative media paths absolute.
+
+    Runs on the plain containers of one layer (the YAML file, or the overrides) before they merge, so a
+    wrong shape names its item and field, and each path is taken relative to the layer it came from: the
+    config file's folder, or the working directory for command-line overrides (`SampleRequestConfig`).
     """
-    defaults = model_defaults()
-    for name, value in kwargs.items():
-        if name not in defaults:
-            if strict_keys:
-                raise ConfigError(
-                    f"unknown {where}{name}': not a MiniMaxH3Transformer3DModel constructor argument "
-                    f"(arguments: {', '.join(defaults)})"
-                )
-            continue
-        default = defaults[name]
-        if isinstance(default, bool):
-            ok, what = isinstance(value, bool), "true or false"
-        elif isinstance(default, int):
-            ok = isinstance(value, int) and not isinstance(value, bool)
-            ok = ok and (value >= 0 if name in _MAY_BE_ZERO else value > 0)
-            what = f"{'an integer >= 0' if name in _MAY_BE_ZERO else 'a positive integer'}, e.g. {default}"
-        elif isinstance(default, float):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-            what = f"a positive number, e.g. {default}"
-        elif isinstance(default, tuple):
-            ok = (
-                isinstance(value, (list, tuple))
-                and len(value) == len(default)
-                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    section = layer.get("validation")
+    if not isinstance(section, dict) or section.get("samples") is None:
+        return
+    samples = section["samples"]
+    if isinstance(samples, dict):
+        raise ConfigError(f"config key '{SAMPLES_KEY}' ({origin}) takes a list of requests, not a section")
+    if not isinstance(samples, list):
+        samples = section["samples"] = [samples]
+    for i, item in enumerate(samples):
+        if not isinstance(item, dict):
+            raise ConfigError(
+                f"{sample_key(i)} ({origin}) is {item!r}; each request is a mapping such as "
+                "{prompt: ..., task: fl2va, keyframes: {first: a.png}, frames: 124, resolution: 1344x768}"
             )
-            what = f"{len(default)} positive integers, e.g. {list(default)}"
-        else:
-            continue
-        if not ok:
-            raise ConfigError(f"{where}{name}' is {value!r}; it takes {what}")
-    rope = kwargs.get("rope_freq_dim", defaults["rope_freq_dim"])
-    head_dim = kwargs.get("attention_head_dim", defaults["attention_head_dim"])
-    if 6 * rope > head_dim:
-        raise ConfigError(
-            f"{where}attention_head_dim' is {head_dim} but rotary embeddings rotate 2 * 3 * rope_freq_dim = "
-            f"{6 * rope} channels per head; raise attention_head_dim or lower rope_freq_dim"
-        )
-
-
-def pretrained_config_file(cfg: Config) -> Path:
-    return Path(cfg.model.pretrained) / (cfg.model.subfolder or default_subfolder(cfg)) / "config.json"
-
-
-def _read_pretrained_config(cfg_file: Path) -> dict[str, Any]:
-    import json
-
-    try:
-        data = json.loads(cfg_file.read_text())
-    except OSError as exc:
-        raise ConfigError(f"config key 'model.pretrained': cannot read '{cfg_file}': {exc.strerror or exc}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config key 'model.pretrained': '{cfg_file}' is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config key 'model.pretrained': '{cfg_file}' must hold a JSON object of constructor kwargs")
-    kwargs = {k: v for k, v in data.items() if not k.startswith("_")}
-    check_model_kwargs(kwargs, f"'{cfg_file}' key '", strict_keys=False)
-    return kwargs
-
-
-def model_config_dict(cfg: Config) -> dict[str, Any]:
-    """The transformer's constructor kwargs: `model.config`, or the pretrained folder's config.json."""
-    if cfg.model.config:
-        return dict(cfg.model.config)
-    cfg_file = pretrained_config_file(cfg)
-    if not cfg_file.is_file():
-        raise ConfigError(
-            f"config key 'model.pretrained': no transformer config at '{cfg_file}'; point it at a "
-            "local diffusers folder (nothing is downloaded)"
-        )
-    return _read_pretrained_config(cfg_file)
-
-
-def default_subfolder(cfg: Config) -> str:
-    """The partition `model.subfolder` defaults to: `transformer` (fl2va), `transformer_ref` (ref2va).
-
-    `mixed` has no default: H3 ships one partition per task family, so it must be named
-    (`h3train/tasks/partition.py`).
-    """
-    if cfg.task.name == "mixed":
-        from .tasks.partition import mixed_subfolder
-
-        return mixed_subfolder(cfg)
-    return partition_for_task(cfg.task.name)
-
-
-def partition_for_task(task: str) -> str:
-    """The checkpoint partition a task trains: `transformer_ref` for ref2va, `transformer` otherwise."""
-    return "transformer_ref" if task == "ref2va" else "transformer"
-
-
-def model_dims(cfg: Config) -> dict[str, Any]:
-    """The architecture numbers the plan needs, with the diffusers defaults filled in."""
-    return {**model_defaults(), **model_config_dict(cfg)}
-
-
-def planned_model_dims(cfg: Config) -> tuple[dict[str, Any], str | None]:
-    """`model_dims`, or away from the model folder the released architecture, with a note saying so.
-
-    Planning (`h3train check` on a laptop or a login node) needs only the transformer's
-    config.json; without it the diffusers defaults, which are the released MiniMax-H3 transformer,
-    stand in. Training needs the folder itself (`preflight`).
-    """
-    if cfg.model.config or pretrained_config_file(cfg).is_file():
-        return model_dims(cfg), None
-    return model_defaults(), (
-        f"model: '{pretrained_config_file(cfg)}' is not readable here; planned for the released "
-        "MiniMax-H3 transformer (the diffusers defaults)"
-    )
-
-
-def _validate_model_shape(cfg: Config) -> None:
-    if cfg.model.config:
-        check_model_kwargs(cfg.model.config, "config key 'model.config.", strict_keys=True)
-    dims, _ = planned_model_dims(cfg)
-    heads = int(dims["num_attention_heads"])
-    if heads % cfg.parallel.sp:
-        raise ConfigError(
-            f"config key 'parallel.sp' = {cfg.parallel.sp} does not divide the model's "
-            f"{heads} attention heads; choose a divisor of {heads}"
-        )
+        unknown = sorted(set(item) - set(SAMPLE_FIELDS))
+        if unknown:
+            raise ConfigError(
+                f"{sample_key(i, unknown[0])} ({origin}) is not a request field (fields: {', '.join(SAMPLE_FIELDS)})"
+            )
+        keyframes = item.get("keyframes")
+        if keyframes is not None:
+            if not isinstance(keyframes, dict):
+                raise ConfigError(
+                    f"{sample_key(i, 'keyframes')} ({origin}) is {keyframes!r}; it maps an anchor to an image, "
+                    "e.g. {first: stills/a.png, last: stills/b.png}"
+                )
+            item["keyframes"] = {anchor: _absolute(image, base) for anchor, image in keyframes.items()}
+        references = item.get("references")
+        if references is not None:
+            if not isinstance(references, list):
+                references = item["references"] = [references]
+            for j, ref in enumerate(references):
+                if not isinstance(ref, dict) or set(ref) != {"kind", "path"}:
+                    raise ConfigError(
+                        f"{sample_key(i, f'references[{j}]')} ({origin}) is {ref!r}; expected "
+                        "{kind: image | video | audio, path: ...}"
+                    )
+                ref["path"] = _absolute(ref["path"], base)

@@ -1,6 +1,6 @@
 """Parameter and per-rank memory arithmetic for a full fine-tune, as `h3train check` prints it.
 
-Pure functions over the transformer's constructor kwargs (`h3train.config.model_dims(cfg)`) and
+Pure functions over the transformer's constructor kwargs (`h3train.model.dims.model_dims(cfg)`) and
 the mesh sizes: nothing here builds a model or touches a process group, so the plan can be
 printed on a laptop for a 64-GPU job.
 
@@ -205,7 +205,7 @@ def _dim(dims: Mapping[str, Any], key: str) -> int:
     try:
         return int(dims[key])
     except KeyError:
-        raise ValueError(f"model dims lack '{key}': pass h3train.config.model_dims(cfg)") from None
+        raise ValueError(f"model dims lack '{key}': pass h3train.model.dims.model_dims(cfg)") from None
 
 
 def parameter_counts(dims: Mapping[str, Any]) -> ParameterCounts:
@@ -366,7 +366,7 @@ def plan_memory(
 ) -> MemoryPlan:
     """Per-rank memory of an AdamW fine-tune on a resolved `(dp_replicate, dp_shard, sp)` mesh.
 
-    `dims` are the constructor kwargs with defaults filled in (`h3train.config.model_dims`);
+    `dims` are the constructor kwargs with defaults filled in (`h3train.model.dims.model_dims`);
     `dtype` is the compute dtype (`model.dtype`); `rows` is the packed sequence length of the
     longest sample, padded to a multiple of `sp` as the SP forward does. `lora`: a LoRA run
     (`lora_counts`), whose base is frozen in bfloat16; None: a full fine-tune. `cpu_offload`: the
@@ -474,7 +474,7 @@ def lora_fit_lines(dims: Mapping[str, Any], plan: MemoryPlan) -> tuple[str, ...]
     for label, ranks, sp in LORA_REFERENCE_SETUPS:
         sp = math.gcd(sp, heads)
         setups.append((f"{label} (sp={sp})", 1, ranks // sp, sp))
-    from .config import model_defaults
+    from .model.dims import model_defaults
 
     # Seconds of the released canvas mean something only for the released architecture.
     released = all(dims.get(k) == v for k, v in model_defaults().items() if not str(k).startswith("_"))
@@ -506,19 +506,23 @@ def config_rows(cfg: Config) -> tuple[int, str]:
 
     if cfg.data.source == "synthetic":
         from .tasks.layout import Geometry, build_layout
+        from .tasks.synthetic import synthetic_anchors
+        from .tasks.table import sample_task_of
 
         syn = cfg.data.synthetic
         geometry = Geometry(syn.num_latent_frames, syn.latent_height, syn.latent_width, syn.num_audio_latents)
-        anchors = tuple(syn.keyframe_anchors)
+        # The anchors the run's samples carry: none for a task that trains no fl2va samples (t2va).
+        anchors = synthetic_anchors(syn, cfg.task.name)
+        task = sample_task_of("keyframes" if anchors else None)
         tags = torch.ones(syn.text_len, dtype=torch.long)
-        return build_layout("fl2va" if anchors else "t2va", tags, geometry, anchors).seq_len, "synthetic geometry"
+        return build_layout(task, tags, geometry, anchors).seq_len, "synthetic geometry"
     if not cfg.data.path or not Path(cfg.data.path).is_dir():
         return RELEASED_MAX_ROWS, "longest released clip; data.path is not readable here"
-    from .data.dataset import CachedDataset
+    from .data.source import build_source
     from .errors import ConfigError, DatasetError
 
     try:
-        return max(CachedDataset(cfg.data.path, cfg.task.name).lengths), "longest sample in the dataset index"
+        return max(build_source(cfg).lengths), "longest sample in the dataset index"
     except DatasetError as exc:
         raise ConfigError(f"config key 'data.path': {exc}") from None
 
@@ -526,7 +530,7 @@ def config_rows(cfg: Config) -> tuple[int, str]:
 def checkpointed_layers(cfg: Config, num_layers: int) -> int:
     """Transformer blocks `model.activation_checkpointing` recomputes (`SequenceParallelH3.checkpointed`)."""
     mode = cfg.model.activation_checkpointing
-    if mode == "full" or (mode == "none" and cfg.model.gradient_checkpointing):
+    if mode == "full":
         return num_layers
     if mode == "selective":
         return len(range(0, num_layers, cfg.model.checkpoint_every))

@@ -2,54 +2,100 @@
 
 Each failure is one line naming the key, file or sample and what to do (a `ConfigError`, or a
 `DatasetError` / `SampleError` for the data itself), exit code 2.
+
+`check_config` is the half of config checking that reads more than the values (`config.validate`
+does those): the task table, the model's constructor and module names, and the files the config
+names. It lives here, not in `config.py`, so that the config schema imports no other module.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .config import Config, model_dims, planned_model_dims, pretrained_config_file
-from .data.dataset import TASK_FILTERS, index_entries
+from .config import Config, load_config, measures_held_out_loss
+from .data.dataset import index_entries
 from .data.format import INDEX_NAME, read_header, resolve_in_folder
 from .errors import ConfigError, DatasetError
+from .lora.targets import meta_model, resolve_targets, resolve_train_modules
+from .model.dims import check_model_kwargs, model_dims, planned_model_dims, pretrained_config_file
+from .ops.attention import resolve_attention_backend
+from .render.requests import validate_samples
 from .tasks.partition import check_partition
-
-# `model.attention_backend` -> diffusers' `dispatch_attention_fn` backend name.
-ATTENTION_BACKENDS = {"native": "native", "flash": "flash", "cudnn": "_native_cudnn"}
-
-
-def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+from .tasks.table import TRAINING_TASKS, training_task_for
+from .train.faults import parse_faults
 
 
-def resolve_attention_backend(name: str, device_type: str, dtype: str = "bfloat16") -> str:
-    """The diffusers backend for `model.attention_backend`.
+def load_checked(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Config:
+    """`load_config` and `check_config`: a config every entry point can start from, or one `ConfigError`."""
+    cfg = load_config(path, list(overrides))
+    check_config(cfg)
+    return cfg
 
-    `auto` picks flash-attn on CUDA when it is installed and the blocks compute in bf16 (flash-attn
-    and cuDNN attention take half precision only), else PyTorch SDPA.
+
+def check_config(cfg: Config) -> None:
+    """The config checks that read more than the values, in order; raises `ConfigError` on the first problem.
+
+    The task table, the files `cfg.shared_negative_path` and `validation.dataset` name,
+    `debug.fault`, the model's constructor kwargs and head count, the LoRA module names (on the
+    model built on meta) and `lora.init_from`, then `validation.samples`. Away from the model folder
+    the released architecture stands in, as in `planned_model_dims`.
     """
-    if name == "auto":
-        name = "flash" if device_type == "cuda" and dtype == "bfloat16" and flash_attn_available() else "native"
-    if name in ("flash", "cudnn") and dtype != "bfloat16":
+    if cfg.task.name not in TRAINING_TASKS:
+        raise ConfigError(f"config key 'task.name' is {cfg.task.name!r}; choose one of {', '.join(TRAINING_TASKS)}")
+    negative = cfg.cfg
+    if negative.negative == "shared" and not Path(negative.shared_negative_path).is_file():
         raise ConfigError(
-            f"config key 'model.attention_backend' is '{name}', which computes in half precision "
-            f"only, but model.dtype is '{dtype}'; use model.dtype=bfloat16 or 'native'"
+            f"config key 'cfg.shared_negative_path': file '{negative.shared_negative_path}' does not exist"
         )
-    if name in ("flash", "cudnn") and device_type != "cuda":
+    parse_faults(cfg.debug.fault)
+    _check_model_shape(cfg)
+    _check_lora(cfg)
+    v = cfg.validation
+    if measures_held_out_loss(v) and not (Path(v.dataset) / INDEX_NAME).is_file():
         raise ConfigError(
-            f"config key 'model.attention_backend' is '{name}', which needs a CUDA device; "
-            "use 'native' or 'auto' on this machine"
+            f"config key 'validation.dataset': no dataset at '{v.dataset}' (no {INDEX_NAME}); "
+            "encode one with 'h3train encode' or write one with 'h3train synth'"
         )
-    if name == "flash" and not flash_attn_available():
+    validate_samples(cfg)
+
+
+def _check_model_shape(cfg: Config) -> None:
+    """`model.config` takes the constructor's arguments, and `parallel.sp` divides the attention heads."""
+    if cfg.model.config:
+        check_model_kwargs(cfg.model.config, "config key 'model.config.", strict_keys=True)
+    dims, _ = planned_model_dims(cfg)
+    heads = int(dims["num_attention_heads"])
+    if heads % cfg.parallel.sp:
         raise ConfigError(
-            "config key 'model.attention_backend' is 'flash' but flash-attn is not installed; "
-            "install the 'flash' extra or use 'auto'"
+            f"config key 'parallel.sp' = {cfg.parallel.sp} does not divide the model's "
+            f"{heads} attention heads; choose a divisor of {heads}"
         )
-    return ATTENTION_BACKENDS[name]
+
+
+def _check_lora(cfg: Config) -> None:
+    """`lora.init_from` exists, the module names select modules of the model built on meta, and the file fits them.
+
+    The values themselves (rank, alpha, dropout) are checked when the config loads (`config.validate`).
+    """
+    lora = cfg.lora
+    if lora.rank == 0:
+        return
+    if lora.init_from is not None and not Path(lora.init_from).is_file():
+        raise ConfigError(f"config key 'lora.init_from': file '{lora.init_from}' does not exist")
+    model = meta_model(cfg)
+    targets = resolve_targets(model, lora.target_modules)
+    resolve_train_modules(model, lora.train_modules, targets)
+    if lora.init_from is not None:
+        # The file's adapters must fit the configured ones: read and checked now, not after start-up.
+        from .lora.adapters import adapter_values, add_adapters
+
+        add_adapters(model, cfg)
+        adapter_values(model, cfg)
 
 
 def device_type(cfg: Config) -> str:
@@ -59,11 +105,13 @@ def device_type(cfg: Config) -> str:
 def preflight(cfg: Config, planning: bool = False) -> list[str]:
     """Inputs and device capabilities the config names exist, before any model or process group.
 
+    `check_config` runs first, so a config from `load_config` alone is checked whole here.
     Every check is cheap: the model is built on the meta device, and of the dataset only
     `index.jsonl` and one sample header are read. `planning` (`h3train check`) plans for what it
     cannot see here, the released architecture for a missing model folder and the longest released
     clip for a missing dataset, and returns a note for each such assumption; training needs both.
     """
+    check_config(cfg)
     notes: list[str] = []
     if planning:
         dims, note = planned_model_dims(cfg)
@@ -101,13 +149,6 @@ def _check_builds(cfg: Config, dims: dict[str, Any]) -> None:
         ) from None
 
 
-def _dataset_task(tasks: set[str]) -> str:
-    """The `task.name` that trains every sample task in `tasks`."""
-    if tasks <= set(TASK_FILTERS["fl2va"]):
-        return "fl2va"
-    return "ref2va" if tasks == {"ref2va"} else "mixed"
-
-
 def _check_dataset(cfg: Config, dims: dict[str, Any], required: bool) -> list[str]:
     """A cached dataset is there, lists samples of the task, and its text width is the model's.
 
@@ -137,13 +178,13 @@ def _check_dataset(cfg: Config, dims: dict[str, Any], required: bool) -> list[st
             f"dataset '{folder}': '{index}' lists no samples; encode the data with 'h3train encode' "
             "or rebuild the index with h3train.data.format.write_index"
         )
-    accepted = TASK_FILTERS[cfg.task.name]
+    accepted = TRAINING_TASKS[cfg.task.name].sample_tasks
     trained = [e for e in entries if e.task in accepted]
     if not trained:
         found = {e.task for e in entries}
         raise ConfigError(
             f"config key 'task.name' is '{cfg.task.name}' (it trains {', '.join(accepted)} samples) but dataset "
-            f"'{folder}' holds only {', '.join(sorted(found))} samples; use task.name={_dataset_task(found)} "
+            f"'{folder}' holds only {', '.join(sorted(found))} samples; use task.name={training_task_for(found)} "
             f"or a {cfg.task.name} dataset"
         )
     sample = resolve_in_folder(folder, trained[0].file, f"index '{index}'")

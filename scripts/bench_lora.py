@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from h3train.bench import REDUCED_CLIP, REDUCED_DIMS, bench_sample  # noqa: E402
-from h3train.config import load_config  # noqa: E402
+from h3train.preflight import load_checked  # noqa: E402
 from h3train.tasks.layout import Geometry  # noqa: E402
-from h3train.train.trainer import Trainer  # noqa: E402
+from h3train.train.assemble import build_trainer  # noqa: E402
 
 
 def _overrides(tmp: Path, steps: int) -> list[str]:
@@ -58,7 +58,7 @@ def _geometry(g: Geometry) -> list[str]:
     ]
 
 
-def _state_bytes(trainer: Trainer) -> int:
+def _state_bytes(trainer) -> int:
     return sum(
         t.numel() * t.element_size()
         for per_param in trainer.optimizer.state.values()
@@ -74,7 +74,7 @@ def measure(runs: dict[str, tuple[str, list[str]]], repeats: int) -> dict[str, d
     slows them alike; CPU time (`time.process_time`) is the steadier figure on a busy machine.
     """
     trainers = {
-        name: Trainer(load_config(ROOT / "configs" / config, o), hooks=[]) for name, (config, o) in runs.items()
+        name: build_trainer(load_checked(ROOT / "configs" / config, o), hooks=[]) for name, (config, o) in runs.items()
     }
     out: dict[str, dict[str, float]] = {}
     try:

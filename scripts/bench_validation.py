@@ -32,14 +32,15 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from h3train.config import WandbConfig, load_config  # noqa: E402
+from h3train.config import WandbConfig  # noqa: E402
 from h3train.data.components import TINY_TEXT_HIDDEN, write_tiny_components  # noqa: E402
 from h3train.data.media import moving_pattern  # noqa: E402
 from h3train.data.synth import write_synthetic_dataset  # noqa: E402
+from h3train.preflight import load_checked  # noqa: E402
 from h3train.render.hook import SampleRenderer  # noqa: E402
 from h3train.render.pipeline import denoise  # noqa: E402
+from h3train.train.assemble import build_trainer  # noqa: E402
 from h3train.train.metrics import MetricsLogger  # noqa: E402
-from h3train.train.trainer import Trainer  # noqa: E402
 from h3train.train.validation import HeldOutLoss  # noqa: E402
 
 # 22 frames -> 7 latent frames; a 96x64 canvas -> 4x6 latents, 2x3 rows per frame; 37 audio latents.
@@ -70,7 +71,7 @@ def main() -> int:
         request = {"id": "bench", "task": "fl2va", "prompt": "a square drifts over a gradient",
                    "keyframes": {"first": str(tmp / "first.png"), "last": str(tmp / "last.png")},
                    "frames": 22, "resolution": "96x64", "seed": 0}  # fmt: skip
-        cfg = load_config(
+        cfg = load_checked(
             ROOT / "configs" / "tiny_fl2va.yaml",
             [
                 f"model.config.text_dim={TINY_TEXT_HIDDEN}",
@@ -88,7 +89,7 @@ def main() -> int:
             ],
         )
         heldout_loss, renderer = HeldOutLoss(cfg), SampleRenderer(cfg)
-        trainer = Trainer(cfg, hooks=[heldout_loss, renderer])
+        trainer = build_trainer(cfg, hooks=[heldout_loss, renderer])
         try:
             trainer._metrics = MetricsLogger(tmp / "run", False, WandbConfig(), {}, 1, progress=False)
             renderer._prepare(trainer)

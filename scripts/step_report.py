@@ -316,16 +316,28 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def _trainer(run_dir: Path, sp: int, steps: int):
-    from h3train.config import load_config
-    from h3train.train.trainer import Trainer
-
     root = Path(__file__).resolve().parents[1]
-    return Trainer(load_config(root / "configs" / "tiny_fl2va.yaml", overrides(run_dir, sp, steps)))
+    config = root / "configs" / "tiny_fl2va.yaml"
+    try:
+        from h3train.preflight import load_checked
+        from h3train.train.assemble import build_trainer
+    except ImportError:  # an older package: the trainer builds itself from a config
+        from h3train.config import load_config as load_checked
+        from h3train.train.trainer import Trainer as build_trainer
+    return build_trainer(load_checked(config, overrides(run_dir, sp, steps)))
+
+
+def _micro_batch_inputs():
+    """The package's `micro_batch_inputs` (in the trainer module of older packages)."""
+    try:
+        from h3train.objective import micro_batch_inputs
+    except ImportError:
+        from h3train.train.trainer import micro_batch_inputs
+    return micro_batch_inputs
 
 
 def _inputs(trainer, step: int):
-    from h3train.train.trainer import micro_batch_inputs
-
+    micro_batch_inputs = _micro_batch_inputs()
     sample = trainer.source[0]
     return sample, micro_batch_inputs(trainer.cfg, sample, step, 0, trainer.shared_negative).to(trainer.device)
 
@@ -494,7 +506,8 @@ def data_load_times(run_dir: Path, cfg) -> tuple[float, float]:
     )
 
     from h3train.data.format import CachedSample, read_sample, write_sample
-    from h3train.train.trainer import micro_batch_inputs
+
+    micro_batch_inputs = _micro_batch_inputs()
 
     g = torch.Generator().manual_seed(0)
     frames = video_latent_num_frames(DATA_FRAMES, 17, 5)

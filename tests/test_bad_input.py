@@ -157,7 +157,7 @@ def test_launch_script_checks_first_one_line_exit_2(name: str, inputs: Path, tmp
 
 
 def test_check_plans_from_a_lone_config_json_without_the_dataset(tmp_path: Path, capsys) -> None:
-    from h3train.config import model_defaults
+    from h3train.model.dims import model_defaults
 
     (tmp_path / "H3" / "transformer").mkdir(parents=True)
     small = {"num_layers": 3, "num_attention_heads": 8}

@@ -8,6 +8,7 @@ from h3train.cli import main
 from h3train.config import load_config
 from h3train.errors import ConfigError
 from h3train.parallel.dims import ParallelDims
+from h3train.preflight import load_checked
 
 from reference import TINY_FL2VA, run_h3train
 
@@ -35,7 +36,7 @@ def test_tiny_config_loads_with_overrides() -> None:
 )
 def test_bad_config_is_one_line_naming_the_key(overrides, needle, capsys) -> None:
     with pytest.raises(ConfigError) as info:
-        load_config(TINY_FL2VA, overrides)
+        load_checked(TINY_FL2VA, overrides)
     assert needle in str(info.value) and "\n" not in str(info.value)
     assert main(["check", str(TINY_FL2VA), *overrides]) == 2
     err = capsys.readouterr().err.strip()

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from h3train.cli import main
 from h3train.config import load_config
+from h3train.data.source import build_source
 from h3train.errors import ConfigError
 from h3train.lora.adapters import (
     adapter_config,
@@ -39,7 +40,9 @@ from h3train.lora.export import (
 )
 from h3train.lora.names import export_name
 from h3train.model.build import build_meta_model, build_model, fp32_island_names
-from h3train.train.trainer import Trainer, build_source, micro_batch_inputs
+from h3train.objective import micro_batch_inputs
+from h3train.preflight import load_checked
+from h3train.train.assemble import build_trainer
 
 from reference import ROOT
 
@@ -53,7 +56,7 @@ WIDE_TARGETS = (
 
 
 def _cfg(*extra: str):
-    return load_config(TINY_LORA, list(extra))
+    return load_checked(TINY_LORA, list(extra))
 
 
 def _adapted(cfg, trained_b: bool = True) -> MiniMaxH3Transformer3DModel:
@@ -145,7 +148,7 @@ def test_targets_default_to_block_attention_and_feed_forward() -> None:
 
 
 def test_full_fine_tuning_has_no_transform() -> None:
-    from h3train.train.hooks import model_transforms
+    from h3train.train.assemble import model_transforms
 
     assert model_transforms(load_config(ROOT / "configs" / "tiny_fl2va.yaml")) == []
     assert len(model_transforms(_cfg())) == 1
@@ -208,7 +211,7 @@ def _full(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_sharded_lora_run_trains_adapters_only(tmp_path) -> None:
-    trainer = Trainer(_trainer_config(tmp_path), hooks=[])
+    trainer = build_trainer(_trainer_config(tmp_path), hooks=[])
     try:
         params = dict(trainer.model.named_parameters())
         trainable = {n for n, p in params.items() if p.requires_grad}
@@ -240,7 +243,7 @@ def test_pretrained_meta_build_loads_base_and_seeds_adapters(tmp_path) -> None:
     config = tmp_path / "lora_pretrained.yaml"
     OmegaConf.save(raw, config)
     run_cfg = load_config(config, [f"logging.dir={tmp_path / 'run'}", "train.steps=1", "logging.progress=false"])
-    trainer = Trainer(run_cfg, hooks=[])
+    trainer = build_trainer(run_cfg, hooks=[])
     try:
         live = _full(trainer.model.transformer)
     finally:

@@ -11,7 +11,8 @@ import pytest
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
 
-from h3train.config import load_config, model_dims
+from h3train.config import load_config
+from h3train.model.dims import model_dims
 from h3train.plan import (
     GIB,
     RELEASED_5S_ROWS,
@@ -241,8 +242,8 @@ def test_cluster_configs_keep_the_global_batch(pretrained_folder: Path) -> None:
 
 def test_cluster_configs_plan_without_the_model_folder_but_train_needs_it(tmp_path: Path) -> None:
     """Away from the folder the plan is the released architecture's; training refuses to start."""
-    from h3train.config import planned_model_dims
     from h3train.errors import ConfigError
+    from h3train.model.dims import planned_model_dims
     from h3train.preflight import preflight
 
     cfg = _load_cluster_config("h3_a100_16gpu.yaml", tmp_path)

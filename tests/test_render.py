@@ -26,6 +26,7 @@ from h3train.data.components import COMPONENT_NAMES, load_components, write_tiny
 from h3train.data.media import load_still, moving_pattern
 from h3train.errors import ConfigError
 from h3train.model.build import build_model
+from h3train.preflight import load_checked
 from h3train.render.pipeline import write_clip
 from h3train.train.metrics import MetricsLogger
 
@@ -177,7 +178,7 @@ def test_relative_media_paths_are_relative_to_the_config_folder(tmp_path: Path, 
     again.mkdir()
     (again / "config.yaml").write_text(json.dumps({"validation": {"samples": [{"keyframes": keyframes}]}}))
     raw = json.loads((again / "config.yaml").read_text())
-    from h3train.render.requests import anchor_sample_paths
+    from h3train.config import anchor_sample_paths
 
     anchor_sample_paths(raw, again, "test")
     assert raw["validation"]["samples"][0]["keyframes"] == keyframes
@@ -202,7 +203,7 @@ def test_relative_media_paths_are_relative_to_the_config_folder(tmp_path: Path, 
 def test_bad_requests_are_one_line_config_errors(tmp_path, components, assets, change, message) -> None:
     request = {**REQUESTS[0], **change}
     with pytest.raises(ConfigError, match=None) as err:
-        load_config(_config(assets, components, tmp_path / "run", [request]))
+        load_checked(_config(assets, components, tmp_path / "run", [request]))
     assert message in str(err.value) and "\n" not in str(err.value)
 
 

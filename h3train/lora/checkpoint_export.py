@@ -33,9 +33,8 @@ import yaml
 from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..config import partition_for_task
 from ..errors import CheckpointError, UsageError
-from ..tasks.partition import PARTITION_TASKS
+from ..tasks.table import PARTITIONS, TRAINING_TASKS
 from .base import as_trained, folder_digest, island_prefixes, random_base_state, read_record
 from .export import COMFYUI_WEIGHT_NAME, save_comfyui_lora, save_diffusers_lora
 from .names import export_name, is_adapter_param
@@ -54,9 +53,11 @@ def trained_partition(state: dict[str, Any]) -> str:
     except yaml.YAMLError:
         saved = {}
     subfolder = (saved.get("model") or {}).get("subfolder")
-    if subfolder in PARTITION_TASKS:
+    if subfolder in PARTITIONS:
         return subfolder
-    return partition_for_task((saved.get("task") or {}).get("name", "fl2va"))
+    task = TRAINING_TASKS.get((saved.get("task") or {}).get("name", "fl2va"))
+    # Mixed (no partition of its own): a pretrained run named one in `model.subfolder`; a random init is `transformer`.
+    return (task.partition if task else None) or PARTITIONS[0]
 
 
 def read_trained(checkpoint: Path, reader, metadata, component: str) -> dict[str, torch.Tensor]:
@@ -102,8 +103,7 @@ def write_lora_export(
     if fmt == "comfyui":
         save_comfyui_lora(out / COMFYUI_WEIGHT_NAME, adapters, lora_config)
     else:
-        task = "ref2va" if trained_partition(state) == "transformer_ref" else "fl2va"
-        save_diffusers_lora(out, adapters, lora_config, task)
+        save_diffusers_lora(out, adapters, lora_config, partition=trained_partition(state))
 
 
 def _base_groups(

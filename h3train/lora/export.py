@@ -6,8 +6,8 @@ and the adapter's peft `LoraConfig` as a dict (`adapters.adapter_config`), so it
 live model and on a checkpoint's contents. The adapter's output is scaled by `lora_alpha / rank`.
 
 - `save_diffusers_lora`: `pytorch_lora_weights.safetensors` written by
-  `MiniMaxH3LoraLoaderMixin.save_lora_weights`, under `transformer.` (t2va / fl2va) or
-  `transformer_ref.` (ref2va), with the peft config as the file's adapter metadata, so
+  `MiniMaxH3LoraLoaderMixin.save_lora_weights`, under the trained partition's name: `transformer.`
+  (t2va / fl2va) or `transformer_ref.` (ref2va), with the peft config as the file's adapter metadata, so
   `pipe.load_lora_weights(dir)` and `transformer.load_lora_adapter(dir)` rebuild the same adapter.
 - `comfyui_state_dict` / `save_comfyui_lora`: the original checkpoint's module names under
   `diffusion_model.`, as the reference code and ComfyUI read them, kohya style
@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from ..tasks.table import PARTITIONS, SAMPLE_TASKS, TRAINING_TASKS
 
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 COMFYUI_WEIGHT_NAME = "lora_comfyui.safetensors"
@@ -89,18 +91,33 @@ def lora_scale(lora_config: dict, rank: int) -> float:
 
 
 def save_diffusers_lora(
-    out_dir: str | os.PathLike, adapters: dict[str, torch.Tensor], lora_config: dict, task: str
+    out_dir: str | os.PathLike,
+    adapters: dict[str, torch.Tensor],
+    lora_config: dict,
+    task: str = "fl2va",
+    *,
+    partition: str | None = None,
 ) -> Path:
-    """Write `out_dir/pytorch_lora_weights.safetensors` in the diffusers format; returns the file."""
+    """Write `out_dir/pytorch_lora_weights.safetensors` in the diffusers format; returns the file.
+
+    The keys go under the partition the adapter was trained on, since the pipeline loads them into
+    the component of that name: `partition` (`transformer` or `transformer_ref`) or, without it, the
+    partition of `task` (a `task.name` or a sample task, from the task table).
+    """
     from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
 
+    if partition is None:
+        spec = TRAINING_TASKS.get(task) or SAMPLE_TASKS.get(task)
+        partition = spec.partition if spec is not None else None
+        if partition is None:
+            raise ValueError(f"task '{task}' names no single partition; pass partition= (one of {list(PARTITIONS)})")
+    if partition not in PARTITIONS:
+        raise ValueError(f"partition '{partition}' is not one of {list(PARTITIONS)}")
     layers = {k: v.detach().cpu().contiguous() for k, v in adapters.items()}
     metadata = json.loads(json.dumps(lora_config))
     metadata["target_modules"] = sorted(_modules(adapters))
-    if task == "ref2va":
-        kwargs = {"transformer_ref_lora_layers": layers, "transformer_ref_lora_adapter_metadata": metadata}
-    else:
-        kwargs = {"transformer_lora_layers": layers, "transformer_lora_adapter_metadata": metadata}
+    # `save_lora_weights` takes `<component>_lora_layers` / `<component>_lora_adapter_metadata` per partition.
+    kwargs = {f"{partition}_lora_layers": layers, f"{partition}_lora_adapter_metadata": metadata}
     MiniMaxH3LoraLoaderMixin.save_lora_weights(str(out_dir), weight_name=DIFFUSERS_WEIGHT_NAME, **kwargs)
     return Path(out_dir) / DIFFUSERS_WEIGHT_NAME
 

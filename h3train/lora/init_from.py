@@ -18,10 +18,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from ..tasks.partition import PARTITION_TASKS
+from ..tasks.table import PARTITIONS
 
 _QKV = (".attn.to_q", ".attn.to_k", ".attn.to_v")
-_PARTITIONS = tuple(PARTITION_TASKS)
 
 
 def _key(msg: str) -> ConfigError:
@@ -36,11 +35,9 @@ def read_lora_file(path: str) -> tuple[dict[str, torch.Tensor], float | None]:
         state_dict, metadata = MiniMaxH3LoraLoaderMixin.lora_state_dict(path, return_lora_metadata=True)
     except Exception as exc:  # noqa: BLE001 - any reader error becomes one line
         raise _key(f"'{path}' is not a LoRA file diffusers' H3 loader reads: {str(exc).splitlines()[0]}") from None
-    found = [p for p in _PARTITIONS if any(k.startswith(f"{p}.") for k in state_dict)]
+    found = [p for p in PARTITIONS if any(k.startswith(f"{p}.") for k in state_dict)]
     if len(found) != 1:
-        raise _key(
-            f"'{path}' holds LoRA weights for {found or 'no'} partition(s); one of {list(_PARTITIONS)} is needed"
-        )
+        raise _key(f"'{path}' holds LoRA weights for {found or 'no'} partition(s); one of {list(PARTITIONS)} is needed")
     prefix = f"{found[0]}."
     factors = {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
     alpha = None

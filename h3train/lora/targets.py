@@ -15,8 +15,9 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from ..config import Config, planned_model_dims
+from ..config import Config
 from ..errors import ConfigError
+from ..model.dims import planned_model_dims
 
 
 def selects(entry: str, name: str) -> bool:
@@ -104,33 +105,3 @@ def meta_model(cfg: Config) -> nn.Module:
     from ..model.build import meta_transformer
 
     return meta_transformer(planned_model_dims(cfg)[0])
-
-
-def validate_lora(cfg: Config) -> None:
-    """The `lora` section's values, then its module names against the model built on meta."""
-    lora = cfg.lora
-    if lora.rank < 0:
-        raise ConfigError(f"config key 'lora.rank' must be >= 0 (0 = full fine-tuning), got {lora.rank}")
-    if lora.rank == 0:
-        for key, value in (("init_from", lora.init_from), ("train_modules", lora.train_modules)):
-            if value:
-                raise ConfigError(f"config key 'lora.{key}' needs LoRA: set lora.rank > 0 (rank 0 is full fine-tuning)")
-        return
-    if lora.alpha is not None and lora.alpha <= 0:
-        raise ConfigError(f"config key 'lora.alpha' must be > 0 (default: lora.rank), got {lora.alpha}")
-    if not 0.0 <= lora.dropout < 1.0:
-        raise ConfigError(f"config key 'lora.dropout' must be in [0, 1), got {lora.dropout}")
-    if lora.init_from is not None:
-        from pathlib import Path
-
-        if not Path(lora.init_from).is_file():
-            raise ConfigError(f"config key 'lora.init_from': file '{lora.init_from}' does not exist")
-    model = meta_model(cfg)
-    targets = resolve_targets(model, lora.target_modules)
-    resolve_train_modules(model, lora.train_modules, targets)
-    if lora.init_from is not None:
-        # The file's adapters must fit the configured ones: read and checked now, not after start-up.
-        from .adapters import adapter_values, add_adapters
-
-        add_adapters(model, cfg)
-        adapter_values(model, cfg)
