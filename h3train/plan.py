@@ -15,7 +15,7 @@ Memory model of one rank (FSDP2 over `dp_shard x sp`, replicated over `dp_replic
 - Activations for the rank's `ceil(rows / sp)` rows (see `block_activation_row_bytes`).
 - A fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation.
 
-A LoRA run (`lora.rank > 0`, `LoraCounts`) changes the sharded state: the frozen base is 2 bytes per
+A LoRA run (`lora.rank > 0`, `AdapterCounts`) changes the sharded state: the frozen base is 2 bytes per
 parameter in bfloat16 (4 in the float32 islands), with no gradient and no optimizer state; only the
 adapters and `lora.train_modules` take the 16 bytes. The all-gathered blocks carry their adapters,
 the unsharded gradient is that of a block's trainable parameters, and each adapted Linear keeps its
@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from .model.adapter import AdapterCounts
 
 if TYPE_CHECKING:
     from .config import Config
@@ -73,61 +75,6 @@ class ParameterCounts:
 
 
 @dataclass(frozen=True)
-class LoraCounts:
-    """Parameter counts of a LoRA run: what trains, and what of the frozen base stays float32."""
-
-    rank: int
-    adapted_layers: int
-    # LoRA factors (lora_A + lora_B) and fully trained `lora.train_modules` parameters, whole model.
-    adapters: int
-    train_modules: int
-    # Frozen parameters in the float32 islands (`_keep_in_fp32_modules`).
-    frozen_fp32: int
-    # Within one transformer block (the FSDP unit): adapter parameters, trainable parameters, adapted Linears.
-    block_adapters: int
-    block_trainable: int
-    block_adapted_layers: int
-
-    @property
-    def trainable(self) -> int:
-        return self.adapters + self.train_modules
-
-
-def lora_counts(dims: Mapping[str, Any], lora: Any) -> LoraCounts:
-    """Count a `LoraConfig`'s adapters on the architecture `dims`, built on the meta device (no memory)."""
-    from .lora.targets import resolve_targets, resolve_train_modules
-    from .model.build import fp32_island_names, meta_transformer
-
-    model = meta_transformer(dict(dims))
-    targets = resolve_targets(model, lora.target_modules)
-    trained = resolve_train_modules(model, lora.train_modules, targets)
-    modules = dict(model.named_modules())
-    rank = int(lora.rank)
-
-    def adapter(name: str) -> int:
-        layer = modules[name]
-        return rank * (layer.in_features + layer.out_features)
-
-    trained_params = {n: p.numel() for m in trained for n, p in modules[m].named_parameters(prefix=m)}
-    islands = tuple(f"{n}." for n in fp32_island_names(model))
-    frozen_fp32 = sum(
-        p.numel() for n, p in model.named_parameters() if n.startswith(islands) and n not in trained_params
-    )
-    block = "transformer_blocks.0."
-    block_adapters = sum(adapter(t) for t in targets if t.startswith(block))
-    return LoraCounts(
-        rank=rank,
-        adapted_layers=len(targets),
-        adapters=sum(adapter(t) for t in targets),
-        train_modules=sum(trained_params.values()),
-        frozen_fp32=frozen_fp32,
-        block_adapters=block_adapters,
-        block_trainable=block_adapters + sum(v for n, v in trained_params.items() if n.startswith(block)),
-        block_adapted_layers=sum(1 for t in targets if t.startswith(block)),
-    )
-
-
-@dataclass(frozen=True)
 class MemoryPlan:
     """Per-rank parameters and memory of one training configuration. Byte counts are per rank."""
 
@@ -153,7 +100,7 @@ class MemoryPlan:
     # Host memory of the components that render `validation.samples` (not on the device), for the printout.
     render_line: str = ""
     # LoRA runs: the adapter counts; `master_weights_bytes` is then the frozen base.
-    lora: LoraCounts | None = None
+    lora: AdapterCounts | None = None
     # LoRA runs: the longest clips that fit here and on reference setups, for the printout.
     fit_lines: tuple[str, ...] = ()
     # `parallel.cpu_offload`: the sharded state (weights, gradients, AdamW) lives in host memory.
@@ -360,7 +307,7 @@ def plan_memory(
     device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
     reserve_gib: float = DEFAULT_RESERVE_GIB,
     rows_source: str = "",
-    lora: LoraCounts | None = None,
+    lora: AdapterCounts | None = None,
     cpu_offload: bool = False,
     checkpointed_layers: int | None = None,
 ) -> MemoryPlan:
@@ -548,7 +495,12 @@ def estimate(
     rows_source = "given"
     if rows is None:
         rows, rows_source = config_rows(cfg)
-    lora = lora_counts(dims, cfg.lora) if cfg.lora.rank > 0 else None
+    from .model.adapter import ModelAdapter
+    from .train.assemble import model_transforms
+
+    # What an adapter adds is the adapter's own arithmetic (`ModelAdapter.plan_counts`).
+    adapter = next((t for t in model_transforms(cfg) if isinstance(t, ModelAdapter)), None)
+    lora = adapter.plan_counts(dims) if adapter is not None else None
     plan = plan_memory(
         dims,
         dp_replicate=mesh.dp_replicate,

@@ -332,8 +332,7 @@ def test_lora_config_fits_per_the_plan_and_checks_without_the_model_folder(name:
 
 def test_lora_plan_counts_what_a_peft_build_holds() -> None:
     """Adapter count and frozen-base bytes equal those of the LoRA transform applied to a real model."""
-    from h3train.lora.adapters import add_adapters
-    from h3train.plan import lora_counts
+    from h3train.lora.adapters import add_adapters, lora_counts
 
     overrides = [f"model.config.{k}={v}" for k, v in SMALL.items()]
     cfg = load_config(ROOT / "configs" / "tiny_lora.yaml", [*overrides, "lora.rank=8", "lora.train_modules=[norm_out]"])
@@ -355,7 +354,8 @@ def test_lora_plan_counts_what_a_peft_build_holds() -> None:
 
 def test_lora_longest_fit_is_the_edge_of_the_plan(full_dims: dict) -> None:
     from h3train.config import LoraConfig
-    from h3train.plan import longest_fit_rows, lora_counts
+    from h3train.lora.adapters import lora_counts
+    from h3train.plan import longest_fit_rows
 
     counts = lora_counts(full_dims, LoraConfig(rank=32))
     args = dict(dp_replicate=1, dtype="bfloat16", gradient_checkpointing=True, lora=counts)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import Config, LoraConfig
-from ..model.build import fp32_island_names, pretrained_folder
+from ..model.adapter import AdapterCounts
+from ..model.build import fp32_island_names, meta_transformer, pretrained_folder
 from ..parallel.shards import fill_from_full
 from .base import BASE_DTYPE, BASE_KEY, base_record, check_same_base, read_record
 from .names import ADAPTER_NAME, export_name, is_adapter_param
@@ -176,6 +178,10 @@ class LoraTransform:
         """A LoRA checkpoint resumes only on the base it was trained on (`CheckpointError` otherwise)."""
         check_same_base(read_record(saved), self.base, path)
 
+    def plan_counts(self, dims: dict[str, Any]) -> AdapterCounts:
+        """What the adapters add to the architecture `dims`, for the memory plan (`lora_counts`)."""
+        return lora_counts(dims, self.cfg.lora)
+
     def __call__(self, transformer: MiniMaxH3Transformer3DModel, cfg: Config) -> None:
         add_adapters(transformer, cfg)
 
@@ -197,3 +203,38 @@ def trainable_state_dict(model: nn.Module, adapters_only: bool = False) -> dict[
             full = param.full_tensor() if isinstance(param, DTensor) else param
             out[export_name(name.removeprefix(ROOT_PREFIX))] = full.detach().float().cpu().contiguous()
     return out
+
+
+def lora_counts(dims: Mapping[str, Any], lora: Any) -> AdapterCounts:
+    """Count a `LoraConfig`'s adapters on the architecture `dims`, built on the meta device (no memory).
+
+    Each adapted Linear gains `rank x (in + out)` parameters (lora_A, lora_B) and keeps its rank-r
+    lora_A output per row for the backward (`AdapterCounts.rank`).
+    """
+    model = meta_transformer(dict(dims))
+    targets = resolve_targets(model, lora.target_modules)
+    trained = resolve_train_modules(model, lora.train_modules, targets)
+    modules = dict(model.named_modules())
+    rank = int(lora.rank)
+
+    def adapter(name: str) -> int:
+        layer = modules[name]
+        return rank * (layer.in_features + layer.out_features)
+
+    trained_params = {n: p.numel() for m in trained for n, p in modules[m].named_parameters(prefix=m)}
+    islands = tuple(f"{n}." for n in fp32_island_names(model))
+    frozen_fp32 = sum(
+        p.numel() for n, p in model.named_parameters() if n.startswith(islands) and n not in trained_params
+    )
+    block = "transformer_blocks.0."
+    block_adapters = sum(adapter(t) for t in targets if t.startswith(block))
+    return AdapterCounts(
+        rank=rank,
+        adapted_layers=len(targets),
+        adapters=sum(adapter(t) for t in targets),
+        train_modules=sum(trained_params.values()),
+        frozen_fp32=frozen_fp32,
+        block_adapters=block_adapters,
+        block_trainable=block_adapters + sum(v for n, v in trained_params.items() if n.startswith(block)),
+        block_adapted_layers=sum(1 for t in targets if t.startswith(block)),
+    )

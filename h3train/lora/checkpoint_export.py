@@ -37,7 +37,7 @@ from ..errors import CheckpointError, UsageError
 from ..tasks.table import PARTITIONS, TRAINING_TASKS
 from .base import as_trained, folder_digest, island_prefixes, random_base_state, read_record
 from .export import COMFYUI_WEIGHT_NAME, save_comfyui_lora, save_diffusers_lora
-from .names import export_name, is_adapter_param
+from .names import export_name
 
 FORMATS = ("diffusers", "comfyui")
 
@@ -58,6 +58,12 @@ def trained_partition(state: dict[str, Any]) -> str:
     task = TRAINING_TASKS.get((saved.get("task") or {}).get("name", "fl2va"))
     # Mixed (no partition of its own): a pretrained run named one in `model.subfolder`; a random init is `transformer`.
     return (task.partition if task else None) or PARTITIONS[0]
+
+
+
+def is_lora_factor(name: str) -> bool:
+    """Whether a file name (`names.export_name`) is a LoRA factor, what a LoRA file holds."""
+    return ".lora_A." in name or ".lora_B." in name
 
 
 def read_trained(checkpoint: Path, reader, metadata, component: str) -> dict[str, torch.Tensor]:
@@ -86,7 +92,7 @@ def write_lora_export(
 ) -> None:
     """Write the export of a LoRA checkpoint into the (new, empty) folder `out`."""
     lora_config = state["lora"]
-    adapters = {k: v for k, v in trained.items() if is_adapter_param(k)}
+    adapters = {k: v for k, v in trained.items() if is_lora_factor(k)}
     if base is not None and not merge:
         raise UsageError("--base is the pretrained base for --merge; add --merge or drop --base")
     if merge:

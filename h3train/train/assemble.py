@@ -23,6 +23,7 @@ from torch import nn
 from ..config import Config
 from ..data.sampler import DistributedSampler
 from ..data.source import MicroBatchStream, SampleSource, build_source, load_shared_negative
+from ..model.adapter import ModelAdapter
 from ..model.build import build_meta_model, build_model, load_pretrained_shards, materialize, pretrained_folder
 from ..model.dims import model_dims
 from ..model.sp_forward import SequenceParallelH3
@@ -37,7 +38,7 @@ from .events import EventLog, Progress
 from .faults import FaultInjector
 from .hooks import ModelTransform, TrainerHook
 from .optim import build_optimizer, build_scheduler
-from .resume import ModelAdapter, Resume
+from .resume import Resume
 from .rundir import probe_writable
 
 

@@ -22,17 +22,17 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..atomic import set_aside
 from ..config import Config
 from ..errors import CheckpointError, ConfigError, H3TrainError, UsageError
 from ..lora.base import read_record
+from ..model.adapter import ModelAdapter
 from ..parallel.dims import ParallelContext
 from .checkpoint import (
     Checkpointer,
@@ -49,27 +49,6 @@ from .checkpoint import (
 )
 from .metrics import set_aside_later_lines
 from .rundir import check_fresh_run, move_run_aside, set_aside_later_checkpoints
-
-
-@runtime_checkable
-class ModelAdapter(Protocol):
-    """A model transform that adds its own parameters (LoRA: `lora.adapters.LoraTransform`).
-
-    It owns what checkpoints of the adapted model are: whether they hold the trainable state only
-    (the frozen base is then rebuilt as on a fresh start), what `trainer_state.json` records about
-    the adapter, and which checkpoints a resume may continue. The trainer, resume and the build ask
-    it, so a new adapter kind is a new class, not a branch.
-    """
-
-    trainable_only: bool
-
-    def checkpoint_info(self, model: nn.Module) -> dict[str, Any]:
-        """The adapter's entries of `trainer_state.json` (its config, its base)."""
-        ...
-
-    def check_checkpoint(self, saved: dict[str, Any], path: Path) -> None:
-        """Raise `CheckpointError` when the trainer state `saved` of `path` does not fit this adapter."""
-        ...
 
 
 class Restorable(Protocol):

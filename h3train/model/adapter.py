@@ -1,0 +1,64 @@
+"""The interface of a model adapter: a transform that adds parameters of its own (LoRA and kin).
+
+An adapter kind is one class (`lora.adapters.LoraTransform` is the example) that is both a model
+transform (`train/hooks.ModelTransform`: it edits the bare transformer before sharding) and a
+`ModelAdapter`: it owns what checkpoints of the adapted model are and what it adds to the memory
+plan. The build, the trainer, resume and the planner ask it; none of them branches on the kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class AdapterCounts:
+    """What an adapter adds, as the memory plan (`plan.py`) counts it: what trains, what stays float32.
+
+    `rank`: values each adapted layer keeps per row for its backward (LoRA: its rank-r lora_A output).
+    """
+
+    rank: int
+    adapted_layers: int
+    # The adapter's parameters (LoRA: lora_A + lora_B) and fully trained `lora.train_modules` ones, whole model.
+    adapters: int
+    train_modules: int
+    # Frozen parameters in the float32 islands (`_keep_in_fp32_modules`).
+    frozen_fp32: int
+    # Within one transformer block (the FSDP unit): adapter parameters, trainable parameters, adapted Linears.
+    block_adapters: int
+    block_trainable: int
+    block_adapted_layers: int
+
+    @property
+    def trainable(self) -> int:
+        return self.adapters + self.train_modules
+
+
+@runtime_checkable
+class ModelAdapter(Protocol):
+    """A model transform that adds its own parameters (LoRA: `lora.adapters.LoraTransform`).
+
+    It owns what checkpoints of the adapted model are: whether they hold the trainable state only
+    (the frozen base is then rebuilt as on a fresh start), what `trainer_state.json` records about
+    the adapter, which checkpoints a resume may continue, and what it adds to the memory plan. The
+    trainer, resume, the build and the planner ask it, so a new adapter kind is a new class, not a branch.
+    """
+
+    trainable_only: bool
+
+    def checkpoint_info(self, model: nn.Module) -> dict[str, Any]:
+        """The adapter's entries of `trainer_state.json` (its config, its base)."""
+        ...
+
+    def check_checkpoint(self, saved: dict[str, Any], path: Path) -> None:
+        """Raise `CheckpointError` when the trainer state `saved` of `path` does not fit this adapter."""
+        ...
+
+    def plan_counts(self, dims: dict[str, Any]) -> AdapterCounts:
+        """What the adapter adds to the architecture `dims`, as the memory plan counts it."""
+        ...
