@@ -12,6 +12,11 @@ behind. A non-empty `--out` is refused unless `overwrite`, which replaces the fo
 one is removed only after the new one is complete and in place. LoRA checkpoints take the same
 path (`h3train/lora/checkpoint_export.py` writes into the temporary folder), and so does `--ema`,
 which writes the EMA weights in place of the trained ones.
+
+The export is of the partition the run trained (`lora.checkpoint_export.trained_partition`: its
+`model.subfolder`, else its `task.name`'s in the task table, `transformer` for t2va / fl2va and
+`transformer_ref` for ref2va): a transformer folder goes in the pipeline's folder of that name, a
+diffusers LoRA file holds its keys under that name.
 """
 
 from __future__ import annotations
