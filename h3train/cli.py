@@ -121,7 +121,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
         ema=args.ema,
         base=args.base,
     )
-    print(f"exported {args.checkpoint} to {out}")
+    from .lora.checkpoint_export import trained_partition
+    from .train.checkpoint import read_trainer_state
+
+    partition = trained_partition(read_trainer_state(Path(args.checkpoint)))
+    print(f"exported {args.checkpoint} to {out} (partition '{partition}': the pipeline's {partition}/ folder)")
     return 0
 
 

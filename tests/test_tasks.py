@@ -179,7 +179,7 @@ def test_no_module_but_the_table_lists_tasks() -> None:
     assert found == {}
 
 
-def test_t2va_trains_only_its_samples_and_exports_into_transformer(tmp_path: Path) -> None:
+def test_t2va_trains_only_its_samples_and_exports_into_transformer(tmp_path: Path, capsys) -> None:
     """A LoRA t2va run on a dataset of t2va and fl2va samples: every micro-batch is a t2va one.
 
     The 8 samples hold 2 t2va ones, so the 3 micro-batches of step 2 (dumped) could not all be t2va
@@ -208,7 +208,9 @@ def test_t2va_trains_only_its_samples_and_exports_into_transformer(tmp_path: Pat
     checkpoint = run / "checkpoints" / step_dir_name(2)
     assert trained_partition(read_trainer_state(checkpoint)) == "transformer"
     out = tmp_path / "export"
+    capsys.readouterr()
     assert main(["export", str(checkpoint), "--out", str(out)]) == 0
+    assert "(partition 'transformer': the pipeline's transformer/ folder)" in capsys.readouterr().out
     with safe_open(str(out / DIFFUSERS_WEIGHT_NAME), "pt") as f:
         keys = list(f.keys())
     assert keys and all(k.startswith("transformer.") and not k.startswith("transformer_ref.") for k in keys)
