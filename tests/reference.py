@@ -21,11 +21,39 @@ from safetensors.torch import load_file
 
 from h3train.config import load_config
 from h3train.data.sampler import DistributedSampler
-from h3train.objective import compute_loss
-from h3train.train.trainer import build_source, load_shared_negative, micro_batch_inputs
+from h3train.data.source import build_source, load_shared_negative
+from h3train.objective import compute_loss, micro_batch_inputs
+from h3train.train.checkpoint import step_dir_name
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_FL2VA = ROOT / "configs" / "tiny_fl2va.yaml"
+
+
+# -- a tiny run: its arguments and the folders it writes -------------------------------------------
+
+
+def tiny_overrides(log_dir: Path | str, *overrides: str) -> list[str]:
+    """The overrides of a run in `log_dir` without a progress bar, then `overrides` (a later one wins)."""
+    return [f"logging.dir={log_dir}", "logging.progress=false", *overrides]
+
+
+def tiny_args(log_dir: Path | str, *overrides: str, config: Path | str = TINY_FL2VA) -> list[str]:
+    """`train CONFIG` and `tiny_overrides(log_dir, *overrides)`: `h3train`'s arguments for a run of `config`
+    (for `h3train.cli.main`, `run_h3train` and `h3train_command`)."""
+    return ["train", str(config), *tiny_overrides(log_dir, *overrides)]
+
+
+def checkpoint_dir(log_dir: Path | str, step: int) -> Path:
+    """The checkpoint that a run in `log_dir` saves at `step` (under the default `checkpoint.dir`)."""
+    return Path(log_dir) / "checkpoints" / step_dir_name(step)
+
+
+def dump_dir(log_dir: Path | str, step: int) -> Path:
+    """The folder of `debug.dump_step=step` of a run in `log_dir`."""
+    return Path(log_dir) / "dump" / f"step_{step}"
+
+
+# -- launching h3train -------------------------------------------------------------------------------
 
 
 def h3train_command(args: list[str], nproc: int = 1, launcher_args: tuple[str, ...] = ()) -> list[str]:
@@ -62,11 +90,21 @@ def run_h3train(
     return proc
 
 
+def train(args: list[str], nproc: int = 1) -> None:
+    """`h3train ARGS` to completion: one process in this one (`h3train.cli.main`, no interpreter to start,
+    no imports to repeat), more under torchrun (`run_h3train`). A run that signals itself
+    (`debug.fault=[sigterm@...]`, `kill...`) must use `run_h3train`."""
+    if nproc > 1:
+        run_h3train(args, nproc=nproc)
+        return
+    from h3train.cli import main
+
+    assert main(args) == 0, f"h3train {' '.join(args)} failed"
+
+
 def run_process_group(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """Run `cmd` in a session of its own; on timeout kill the whole session (torchrun's workers too)."""
-    with subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    ) as proc:
+    with start_in_session(cmd, env) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -74,6 +112,37 @@ def run_process_group(cmd: list[str], env: dict[str, str], timeout: float) -> su
             proc.communicate()
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+# The signals a test sends to a process it launched (or a run sends itself through `debug.fault`).
+SENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+
+
+def default_signals() -> None:
+    """`preexec_fn` of a launched process: the default disposition for `SENT_SIGNALS`, whatever pytest's is.
+
+    An ignored signal stays ignored through fork and exec, and pytest may be started with SIGINT ignored
+    (a background job of a non-interactive shell, some CI runners) or SIGHUP (`nohup`). bash cannot trap
+    a signal that was ignored when it started, and Python installs no KeyboardInterrupt handler then: a
+    Ctrl-C test would train on unsignalled. Each launched process gets what an interactive shell gives it.
+    """
+    for signum in SENT_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def start_in_session(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start `cmd` in ROOT in a session of its own (so that `os.killpg` reaches torchrun's workers), with the
+    default disposition of every signal a test sends (`default_signals`) and stdout and stderr piped as text."""
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=default_signals,
+    )
 
 
 def signal_after_steps(
@@ -220,17 +289,12 @@ class Parity:
         return max((relative_l2(self.grads[n], g), n) for n, g in self.ref_grads.items() if g.abs().sum() > 0)
 
 
-def parity_step(config: Path, extra: list[str], run_dir: Path, nproc: int, dp: int) -> Parity:
-    """Train one step of `config` with a debug dump on `nproc` ranks, then recompute it unsharded."""
-    overrides = [
-        "train.steps=1",
-        "debug.dump_step=1",
-        "logging.progress=false",
-        f"data.path={run_dir / 'data'}",
-        *extra,
-    ]
-    run_h3train(["train", str(config), f"logging.dir={run_dir}", *overrides], nproc=nproc)
-    dump = run_dir / "dump" / "step_1"
+def parity_step(config: Path, extra: list[str], run_dir: Path, nproc: int, dp: int, steps: int = 1) -> Parity:
+    """Train `steps` steps of `config` on `nproc` ranks with a debug dump of step 1, then recompute step 1
+    unsharded (its loss, gradients and norm do not depend on the steps after it)."""
+    overrides = [f"train.steps={steps}", "debug.dump_step=1", f"data.path={run_dir / 'data'}", *extra]
+    train(tiny_args(run_dir, *overrides, config=config), nproc=nproc)
+    dump = dump_dir(run_dir, 1)
     ref_loss, ref_grads, ref_norm = reference_step(config, overrides, dump, dp=dp)
     metrics = read_metrics(run_dir)[0]
     return Parity(
@@ -247,13 +311,12 @@ def lora_parity_run(config: Path, extra: list[str], run_dir: Path, nproc: int, d
     overrides = [
         f"train.steps={step}",
         f"debug.dump_step={step}",
-        "logging.progress=false",
         "checkpoint.every=0",
         f"data.path={run_dir / 'data'}",
         *extra,
     ]
-    run_h3train(["train", str(config), f"logging.dir={run_dir}", *overrides], nproc=nproc)
-    dump = run_dir / "dump" / f"step_{step}"
+    train(tiny_args(run_dir, *overrides, config=config), nproc=nproc)
+    dump = dump_dir(run_dir, step)
     ref_loss, ref_grads, ref_norm = reference_step_from_dump(config, overrides, dump, dp=dp, step=step)
     metrics = read_metrics(run_dir)[step - 1]
     return Parity(

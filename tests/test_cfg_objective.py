@@ -7,9 +7,8 @@ import torch
 
 from h3train.config import CfgConfig, load_config
 from h3train.model.build import build_model
-from h3train.objective import compute_loss, guidance_for
+from h3train.objective import compute_loss, guidance_for, micro_batch_inputs
 from h3train.tasks.synthetic import SyntheticSource
-from h3train.train.trainer import micro_batch_inputs
 
 from reference import TINY_FL2VA
 
@@ -142,7 +141,7 @@ def test_full_size_ref2va_cfg_config_loads_and_fits(tmp_path) -> None:
 
     from diffusers import MiniMaxH3Transformer3DModel
 
-    from h3train.config import model_dims
+    from h3train.model.dims import model_dims
     from h3train.parallel.dims import ParallelDims
     from h3train.plan import estimate
 

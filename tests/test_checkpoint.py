@@ -6,34 +6,38 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import threading
 
 import pytest
 
-from h3train.train.checkpoint import complete_checkpoints
+from h3train.train.checkpoint import complete_checkpoints, step_dir_name
 
 from reference import (
-    ROOT,
     TINY_FL2VA,
+    checkpoint_dir,
     checkpoint_tensors,
     h3train_command,
     read_metrics,
     run_env,
     run_h3train,
     signal_after_steps,
+    start_in_session,
+    tiny_args,
+    tiny_overrides,
+    train,
 )
 
-COMMON = ["train.steps=6", "logging.progress=false", "optim.schedule=cosine", "optim.warmup_steps=2"]
+COMMON = ["train.steps=6", "optim.schedule=cosine", "optim.warmup_steps=2"]
 SP2 = (2, ("parallel.sp=2",))
 SP1 = (1, ())
 DP2 = (2, ("parallel.dp_shard=2", "train.grad_accum=1"))
 # The global batch of DP2 (2 ranks x 1 micro-batch) in one rank: 2 micro-batches.
 DP1 = (1, ("train.grad_accum=2",))
+EVERY_2 = ("checkpoint.every=2", "checkpoint.keep_last=0")
 
 
 def _train(log_dir, extra=(), nproc=1, check=True):
-    return run_h3train(["train", str(TINY_FL2VA), f"logging.dir={log_dir}", *COMMON, *extra], nproc=nproc, check=check)
+    return run_h3train(tiny_args(log_dir, *COMMON, *extra), nproc=nproc, check=check)
 
 
 def _curve(log_dir) -> list[tuple[int, float, float]]:
@@ -52,7 +56,10 @@ class Runs:
         if key not in self.done:
             nproc, overrides = layout
             path = self.root / f"{kind}_{len(self.done)}"
-            extra = [*overrides, "debug.fault=[sigterm@3]"] if kind == "preempted" else list(overrides)
+            if kind == "preempted":
+                extra = [*overrides, "debug.fault=[sigterm@3]"]
+            else:  # the sp=1 one saves every second step too: the async save is compared with it
+                extra = [*overrides, *(EVERY_2 if layout == SP1 else ())]
             proc = _train(path, extra, nproc)
             if kind == "preempted":
                 assert "preempted" in proc.stdout
@@ -126,36 +133,24 @@ def test_async_save_writes_what_the_step_held_and_resumes_bitwise(runs, tmp_path
     """Training goes on while the shards are written: the checkpoint still holds the saved step's state."""
     import torch
 
-    sync, background = tmp_path / "sync", tmp_path / "async"
-    _train(sync, ["checkpoint.every=2", "checkpoint.keep_last=0"])
-    proc = _train(background, ["checkpoint.every=2", "checkpoint.keep_last=0", "checkpoint.async_save=true"])
+    sync, background = runs.straight(SP1), tmp_path / "async"
+    proc = _train(background, [*EVERY_2, "checkpoint.async_save=true"])
     assert proc.stdout.count("saving checkpoint") == 3 and proc.stdout.count("saved checkpoint") == 3
     assert _curve(background) == _curve(sync)
-    for step in ("step_00000002", "step_00000004"):
-        a, b = checkpoint_tensors(sync / "checkpoints" / step), checkpoint_tensors(background / "checkpoints" / step)
+    for step in (2, 4):
+        a, b = checkpoint_tensors(checkpoint_dir(sync, step)), checkpoint_tensors(checkpoint_dir(background, step))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
     resumed = tmp_path / "resumed"
     shutil.copytree(background, resumed)
-    _train(resumed, [f"checkpoint.resume={resumed / 'checkpoints' / 'step_00000004'}", "checkpoint.async_save=true"])
+    _train(resumed, [f"checkpoint.resume={checkpoint_dir(resumed, 4)}", "checkpoint.async_save=true"])
     assert _curve(resumed) == _curve(sync)
 
 
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_zero(tmp_path) -> None:
     log_dir = tmp_path / "run"
-    cmd = h3train_command(
-        [
-            "train",
-            str(TINY_FL2VA),
-            f"logging.dir={log_dir}",
-            "train.steps=100000",
-            "checkpoint.every=0",  # only the preemption saves
-            "logging.progress=false",
-        ]
-    )
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    # checkpoint.every=0: only the preemption saves
+    proc = start_in_session(h3train_command(tiny_args(log_dir, "train.steps=100000", "checkpoint.every=0")), run_env())
     out, err = signal_after_steps(proc, log_dir, signal.SIGTERM, steps=2)
     assert proc.returncode == 0, err[-2000:]
     saved = complete_checkpoints(log_dir / "checkpoints")
@@ -164,7 +159,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path) -> None:
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path) -> None:
-    _train(tmp_path, ["train.steps=1", "checkpoint.every=1"])
+    train(tiny_args(tmp_path, *COMMON, "train.steps=1", "checkpoint.every=1"))
     proc = _train(tmp_path, ["model.config.hidden_size=48"], check=False)
     assert proc.returncode == 2
     assert "'model.config.hidden_size'" in proc.stderr and proc.stderr.strip().count("\n") == 0
@@ -173,7 +168,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path) -> None:
 def _fake_checkpoint(root, step: int, commit: int, mtime: float):
     from h3train.train.checkpoint import STATE_FILE
 
-    path = root / f"step_{step:08d}"
+    path = root / step_dir_name(step)
     path.mkdir()
     (path / ".metadata").write_text("")
     (path / STATE_FILE).write_text(json.dumps({"step": step, "commit": commit}))
@@ -195,7 +190,7 @@ def test_commit_order_comes_from_the_commit_record_not_mtimes(tmp_path) -> None:
     for commit, step in enumerate((100, 200, 300, 150), start=1):
         _fake_checkpoint(tmp_path, step, commit, mtime=5000 - commit)
     assert [p.name[5:] for p in complete_checkpoints(tmp_path)] == ["00000100", "00000200", "00000300", "00000150"]
-    Checkpointer(tmp_path, keep_last=2, is_main=True)._prune(keep=tmp_path / "step_00000150")
+    Checkpointer(tmp_path, keep_last=2, is_main=True)._prune(keep=tmp_path / step_dir_name(150))
     _join_prune_threads()
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000300", "step_00000150"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000150", "step_00000300"]
@@ -209,8 +204,8 @@ def test_prune_never_retires_later_checkpoints_this_run_did_not_write(tmp_path) 
         _fake_checkpoint(tmp_path, step, commit, mtime=1000 + commit)
     ckpt = Checkpointer(tmp_path, keep_last=1, is_main=True)
     ckpt.protected_after = 100  # resumed from step 100; it wrote 110 and 120
-    ckpt.written = {"step_00000110", "step_00000120"}
-    ckpt._prune(keep=tmp_path / "step_00000120")
+    ckpt.written = {step_dir_name(110), step_dir_name(120)}
+    ckpt._prune(keep=tmp_path / step_dir_name(120))
     _join_prune_threads()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000120", "step_00000200"]
 
@@ -237,10 +232,10 @@ def _held_staging(monkeypatch, release: threading.Event, timeout: float = 1.0) -
 
 def _in_process_trainer(log_dir, hooks):
     from h3train.config import load_config
-    from h3train.train.trainer import Trainer
+    from h3train.train.assemble import build_trainer
 
-    overrides = [f"logging.dir={log_dir}", "train.steps=4", "logging.progress=false", "checkpoint.async_save=true"]
-    return Trainer(load_config(TINY_FL2VA, [*overrides, "checkpoint.keep_last=0"]), hooks=hooks)
+    overrides = tiny_overrides(log_dir, "train.steps=4", "checkpoint.async_save=true")
+    return build_trainer(load_config(TINY_FL2VA, [*overrides, "checkpoint.keep_last=0"]), hooks=hooks)
 
 
 def _sync_copy(trainer, root):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from reference import TINY_FL2VA, read_metrics, reference_step, relative_l2, run_env, run_h3train
+from reference import TINY_FL2VA, dump_dir, read_metrics, reference_step, relative_l2, run_env, run_h3train, tiny_args
 
 TOL = 1e-5
 
@@ -23,7 +23,6 @@ def _overrides(run_dir) -> list[str]:
         "parallel.sp=2",
         "train.steps=2",
         "debug.dump_step=2",
-        "logging.progress=false",
         "model.activation_checkpointing=selective",
         "model.checkpoint_every=2",
         f"data.path={run_dir / 'data'}",
@@ -33,8 +32,8 @@ def _overrides(run_dir) -> list[str]:
 def _train(run_dir, extra: list[str], env: dict[str, str] | None = None):
     """Metrics, step 2's dumped gradients and the run's stderr."""
     overrides = [*_overrides(run_dir), *extra]
-    proc = run_h3train(["train", str(TINY_FL2VA), f"logging.dir={run_dir}", *overrides], nproc=2, timeout=240, env=env)
-    return read_metrics(run_dir), load_file(run_dir / "dump" / "step_2" / "grads.safetensors"), proc.stderr
+    proc = run_h3train(tiny_args(run_dir, *overrides), nproc=2, timeout=240, env=env)
+    return read_metrics(run_dir), load_file(dump_dir(run_dir, 2) / "grads.safetensors"), proc.stderr
 
 
 @pytest.mark.slow
@@ -50,7 +49,7 @@ def test_compiled_blocks_equal_eager_at_sp2_under_fsdp2(tmp_path) -> None:
 
     # The eager run is right: the unsharded diffusers step on the dumped weights. tiny_fl2va packs
     # 51 rows, so sp = 2 pads one, and block 0 is recomputed with the real sequence length.
-    _, ref_grads, _ = reference_step(TINY_FL2VA, _overrides(tmp_path / "eager"), tmp_path / "eager/dump/step_2", 1, 2)
+    _, ref_grads, _ = reference_step(TINY_FL2VA, _overrides(tmp_path / "eager"), dump_dir(tmp_path / "eager", 2), 1, 2)
     for name, g in ref_grads.items():
         assert relative_l2(eager_grads[name], g) <= TOL, name
     assert len(eager_metrics) == len(compiled_metrics) == 2

@@ -15,13 +15,12 @@ from h3train.bench_memory import run_ranks
 from h3train.config import load_config
 from h3train.model.build import build_model
 from h3train.model.sp_forward import SequenceParallelH3
-from h3train.objective import compute_loss
+from h3train.objective import compute_loss, micro_batch_inputs
 from h3train.parallel.dims import ParallelContext, ParallelDims
 from h3train.parallel.fsdp import apply_fsdp
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.tasks.synthetic import SyntheticSource
 from h3train.train.optim import build_optimizer
-from h3train.train.trainer import micro_batch_inputs
 
 from reference import TINY_FL2VA
 
@@ -68,7 +67,7 @@ def test_cpu_offload_trains_as_without_it() -> None:
 
 
 def test_check_counts_the_offloaded_state_in_host_memory() -> None:
-    from h3train.config import model_dims
+    from h3train.model.dims import model_dims
     from h3train.plan import estimate, format_plan
 
     cfg = load_config(TINY_FL2VA)

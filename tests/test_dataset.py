@@ -291,9 +291,9 @@ def test_micro_batch_positions_refuse_a_micro_batch_outside_the_step() -> None:
 def test_trainer_noises_micro_batches_on_the_prefetch_thread(tmp_path: Path, monkeypatch) -> None:
     """`micro_batch_inputs` runs on the prefetch thread with the (step, slot) the loop trains them as."""
     from h3train.config import load_config
-    from h3train.train import trainer as trainer_module
+    from h3train.train import assemble as trainer_module
 
-    from reference import TINY_FL2VA
+    from reference import TINY_FL2VA, tiny_overrides
 
     calls: list[tuple[str, int, int, str]] = []
     build = trainer_module.micro_batch_inputs
@@ -305,19 +305,12 @@ def test_trainer_noises_micro_batches_on_the_prefetch_thread(tmp_path: Path, mon
     monkeypatch.setattr(trainer_module, "micro_batch_inputs", recording)
     cfg = load_config(
         TINY_FL2VA,
-        [
-            f"logging.dir={tmp_path}",
-            "train.steps=2",
-            "train.grad_accum=2",
-            "logging.progress=false",
-            "checkpoint.every=0",
-            "data.prefetch=1",
-        ],  # fmt: skip
+        tiny_overrides(tmp_path, "train.steps=2", "train.grad_accum=2", "checkpoint.every=0", "data.prefetch=1"),
     )
     order = [(1, 0), (1, 1), (2, 0), (2, 1)]
-    trainer = trainer_module.Trainer(cfg, hooks=[])
+    trainer = trainer_module.build_trainer(cfg, hooks=[])
     try:
-        consumed = [trainer._micro_batch(step, micro) for step, micro in order]
+        consumed = [trainer.batches.next(step, micro) for step, micro in order]
     finally:
         trainer.close()
     trained = [(step, micro, sample.sample_id) for (step, micro), (sample, _) in zip(order, consumed)]

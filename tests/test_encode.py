@@ -45,8 +45,7 @@ from h3train.data.format import CachedSample, read_cached_sample, read_index, re
 from h3train.data.manifest import ManifestError, read_manifest
 from h3train.data.media import fit_audio, load_clip, load_still, moving_pattern, sine_tone, write_audio, write_video
 from h3train.model.build import build_model
-from h3train.objective import compute_loss
-from h3train.train.trainer import micro_batch_inputs
+from h3train.objective import compute_loss, micro_batch_inputs
 
 from reference import run_h3train
 

@@ -14,7 +14,17 @@ import torch
 from h3train.cli import main
 from h3train.data.format import read_index
 
-from reference import ROOT, TINY_FL2VA, checkpoint_tensors, h3train_command, read_metrics, run_env, run_h3train
+from reference import (
+    ROOT,
+    TINY_FL2VA,
+    checkpoint_dir,
+    checkpoint_tensors,
+    h3train_command,
+    read_metrics,
+    run_env,
+    run_h3train,
+    tiny_args,
+)
 
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
 
@@ -23,24 +33,20 @@ TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
 @pytest.mark.parametrize("fault", ["nan_loss@2:1", "nan_grad@2:0"])
 def test_non_finite_step_is_skipped_by_every_rank(tmp_path, fault) -> None:
     run_h3train(
-        [
-            "train",
-            str(TINY_FL2VA),
-            f"logging.dir={tmp_path}",
+        tiny_args(
+            tmp_path,
             "train.steps=3",
             "parallel.dp_shard=2",
             "checkpoint.every=1",
             "checkpoint.keep_last=0",
             f"debug.fault=[{fault}]",
-            "logging.progress=false",
-        ],
+        ),
         nproc=2,
     )
     metrics = read_metrics(tmp_path)
     assert [m["skipped_steps"] for m in metrics] == [0, 1, 1]
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in (metrics[0], metrics[2]))
-    ckpt = tmp_path / "checkpoints"
-    before, after, later = (checkpoint_tensors(ckpt / f"step_0000000{i}") for i in (1, 2, 3))
+    before, after, later = (checkpoint_tensors(checkpoint_dir(tmp_path, i)) for i in (1, 2, 3))
     assert before.keys() == after.keys() and any(k.startswith("optim.") for k in before)
     assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step changed weights or AdamW state"
     assert any(not torch.equal(after[k], later[k]) for k in after), "training did not continue after the skip"
@@ -49,15 +55,7 @@ def test_non_finite_step_is_skipped_by_every_rank(tmp_path, fault) -> None:
 @pytest.mark.slow
 def test_consecutive_non_finite_steps_stop_the_run_naming_the_step(tmp_path) -> None:
     proc = run_h3train(
-        [
-            "train",
-            str(TINY_FL2VA),
-            f"logging.dir={tmp_path}",
-            "train.steps=5",
-            "train.max_consecutive_skips=1",
-            "debug.fault=[nan_loss@2,nan_loss@3]",
-            "logging.progress=false",
-        ],
+        tiny_args(tmp_path, "train.steps=5", "train.max_consecutive_skips=1", "debug.fault=[nan_loss@2,nan_loss@3]"),
         check=False,
     )
     assert proc.returncode == 1
@@ -78,26 +76,18 @@ def _corrupt_one_sample(data_dir) -> str:
 @pytest.mark.slow
 def test_on_error_skip_records_a_corrupt_sample_and_finishes(tmp_path) -> None:
     data = tmp_path / "data"
-    common = ["logging.progress=false", f"data.path={data}", "data.synthetic.num_samples=6", "train.grad_accum=1"]
-    run_h3train(["synth", "--out", str(data), "--task", "ref2va", "--num-samples", "6", "--text-dim", "16"])
+    common = [f"data.path={data}", "data.synthetic.num_samples=6", "train.grad_accum=1"]
+    assert main(["synth", "--out", str(data), "--task", "ref2va", "--num-samples", "6", "--text-dim", "16"]) == 0
     bad = _corrupt_one_sample(data)
 
     run = tmp_path / "skip"
-    run_h3train(["train", str(TINY_REF2VA), f"logging.dir={run}", "train.steps=6", "data.on_error=skip", *common])
+    assert main(tiny_args(run, "train.steps=6", "data.on_error=skip", *common, config=TINY_REF2VA)) == 0
     records = (run / "data_errors.jsonl").read_text().splitlines()
     assert len(records) == 1 and bad in records[0]
     assert read_metrics(run)[-1]["data_errors"] == 1 and len(read_metrics(run)) == 6
 
     proc = run_h3train(
-        [
-            "train",
-            str(TINY_REF2VA),
-            f"logging.dir={tmp_path / 'raise'}",
-            "train.steps=6",
-            "data.on_error=raise",
-            *common,
-        ],
-        check=False,
+        tiny_args(tmp_path / "raise", "train.steps=6", "data.on_error=raise", *common, config=TINY_REF2VA), check=False
     )
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
@@ -107,21 +97,19 @@ def test_on_error_skip_records_a_corrupt_sample_and_finishes(tmp_path) -> None:
 @pytest.mark.slow
 def test_injected_corrupt_sample_is_skipped_on_every_sp_rank(tmp_path) -> None:
     data = tmp_path / "data"
-    run_h3train(["synth", "--out", str(data), "--task", "ref2va", "--num-samples", "4", "--text-dim", "16"])
+    assert main(["synth", "--out", str(data), "--task", "ref2va", "--num-samples", "4", "--text-dim", "16"]) == 0
     bad = read_index(data)[1].sample_id
     run_h3train(
-        [
-            "train",
-            str(TINY_REF2VA),
-            f"logging.dir={tmp_path / 'run'}",
+        tiny_args(
+            tmp_path / "run",
             f"data.path={data}",
             "train.steps=2",
             "train.grad_accum=2",
             "parallel.sp=2",
             "data.on_error=skip",
             f"debug.fault=[corrupt_sample@{bad}]",
-            "logging.progress=false",
-        ],
+            config=TINY_REF2VA,
+        ),
         nproc=2,
     )
     records = (tmp_path / "run" / "data_errors.jsonl").read_text().splitlines()
@@ -163,16 +151,7 @@ def test_dead_rank_makes_the_survivor_exit_naming_what_it_waited_for(tmp_path) -
     # Two ranks launched by hand: under torchrun the agent would stop the survivor itself.
     env = run_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     cmd = h3train_command(
-        [
-            "train",
-            str(TINY_FL2VA),
-            f"logging.dir={tmp_path}",
-            "train.steps=5",
-            "parallel.dp_shard=2",
-            "parallel.timeout_s=30",
-            "debug.fault=[kill@3:1]",
-            "logging.progress=false",
-        ]
+        tiny_args(tmp_path, "train.steps=5", "parallel.dp_shard=2", "parallel.timeout_s=30", "debug.fault=[kill@3:1]")
     )
     procs = [
         subprocess.Popen(
@@ -194,10 +173,10 @@ def test_dead_rank_makes_the_survivor_exit_naming_what_it_waited_for(tmp_path) -
 
 @pytest.mark.slow
 def test_torchrun_restart_resumes_and_matches_uninterrupted_run(tmp_path) -> None:
-    common = ["train.steps=6", "checkpoint.every=2", "parallel.sp=2", "logging.progress=false"]
-    run_h3train(["train", str(TINY_FL2VA), f"logging.dir={tmp_path / 'straight'}", *common], nproc=2)
+    common = ["train.steps=6", "checkpoint.every=2", "parallel.sp=2"]
+    run_h3train(tiny_args(tmp_path / "straight", *common), nproc=2)
     proc = run_h3train(
-        ["train", str(TINY_FL2VA), f"logging.dir={tmp_path / 'killed'}", *common, "debug.fault=[kill@5:1]"],
+        tiny_args(tmp_path / "killed", *common, "debug.fault=[kill@5:1]"),
         nproc=2,
         launcher_args=("--max-restarts=1",),
         timeout=300,
@@ -214,15 +193,7 @@ def test_torchrun_restart_resumes_and_matches_uninterrupted_run(tmp_path) -> Non
 def test_wandb_that_cannot_start_does_not_stop_training(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
     env = run_env(env, HOME=str(tmp_path), WANDB_SILENT="true", NETRC=str(tmp_path / "netrc"))
-    args = [
-        "train",
-        str(TINY_FL2VA),
-        f"logging.dir={tmp_path / 'run'}",
-        "train.steps=2",
-        "logging.wandb.enabled=true",
-        "logging.wandb.mode=online",
-        "logging.progress=false",
-    ]
+    args = tiny_args(tmp_path / "run", "train.steps=2", "logging.wandb.enabled=true", "logging.wandb.mode=online")
     proc = run_h3train(args, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.count("wandb") >= 1 and "metrics.jsonl" in proc.stderr

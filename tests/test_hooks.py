@@ -8,9 +8,10 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from h3train.config import load_config
+from h3train.train.assemble import build_trainer
 from h3train.train.dump import full_tensor
-from h3train.train.hooks import TrainerHook, trace_step_ranges
-from h3train.train.trainer import Trainer
+from h3train.train.hooks import TrainerHook, TrainerView
+from h3train.train.profile import trace_step_ranges
 
 from reference import TINY_FL2VA
 
@@ -30,18 +31,18 @@ class Recorder(TrainerHook):
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         self.calls.append(("start", trainer.step))
 
-    def before_step(self, trainer: Trainer, step: int) -> None:
+    def before_step(self, trainer: TrainerView, step: int) -> None:
         self.calls.append(("before", step))
 
-    def after_step(self, trainer: Trainer, step: int, stats):
+    def after_step(self, trainer: TrainerView, step: int, stats):
         assert "loss" in stats and trainer.step == step
         self.calls.append(("after", step))
         return {"hook_metric": 10.0 * step}
 
-    def on_fit_end(self, trainer: Trainer) -> None:
+    def on_fit_end(self, trainer: TrainerView) -> None:
         self.calls.append(("end", trainer.step))
 
 
@@ -53,7 +54,7 @@ def test_model_transform_edits_the_bare_model_before_sharding(tmp_path) -> None:
         seen["task"] = cfg.task.name
         transformer.proj_out.requires_grad_(False)
 
-    trainer = Trainer(_config(tmp_path), transforms=[freeze_proj_out], hooks=[])
+    trainer = build_trainer(_config(tmp_path), transforms=[freeze_proj_out], hooks=[])
     try:
         transformer = trainer.model.transformer
         before = _full(transformer)
@@ -73,7 +74,7 @@ def test_model_transform_edits_the_bare_model_before_sharding(tmp_path) -> None:
 
 def test_step_hooks_run_in_order_and_their_values_are_logged(tmp_path) -> None:
     recorder = Recorder()
-    trainer = Trainer(_config(tmp_path), hooks=[recorder])
+    trainer = build_trainer(_config(tmp_path), hooks=[recorder])
     try:
         trainer.fit()
     finally:
@@ -85,7 +86,7 @@ def test_step_hooks_run_in_order_and_their_values_are_logged(tmp_path) -> None:
 
 
 def test_profile_steps_trace_exactly_those_steps(tmp_path) -> None:
-    trainer = Trainer(_config(tmp_path, "debug.profile_steps=[2,3]"))
+    trainer = build_trainer(_config(tmp_path, "debug.profile_steps=[2,3]"))
     try:
         trainer.fit()
     finally:

@@ -28,9 +28,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from h3train.cli import main
 from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
 from h3train.model.sp_forward import FORWARD_ARGS
-from h3train.train.checkpoint import step_dir_name
 
-from reference import ROOT, read_metrics, reference_model_from_dump, run_h3train
+from reference import ROOT, checkpoint_dir, dump_dir, read_metrics, reference_model_from_dump, run_h3train, tiny_args
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
@@ -39,7 +38,6 @@ COMMON = [
     "train.steps=6",
     "checkpoint.every=3",
     "checkpoint.keep_last=0",
-    "logging.progress=false",
     "optim.lr=2.0e-2",
     "train.ema.decay=0.9",
     "validation.every=3",
@@ -49,11 +47,11 @@ TRAIN_KEYS = ("loss", "loss_video", "loss_audio", "grad_norm", "lr")
 
 
 def _train(log_dir: Path, *extra: str, config: Path = TINY_LORA) -> None:
-    assert main(["train", str(config), f"logging.dir={log_dir}", *extra]) == 0
+    assert main(tiny_args(log_dir, *extra, config=config)) == 0
 
 
 def _ckpt(run: Path, step: int) -> Path:
-    return run / "checkpoints" / step_dir_name(step)
+    return checkpoint_dir(run, step)
 
 
 def _rows(run: Path, kind: str | None = None) -> list[dict]:
@@ -101,18 +99,17 @@ class LoraRuns:
     @cached_property
     def sp2(self) -> Path:
         run = self.root / "sp2"
-        args = ["train", str(TINY_LORA), f"logging.dir={run}", *COMMON, *self.validation, "parallel.sp=2"]
-        run_h3train(args, nproc=2)
+        run_h3train(tiny_args(run, *COMMON, *self.validation, "parallel.sp=2", config=TINY_LORA), nproc=2)
         return run
 
     @cached_property
     def trained_model(self) -> MiniMaxH3Transformer3DModel:
         """The sp=1 run's model at step 3 (the weights of step 4's dump), diffusers + peft alone."""
-        return reference_model_from_dump(self.sp1 / "dump" / "step_4").eval()
+        return reference_model_from_dump(dump_dir(self.sp1, 4)).eval()
 
     @cached_property
     def inputs(self) -> dict[str, torch.Tensor]:
-        tensors = load_file(self.sp1 / "dump" / "step_4" / "inputs.safetensors")
+        tensors = load_file(dump_dir(self.sp1, 4) / "inputs.safetensors")
         return {name: tensors[f"m0.{name}"] for name in FORWARD_ARGS}
 
     def export(self, out: Path, *extra: str, step: int = 3) -> Path:
@@ -161,7 +158,6 @@ def test_lora_checkpoint_holds_the_trainable_state_only(tmp_path) -> None:
         "train.steps=1",
         "train.grad_accum=1",
         "checkpoint.every=1",
-        "logging.progress=false",
     ]
     _train(tmp_path, *wide)
     path = _ckpt(tmp_path, 1)
@@ -201,7 +197,7 @@ def test_ema_of_a_lora_run_covers_the_adapters_only(runs) -> None:
 @pytest.mark.slow
 def test_resume_at_sp2_is_bitwise_and_sp2_agrees_with_sp1(runs, tmp_path) -> None:
     resumed = tmp_path / "resumed"
-    args = ["train", str(TINY_LORA), f"logging.dir={resumed}", *COMMON, *runs.validation, "parallel.sp=2"]
+    args = tiny_args(resumed, *COMMON, *runs.validation, "parallel.sp=2", config=TINY_LORA)
     run_h3train([*args, f"checkpoint.resume={_ckpt(runs.sp2, 3)}"], nproc=2)
     assert _curve(resumed) == _curve(runs.sp2)[3:]
     a, b = _components(_ckpt(resumed, 6), "model."), _components(_ckpt(runs.sp2, 6), "model.")
@@ -225,7 +221,7 @@ def test_resume_sp2_checkpoint_at_sp1_continues_the_same_run(runs, tmp_path) -> 
 
 
 def test_resume_on_another_base_is_one_line_exit_2(runs, tmp_path, capsys) -> None:
-    args = ["train", str(TINY_LORA), f"logging.dir={tmp_path}", *COMMON, f"checkpoint.resume={_ckpt(runs.sp1, 3)}"]
+    args = tiny_args(tmp_path, *COMMON, f"checkpoint.resume={_ckpt(runs.sp1, 3)}", config=TINY_LORA)
     assert main([*args, *runs.validation, "train.seed=1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "trained on a random base of train.seed=0" in err and "seed=1" in err
@@ -255,7 +251,7 @@ def _pretrained_config(tmp_path: Path, seed: int, max_shard_size: str = "10GB") 
 def test_pretrained_base_is_recorded_by_digest_and_another_one_refused(tmp_path, capsys) -> None:
     """A LoRA run on a pretrained folder resumes on it and not on other weights of the same architecture."""
     config, _ = _pretrained_config(tmp_path, 5)
-    common = ["checkpoint.every=1", "checkpoint.keep_last=0", "logging.progress=false", "train.steps=2"]
+    common = ["checkpoint.every=1", "checkpoint.keep_last=0", "train.steps=2"]
     run = tmp_path / "run"
     _train(run, *common, "optim.lr=2e-2", config=config)
     state = json.loads((_ckpt(run, 1) / "trainer_state.json").read_text())
@@ -266,7 +262,7 @@ def test_pretrained_base_is_recorded_by_digest_and_another_one_refused(tmp_path,
     assert "resumed from" in capsys.readouterr().out
     assert _curve(resumed) == _curve(run)[1:]
     _, other = _pretrained_config(tmp_path, 6, max_shard_size="100KB")
-    args = ["train", str(config), f"logging.dir={run}", *common, "train.steps=3", f"model.pretrained={other}"]
+    args = tiny_args(run, *common, "train.steps=3", f"model.pretrained={other}", config=config)
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "was trained on the pretrained base" in err, err
@@ -318,7 +314,7 @@ def test_drift_is_the_same_at_sp1_and_sp2(runs, tmp_path) -> None:
     lora = runs.export(tmp_path / "lora", step=6) / DIFFUSERS_WEIGHT_NAME
     args = [f"lora.init_from={lora}", *COMMON, *runs.validation, "train.steps=1", "checkpoint.every=0"]
     _train(tmp_path / "sp1", *args)
-    run_h3train(["train", str(TINY_LORA), f"logging.dir={tmp_path / 'sp2'}", *args, "parallel.sp=2"], nproc=2)
+    run_h3train(tiny_args(tmp_path / "sp2", *args, "parallel.sp=2", config=TINY_LORA), nproc=2)
     one, two = _rows(tmp_path / "sp1", "validation")[0], _rows(tmp_path / "sp2", "validation")[0]
     assert one["step"] == two["step"] == 0 and one["val/drift_video"] > 1e-4
     for key in ("val/drift_video", "val/drift_audio", "val/loss"):
@@ -370,7 +366,7 @@ def test_merged_export_loads_with_from_pretrained(runs, tmp_path) -> None:
 def test_merged_export_reads_a_pretrained_base_shard_by_shard(tmp_path, capsys) -> None:
     config, folder = _pretrained_config(tmp_path, 5, max_shard_size="100KB")
     run = tmp_path / "run"
-    common = ["logging.progress=false", "train.steps=2", "checkpoint.every=1", "optim.lr=2e-2", "debug.dump_step=2"]
+    common = ["train.steps=2", "checkpoint.every=1", "optim.lr=2e-2", "debug.dump_step=2"]
     _train(run, *common, config=config)
     out = tmp_path / "merged"
     # The base moved: --merge says where it is now; other weights are refused.
@@ -380,8 +376,8 @@ def test_merged_export_reads_a_pretrained_base_shard_by_shard(tmp_path, capsys) 
     assert main(["export", str(_ckpt(run, 1)), "--out", str(out), "--merge", "--base", str(moved / "transformer")]) == 0
     assert len(list(out.glob("diffusion_pytorch_model-*.safetensors"))) > 1
     loaded = MiniMaxH3Transformer3DModel.from_pretrained(out, torch_dtype=torch.float32).eval()
-    trained = reference_model_from_dump(run / "dump" / "step_2").eval()
-    inputs = {k: v for k, v in load_file(run / "dump" / "step_2" / "inputs.safetensors").items()}
+    trained = reference_model_from_dump(dump_dir(run, 2)).eval()
+    inputs = {k: v for k, v in load_file(dump_dir(run, 2) / "inputs.safetensors").items()}
     inputs = {name: inputs[f"m0.{name}"] for name in FORWARD_ARGS}
     assert _rel(_forward(loaded, inputs), _forward(trained, inputs)) <= 1e-6
 
@@ -405,7 +401,7 @@ def test_lora_export_errors_are_one_line(runs, tmp_path, capsys) -> None:
 
 def test_train_modules_refuse_lora_formats_and_merge_keeps_them(tmp_path, capsys) -> None:
     run = tmp_path / "run"
-    _train(run, "lora.train_modules=[norm_out.norm]", "train.steps=1", "checkpoint.every=1", "logging.progress=false")
+    _train(run, "lora.train_modules=[norm_out.norm]", "train.steps=1", "checkpoint.every=1")
     capsys.readouterr()
     assert main(["export", str(_ckpt(run, 1)), "--out", str(tmp_path / "lora")]) == 2
     err = capsys.readouterr().err.strip()
@@ -422,8 +418,7 @@ def test_ref2va_lora_export_lands_in_transformer_ref(tmp_path) -> None:
     assert main(["synth", "--out", str(data), "--task", "ref2va", "--num-samples", "2", "--text-dim", "16"]) == 0
     run = tmp_path / "run"
     lora = ["lora.rank=4", "lora.alpha=8", "optim.lr=2e-2"]
-    _train(run, f"data.path={data}", *lora, "train.steps=1", "checkpoint.every=1", "logging.progress=false",
-           config=TINY_REF2VA)  # fmt: skip
+    _train(run, f"data.path={data}", *lora, "train.steps=1", "checkpoint.every=1", config=TINY_REF2VA)
     out = tmp_path / "lora"
     assert main(["export", str(_ckpt(run, 1)), "--out", str(out)]) == 0
     assert all(k.startswith("transformer_ref.") for k in load_file(out / DIFFUSERS_WEIGHT_NAME))
@@ -453,8 +448,7 @@ def test_ema_export_of_a_full_checkpoint_loads_with_from_pretrained(tmp_path, ca
     from reference import TINY_FL2VA
 
     run = tmp_path / "run"
-    _train(run, "train.steps=2", "train.ema.decay=0.5", "checkpoint.every=2", "logging.progress=false",
-           config=TINY_FL2VA)  # fmt: skip
+    _train(run, "train.steps=2", "train.ema.decay=0.5", "checkpoint.every=2", config=TINY_FL2VA)
     ckpt = str(_ckpt(run, 2))
     assert main(["export", ckpt, "--out", str(tmp_path / "plain")]) == 0
     assert main(["export", ckpt, "--out", str(tmp_path / "ema"), "--ema"]) == 0
@@ -465,7 +459,7 @@ def test_ema_export_of_a_full_checkpoint_loads_with_from_pretrained(tmp_path, ca
     assert all(torch.equal(ema[k], shadow[f"ema.transformer.{k}"]) for k in ema)
     assert any(not torch.equal(plain[k], ema[k]) for k in ema)
     # A checkpoint without an EMA says so in one line.
-    _train(tmp_path / "noema", "train.steps=1", "checkpoint.every=1", "logging.progress=false", config=TINY_FL2VA)
+    _train(tmp_path / "noema", "train.steps=1", "checkpoint.every=1", config=TINY_FL2VA)
     capsys.readouterr()
     assert main(["export", str(_ckpt(tmp_path / "noema", 1)), "--out", str(tmp_path / "x"), "--ema"]) == 2
     assert "holds no EMA" in capsys.readouterr().err
@@ -480,10 +474,9 @@ def test_init_from_an_export_continues_exactly_where_it_was_saved(runs, tmp_path
     out = runs.export(tmp_path / "lora", "--format", fmt)
     file = out / (DIFFUSERS_WEIGHT_NAME if fmt == "diffusers" else COMFYUI_WEIGHT_NAME)
     run = tmp_path / "run"
-    _train(run, f"lora.init_from={file}", "train.steps=1", "checkpoint.every=0", "debug.dump_step=1",
-           "logging.progress=false")  # fmt: skip
-    saved = load_file(runs.sp1 / "dump" / "step_4" / "weights.safetensors")
-    started = load_file(run / "dump" / "step_1" / "weights.safetensors")
+    _train(run, f"lora.init_from={file}", "train.steps=1", "checkpoint.every=0", "debug.dump_step=1")
+    saved = load_file(dump_dir(runs.sp1, 4) / "weights.safetensors")
+    started = load_file(dump_dir(run, 1) / "weights.safetensors")
     assert saved.keys() == started.keys()
     for key, value in saved.items():
         if fmt == "diffusers" or ".lora_" not in key:
@@ -491,6 +484,6 @@ def test_init_from_an_export_continues_exactly_where_it_was_saved(runs, tmp_path
         else:
             # ComfyUI stores alpha beside the factors; the converter folds it in, init_from unfolds it.
             torch.testing.assert_close(started[key], value, rtol=1e-6, atol=1e-7)
-    model = reference_model_from_dump(run / "dump" / "step_1").eval()
+    model = reference_model_from_dump(dump_dir(run, 1)).eval()
     assert _rel(_forward(model, runs.inputs), _forward(runs.trained_model, runs.inputs)) <= 1e-6
     assert math.isfinite(_rows(run)[0]["loss"])

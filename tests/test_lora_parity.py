@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference import ROOT, lora_parity_run, read_metrics, run_h3train
+from reference import ROOT, lora_parity_run, read_metrics, tiny_args, train
 
 TOL = 1e-5
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
@@ -61,9 +61,9 @@ def test_lora_gradients_match_peft_reference(case: str, tmp_path) -> None:
 @pytest.mark.slow
 def test_lora_cli_runs_agree_across_sp(tmp_path) -> None:
     """The acceptance pair: one process at sp=1 and two ranks at sp=2, three steps, same loss and grad_norm."""
-    common = ["train.steps=3", "logging.progress=false", f"data.path={tmp_path / 'data'}"]
-    run_h3train(["train", str(TINY_LORA), f"logging.dir={tmp_path / 'A'}", *common])
-    run_h3train(["train", str(TINY_LORA), "parallel.sp=2", f"logging.dir={tmp_path / 'B'}", *common], nproc=2)
+    common = ["train.steps=3", f"data.path={tmp_path / 'data'}"]
+    train(tiny_args(tmp_path / "A", *common, config=TINY_LORA))
+    train(tiny_args(tmp_path / "B", "parallel.sp=2", *common, config=TINY_LORA), nproc=2)
     a, b = read_metrics(tmp_path / "A"), read_metrics(tmp_path / "B")
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3]
     for ma, mb in zip(a, b):

@@ -8,9 +8,9 @@ import torch
 from h3train.config import load_config
 from h3train.model.build import build_model, fp32_island_names
 from h3train.model.sp_forward import FORWARD_ARGS, SequenceParallelH3
+from h3train.objective import micro_batch_inputs
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.tasks.synthetic import SyntheticSource
-from h3train.train.trainer import micro_batch_inputs
 
 from reference import TINY_FL2VA
 

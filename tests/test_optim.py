@@ -10,7 +10,7 @@ from h3train.config import OptimConfig, load_config
 from h3train.model.build import build_model
 from h3train.train.optim import build_optimizer, lr_factor
 
-from reference import TINY_FL2VA
+from reference import TINY_FL2VA, tiny_overrides
 
 
 def test_norms_and_biases_are_not_decayed() -> None:
@@ -47,12 +47,12 @@ def test_warmup_then_schedule(schedule: str) -> None:
 def test_the_update_sees_gradients_clipped_to_max_grad_norm(tmp_path, max_norm, implementation) -> None:
     import torch
 
-    from h3train.train.trainer import Trainer
+    from h3train.train.assemble import build_trainer
 
-    overrides = [f"logging.dir={tmp_path}", "logging.progress=false", "checkpoint.every=0", "train.steps=1"]
+    overrides = tiny_overrides(tmp_path, "checkpoint.every=0", "train.steps=1")
     overrides += [f"train.max_grad_norm={max_norm}", f"optim.implementation={implementation}"]
     cfg = load_config(TINY_FL2VA, overrides)
-    trainer = Trainer(cfg, hooks=[])
+    trainer = build_trainer(cfg, hooks=[])
     seen = {}
 
     def before_update(optimizer, args, kwargs) -> None:

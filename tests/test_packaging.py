@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from reference import signal_after_steps
+from reference import default_signals, signal_after_steps, start_in_session, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -156,10 +156,7 @@ def test_launch_script_trains_two_cpu_ranks(tmp_path: Path) -> None:
         [
             str(ROOT / "scripts" / "launch.sh"),
             "configs/tiny_fl2va.yaml",
-            "train.steps=1",
-            "parallel.sp=2",
-            f"logging.dir={tmp_path / 'run'}",
-            "logging.progress=false",
+            *tiny_overrides(tmp_path / "run", "train.steps=1", "parallel.sp=2"),
         ],
         capture_output=True,
         text=True,
@@ -186,16 +183,8 @@ def test_launch_script_stops_on_term_and_ctrl_c_with_a_checkpoint_and_no_traceba
         "PYTHONUNBUFFERED": "1",
     }
     run = tmp_path / "run"
-    args = ["train.steps=500", "parallel.sp=2", f"logging.dir={run}", "logging.progress=false"]
-    proc = subprocess.Popen(
-        [str(ROOT / "scripts" / "launch.sh"), "configs/tiny_fl2va.yaml", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    args = tiny_overrides(run, "train.steps=500", "parallel.sp=2")
+    proc = start_in_session([str(ROOT / "scripts" / "launch.sh"), "configs/tiny_fl2va.yaml", *args], env)
     out, err = signal_after_steps(proc, run, signum)
     assert proc.returncode == code, out[-2000:] + err[-4000:]
     assert f"launch.sh: {why} on" in err and "preempted by SIGTERM: stopped after step" in out
@@ -236,6 +225,7 @@ def test_launch_script_hands_usr1_to_the_ranks(tmp_path: Path) -> None:
         env=env,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=default_signals,
     )
     # launch.sh runs `h3train check` before torchrun: seconds of imports, more on a busy machine.
     deadline = time.monotonic() + 60
@@ -293,6 +283,7 @@ def test_slurm_script_checkpoints_then_requeues_on_usr1(tmp_path: Path) -> None:
         env=env,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=default_signals,
     )
     # The script checks the config first (`h3train check`: seconds of imports on a busy machine).
     deadline = time.monotonic() + 60

@@ -13,7 +13,6 @@ import re
 import shutil
 import signal
 import stat
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,14 +24,25 @@ from h3train.config import load_config
 from h3train.train.checkpoint import committed_checkpoints
 from h3train.train.optim import lr_factor
 
-from reference import ROOT, TINY_FL2VA, h3train_command, read_metrics, run_env, run_h3train, signal_after_steps
+from reference import (
+    ROOT,
+    TINY_FL2VA,
+    checkpoint_dir,
+    h3train_command,
+    read_metrics,
+    run_env,
+    run_h3train,
+    signal_after_steps,
+    start_in_session,
+    tiny_args,
+)
 
-COMMON = ["logging.progress=false", "train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=0"]
+COMMON = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=0"]
 SP2 = ["parallel.sp=2"]
 
 
 def _train_args(log_dir: Path, *extra: str) -> list[str]:
-    return ["train", str(TINY_FL2VA), f"logging.dir={log_dir}", *COMMON, *extra]
+    return tiny_args(log_dir, *COMMON, *extra)
 
 
 def _cli(capsys, args: list[str]) -> tuple[int, str, str]:
@@ -109,12 +119,12 @@ def test_overwrite_moves_the_earlier_run_aside(run_copy, capsys) -> None:
 
 def test_resume_from_an_older_step_keeps_the_abandoned_history(run_copy, capsys) -> None:
     old_lines = (run_copy / "metrics.jsonl").read_text().splitlines()
-    old_step4 = _snapshot(run_copy / CKPTS / "step_00000004")
+    old_step4 = _snapshot(checkpoint_dir(run_copy, 4))
     old_config = (run_copy / "config.yaml").read_text()
     events = {name: [{"step": 1, "sample_id": "a"}, {"step": 3, "sample_id": "b"}] for name in EVENT_LOGS}
     for name, records in events.items():
         (run_copy / name).write_text("".join(json.dumps(r) + "\n" for r in records))
-    resume = run_copy / CKPTS / "step_00000002"
+    resume = checkpoint_dir(run_copy, 2)
     # keep_last=1 would prune everything but the newest if abandoned checkpoints were candidates.
     rc, out, _ = _cli(capsys, _train_args(run_copy, f"checkpoint.resume={resume}", "checkpoint.keep_last=1"))
     assert rc == 0 and "resumed from" in out
@@ -176,7 +186,7 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_corrupt_newest_checkpoint_is_set_aside_and_the_older_one_resumed(run_copy, capsys, damage) -> None:
-    newest = run_copy / CKPTS / "step_00000004"
+    newest = checkpoint_dir(run_copy, 4)
     what = DAMAGE[damage](newest)
     rc, out, err = _cli(capsys, _train_args(run_copy, "train.steps=5"))
     assert rc == 0, err[-3000:]
@@ -190,7 +200,7 @@ def test_corrupt_newest_checkpoint_is_set_aside_and_the_older_one_resumed(run_co
 
 @pytest.mark.parametrize("damage", ["missing_shard", "flipped_bytes"])
 def test_explicit_corrupt_checkpoint_is_one_line_and_exit_2(run_copy, capsys, damage) -> None:
-    newest = run_copy / CKPTS / "step_00000004"
+    newest = checkpoint_dir(run_copy, 4)
     what = DAMAGE[damage](newest)
     rc, _, err = _cli(capsys, _train_args(run_copy, f"checkpoint.resume={newest}", "train.steps=5"))
     assert rc == 2
@@ -238,7 +248,7 @@ def test_skipped_non_finite_steps_do_not_advance_the_schedule(tmp_path, capsys) 
     assert main(args) == 0
     metrics = read_metrics(run)
     assert [m["skipped_steps"] for m in metrics] == [0, 1, 1, 1, 1]
-    cfg = load_config(TINY_FL2VA, args[3:])
+    cfg = load_config(TINY_FL2VA, args[2:])
     positions = [0, 1, 1, 2, 3]  # step 2 was skipped: step 3 uses the position step 2 would have
     assert [m["lr"] for m in metrics] == [cfg.optim.lr * lr_factor(p, cfg.optim, 5) for p in positions]
     # The position survives a resume: the resumed run continues at the same learning rate.
@@ -266,9 +276,9 @@ def test_checkpoints_and_safetensors_get_the_umask_mode(tmp_path, sp1_run) -> No
 def test_checkpoint_state_is_one_dict_of_named_components(sp1_run) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
-    keys = FileSystemReader(str(sp1_run / CKPTS / "step_00000004")).read_metadata().state_dict_metadata
+    keys = FileSystemReader(str(checkpoint_dir(sp1_run, 4))).read_metadata().state_dict_metadata
     assert {k.split(".")[0] for k in keys} == {"model", "optim", "schedule", "sampler", "progress"}
-    state = json.loads((sp1_run / CKPTS / "step_00000004" / "trainer_state.json").read_text())
+    state = json.loads((checkpoint_dir(sp1_run, 4) / "trainer_state.json").read_text())
     assert {"step", "commit", "model_config", "config_yaml"} <= set(state)
     assert state["step"] == 4 and state["commit"] == 2
 
@@ -278,21 +288,8 @@ def test_checkpoint_state_is_one_dict_of_named_components(sp1_run) -> None:
 
 def _stop_with(signum: int, log_dir: Path, nproc: int = 1, extra: tuple[str, ...] = ()):
     """Start a long run (no periodic saves), wait for two logged steps, send `signum` to the launcher."""
-    cmd = h3train_command(
-        [
-            "train",
-            str(TINY_FL2VA),
-            f"logging.dir={log_dir}",
-            "train.steps=100000",
-            "checkpoint.every=0",
-            "logging.progress=false",
-            *extra,
-        ],
-        nproc=nproc,
-    )
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    cmd = h3train_command(tiny_args(log_dir, "train.steps=100000", "checkpoint.every=0", *extra), nproc=nproc)
+    proc = start_in_session(cmd, run_env())
     out, err = signal_after_steps(proc, log_dir, signum, steps=2)
     saved = committed_checkpoints(log_dir / "checkpoints")
     assert len(saved) == 1 and int(saved[0].name[5:]) == read_metrics(log_dir)[-1]["step"]
@@ -331,7 +328,7 @@ def test_sp2_rerun_policy(sp2_run, tmp_path) -> None:
     assert _snapshot(run) == before
 
     # Resume from the older step with a changed LR: history kept aside, the new LR runs.
-    resume = run / CKPTS / "step_00000002"
+    resume = checkpoint_dir(run, 2)
     proc = _torchrun(_train_args(run, *SP2, f"checkpoint.resume={resume}", "optim.lr=1e-2"), check=True)
     assert proc.stdout.count("resume: optim.lr 0.001 -> 0.01") == 1
     assert (run / "metrics.jsonl.abandoned-2").read_text().splitlines() == before["metrics.jsonl"].decode().split("\n")[
@@ -353,14 +350,14 @@ def test_sp2_checkpoints_reexport_only_with_overwrite(sp2_run, tmp_path, capsys)
     from torch.distributed.checkpoint import FileSystemReader
 
     out = tmp_path / "export"
-    ckpts = sp2_run / CKPTS
-    assert _cli(capsys, ["export", str(ckpts / "step_00000004"), "--out", str(out)])[0] == 0
+    step2, step4 = checkpoint_dir(sp2_run, 2), checkpoint_dir(sp2_run, 4)
+    assert _cli(capsys, ["export", str(step4), "--out", str(out)])[0] == 0
     before = _snapshot(out)
-    rc, _, err = _cli(capsys, ["export", str(ckpts / "step_00000002"), "--out", str(out)])
+    rc, _, err = _cli(capsys, ["export", str(step2), "--out", str(out)])
     assert rc == 2 and "--overwrite" in _one_error_line(err) and _snapshot(out) == before
-    assert _cli(capsys, ["export", str(ckpts / "step_00000002"), "--out", str(out), "--overwrite"])[0] == 0
+    assert _cli(capsys, ["export", str(step2), "--out", str(out), "--overwrite"])[0] == 0
     # The folder holds step 2's weights, as the sp=2 ranks saved them, and nothing of step 4's export.
-    reader = FileSystemReader(str(ckpts / "step_00000002"))
+    reader = FileSystemReader(str(step2))
     meta = reader.read_metadata().state_dict_metadata
     saved = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith("model.")}
     dcp.load(saved, storage_reader=reader, no_dist=True)
@@ -372,7 +369,7 @@ def test_sp2_checkpoints_reexport_only_with_overwrite(sp2_run, tmp_path, capsys)
 @pytest.mark.slow
 def test_sp2_corrupt_newest_checkpoint(sp2_run, tmp_path) -> None:
     run = Path(shutil.copytree(sp2_run, tmp_path / "run"))
-    newest = run / CKPTS / "step_00000004"
+    newest = checkpoint_dir(run, 4)
     # Rank 1's shard: only rank 0 checks the files, every rank must follow its decision.
     shard = newest / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:500])
@@ -418,8 +415,8 @@ def test_checkpoint_without_a_component_of_this_run_is_exit_2_and_kept(run_copy)
     import torch.distributed as dist
 
     from h3train.errors import CheckpointError
+    from h3train.train.assemble import build_trainer
     from h3train.train.hooks import TrainerHook
-    from h3train.train.trainer import Trainer
 
     class Counter(TrainerHook):
         """A stateful hook the checkpoint was written without, and which cannot start afresh."""
@@ -435,7 +432,7 @@ def test_checkpoint_without_a_component_of_this_run_is_exit_2_and_kept(run_copy)
     cfg = load_config(TINY_FL2VA, _train_args(run_copy, "train.steps=5")[2:])
     try:
         with pytest.raises(CheckpointError, match=r"step_00000004.* holds no state for counter"):
-            Trainer(cfg, hooks=[Counter()])
+            build_trainer(cfg, hooks=[Counter()])
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

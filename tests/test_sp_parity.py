@@ -6,10 +6,13 @@ then recomputes the step with plain `MiniMaxH3Transformer3DModel.forward` in thi
 
 from __future__ import annotations
 
+from functools import cached_property
+from pathlib import Path
+
 import pytest
 import torch
 
-from reference import ROOT, TINY_FL2VA, parity_step, read_metrics, run_h3train
+from reference import ROOT, TINY_FL2VA, Parity, parity_step, read_metrics, tiny_args, train
 
 TOL = 1e-5
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
@@ -48,12 +51,35 @@ CASES = {
 }
 
 
+class SharedRuns:
+    """Runs that two tests read, each launched on first use."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @cached_property
+    def fl2va_sp2(self) -> tuple[Path, Parity]:
+        """tiny_fl2va at sp=2 for three steps, step 1 dumped: the `sp2_odd_seq` case and the sp=2 run of the
+        tiny_fl2va CLI pair, one launch for both."""
+        run = self.root / "fl2va_sp2"
+        nproc, extra, dp = CASES["sp2_odd_seq"]
+        return run, parity_step(TINY_FL2VA, extra, run, nproc, dp, steps=3)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> SharedRuns:
+    return SharedRuns(tmp_path_factory.mktemp("shared"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_gradients_match_unsharded_reference(case: str, tmp_path) -> None:
+def test_gradients_match_unsharded_reference(case: str, tmp_path, shared) -> None:
     nproc, extra, dp = CASES[case]
     config = TINY_REF2VA if case.startswith("ref2va") else TINY_FL2VA
-    result = parity_step(config, extra, tmp_path / "run", nproc, dp)
+    if case == "sp2_odd_seq":
+        result = shared.fl2va_sp2[1]
+    else:
+        result = parity_step(config, extra, tmp_path / "run", nproc, dp)
     assert set(result.grads) == set(result.ref_grads)
     worst, name = result.worst()
     assert worst <= TOL, f"{case}: gradient of {name} off by relative L2 {worst:.3e}"
@@ -66,13 +92,17 @@ def test_gradients_match_unsharded_reference(case: str, tmp_path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["tiny_fl2va.yaml", "tiny_ref2va.yaml", "tiny_ref2va_cfg.yaml"])
-def test_cli_runs_agree_across_sp(config: str, tmp_path) -> None:
+def test_cli_runs_agree_across_sp(config: str, tmp_path, shared) -> None:
     """One process at sp=1 and two ranks at sp=2, three steps: the same loss and grad_norm per step."""
-    path = str(ROOT / "configs" / config)
-    common = ["train.steps=3", "logging.progress=false", f"data.path={tmp_path / 'data'}"]
-    run_h3train(["train", path, f"logging.dir={tmp_path / 'A'}", *common])
-    run_h3train(["train", path, "parallel.sp=2", f"logging.dir={tmp_path / 'B'}", *common], nproc=2)
-    a, b = read_metrics(tmp_path / "A"), read_metrics(tmp_path / "B")
+    path = ROOT / "configs" / config
+    common = ["train.steps=3", f"data.path={tmp_path / 'data'}"]
+    train(tiny_args(tmp_path / "A", *common, config=path))
+    if path == TINY_FL2VA:  # the same run as the sp2_odd_seq case's, with its step-1 dump
+        sp2 = shared.fl2va_sp2[0]
+    else:
+        sp2 = tmp_path / "B"
+        train(tiny_args(sp2, "parallel.sp=2", *common, config=path), nproc=2)
+    a, b = read_metrics(tmp_path / "A"), read_metrics(sp2)
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3]
     for ma, mb in zip(a, b):
         assert mb["loss"] == pytest.approx(ma["loss"], rel=TOL)

@@ -14,7 +14,7 @@ import yaml
 from h3train.bench_memory import run_ranks, step_collectives
 from h3train.parallel.collectives import fsdp_collectives_per_step, functional_all_to_alls_per_step
 
-from reference import TINY_FL2VA
+from reference import TINY_FL2VA, tiny_overrides
 
 
 @pytest.mark.slow
@@ -41,12 +41,11 @@ def _stale_worker(rank: int, world: int) -> dict[str, float]:
     from h3train.config import load_config
     from h3train.model.build import build_model
     from h3train.model.sp_forward import SequenceParallelH3
-    from h3train.objective import compute_loss
+    from h3train.objective import compute_loss, micro_batch_inputs
     from h3train.parallel.dims import ParallelContext, ParallelDims
     from h3train.parallel.fsdp import apply_fsdp
     from h3train.parallel.ulysses import SequenceParallel
     from h3train.tasks.synthetic import SyntheticSource
-    from h3train.train.trainer import micro_batch_inputs
 
     cfg = load_config(TINY_FL2VA)
     ctx = ParallelContext(ParallelDims(1, world, 1, world), torch.device("cpu"))
@@ -87,11 +86,11 @@ def test_one_rank_run_keeps_fsdp2_only_where_it_casts(tmp_path, dtype, lora_rank
     from torch.distributed.tensor import DTensor
 
     from h3train.config import load_config
-    from h3train.train.trainer import Trainer
+    from h3train.train.assemble import build_trainer
 
-    overrides = [f"logging.dir={tmp_path}", "logging.progress=false", "checkpoint.every=0", "train.steps=1"]
+    overrides = tiny_overrides(tmp_path, "checkpoint.every=0", "train.steps=1")
     cfg = load_config(TINY_FL2VA, [*overrides, f"model.dtype={dtype}", f"lora.rank={lora_rank}"])
-    trainer = Trainer(cfg, hooks=[])
+    trainer = build_trainer(cfg, hooks=[])
     try:
         units = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
         distributed = [p for p in trainer.model.parameters() if isinstance(p, DTensor)]

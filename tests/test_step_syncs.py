@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from h3train.config import load_config
-from h3train.train.trainer import Trainer
+from h3train.train.assemble import build_trainer
 
-from reference import TINY_FL2VA
+from reference import TINY_FL2VA, tiny_overrides
 
 SYNC_METHODS = ("item", "tolist", "cpu", "__float__", "__bool__", "__int__")
 # Modules whose code runs inside a step (data preparation on host tensors is not a device sync).
@@ -57,18 +57,9 @@ def _counting(monkeypatch, counts: Counter, active: list[bool]) -> None:
 def test_one_host_sync_and_one_all_reduce_per_step(tmp_path, monkeypatch) -> None:
     # Spike detection on, CFG on, two micro-batches: every per-micro-batch path is taken.
     steps = 3
-    cfg = load_config(
-        TINY_FL2VA,
-        [
-            f"logging.dir={tmp_path}",
-            f"train.steps={steps}",
-            "logging.progress=false",
-            "checkpoint.every=0",
-            "train.spike_factor=2.0",
-            "cfg.scale=2.0",
-        ],
-    )
-    trainer = Trainer(cfg, hooks=[])
+    overrides = tiny_overrides(tmp_path, f"train.steps={steps}", "checkpoint.every=0", "train.spike_factor=2.0")
+    cfg = load_config(TINY_FL2VA, [*overrides, "cfg.scale=2.0"])
+    trainer = build_trainer(cfg, hooks=[])
     counts: Counter = Counter()
     active = [False]
     _counting(monkeypatch, counts, active)

@@ -10,12 +10,13 @@ import torch
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.data.dataset import CachedDataset
+from h3train.data.sampler import assigned_indices
 from h3train.data.synth import write_synthetic_dataset
 from h3train.model.build import build_model
 from h3train.objective import make_training_inputs
 from h3train.plot import metrics_figure
-from h3train.train.trainer import Trainer
-from h3train.train.validation import HeldOutLoss, assigned_indices, heldout_generator, sigma_label
+from h3train.train.assemble import build_trainer
+from h3train.train.validation import HeldOutLoss, heldout_generator, sigma_label
 
 from reference import TINY_FL2VA, read_metrics, run_h3train
 
@@ -49,7 +50,7 @@ def _rows(log_dir, kind: str | None) -> list[dict]:
 def _fit_with_heldout(cfg) -> HeldOutLoss:
     """Train `cfg` in this process with only the held-out hook; return the hook (it counts forwards)."""
     hook = HeldOutLoss(cfg)
-    trainer = Trainer(cfg, hooks=[hook])
+    trainer = build_trainer(cfg, hooks=[hook])
     try:
         trainer.fit()
     finally:
