@@ -115,10 +115,6 @@ class Trainer:
     def skipped_steps(self, value: int) -> None:
         self.progress.skipped_steps = value
 
-    @property
-    def sampler(self):
-        return self.batches.sampler
-
     # -- what hooks see (`hooks.TrainerView`) ---------------------------------------------------
 
     def log_validation(self, step: int, values: Mapping[str, float]) -> None:
