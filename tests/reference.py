@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
+from ranks import run_ranks
 from safetensors.torch import load_file
 
 from h3train.config import load_config
@@ -83,8 +84,21 @@ def run_h3train(
     env: dict[str, str] | None = None,
     launcher_args: tuple[str, ...] = (),
 ):
-    """Run `h3train ARGS` in a fresh process (see `h3train_command`), in the environment of `run_env`."""
+    """Run `h3train ARGS` as a user launches it (see `h3train_command`), in the environment of `run_env`."""
     proc = run_process_group(h3train_command(args, nproc, launcher_args), env or run_env(), timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"h3train {' '.join(args)} exited {proc.returncode}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def run_forked(
+    args: list[str], nproc: int = 1, timeout: float = 180, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`h3train ARGS` in `nproc` fresh processes forked from a server that has imported h3train (`ranks`):
+    one as `python -m h3train` runs, more as torchrun's workers of one node run. For what a run
+    computes and writes; tests of the launch itself (signals sent from outside, restarts, what a node
+    prints, scripts) use `run_h3train`."""
+    proc = run_ranks(args, nproc, env or run_env(), ROOT, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"h3train {' '.join(args)} exited {proc.returncode}\n{proc.stderr[-4000:]}")
     return proc
@@ -92,10 +106,10 @@ def run_h3train(
 
 def train(args: list[str], nproc: int = 1) -> None:
     """`h3train ARGS` to completion: one process in this one (`h3train.cli.main`, no interpreter to start,
-    no imports to repeat), more under torchrun (`run_h3train`). A run that signals itself
-    (`debug.fault=[sigterm@...]`, `kill...`) must use `run_h3train`."""
+    no imports to repeat), more as forked ranks (`run_forked`). A run that signals itself
+    (`debug.fault=[sigterm@...]`, `kill...`) must use `run_forked`."""
     if nproc > 1:
-        run_h3train(args, nproc=nproc)
+        run_forked(args, nproc=nproc)
         return
     from h3train.cli import main
 

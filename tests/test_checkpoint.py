@@ -19,7 +19,7 @@ from reference import (
     h3train_command,
     read_metrics,
     run_env,
-    run_h3train,
+    run_forked,
     signal_after_steps,
     start_in_session,
     tiny_args,
@@ -37,7 +37,7 @@ EVERY_2 = ("checkpoint.every=2", "checkpoint.keep_last=0")
 
 
 def _train(log_dir, extra=(), nproc=1, check=True):
-    return run_h3train(tiny_args(log_dir, *COMMON, *extra), nproc=nproc, check=check)
+    return run_forked(tiny_args(log_dir, *COMMON, *extra), nproc=nproc, check=check)
 
 
 def _curve(log_dir) -> list[tuple[int, float, float]]:

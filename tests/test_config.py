@@ -10,7 +10,7 @@ from h3train.errors import ConfigError
 from h3train.parallel.dims import ParallelDims
 from h3train.preflight import load_checked
 
-from reference import TINY_FL2VA, run_h3train
+from reference import TINY_FL2VA, run_forked
 
 
 def test_tiny_config_loads_with_overrides() -> None:
@@ -58,7 +58,7 @@ def test_mesh_must_match_world_size() -> None:
 
 
 def test_train_cli_exits_2_before_any_work(tmp_path) -> None:
-    proc = run_h3train(["train", str(TINY_FL2VA), "parallel.sp=3", f"logging.dir={tmp_path}"], check=False)
+    proc = run_forked(["train", str(TINY_FL2VA), "parallel.sp=3", f"logging.dir={tmp_path}"], check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "'parallel.sp'" in proc.stderr
     assert not any(tmp_path.iterdir())

@@ -9,7 +9,7 @@ from h3train.cli import main
 from h3train.config import load_config
 from h3train.model.build import build_model
 
-from reference import TINY_FL2VA, checkpoint_tensors, read_metrics, run_h3train
+from reference import TINY_FL2VA, checkpoint_tensors, read_metrics, run_forked
 
 DECAY = 0.75
 
@@ -57,10 +57,10 @@ def test_ema_follows_the_recurrence_over_the_saved_weights(every_step) -> None:
 
 def test_ema_resumes_bitwise(tmp_path) -> None:
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_h3train(_args(straight, "train.steps=4", "checkpoint.every=4"))
-    run_h3train(_args(resumed, "train.steps=4", "checkpoint.every=4", "debug.fault=[sigterm@2]"))
+    run_forked(_args(straight, "train.steps=4", "checkpoint.every=4"))
+    run_forked(_args(resumed, "train.steps=4", "checkpoint.every=4", "debug.fault=[sigterm@2]"))
     assert _step(resumed, 2).is_dir() and not _step(resumed, 4).exists()
-    run_h3train(_args(resumed, "train.steps=4", "checkpoint.every=4"))
+    run_forked(_args(resumed, "train.steps=4", "checkpoint.every=4"))
     a, b = checkpoint_tensors(_step(straight, 4), "ema."), checkpoint_tensors(_step(resumed, 4), "ema.")
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[k], b[k]) for k in a), "the resumed EMA differs from the straight run's"

@@ -47,7 +47,7 @@ from h3train.data.media import fit_audio, load_clip, load_still, moving_pattern,
 from h3train.model.build import build_model
 from h3train.objective import compute_loss, micro_batch_inputs
 
-from reference import run_h3train
+from reference import run_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small canvases keep the VAEs cheap: 3:2 clips land on 32x64 (2x4 latents), the 4:3 still on 32x32.
@@ -418,12 +418,12 @@ def test_video_reference_without_torchvision_is_a_clip_error(media: Path, compon
 def test_ranks_split_the_manifest_and_agree_with_one_process(
     encoded: Path, media: Path, components: Path, tmp_path: Path
 ) -> None:
-    """Two torchrun ranks (`accelerate.PartialState` split and gather) write what one process writes."""
+    """Two ranks (`accelerate.PartialState` split and gather) write what one process writes."""
     out = tmp_path / "two-ranks"
     flags = ["--short-edge", "32", "--max-pixels", str(32 * 64), "--reference-short-edge", "32",
              "--min-seconds", "0", "--max-seconds", "2", "--device", "cpu", "--no-progress"]  # fmt: skip
     args = ["encode", str(media / "manifest.jsonl"), "--components", str(components), "--out", str(out), *flags]
-    proc = run_h3train(args, nproc=2, timeout=300, check=False)
+    proc = run_forked(args, nproc=2, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("encoded 3, up to date 0, failed 2") == 1
     assert len((out / ERRORS_NAME).read_text().splitlines()) == 2
@@ -431,7 +431,7 @@ def test_ranks_split_the_manifest_and_agree_with_one_process(
     for entry in read_index(encoded):
         ours, theirs = _sample(out, entry.sample_id), _sample(encoded, entry.sample_id)
         assert ours.metadata() == theirs.metadata()
-        # The same arithmetic; only the thread count (one per rank under torchrun) orders sums differently.
+        # The same arithmetic; only the thread count (one per rank) orders sums differently.
         for a, b in zip(ours.tensors().values(), theirs.tensors().values(), strict=True):
             assert torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
 

@@ -18,7 +18,7 @@ from h3train.config import load_config
 from h3train.model.build import build_model
 from h3train.model.sp_forward import FORWARD_ARGS
 
-from reference import TINY_FL2VA, checkpoint_dir, dump_dir, read_metrics, reference_step, run_h3train, tiny_args
+from reference import TINY_FL2VA, checkpoint_dir, dump_dir, read_metrics, reference_step, run_forked, tiny_args
 
 
 def _forward_inputs(dump_dir, micro: int = 0) -> dict[str, torch.Tensor]:
@@ -30,7 +30,7 @@ def _forward_inputs(dump_dir, micro: int = 0) -> dict[str, torch.Tensor]:
 def test_export_loads_in_diffusers_and_forwards_like_the_trained_model(tmp_path) -> None:
     run = tmp_path / "run"
     # The dump at step 2 holds the weights before step 2's update: those saved at step 1.
-    run_h3train(
+    run_forked(
         tiny_args(
             run, "train.steps=2", "checkpoint.every=1", "checkpoint.keep_last=0", "debug.dump_step=2", "parallel.sp=2"
         ),
@@ -76,7 +76,7 @@ def test_save_pretrained_model_loads_sharded_at_sp2(tmp_path) -> None:
     path = tmp_path / "pretrained.yaml"
     OmegaConf.save(config, path)
     overrides = ["train.steps=1", "debug.dump_step=1", "parallel.sp=2", "checkpoint.every=1", "optim.schedule=constant"]
-    run_h3train(tiny_args(tmp_path / "run", *overrides, config=path), nproc=2)
+    run_forked(tiny_args(tmp_path / "run", *overrides, config=path), nproc=2)
 
     dump = dump_dir(tmp_path / "run", 1)
     weights = load_file(dump / "weights.safetensors")
@@ -89,7 +89,7 @@ def test_save_pretrained_model_loads_sharded_at_sp2(tmp_path) -> None:
     # Resuming a pretrained run skips the pretrained read: the checkpoint fills every shard, and the
     # computed rotary buffer is rebuilt (a wrong one would change the loss against the reference).
     resumed = [*overrides[:-2], "train.steps=2", "debug.dump_step=2", "checkpoint.every=1", "optim.schedule=constant"]
-    proc = run_h3train(tiny_args(tmp_path / "run", *resumed, config=path), nproc=2)
+    proc = run_forked(tiny_args(tmp_path / "run", *resumed, config=path), nproc=2)
     assert "resumed from" in proc.stdout
     ref_loss, _, _ = reference_step(path, resumed, dump_dir(tmp_path / "run", 2), dp=1, step=2)
     assert read_metrics(tmp_path / "run")[1]["loss"] == pytest.approx(ref_loss, rel=1e-5)

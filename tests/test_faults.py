@@ -22,6 +22,7 @@ from reference import (
     h3train_command,
     read_metrics,
     run_env,
+    run_forked,
     run_h3train,
     tiny_args,
 )
@@ -32,7 +33,7 @@ TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["nan_loss@2:1", "nan_grad@2:0"])
 def test_non_finite_step_is_skipped_by_every_rank(tmp_path, fault) -> None:
-    run_h3train(
+    run_forked(
         tiny_args(
             tmp_path,
             "train.steps=3",
@@ -54,7 +55,7 @@ def test_non_finite_step_is_skipped_by_every_rank(tmp_path, fault) -> None:
 
 @pytest.mark.slow
 def test_consecutive_non_finite_steps_stop_the_run_naming_the_step(tmp_path) -> None:
-    proc = run_h3train(
+    proc = run_forked(
         tiny_args(tmp_path, "train.steps=5", "train.max_consecutive_skips=1", "debug.fault=[nan_loss@2,nan_loss@3]"),
         check=False,
     )
@@ -86,7 +87,7 @@ def test_on_error_skip_records_a_corrupt_sample_and_finishes(tmp_path) -> None:
     assert len(records) == 1 and bad in records[0]
     assert read_metrics(run)[-1]["data_errors"] == 1 and len(read_metrics(run)) == 6
 
-    proc = run_h3train(
+    proc = run_forked(
         tiny_args(tmp_path / "raise", "train.steps=6", "data.on_error=raise", *common, config=TINY_REF2VA), check=False
     )
     assert proc.returncode == 2
@@ -99,7 +100,7 @@ def test_injected_corrupt_sample_is_skipped_on_every_sp_rank(tmp_path) -> None:
     data = tmp_path / "data"
     assert main(["synth", "--out", str(data), "--task", "ref2va", "--num-samples", "4", "--text-dim", "16"]) == 0
     bad = read_index(data)[1].sample_id
-    run_h3train(
+    run_forked(
         tiny_args(
             tmp_path / "run",
             f"data.path={data}",
@@ -142,7 +143,7 @@ def test_yaml_cannot_run_code(tmp_path) -> None:
     marker = tmp_path / "pwned"
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"train:\n  steps: !!python/object/apply:os.system ['touch {marker}']\n")
-    proc = run_h3train(["check", str(bad)], check=False)
+    proc = run_forked(["check", str(bad)], check=False)
     assert proc.returncode == 2 and not marker.exists()
 
 
@@ -174,7 +175,7 @@ def test_dead_rank_makes_the_survivor_exit_naming_what_it_waited_for(tmp_path) -
 @pytest.mark.slow
 def test_torchrun_restart_resumes_and_matches_uninterrupted_run(tmp_path) -> None:
     common = ["train.steps=6", "checkpoint.every=2", "parallel.sp=2"]
-    run_h3train(tiny_args(tmp_path / "straight", *common), nproc=2)
+    run_forked(tiny_args(tmp_path / "straight", *common), nproc=2)
     proc = run_h3train(
         tiny_args(tmp_path / "killed", *common, "debug.fault=[kill@5:1]"),
         nproc=2,
@@ -194,7 +195,7 @@ def test_wandb_that_cannot_start_does_not_stop_training(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
     env = run_env(env, HOME=str(tmp_path), WANDB_SILENT="true", NETRC=str(tmp_path / "netrc"))
     args = tiny_args(tmp_path / "run", "train.steps=2", "logging.wandb.enabled=true", "logging.wandb.mode=online")
-    proc = run_h3train(args, env=env, check=False)
+    proc = run_forked(args, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.count("wandb") >= 1 and "metrics.jsonl" in proc.stderr
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]

@@ -29,7 +29,7 @@ from h3train.cli import main
 from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
 from h3train.model.sp_forward import FORWARD_ARGS
 
-from reference import ROOT, checkpoint_dir, dump_dir, read_metrics, reference_model_from_dump, run_h3train, tiny_args
+from reference import ROOT, checkpoint_dir, dump_dir, read_metrics, reference_model_from_dump, run_forked, tiny_args
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
@@ -99,7 +99,7 @@ class LoraRuns:
     @cached_property
     def sp2(self) -> Path:
         run = self.root / "sp2"
-        run_h3train(tiny_args(run, *COMMON, *self.validation, "parallel.sp=2", config=TINY_LORA), nproc=2)
+        run_forked(tiny_args(run, *COMMON, *self.validation, "parallel.sp=2", config=TINY_LORA), nproc=2)
         return run
 
     @cached_property
@@ -198,7 +198,7 @@ def test_ema_of_a_lora_run_covers_the_adapters_only(runs) -> None:
 def test_resume_at_sp2_is_bitwise_and_sp2_agrees_with_sp1(runs, tmp_path) -> None:
     resumed = tmp_path / "resumed"
     args = tiny_args(resumed, *COMMON, *runs.validation, "parallel.sp=2", config=TINY_LORA)
-    run_h3train([*args, f"checkpoint.resume={_ckpt(runs.sp2, 3)}"], nproc=2)
+    run_forked([*args, f"checkpoint.resume={_ckpt(runs.sp2, 3)}"], nproc=2)
     assert _curve(resumed) == _curve(runs.sp2)[3:]
     a, b = _components(_ckpt(resumed, 6), "model."), _components(_ckpt(runs.sp2, 6), "model.")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -314,7 +314,7 @@ def test_drift_is_the_same_at_sp1_and_sp2(runs, tmp_path) -> None:
     lora = runs.export(tmp_path / "lora", step=6) / DIFFUSERS_WEIGHT_NAME
     args = [f"lora.init_from={lora}", *COMMON, *runs.validation, "train.steps=1", "checkpoint.every=0"]
     _train(tmp_path / "sp1", *args)
-    run_h3train(tiny_args(tmp_path / "sp2", *args, "parallel.sp=2", config=TINY_LORA), nproc=2)
+    run_forked(tiny_args(tmp_path / "sp2", *args, "parallel.sp=2", config=TINY_LORA), nproc=2)
     one, two = _rows(tmp_path / "sp1", "validation")[0], _rows(tmp_path / "sp2", "validation")[0]
     assert one["step"] == two["step"] == 0 and one["val/drift_video"] > 1e-4
     for key in ("val/drift_video", "val/drift_audio", "val/loss"):

@@ -30,7 +30,7 @@ from h3train.preflight import load_checked
 from h3train.render.pipeline import write_clip
 from h3train.train.metrics import MetricsLogger
 
-from reference import read_metrics, run_h3train
+from reference import read_metrics, run_forked
 
 STEPS = 4  # sigma grid points: three forwards per render
 # fl2va: 22 frames (7 latent frames, the fewest the video VAE decodes) on a 96x64 canvas; t2va on 64x64.
@@ -92,7 +92,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory, components: Path, assets: Path) -> Path:
     run = tmp_path_factory.mktemp("render") / "run"
-    run_h3train(["train", str(_config(assets, components, run)), "parallel.sp=2"], nproc=2, timeout=240)
+    run_forked(["train", str(_config(assets, components, run)), "parallel.sp=2"], nproc=2, timeout=240)
     return run
 
 
@@ -264,7 +264,7 @@ def test_dp_groups_split_the_requests_and_render_what_sp_renders(tmp_path, rende
     # collectives line up; every request is written once, as the sp = 2 run rendered it.
     run = tmp_path / "dp2"
     config = _config(assets, components, run)
-    run_h3train(["train", str(config), "parallel.dp_shard=2", "validation.sample_every=0"], nproc=2, timeout=240)
+    run_forked(["train", str(config), "parallel.dp_shard=2", "validation.sample_every=0"], nproc=2, timeout=240)
     written = sorted(p.name for p in (run / "samples" / "step_0").iterdir())
     assert written == sorted([f"{n}.mp4" for n in NAMES] + [f"{n}.latents.safetensors" for n in NAMES])
     for name in NAMES:

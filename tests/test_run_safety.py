@@ -31,6 +31,7 @@ from reference import (
     h3train_command,
     read_metrics,
     run_env,
+    run_forked,
     run_h3train,
     signal_after_steps,
     start_in_session,
@@ -310,7 +311,7 @@ def test_ctrl_c_saves_and_exits_130_without_traceback(tmp_path) -> None:
 @pytest.fixture(scope="module")
 def sp2_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("sp2") / "run"
-    run_h3train(_train_args(run, *SP2), nproc=2)
+    run_forked(_train_args(run, *SP2), nproc=2)
     return run
 
 

@@ -18,7 +18,7 @@ from h3train.plot import metrics_figure
 from h3train.train.assemble import build_trainer
 from h3train.train.validation import HeldOutLoss, heldout_generator, sigma_label
 
-from reference import TINY_FL2VA, read_metrics, run_h3train
+from reference import TINY_FL2VA, read_metrics, run_forked
 
 SIGMAS = [0.2, 0.5, 0.9]
 
@@ -135,7 +135,7 @@ def test_cfg_runs_report_the_plain_and_the_calibrated_loss(tmp_path, heldout) ->
 def test_heldout_loss_is_the_same_at_sp_2_at_dp_2_and_across_a_resume(tmp_path, heldout) -> None:
     common = ("validation.at_start=true", "validation.every=2")
     straight = tmp_path / "straight"
-    run_h3train(["train", str(TINY_FL2VA), *_args(straight, heldout, *common)])
+    run_forked(["train", str(TINY_FL2VA), *_args(straight, heldout, *common)])
     reference = _rows(straight, "validation")
     assert [m["step"] for m in reference] == [0, 2, 4]
 
@@ -145,7 +145,7 @@ def test_heldout_loss_is_the_same_at_sp_2_at_dp_2_and_across_a_resume(tmp_path, 
         "dp2": ["parallel.dp_shard=2", "train.grad_accum=1"],
     }
     for name, extra in layouts.items():
-        run_h3train(["train", str(TINY_FL2VA), *_args(tmp_path / name, heldout, *common, *extra)], nproc=2)
+        run_forked(["train", str(TINY_FL2VA), *_args(tmp_path / name, heldout, *common, *extra)], nproc=2)
         got = _rows(tmp_path / name, "validation")
         assert [m["step"] for m in got] == [0, 2, 4], name
         for want, row in zip(reference, got):
@@ -155,7 +155,7 @@ def test_heldout_loss_is_the_same_at_sp_2_at_dp_2_and_across_a_resume(tmp_path, 
 
     # Preempted after step 2 and resumed: the step-4 evaluation is bitwise the straight run's.
     resumed = tmp_path / "resumed"
-    run_h3train(["train", str(TINY_FL2VA), *_args(resumed, heldout, *common, "debug.fault=[sigterm@2]")])
-    run_h3train(["train", str(TINY_FL2VA), *_args(resumed, heldout, *common)])
+    run_forked(["train", str(TINY_FL2VA), *_args(resumed, heldout, *common, "debug.fault=[sigterm@2]")])
+    run_forked(["train", str(TINY_FL2VA), *_args(resumed, heldout, *common)])
     assert _rows(resumed, "validation")[-1] == reference[-1]
     shutil.rmtree(tmp_path)
