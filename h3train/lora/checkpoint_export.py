@@ -60,7 +60,6 @@ def trained_partition(state: dict[str, Any]) -> str:
     return (task.partition if task else None) or PARTITIONS[0]
 
 
-
 def is_lora_factor(name: str) -> bool:
     """Whether a file name (`names.export_name`) is a LoRA factor, what a LoRA file holds."""
     return ".lora_A." in name or ".lora_B." in name
