@@ -14,6 +14,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from .args import check_args
 from .errors import H3TrainError
 
 
@@ -279,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     try:
+        check_args(args)
         return args.func(args)
     except H3TrainError as exc:
         if _reports_errors():

@@ -10,8 +10,13 @@ names) are `h3train.preflight.check_config`; `h3train.preflight.load_checked` lo
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 import os
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -414,15 +419,70 @@ def _conform(schema: dict[str, Any], layer: dict[str, Any], prefix: str, origin:
             raise ConfigError(f"config key '{name}' ({origin}) takes a single value, not {kind}")
 
 
+@functools.cache
+def leaf_types() -> dict[str, Any]:
+    """Every value key of the schema (`train.seed`) -> its annotation with `None` dropped (`int`, `list[float]`).
+
+    Sections are walked, not listed; `model.config` (free-form constructor kwargs) and the fields of
+    `validation.samples` items are not keys of their own here.
+    """
+
+    def walk(cls: type, prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+                hint = next(a for a in typing.get_args(hint) if a is not type(None))
+            if dataclasses.is_dataclass(hint):
+                out.update(walk(hint, f"{prefix}{f.name}."))
+            else:
+                out[f"{prefix}{f.name}"] = hint
+        return out
+
+    return walk(Config, "")
+
+
+@functools.cache
+def _optional_keys() -> set[str]:
+    """Value keys whose default is null: `null` there means "unset"."""
+    tree = OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
+    return {key for key in leaf_types() if _lookup(tree, key) is None}
+
+
+def _lookup(tree: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree[part]
+    return tree
+
+
 def parse_overrides(overrides: list[str]) -> DictConfig:
-    """`["a.b=1", "c=x"]` -> a config tree; a malformed item names itself."""
+    """`["a.b=1", "c=x"]` -> a config tree; a malformed item names itself.
+
+    The value of a text key (`logging.dir`, `data.path`, `optim.schedule`, ...) is the literal text
+    after the first `=`: a ` #`, `1e3` or `on` in a folder name stays as written. A text key whose
+    default is null takes `null` to unset it. Every other value is read as YAML (numbers, booleans,
+    lists, sections), and the schema then checks its type.
+    """
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}' is not of the form key=value")
+    types_, optional = leaf_types(), _optional_keys()
+    parsed, literal = [], []
+    for item in overrides:
+        key, value = item.split("=", 1)
+        key = key.strip()
+        if types_.get(key) is str:
+            literal.append((key, None if value == "null" and key in optional else value))
+        else:
+            parsed.append(item)
     try:
-        return OmegaConf.from_dotlist(list(overrides))
+        tree = OmegaConf.from_dotlist(parsed)
+        for key, value in literal:
+            OmegaConf.update(tree, key, value, force_add=True)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot parse overrides: {_one_line(exc)}") from None
+    return tree
 
 
 def _yaml_error(path: str | os.PathLike, exc: Exception) -> ConfigError:
@@ -524,6 +584,7 @@ def validate(cfg: Config) -> None:
     Only the values themselves are read: no file, no model, no other h3train module, so the
     config stays a leaf every module can import (`h3train.preflight.check_config` does the rest).
     """
+    _check_numbers(cfg)
     for key, choices in _CHOICES.items():
         value = get_key(cfg, key)
         if value not in choices:
@@ -608,6 +669,39 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'train.ema.decay' must be in [0, 1) (0: off), got {cfg.train.ema.decay}")
     if cfg.validation.use_ema and not cfg.train.ema.decay:
         raise ConfigError("config key 'validation.use_ema' needs an EMA: set train.ema.decay, e.g. 0.999")
+
+
+# Seeds feed generators as `seed * constant + offset`: 32 bits leave room for the offsets in 64.
+SEED_MAX = 2**32 - 1
+# The longest collective timeout: the backends hold it in milliseconds in a signed 32-bit field
+# on some paths; a week is far beyond any useful wait.
+TIMEOUT_MAX_S = 7 * 24 * 3600
+_SEED_KEYS = ("train.seed", "validation.seed")
+_INT64 = 2**63 - 1
+
+
+def _check_numbers(cfg: Config) -> None:
+    """Every number of the config is finite and representable; seeds and timeouts within their ranges."""
+    for key in leaf_types():
+        value = get_key(cfg, key)
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"config key '{key}' is {v}; it takes a finite number")
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) > _INT64:
+                raise ConfigError(f"config key '{key}' is {v}; it takes an integer of at most 64 bits")
+    for key in _SEED_KEYS:
+        _in_range(key, get_key(cfg, key), 0, SEED_MAX)
+    for i, sample in enumerate(cfg.validation.samples):
+        if not isinstance(sample.seed, int) or not 0 <= sample.seed <= SEED_MAX:
+            raise ConfigError(f"{sample_key(i, 'seed')} is {sample.seed!r}; choose a seed in [0, {SEED_MAX}]")
+    _in_range("parallel.timeout_s", cfg.parallel.timeout_s, 1, TIMEOUT_MAX_S)
+    _in_range("logging.wandb.init_timeout_s", cfg.logging.wandb.init_timeout_s, 0, TIMEOUT_MAX_S)
+
+
+def _in_range(key: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ConfigError(f"config key '{key}' is {value}; choose a value in [{low}, {high}]")
 
 
 def measures_held_out_loss(v: ValidationConfig) -> bool:

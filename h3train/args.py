@@ -1,0 +1,80 @@
+"""Command-line values of every `h3train` command, checked once they are parsed, before any work.
+
+Each failure is one `ConfigError` line naming the flag, what it holds and what it takes (exit 2);
+the config's own keys are `config.validate`'s. Only the standard library and `config` are imported:
+a bad flag costs no torch import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+from .config import SEED_MAX
+from .errors import ConfigError
+
+# flag -> (smallest, largest) it takes; None: unbounded above. Only flags a command defines are read.
+_RANGES: dict[str, tuple[float, float | None]] = {
+    "world_size": (1, None),
+    "num_samples": (1, None),
+    "text_dim": (1, None),
+    "seed": (0, SEED_MAX),
+    "short_edge": (32, None),
+    "max_pixels": (32 * 32, None),
+    "reference_short_edge": (32, None),
+    "min_seconds": (0, None),
+    "max_seconds": (0, None),
+    "layers": (1, None),
+    "repeats": (1, None),
+    "frames": (1, None),
+    "height": (32, None),
+    "width": (32, None),
+    "text_len": (1, None),
+}
+# Flags that must be above zero, not just at least it.
+_POSITIVE = ("max_shard_gb", "peak_tflops", "parity_tol", "max_seconds")
+# Pseudo-filesystems: nothing written there is a file anyone can read back (`/dev/shm` is memory, a disk).
+_NOT_A_DISK = ("/proc", "/sys", "/dev")
+_SHARED_MEMORY = Path("/dev/shm")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every number of `args` finite and in range, every output path writable; `ConfigError` on the first not."""
+    for name, value in vars(args).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if not math.isfinite(value):
+            raise ConfigError(f"{flag} is {value}; it takes a finite number")
+        low, high = _RANGES.get(name, (-math.inf, None))
+        if value < low or (high is not None and value > high) or (name in _POSITIVE and value <= 0):
+            bound = f"in [{low}, {high}]" if high is not None else (f"> {low}" if name in _POSITIVE else f">= {low}")
+            raise ConfigError(f"{flag} is {value}; it takes a value {bound}")
+    command = getattr(args, "command", None)
+    if command in ("synth", "export", "encode"):
+        check_output_folder(Path(args.out), "--out")
+    elif command == "tiny-components":
+        check_output_folder(Path(args.dir), "DIR")
+    elif command in ("plot", "bench") and args.out is not None:
+        check_output_folder(Path(args.out).parent, "--out's folder")
+
+
+def check_output_folder(path: Path, what: str) -> None:
+    """`path` is, or can be created as, a folder this process can write; nothing is created here."""
+    absolute = Path(os.path.abspath(path.expanduser()))
+    for root in _NOT_A_DISK:
+        if absolute == _SHARED_MEMORY or _SHARED_MEMORY in absolute.parents:
+            break
+        if absolute == Path(root) or Path(root) in absolute.parents:
+            raise ConfigError(f"{what} '{path}' is under {root}, which holds no files; name a folder on a disk")
+    if absolute.exists() and not absolute.is_dir():
+        raise ConfigError(f"{what} '{path}' is a file, not a folder; name a folder to write into")
+    existing = absolute
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{what} '{path}' lies inside the file '{existing}'; name a folder to write into")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} '{path}': '{existing}' is not writable by this user; name a folder you can write")
