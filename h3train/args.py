@@ -32,9 +32,10 @@ _RANGES: dict[str, tuple[float, float | None]] = {
     "height": (32, None),
     "width": (32, None),
     "text_len": (1, None),
+    "parity_tol": (0, None),
 }
 # Flags that must be above zero, not just at least it.
-_POSITIVE = ("max_shard_gb", "peak_tflops", "parity_tol", "max_seconds")
+_POSITIVE = ("max_shard_gb", "peak_tflops", "max_seconds")
 # Pseudo-filesystems: nothing written there is a file anyone can read back (`/dev/shm` is memory, a disk).
 _NOT_A_DISK = ("/proc", "/sys", "/dev")
 _SHARED_MEMORY = Path("/dev/shm")

@@ -12,6 +12,7 @@ written beside them.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import uuid
 from collections.abc import Callable
@@ -76,6 +77,15 @@ def set_aside(path: Path, tag: str) -> Path:
     target = free_name(path.with_name(f"{path.name}.{tag}"))
     os.replace(path, target)
     return target
+
+
+# The temporary name of an atomic write: `.<name>.<32 hex digits>.tmp`, h3train's own mark on it.
+_TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")
+
+
+def is_temporary(path: Path) -> bool:
+    """Whether `path` is named as the temporary file of an atomic write (`_temporary_for`)."""
+    return bool(_TEMPORARY.match(path.name))
 
 
 @contextmanager

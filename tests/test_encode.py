@@ -46,6 +46,7 @@ from h3train.data.manifest import ManifestError, read_manifest
 from h3train.data.media import fit_audio, load_clip, load_still, moving_pattern, sine_tone, write_audio, write_video
 from h3train.model.build import build_model
 from h3train.objective import compute_loss, micro_batch_inputs
+from h3train.runlock import LOCK_NAME, RunLock
 
 from reference import run_forked
 
@@ -176,6 +177,38 @@ def test_rerun_skips_what_is_done_and_redoes_what_changed(encoded: Path, media: 
     summary = _encode(manifest, components, out)
     assert (summary.encoded, summary.skipped, summary.failed) == (1, 2, 2)
     assert out.joinpath("clips--silent.safetensors").stat().st_mtime_ns != stamps["clips--silent.safetensors"]
+
+
+def test_rerun_deletes_only_its_own_leftovers_and_keeps_the_earlier_errors(
+    encoded: Path, media: Path, components: Path
+) -> None:
+    out = media / "out-kept"
+    shutil.copytree(encoded, out)
+    (out / ".notes.tmp").write_text("a user's hidden file\n")
+    killed = out / f".fl2va-tone.safetensors.{'0f' * 16}.tmp"  # an atomic write cut short
+    killed.write_bytes(b"half a sample")
+    earlier = (out / ERRORS_NAME).read_text()
+    summary = _encode(media / "manifest.jsonl", components, out)
+    assert (summary.encoded, summary.skipped, summary.failed) == (0, 3, 2)
+    assert (out / ".notes.tmp").read_text() == "a user's hidden file\n"
+    assert not killed.exists()
+    assert (out / f"{ERRORS_NAME}.previous").read_text() == earlier
+    assert len((out / ERRORS_NAME).read_text().splitlines()) == 2
+    assert not (out / LOCK_NAME).exists()
+
+
+def test_second_encode_into_a_held_folder_is_one_line(media: Path, components: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "o"
+    holder = RunLock([(out, f"--out '{out}'")])
+    holder.acquire()
+    try:
+        args = ["encode", str(media / "manifest.jsonl"), "--components", str(components), "--out", str(out)]
+        assert main([*args, "--device", "cpu", "--no-progress"]) == 2
+    finally:
+        holder.release()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--out '{out}' is in use by another run" in err[0]
+    assert sorted(p.name for p in out.iterdir()) == []
 
 
 def test_killed_writer_leaves_no_readable_half_sample(media: Path, components: Path) -> None:

@@ -70,10 +70,11 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
 from PIL import Image
 from tqdm import tqdm
 
-from ..atomic import atomic_write_text
+from ..atomic import atomic_write_text, is_temporary, set_aside
 from ..errors import ConfigError
+from ..runlock import RunLock
 from .components import Components, check_components_folder, components_fingerprint, load_components, reads_videos
-from .format import SAMPLE_SUFFIX, CachedSample, ReferenceLatents, read_header, write_index, write_sample
+from .format import SAMPLE_SUFFIX, CachedSample, ReferenceLatents, verify_sample, write_index, write_sample
 from .manifest import ManifestEntry, Reference, read_manifest
 from .media import MediaError, fit_audio, load_clip, load_still, load_video
 
@@ -427,6 +428,26 @@ def encode_manifest(
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output '{out}' exists and is not a folder")
 
+    # The first rank locks the folder before the process group exists: a second encode into it stops.
+    lock = RunLock([(out, f"--out '{out}'")]) if int(os.environ.get("RANK", "0")) == 0 else None
+    for note in lock.acquire() if lock is not None else []:
+        print(note, file=sys.stderr, flush=True)
+    try:
+        return _encode(entries, components, out, settings, device, text_dtype, progress)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _encode(
+    entries: list[ManifestEntry],
+    components: str | os.PathLike,
+    out: Path,
+    settings: EncodeSettings,
+    device: torch.device,
+    text_dtype: torch.dtype,
+    progress: bool,
+) -> EncodeSummary:
     # Alone: a single-process state. Under torchrun: one process group (gloo for a CPU encode, NCCL on
     # the GPUs), each rank a contiguous share of the manifest.
     state = PartialState(cpu=device.type == "cpu")
@@ -480,20 +501,32 @@ def _encode_to_folder(
 
 
 def _up_to_date(sample_path: Path, inputs_path: Path, digest: str) -> bool:
+    """Encoded from these inputs, and its bytes still those written (every tensor's digest checked)."""
     try:
         recorded = json.loads(inputs_path.read_text()).get("digest")
-        read_header(sample_path)
+        if recorded != digest:
+            return False
+        verify_sample(sample_path)
     except (OSError, ValueError, AttributeError):
         return False
-    return recorded == digest
+    return True
 
 
 def _prepare_output(out: Path) -> None:
-    """Create the folder, drop temporary files of an interrupted run, and start a fresh `errors.jsonl`."""
+    """Create the folder, drop the temporary files of an interrupted encode, start a fresh `errors.jsonl`.
+
+    Only files named as h3train's atomic writes name their temporaries go (this encode holds the
+    folder's lock, so their writer has stopped); the earlier `errors.jsonl` is kept as
+    `errors.jsonl.previous` (numbered after the first).
+    """
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(".*.tmp"):
-        stale.unlink(missing_ok=True)
-    (out / ERRORS_NAME).write_text("")
+        if stale.is_file() and is_temporary(stale):
+            stale.unlink(missing_ok=True)
+    errors = out / ERRORS_NAME
+    if errors.is_file() and errors.stat().st_size > 0:
+        set_aside(errors, "previous")
+    errors.write_text("")
 
 
 def _append_error(out: Path, entry: ManifestEntry, reason: str) -> None:

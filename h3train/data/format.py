@@ -19,6 +19,11 @@ Reference numbers `i` are positions in the request order, which is the packed or
 records the task, anchors, references `[{kind, has_audio}]`, `has_audio`, `num_frames` (pixel frames,
 `17 n + 5` at 24 fps) and the latent geometry, all checked against the tensors on read and on write.
 
+The header also records a digest of every tensor's stored bytes (`DIGESTS_KEY`, `h3train/digest.py`),
+checked whenever the tensors are read: bytes changed after writing are a `SampleError` naming the
+tensor, not values trained on. A file is read whole into this process's memory (no memory map), so
+one truncated or rewritten under a running job fails its read instead of raising SIGBUS in a later step.
+
 Any problem raises `SampleError` with a one-line message naming the file and the field.
 """
 
@@ -36,9 +41,9 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     audio_latent_num_frames,
     video_latent_num_frames,
 )
-from safetensors import safe_open
 
 from ..atomic import atomic_save_file, atomic_write_text
+from ..digest import ALGORITHM, digest_bytes, digest_tensor
 from ..errors import DatasetError, SampleError
 from ..tasks.layout import (
     AUDIO_CHANNELS,
@@ -60,6 +65,11 @@ from ..tasks.table import (
 
 FORMAT_VERSION = 1
 METADATA_KEY = "h3train"
+# In the metadata JSON: `{"algorithm": ..., "tensors": {name: digest}}` of every tensor's stored bytes
+# (inside the one metadata entry: safetensors writes several entries in no fixed order).
+DIGESTS_KEY = "digests"
+# safetensors' own limit on a header's size.
+_MAX_HEADER = 100 * 1024 * 1024
 INDEX_NAME = "index.jsonl"
 SAMPLE_SUFFIX = ".safetensors"
 VIDEO_LATENT_CHANNELS = 24
@@ -524,50 +534,145 @@ def write_sample(path: str | os.PathLike, sample: CachedSample) -> None:
     check_values(where, tensors)
     # safetensors refuses views that share storage (a keyframe sliced from the target, say).
     payload = {name: t.detach().cpu().contiguous().clone() for name, t in tensors.items()}
-    atomic_save_file(payload, path, metadata={METADATA_KEY: json.dumps(meta)})
+    digests = {"algorithm": ALGORITHM, "tensors": {name: digest_tensor(t) for name, t in payload.items()}}
+    atomic_save_file(payload, path, metadata={METADATA_KEY: json.dumps({**meta, DIGESTS_KEY: digests})})
 
 
-def _open(where: str, path: Path) -> Any:
+def _read(where: str, path: Path, whole: bool) -> tuple[dict[str, Any], bytearray, int]:
+    """The safetensors header of `path` as JSON, the bytes read and where the tensor data starts.
+
+    Plain reads into this process's memory, the whole file when `whole`, else the header alone:
+    nothing stays backed by the file, so a file changed or truncated under a running job is a
+    `SampleError` when read, never a signal when a step touches its tensors.
+    """
     if not path.is_file():
         raise SampleError(f"sample '{where}': file does not exist")
     try:
-        return safe_open(str(path), framework="pt")
-    except Exception as exc:  # noqa: BLE001 - any parse failure is a broken file
-        raise SampleError(f"sample '{where}': not a readable safetensors file ({exc})") from None
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size if whole else 8
+            data = bytearray(size)
+            got = handle.readinto(data)
+            del data[got:]
+            if not whole and got == 8:
+                data += handle.read(min(int.from_bytes(data, "little"), _MAX_HEADER))
+    except OSError as exc:
+        raise SampleError(f"sample '{where}': cannot be read ({exc.strerror or exc})") from None
+    length = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if length < 0 or length > _MAX_HEADER or len(data) < 8 + length:
+        raise SampleError(f"sample '{where}': not a readable safetensors file (truncated or not safetensors)")
+    try:
+        header = json.loads(bytes(data[8 : 8 + length]))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SampleError(f"sample '{where}': not a readable safetensors file (header: {exc})") from None
+    if not isinstance(header, dict):
+        raise SampleError(f"sample '{where}': not a readable safetensors file (header is not a JSON object)")
+    return header, data, 8 + length
 
 
-def _header_of(where: str, handle: Any) -> SampleHeader:
-    raw = (handle.metadata() or {}).get(METADATA_KEY)
+def _entries(where: str, header: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    for name, info in entries.items():
+        ok = isinstance(info, dict) and isinstance(info.get("shape"), list) and len(info.get("data_offsets", ())) == 2
+        if not ok:
+            raise SampleError(f"sample '{where}': not a readable safetensors file (entry '{name}' is malformed)")
+    return entries
+
+
+def _header_of(where: str, header: dict[str, Any]) -> SampleHeader:
+    metadata = header.get("__metadata__") or {}
+    raw = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
     if raw is None:
         raise _fail(where, "metadata", f"is missing (no '{METADATA_KEY}' entry in the safetensors header)")
     try:
         meta = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise _fail(where, "metadata", f"is not valid JSON ({exc})") from None
+    if isinstance(meta, dict):
+        meta.pop(DIGESTS_KEY, None)
     specs = {}
-    for name in handle.keys():  # noqa: SIM118 - a safetensors handle is not iterable
-        piece = handle.get_slice(name)
-        dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+    for name, info in _entries(where, header).items():
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
         if dtype is None:
-            raise _fail(where, name, f"has unsupported dtype {piece.get_dtype()}")
-        specs[name] = _TensorSpec(tuple(piece.get_shape()), dtype)
+            raise _fail(where, name, f"has unsupported dtype {info['dtype']}")
+        specs[name] = _TensorSpec(tuple(info["shape"]), dtype)
     return check_header(where, meta, specs)
+
+
+def _recorded_digests(where: str, header: dict[str, Any]) -> dict[str, str] | None:
+    """The per-tensor digests the writer recorded (None for a sample written before they were)."""
+    try:
+        record = json.loads((header.get("__metadata__") or {})[METADATA_KEY]).get(DIGESTS_KEY)
+    except (KeyError, ValueError, AttributeError):
+        return None  # no metadata at all: `_header_of` says so
+    if record is None:
+        return None
+    try:
+        algorithm, digests = record["algorithm"], dict(record["tensors"])
+    except (ValueError, KeyError, TypeError):
+        raise _fail(where, f"metadata.{DIGESTS_KEY}", "is not a digest record") from None
+    if algorithm != ALGORITHM:
+        raise _fail(where, f"metadata.{DIGESTS_KEY}", f"uses {algorithm!r}, this reader checks {ALGORITHM!r}")
+    return digests
+
+
+def _tensors(where: str, header: dict[str, Any], data: bytearray, start: int) -> dict[str, torch.Tensor]:
+    """Every tensor of the file, checked against its recorded digest, as views of `data` (owned memory)."""
+    entries = _entries(where, header)
+    digests = _recorded_digests(where, header)
+    end = max((info["data_offsets"][1] for info in entries.values()), default=0)
+    if len(data) < start + end:
+        raise SampleError(
+            f"sample '{where}': file is truncated ({len(data)} bytes, its header describes {start + end}); "
+            "re-encode it or remove it from the dataset"
+        )
+    view = memoryview(data)
+    tensors = {}
+    for name, info in entries.items():
+        first, last = (start + offset for offset in info["data_offsets"])
+        if digests is not None and digest_bytes(view[first:last]) != digests.get(name):
+            raise _fail(
+                where,
+                name,
+                "does not match the digest recorded when the sample was written (its bytes changed since); "
+                "re-encode it or remove it from the dataset",
+            )
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise _fail(where, name, f"has unsupported dtype {info['dtype']}")
+        shape = tuple(info["shape"])
+        if last == first:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        else:
+            count = (last - first) // dtype.itemsize
+            tensors[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=first).reshape(shape)
+    return tensors
 
 
 def read_header(path: str | os.PathLike) -> SampleHeader:
     """Validate a sample's header (metadata, shapes, dtypes) without loading its tensors."""
     path = Path(path)
-    with _open(str(path), path) as handle:
-        return _header_of(str(path), handle)
+    header, _, _ = _read(str(path), path, whole=False)
+    return _header_of(str(path), header)
+
+
+def verify_sample(path: str | os.PathLike) -> None:
+    """Read the whole sample and check every tensor against its digest; a sample without digests (from
+    before they were recorded) fails too. Raises `SampleError`."""
+    path = Path(path)
+    header, data, start = _read(str(path), path, whole=True)
+    _header_of(str(path), header)
+    if _recorded_digests(str(path), header) is None:
+        raise _fail(str(path), f"metadata.{DIGESTS_KEY}", "is missing (written before samples recorded digests)")
+    _tensors(str(path), header, data, start)
 
 
 def read_cached_sample(path: str | os.PathLike) -> CachedSample:
     """Load and fully validate one sample file. Raises `SampleError`."""
     path = Path(path)
     where = str(path)
-    with _open(where, path) as handle:
-        header = _header_of(where, handle)
-        tensors = {name: handle.get_tensor(name) for name in header.specs}
+    raw, data, start = _read(where, path, whole=True)
+    header = _header_of(where, raw)
+    tensors = _tensors(where, raw, data, start)
     check_values(where, tensors)
     meta = header.meta
     anchors = tuple(meta["keyframe_anchors"])

@@ -104,7 +104,7 @@ def write_lora_export(
             f"checkpoint '{checkpoint}' also trains {others[0]}{more} in full (lora.train_modules), "
             "which a LoRA file cannot hold; export it with --merge"
         )
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     if fmt == "comfyui":
         save_comfyui_lora(out / COMFYUI_WEIGHT_NAME, adapters, lora_config)
     else:
@@ -161,7 +161,7 @@ def _write_merged(
     model_config = state["model_config"]
     islands = island_prefixes(model_config)
     groups = _base_groups(checkpoint, state, base)
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     names: list[str] = []
     total = 0

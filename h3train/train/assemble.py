@@ -10,6 +10,7 @@ FSDP2 before the optimizer) and hands the parts to `Trainer`, which only wires t
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
 from ..parallel.fsdp import apply_fsdp, shards_nothing
 from ..parallel.ulysses import SequenceParallel
 from ..preflight import preflight
+from ..runlock import RunLock
 from .checkpoint import Checkpointer
 from .events import EventLog, Progress
 from .faults import FaultInjector
@@ -50,7 +52,7 @@ class TrainingParts:
     `resume`); `adapter` is the transform that owns what checkpoints of an adapted model record
     (None in full fine-tuning); `batches` yields the micro-batches of `source`; `data_errors` and
     `spike_log` are this rank's event logs (written by SP rank 0 of each group only), `progress` the
-    step counters they and the trainer share.
+    step counters they and the trainer share; `lock` the run folders' lock (rank 0; `close` releases it).
     """
 
     cfg: Config
@@ -71,6 +73,7 @@ class TrainingParts:
     data_errors: EventLog
     spike_log: EventLog
     progress: Progress
+    lock: RunLock | None = None
 
 
 def build_trainer(
@@ -86,7 +89,13 @@ def build_trainer(
     """
     from .trainer import Trainer
 
-    return Trainer(assemble(cfg, transforms, hooks, overwrite))
+    parts = assemble(cfg, transforms, hooks, overwrite)
+    try:
+        return Trainer(parts)
+    except BaseException:
+        if parts.lock is not None:
+            parts.lock.release()
+        raise
 
 
 def assemble(
@@ -104,6 +113,38 @@ def assemble(
     # The run-folder policy (rundir.py), decided the same way on every rank from the shared folders.
     probe_writable(log_dir, "logging.dir")
     probe_writable(ckpt_dir, "checkpoint.dir" if cfg.checkpoint.dir else "logging.dir")
+    lock = take_run_lock(log_dir, ckpt_dir)
+    try:
+        return _assemble(cfg, dims, log_dir, ckpt_dir, lock, transforms, hooks, overwrite)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def take_run_lock(log_dir: Path, ckpt_dir: Path) -> RunLock | None:
+    """Rank 0 (the only writer before the process group exists) locks both run folders; None elsewhere.
+
+    Before anything is written: a second run into either folder stops here (exit 2, naming the holder).
+    """
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    lock = RunLock([(log_dir, f"logging.dir '{log_dir}'"), (ckpt_dir, f"checkpoint.dir '{ckpt_dir}'")])
+    for note in lock.acquire():
+        print(note, file=sys.stderr, flush=True)
+    return lock
+
+
+def _assemble(
+    cfg: Config,
+    dims: ParallelDims,
+    log_dir: Path,
+    ckpt_dir: Path,
+    lock: RunLock | None,
+    transforms: Sequence[ModelTransform] | None,
+    hooks: Sequence[TrainerHook] | None,
+    overwrite: bool,
+) -> TrainingParts:
     resume = Resume(cfg, log_dir, ckpt_dir, overwrite)
 
     _, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
@@ -146,7 +187,12 @@ def assemble(
         cfg.data.prefetch,
     )
     checkpointer = Checkpointer(
-        ckpt_dir, cfg.checkpoint.keep_last, ctx.is_main, async_save=cfg.checkpoint.async_save, device=device
+        ckpt_dir,
+        cfg.checkpoint.keep_last,
+        ctx.is_main,
+        async_save=cfg.checkpoint.async_save,
+        device=device,
+        owner=lock.token if lock is not None else "",
     )
     checkpointer.clean_incomplete()
     parts = TrainingParts(
@@ -168,6 +214,7 @@ def assemble(
         data_errors=data_errors,
         spike_log=spike_log,
         progress=progress,
+        lock=lock,
     )
     return parts
 

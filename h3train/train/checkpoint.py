@@ -4,15 +4,17 @@ Layout of `checkpoint.dir`:
 
     step_00000012/           a committed checkpoint (only committed ones carry this name)
       .metadata, *.distcp    DCP: every component of the checkpoint state, sharded
-      trainer_state.json     step, commit number, model config, resolved config (JSON, for people
-                             and for the checks that run before a model exists)
+      trainer_state.json     step, commit number, model config, resolved config, a digest of every
+                             file (JSON, for people and for the checks that run before a model exists)
+    .h3train.lock            the lock of the run writing here (`h3train/runlock.py`)
     .tmp-step_00000013/      being written; renamed to step_00000013 once every rank is done
     step_00000014.corrupt    a checkpoint that failed to load, set aside by a resume (never read)
     step_00000020.abandoned-12   a later checkpoint set aside when a run resumed from step 12
 
 A checkpoint is valid only once it has its final name: the rename is the commit, done by rank 0 once
 every rank's write is complete (after a barrier; a background save, as soon as DCP reports it done).
-`.tmp-*` folders are never read and are removed at start.
+`.tmp-*` folders are never read. Each carries its writer's marker (`runlock.mark_owned`); at start the
+run, holding the folder's lock, removes those of writers that stopped, and nothing without the marker.
 The checkpoint state is one dict of named `Stateful` components (`Trainer.checkpoint_state`): the
 model, the optimizer, the LR schedule position, the sampler, the step counters. A later
 feature joins it with `trainer.checkpoint_state["ema"] = ema`. Tensors are keyed by their FQN, so
@@ -21,6 +23,10 @@ DCP reshards on load: a run resumes under another `dp_shard` / `sp` / `dp_replic
 A LoRA run's `model` component holds the trainable parameters only (`ModelState(trainable_only=True)`:
 adapters and `lora.train_modules`, no frozen base weight); its `trainer_state.json` adds the
 adapter's peft config (`lora`) and the base it was trained on (`lora_base`, `h3train/lora/base.py`).
+
+The digests (`h3train/digest.py`) are taken at commit, each rank reading back the shard files it
+wrote; before a resume the ranks check them in parallel (`verify_file_digests`), and a file whose bytes
+changed takes the corrupt-checkpoint path (set aside, the next older one used); export checks them too.
 
 Commit order is recorded, not inferred: each commit writes `commit` (one more than any checkpoint
 in the folder) into `trainer_state.json`, so a run folder copied elsewhere (new mtimes) keeps it.
@@ -63,7 +69,9 @@ except ImportError:  # older torch: `dcp.async_save` copies to host memory on th
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..atomic import apply_file_mode, atomic_write_text, fsync_path, set_aside
+from ..digest import ALGORITHM, digest_file
 from ..errors import CheckpointError, ConfigError
+from ..runlock import OWNER_NAME, mark_owned, owned_by_another
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "trainer_state.json"
@@ -120,6 +128,10 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for p in committed_checkpoints(root) if is_complete(p)]
 
 
+# `trainer_state.json`'s record of every file's digest at commit: `{"algorithm": ..., "files": {name: hex}}`.
+DIGESTS_FIELD = "digests"
+
+
 def read_trainer_state(path: Path) -> dict[str, Any]:
     return json.loads((path / STATE_FILE).read_text())
 
@@ -159,6 +171,40 @@ def validate_checkpoint(path: Path) -> str | None:
         if have < size:
             return f"{file} is truncated ({have} of {size} bytes)"
     return None
+
+
+def file_digest_problem(path: Path, rank: int = 0, world: int = 1) -> str | None:
+    """What of checkpoint `path`'s files differs from the digests recorded at commit, for this rank's
+    share (every `world`-th file from `rank`); None if all match or the checkpoint predates digests."""
+    record = read_trainer_state(path).get(DIGESTS_FIELD)
+    if record is None:
+        return None
+    if record.get("algorithm") != ALGORITHM:
+        return f"{path / STATE_FILE} records digests of {record.get('algorithm')!r}; this h3train checks {ALGORITHM!r}"
+    for i, (name, recorded) in enumerate(sorted(record["files"].items())):
+        if i % world != rank:
+            continue
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if digest_file(file) != recorded:
+            return f"{file} does not match the digest recorded when the checkpoint was committed"
+    return None
+
+
+def verify_file_digests(path: Path) -> None:
+    """Every rank checks its share of checkpoint `path`'s files against their digests (collective); all
+    raise `CorruptCheckpoint` naming the first file that differs on any rank."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problems: list[str | None] = [None] * world
+    mine = file_digest_problem(path, rank, world)
+    if world > 1:
+        dist.all_gather_object(problems, mine)
+    else:
+        problems = [mine]
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        raise CorruptCheckpoint(f"checkpoint '{path}' cannot be read: {first}")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -501,8 +547,11 @@ class Checkpointer:
         is_main: bool,
         async_save: bool = False,
         device: torch.device | None = None,
+        owner: str = "",
     ) -> None:
         self.root = root
+        # The token of the run lock this writer holds (`runlock.py`): its temporary folders carry it.
+        self.owner = owner
         self.keep_last = keep_last
         self.is_main = is_main
         self.async_save = async_save
@@ -518,10 +567,14 @@ class Checkpointer:
         self.written: set[str] = set()
 
     def clean_incomplete(self) -> None:
-        """Remove `.tmp-*` leftovers of a save that never committed (rank 0; others wait)."""
+        """Remove the `.tmp-*` leftovers of saves that never committed (rank 0; others wait).
+
+        Only folders that carry an h3train writer's marker, of a writer other than this one, go:
+        this run holds the folder's lock, so that writer has stopped. Anything else stays.
+        """
         if self.is_main and self.root.is_dir():
             for path in self.root.iterdir():
-                if path.name.startswith(".tmp-"):
+                if path.name.startswith(".tmp-") and path.is_dir() and owned_by_another(path, self.owner):
                     shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
 
@@ -550,10 +603,15 @@ class Checkpointer:
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{final.name}"
         if self.is_main:
-            # `clean_incomplete` left none; a leftover of this name would mix its files into the new one.
+            # A leftover of this name would mix its files into the new one: this writer's own goes,
+            # anything else (`clean_incomplete` kept it) is set aside.
             if tmp.exists():
-                shutil.rmtree(tmp)
+                if (tmp / OWNER_NAME).is_file():
+                    shutil.rmtree(tmp)
+                else:
+                    set_aside(tmp, "kept")
             tmp.mkdir(parents=True, exist_ok=True)
+            mark_owned(tmp, self.owner)
         # No barrier: DCP's writer creates the folder on every rank, and no rank writes a file before
         # the plan exchange, which needs rank 0's plan, made after the lines above.
         if self.async_save:
@@ -636,18 +694,39 @@ class Checkpointer:
     def _commit(
         self, tmp: Path, final: Path, step: int, info: dict[str, Any], before_commit: Callable[[], None] | None
     ) -> None:
-        """Every rank's shards are in `tmp` once all ranks reach the barrier: rank 0 commits it."""
-        dist.barrier()
+        """Every rank's shards are in `tmp` once all ranks have gathered their digests: rank 0 commits it.
+
+        Each rank digests the shard files it wrote itself (`__<rank>_*.distcp`), in parallel.
+        """
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = {p.name: digest_file(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+        gathered: list[dict[str, str]] = [{} for _ in range(world)]
+        dist.all_gather_object(gathered, mine)
         if before_commit is not None:
             before_commit()
         if self.is_main:
-            self._rename_into_place(tmp, final, step, info)
+            self._rename_into_place(tmp, final, step, info, {k: v for part in gathered for k, v in part.items()})
         self.written.add(final.name)
         dist.barrier()
 
-    def _rename_into_place(self, tmp: Path, final: Path, step: int, info: dict[str, Any]) -> None:
-        """Rank 0, no collective: write the record into the complete `tmp`, rename it to `final`, prune."""
-        record = {"step": step, "commit": self._next_commit(), **info}
+    def _rename_into_place(
+        self, tmp: Path, final: Path, step: int, info: dict[str, Any], digests: dict[str, str] | None = None
+    ) -> None:
+        """Rank 0, no collective: write the record into the complete `tmp`, rename it to `final`, prune.
+
+        The record holds a digest of every file (`digests` gives those the ranks computed; rank 0
+        reads the rest, all of them for a background save, on the writer thread).
+        """
+        files = dict(digests or {})
+        for file in sorted(tmp.iterdir()):
+            if file.is_file() and file.name not in files and file.name not in (STATE_FILE, OWNER_NAME):
+                files[file.name] = digest_file(file)
+        record = {
+            "step": step,
+            "commit": self._next_commit(),
+            **info,
+            DIGESTS_FIELD: {"algorithm": ALGORITHM, "files": files},
+        }
         atomic_write_text(tmp / STATE_FILE, json.dumps(record, indent=2, default=str))
         for file in tmp.iterdir():
             apply_file_mode(file)
@@ -678,6 +757,7 @@ class Checkpointer:
             if old == keep or foreign_later:
                 continue
             target = old.with_name(f".tmp-retired-{old.name}")
+            mark_owned(old, self.owner)  # before the rename: a retired folder always carries it
             os.replace(old, target)
             retired.append(target)
         if retired:

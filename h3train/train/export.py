@@ -6,12 +6,13 @@ group. Tensors are read from the DCP checkpoint one output shard at a time, so h
 shard (plus DCP's read buffers), never the whole model. With `--dtype bfloat16` the
 `_keep_in_fp32_modules` islands stay float32, as in the released checkpoints.
 
-The folder is written under a temporary sibling name (`.<name>.tmp-<id>`) and renamed into place only
-once complete, so `--out` never holds a mix of two exports and a failed export leaves nothing
-behind. A non-empty `--out` is refused unless `overwrite`, which replaces the folder whole: the old
-one is removed only after the new one is complete and in place. LoRA checkpoints take the same
-path (`h3train/lora/checkpoint_export.py` writes into the temporary folder), and so does `--ema`,
-which writes the EMA weights in place of the trained ones.
+The folder is written under a temporary sibling name (`.<name>.tmp-<id>`, marked as this process's)
+and renamed into place only once complete, so `--out` never holds a mix of two exports and a failed
+export leaves nothing behind; one killed midway leaves its sibling, which the next export of the same
+`--out` removes once its writer's process is gone. A non-empty `--out` is refused unless `overwrite`,
+which replaces the folder whole: the old one is removed only after the new one is complete and in
+place. LoRA checkpoints take the same path (`h3train/lora/checkpoint_export.py` writes into the
+temporary folder), and so does `--ema`, which writes the EMA weights in place of the trained ones.
 
 The export is of the partition the run trained (`lora.checkpoint_export.trained_partition`: its
 `model.subfolder`, else its `task.name`'s in the task table, `transformer` for t2va / fl2va and
@@ -36,9 +37,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..atomic import apply_file_mode, atomic_save_file, atomic_write_text
 from ..errors import CheckpointError, ConfigError, UsageError
 from ..model.build import meta_transformer
+from ..runlock import OWNER_NAME, left_behind, mark_owned
 from .checkpoint import (
     MODEL_PREFIX,
     NamingReader,
+    file_digest_problem,
     is_complete,
     read_failure_reason,
     read_trainer_state,
@@ -68,6 +71,14 @@ def _shard_plan(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
         shards[-1].append(key)
         used += nbytes
     return shards
+
+
+def _remove_left_behind(out: Path) -> None:
+    """Remove the temporary siblings of `out` (`.<name>.tmp-*`) that earlier exports killed midway left:
+    only folders with an h3train writer's marker whose process has stopped (`runlock.left_behind`)."""
+    for sibling in out.parent.glob(f".{out.name}.tmp-*"):
+        if sibling.is_dir() and left_behind(sibling):
+            shutil.rmtree(sibling, ignore_errors=True)
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -109,7 +120,7 @@ def export_checkpoint(
     _check_out(out, overwrite)
     if checkpoint.resolve().is_relative_to(out.resolve()):
         raise UsageError(f"--out '{out}' holds the checkpoint being exported; choose a folder outside it")
-    problem = validate_checkpoint(checkpoint)
+    problem = validate_checkpoint(checkpoint) or file_digest_problem(checkpoint)
     if problem is not None:
         raise CheckpointError(f"checkpoint '{checkpoint}' cannot be exported: {problem}")
     lora = is_lora_checkpoint(read_trainer_state(checkpoint))
@@ -123,12 +134,16 @@ def export_checkpoint(
             f"checkpoint '{checkpoint}' holds no EMA (its run had train.ema.decay=0); export it without --ema"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_left_behind(out)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
+        tmp.mkdir()
+        mark_owned(tmp, tmp.name)
         if lora:
             _write_lora_export(checkpoint, tmp, fmt or "diffusers", merge, ema, DTYPES[dtype], base)
         else:
             _write_export(checkpoint, tmp, DTYPES[dtype], max_shard_bytes, ema)
+        (tmp / OWNER_NAME).unlink()
         for file in tmp.iterdir():
             apply_file_mode(file)
         _replace_folder(tmp, out)
@@ -173,7 +188,7 @@ def _write_export(checkpoint: Path, out: Path, target: torch.dtype, max_shard_by
 
     sizes = {k: metadata[k].size.numel() * out_dtype(k).itemsize for k in keys}
     shards = _shard_plan(sizes, max_shard_bytes)
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     weight_map, total = {}, 0
     for i, group in enumerate(shards, start=1):
         name = (

@@ -46,6 +46,7 @@ from .checkpoint import (
     schedule_changes,
     step_of,
     validate_checkpoint,
+    verify_file_digests,
 )
 from .metrics import set_aside_later_lines
 from .rundir import check_fresh_run, move_run_aside, set_aside_later_checkpoints
@@ -114,7 +115,10 @@ class Resume:
             return None
         ctx = self._context()
         while True:
-            code, failure, components = self._agreed_attempt(check_components, path, trainer.checkpoint_state)
+            # The ranks read the files' digests in parallel first: flipped bytes are a damaged checkpoint.
+            code, failure, _ = self._agreed_attempt(verify_file_digests, path)
+            if code == 0:
+                code, failure, components = self._agreed_attempt(check_components, path, trainer.checkpoint_state)
             if code == 0:
                 code, failure, saved = self._agreed_attempt(read_components, path, components)
             if code == 0:

@@ -70,6 +70,7 @@ class Trainer:
         self.shared_negative = parts.shared_negative
         self.checkpointer, self.faults, self.progress = parts.checkpointer, parts.faults, parts.progress
         self.data_errors, self.spike_log = parts.data_errors, parts.spike_log
+        self.lock = parts.lock
         self.event_logs = [self.data_errors.path, self.spike_log.path]
         self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
         self.cfg_enabled = cfg_enabled(cfg.cfg)
@@ -455,7 +456,7 @@ class Trainer:
         return f"{what} by {name}: stopped after step {step}, checkpoint saved; resume with checkpoint.resume=auto"
 
     def close(self, clean: bool = True) -> None:
-        """Stop the prefetcher and leave the process group.
+        """Stop the prefetcher, leave the process group, release the run folders' lock.
 
         After a failure the group is left as it is: a peer may be dead or blocked in a collective,
         and tearing gloo down under it aborts this process before its error is reported.
@@ -466,3 +467,5 @@ class Trainer:
             # Ranks leave together: one tearing down gloo while another still talks aborts it.
             dist.barrier()
             dist.destroy_process_group()
+        if self.lock is not None:
+            self.lock.release()
