@@ -21,9 +21,13 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/python scripts/demo.py
 
+# Two workers (one per core of the CI machine); each takes whole test files, so the runs a file's
+# tests share are trained once.
+TEST_WORKERS ?= 2
+
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: install
 	$(BIN)/ruff check .
