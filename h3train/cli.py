@@ -147,9 +147,18 @@ def _cmd_encode(args: argparse.Namespace) -> int:
         min_seconds=args.min_seconds,
         max_seconds=args.max_seconds,
     )
-    summary = encode_manifest(
-        args.manifest, args.components, args.out, settings, device=args.device, progress=not args.no_progress
-    )
+    try:
+        summary = encode_manifest(
+            args.manifest, args.components, args.out, settings, device=args.device, progress=not args.no_progress
+        )
+    except KeyboardInterrupt:
+        # The samples written so far are complete (atomic writes); a rerun skips them.
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"h3train encode: interrupted; the samples in {args.out} are kept, run again to go on",
+                file=sys.stderr,
+            )
+        return 130
     if int(os.environ.get("RANK", "0")) == 0:
         print(summary.describe())
     return 0 if summary.ok else 1

@@ -96,6 +96,7 @@ class FolderLock:
         self.what = what
         self.token = token
         self.record = writer_record(token)
+        self._created = False
 
     def acquire(self) -> str | None:
         """Take the lock; returns a line saying whose stale lock was taken over, or None.
@@ -128,6 +129,8 @@ class FolderLock:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
+        if body is None:
+            self._created = True  # ours from here on, even if interrupted before it holds the record
         with os.fdopen(fd, "w") as handle:
             json.dump(body or self.record, handle)
             handle.flush()
@@ -181,10 +184,21 @@ class FolderLock:
         os.replace(tmp, self.path)
 
     def release(self) -> None:
-        """Remove the lock file if it is still ours."""
+        """Remove the lock file if it is still ours (or is the empty file this writer created and was
+        interrupted before filling)."""
         _held.discard(self.token)
-        current = self._read()
-        if current is not None and current.get("token") == self.token:
+        try:
+            text = self.path.read_text()
+        except OSError:
+            return
+        if not text and self._created:
+            self.path.unlink(missing_ok=True)
+            return
+        try:
+            ours = json.loads(text).get("token") == self.token
+        except (ValueError, AttributeError):
+            ours = False
+        if ours:
             self.path.unlink(missing_ok=True)
 
 
@@ -238,11 +252,12 @@ class RunLock:
         taken: list[FolderLock] = []
         try:
             for lock in self.locks:
+                taken.append(lock)  # released below if anything fails, even inside its own acquire
                 note = lock.acquire()
-                taken.append(lock)
                 if note:
                     notes.append(note)
         except BaseException:
+            # Only a lock file holding this writer's token is removed: another holder's stays.
             for lock in taken:
                 lock.release()
             raise

@@ -8,10 +8,13 @@ mono 32 kHz audio reference), a corrupt file and a clip too short to encode.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -48,7 +51,7 @@ from h3train.model.build import build_model
 from h3train.objective import compute_loss, micro_batch_inputs
 from h3train.runlock import LOCK_NAME, RunLock
 
-from reference import run_forked
+from reference import h3train_command, run_env, run_forked, start_in_session
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small canvases keep the VAEs cheap: 3:2 clips land on 32x64 (2x4 latents), the 4:3 still on 32x32.
@@ -396,6 +399,10 @@ def test_tiny_components_match_the_demo_model(components: Path) -> None:
         ({"video": "a.mp4", "prompt": "x", "task": "t2va", "fps": 30}, "field 'fps' is not a manifest field"),
         ({"video": "a.mp4", "task": "t2va"}, "field 'prompt' is missing"),
         ({"video": "a.mp4", "prompt": "x", "task": "t2va", "id": "a/b"}, "field 'id'"),
+        ({"video": "a\x00.mp4", "prompt": "x", "task": "t2va"}, "field 'video'"),
+        ({"video": "a\ud800.mp4", "prompt": "x", "task": "t2va"}, "not valid unicode"),
+        ({"video": "a.mp4", "prompt": "", "task": "t2va"}, "field 'prompt' is ''"),
+        ({"video": "a.mp4", "prompt": "  ", "task": "t2va"}, "conditioned on its prompt alone"),
     ],
 )  # fmt: skip
 def test_bad_manifest_exits_2_with_one_line(
@@ -407,6 +414,27 @@ def test_bad_manifest_exits_2_with_one_line(
     assert main(["encode", str(manifest), "--components", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and err.startswith("h3train: error: ")
+
+
+def test_ctrl_c_is_one_line_and_exit_130(media: Path, components: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    args = ["encode", str(media / "manifest.jsonl"), "--components", str(components), "--out", str(out)]
+    proc = start_in_session(h3train_command([*args, "--device", "cpu", "--no-progress"]), run_env())
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / LOCK_NAME).exists():  # the encode has begun: its lock is taken
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, err[-2000:]
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and lines[-1].startswith("h3train encode: interrupted"), err[-2000:]
+    assert not (out / LOCK_NAME).exists()
 
 
 def test_manifest_ids_and_keyframes(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ Every path is exercised for real through `debug.fault` (or a really corrupted fi
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 
 import pytest
@@ -199,3 +200,37 @@ def test_wandb_that_cannot_start_does_not_stop_training(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.count("wandb") >= 1 and "metrics.jsonl" in proc.stderr
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+@pytest.mark.slow
+def test_wandb_that_hangs_holds_no_rank_under_torchrun_sp2(tmp_path) -> None:
+    """wandb's server takes the connection and never answers: no rank waits for it, one line says so."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(64)  # connections complete in the kernel and then hang: nothing accepts them
+        env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+        env = run_env(
+            env,
+            HOME=str(tmp_path),
+            NETRC=str(tmp_path / "netrc"),
+            WANDB_MODE="online",
+            WANDB_API_KEY="0" * 40,
+            WANDB_BASE_URL=f"http://127.0.0.1:{server.getsockname()[1]}",
+        )
+        args = tiny_args(
+            tmp_path / "run",
+            "train.steps=4",
+            "parallel.sp=2",
+            # Far shorter than wandb's own timeout: a rank held by it would fail its collectives.
+            "parallel.timeout_s=10",
+            "logging.wandb.enabled=true",
+            "logging.wandb.mode=online",
+            "logging.wandb.init_timeout_s=20",
+        )
+        proc = run_h3train(args, nproc=2, env=env, check=False, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
+    said = [line for line in proc.stderr.splitlines() if "wandb did not start" in line]
+    assert len(said) == 1 and "metrics.jsonl" in said[0], proc.stderr[-3000:]
+    # wandb's own console lines stay out of the run's output.
+    assert not any(line.startswith("wandb:") for line in (proc.stdout + proc.stderr).splitlines())

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from h3train.cli import main
 from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
 from h3train.model.sp_forward import FORWARD_ARGS
+from h3train.train.checkpoint import read_trainer_state
 
 from reference import ROOT, checkpoint_dir, dump_dir, read_metrics, reference_model_from_dump, run_forked, tiny_args
 
@@ -229,6 +230,16 @@ def test_resume_on_another_base_is_one_line_exit_2(runs, tmp_path, capsys) -> No
     assert main([*args, *runs.validation, "lora.rank=0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is a LoRA checkpoint" in err
+
+
+def test_resume_with_another_lora_rank_names_the_change_and_the_ways_out(runs, tmp_path, capsys) -> None:
+    saved = read_trainer_state(_ckpt(runs.sp1, 3))["lora"]["r"]
+    args = tiny_args(tmp_path, *COMMON, f"checkpoint.resume={_ckpt(runs.sp1, 3)}", config=TINY_LORA)
+    capsys.readouterr()  # what the shared runs printed
+    assert main([*args, *runs.validation, f"lora.rank={saved * 2}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"lora.rank {saved} -> {saved * 2}" in err, err
+    assert f"lora.rank={saved}" in err and "checkpoint.resume=none" in err
 
 
 def _pretrained_config(tmp_path: Path, seed: int, max_shard_size: str = "10GB") -> tuple[Path, Path]:

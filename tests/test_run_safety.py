@@ -386,6 +386,16 @@ def test_sp2_corrupt_newest_checkpoint(sp2_run, tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_sp2_a_checkpoint_that_does_not_fit_is_said_once(sp2_run, tmp_path) -> None:
+    # Every rank finds the sampler state of another dataset size: one line, not one per rank.
+    run = Path(shutil.copytree(sp2_run, tmp_path / "run"))
+    proc = _torchrun(_train_args(run, *SP2, "data.synthetic.num_samples=5", "train.steps=5"))
+    assert proc.returncode != 0
+    line = _one_error_line(proc.stderr, torchrun=True)
+    assert "its sampler state does not fit this run" in line and "5 samples" in line
+
+
+@pytest.mark.slow
 def test_sp2_unwritable_checkpoint_dir_is_found_at_start(tmp_path) -> None:
     proc = _torchrun(_train_args(tmp_path / "run", *SP2, "checkpoint.dir=/proc/h3c"))
     assert proc.returncode != 0

@@ -430,9 +430,9 @@ def encode_manifest(
 
     # The first rank locks the folder before the process group exists: a second encode into it stops.
     lock = RunLock([(out, f"--out '{out}'")]) if int(os.environ.get("RANK", "0")) == 0 else None
-    for note in lock.acquire() if lock is not None else []:
-        print(note, file=sys.stderr, flush=True)
     try:
+        for note in lock.acquire() if lock is not None else []:
+            print(note, file=sys.stderr, flush=True)
         return _encode(entries, components, out, settings, device, text_dtype, progress)
     finally:
         if lock is not None:

@@ -179,6 +179,8 @@ def _parse_line(where: _Where, folder: Path, raw: str) -> ManifestEntry:
     task = _string(where, row, "task")
     if task not in SAMPLE_TASKS:
         raise where.error("task", f"is {task!r}, expected one of {', '.join(SAMPLE_TASKS)}")
+    if SAMPLE_TASKS[task].conditioning is None and not prompt.strip():
+        raise where.error("prompt", f"is {prompt!r}: a {task} clip is conditioned on its prompt alone; write one")
     negative = _string(where, row, "negative_prompt", allow_empty=True) if "negative_prompt" in row else None
 
     # The one conditioning field the task takes (`SampleTask.conditioning`); the other is refused.
@@ -224,10 +226,19 @@ def _media(where: _Where, folder: Path, field_name: str, relative: Any) -> Media
     """
     if not isinstance(relative, str) or not relative:
         raise where.error(field_name, f"is {relative!r}, expected a path relative to the manifest folder")
+    if "\x00" in relative:
+        raise where.error(field_name, f"is {relative!r}: a path cannot hold a NUL character")
+    try:
+        relative.encode("utf-8")
+    except UnicodeEncodeError:
+        raise where.error(field_name, f"is {relative!r}: not valid unicode (a lone surrogate); fix the name") from None
     rel = Path(relative)
     if rel.is_absolute() or ".." in rel.parts:
         raise where.error(field_name, f"is '{relative}': paths must stay inside the manifest folder '{folder}'")
-    resolved = (folder / rel).resolve()
+    try:
+        resolved = (folder / rel).resolve()
+    except (OSError, RuntimeError) as exc:
+        raise where.error(field_name, f"is '{relative}': cannot be resolved ({exc})") from None
     if not resolved.is_relative_to(folder):
         raise where.error(
             field_name,

@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import Config, LoraConfig
+from ..errors import CheckpointError
 from ..model.adapter import AdapterCounts
 from ..model.build import fp32_island_names, meta_transformer, pretrained_folder
 from ..parallel.shards import fill_from_full
@@ -175,8 +176,16 @@ class LoraTransform:
         return {"lora": adapter_config(getattr(model, "transformer", model)), BASE_KEY: self.base}
 
     def check_checkpoint(self, saved: dict[str, Any], path: Path) -> None:
-        """A LoRA checkpoint resumes only on the base it was trained on (`CheckpointError` otherwise)."""
+        """A LoRA checkpoint resumes only on the base it was trained on, into adapters of its rank
+        (`CheckpointError` naming what changed and the ways out otherwise)."""
         check_same_base(read_record(saved), self.base, path)
+        record = saved.get("lora") or {}
+        old = record.get("r")
+        if old is not None and int(old) != self.cfg.lora.rank:
+            raise CheckpointError(
+                f"checkpoint '{path}' holds adapters of another rank: lora.rank {old} -> {self.cfg.lora.rank}; "
+                f"resume it with lora.rank={old}, or start afresh in a new logging.dir (or checkpoint.resume=none)"
+            )
 
     def plan_counts(self, dims: dict[str, Any]) -> AdapterCounts:
         """What the adapters add to the architecture `dims`, for the memory plan (`lora_counts`)."""

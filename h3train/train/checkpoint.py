@@ -603,9 +603,10 @@ class Checkpointer:
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{final.name}"
         if self.is_main:
-            # A leftover of this name would mix its files into the new one: this writer's own goes,
-            # anything else (`clean_incomplete` kept it) is set aside.
-            if tmp.exists():
+            # A leftover of this name would mix its files into the new one: a marked one goes, one with
+            # files of someone else's (`clean_incomplete` kept it) is set aside. An empty one is another
+            # rank's DCP writer that created the folder first: it is used as it is.
+            if tmp.exists() and any(tmp.iterdir()):
                 if (tmp / OWNER_NAME).is_file():
                     shutil.rmtree(tmp)
                 else:

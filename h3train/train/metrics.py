@@ -2,7 +2,10 @@
 
 `metrics.jsonl` is the record of truth. wandb is best effort: if it cannot start or a later log call
 fails, one warning is emitted and the run continues with the JSONL file alone, because a
-training job should never die (or hang) over a dashboard.
+training job should never die (or hang) over a dashboard. wandb starts on a thread of its own, so
+the training thread (and the other ranks, in their collectives) never wait for it: rows logged
+before it is up are held and sent once it is; if it is not up `init_timeout_s` (+ a grace) after
+the start, it is given up with one warning.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -22,6 +26,12 @@ from tqdm import tqdm
 
 from ..atomic import atomic_write_text, free_name
 from ..config import WandbConfig
+
+# Beyond wandb's own init timeout, how long its start may take before the run gives up on it; and at
+# the end of a run, how long rank 0 still waits for it (the other ranks wait in the closing barrier).
+_WANDB_GRACE_S = 5.0
+# Rows held for wandb while it starts (beyond these the oldest are not sent; the JSONL has them all).
+_WANDB_HELD_ROWS = 1000
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
@@ -153,6 +163,12 @@ class MetricsLogger:
         self._bar: tqdm | None = None
         self._wandb_run: Any = None
         self._wandb_warned = False
+        # The start on its own thread: its outcome (run or error), its deadline, and the rows held for it.
+        self._wandb_start: threading.Thread | None = None
+        self._wandb_outcome: tuple[Any, BaseException | None] = (None, None)
+        self._wandb_deadline = 0.0
+        self._wandb_timeout_s = 0.0
+        self._wandb_held: list[tuple[Callable[[], dict[str, Any]], int]] = []
         self._closed = False
         self._exit_code = 0
         self._plain_every = max(1, math.ceil(max(1, total_steps - start_step) / _MAX_PLAIN_LINES))
@@ -186,25 +202,63 @@ class MetricsLogger:
         set_aside_later_lines(self.path, self.start_step)
 
     def _init_wandb(self, cfg: WandbConfig, run_config: dict[str, Any]) -> None:
+        """Start wandb on a thread of its own; `_wandb_ready` collects the outcome on the training thread."""
+        # wandb's own console lines (login checks, sync hints) stay out of the run's output, unless asked for.
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self._wandb_timeout_s = cfg.init_timeout_s
+        self._wandb_deadline = time.monotonic() + cfg.init_timeout_s + _WANDB_GRACE_S
+        self._wandb_start = threading.Thread(
+            target=self._start_wandb, args=(cfg, run_config), name="h3train-wandb-start", daemon=True
+        )
+        self._wandb_start.start()
+
+    def _start_wandb(self, cfg: WandbConfig, run_config: dict[str, Any]) -> None:
         try:
             import wandb
 
             # Online without credentials, wandb.init would show an interactive API-key prompt on a
-            # TTY and block this rank while the others wait in collectives; check without prompting.
+            # TTY; check without prompting.
             if cfg.mode == "online" and not wandb.login(prompt=False, verify=False):
                 raise RuntimeError("no API key configured; run `wandb login` or set WANDB_API_KEY")
-            self._wandb_run = wandb.init(
+            run = wandb.init(
                 project=cfg.project,
                 name=cfg.run_name,
                 mode=cfg.mode,
                 config=run_config,
                 dir=str(self.log_dir),
-                settings=wandb.Settings(init_timeout=cfg.init_timeout_s),
+                # Silent, and the run's own stdout and stderr are left alone: its console is h3train's.
+                settings=wandb.Settings(init_timeout=cfg.init_timeout_s, silent=True, console="off"),
             )
+            self._wandb_outcome = (run, None)
         except Exception as exc:  # noqa: BLE001 - no network, bad key, timeout: all non-fatal
-            self._wandb_run = None
-            # Points the warning at the code that constructed the logger.
-            self._warn_wandb("could not start", exc, stacklevel=4)
+            self._wandb_outcome = (None, exc)
+
+    def _wandb_ready(self, final: bool = False) -> bool:
+        """Whether wandb runs, settling its start (on the training thread) once it ended or ran out of time.
+
+        `final`: the run is ending; wait for the start at most `_WANDB_GRACE_S` more (the other ranks
+        wait in the closing barrier meanwhile), then settle it either way.
+        """
+        start = self._wandb_start
+        if start is None:
+            return self._wandb_run is not None
+        if final:
+            start.join(max(0.0, min(self._wandb_deadline - time.monotonic(), _WANDB_GRACE_S)))
+        if start.is_alive() and time.monotonic() < self._wandb_deadline and not final:
+            return False
+        self._wandb_start = None
+        held, self._wandb_held = self._wandb_held, []
+        run, error = self._wandb_outcome
+        if start.is_alive():
+            self._warn_wandb("did not start", TimeoutError(f"no answer within {self._wandb_timeout_s:g} s"))
+            return False
+        if error is not None:
+            self._warn_wandb("could not start", error)
+            return False
+        self._wandb_run = run
+        for values, step in held:
+            self._wandb_log(values, step)
+        return self._wandb_run is not None
 
     def _warn_wandb(self, what: str, exc: BaseException, stacklevel: int = 3) -> None:
         if self._wandb_warned:
@@ -240,7 +294,12 @@ class MetricsLogger:
         self._fh.flush()
 
     def _wandb_log(self, values: Callable[[], dict[str, Any]], step: int) -> None:
-        """`wandb.log(values(), step)` when wandb runs; a failure warns once and turns wandb off."""
+        """`wandb.log(values(), step)` when wandb runs (held while it starts); a failure warns once and
+        turns wandb off."""
+        if self._wandb_start is not None and not self._wandb_ready():
+            if self._wandb_start is not None and len(self._wandb_held) < _WANDB_HELD_ROWS:
+                self._wandb_held.append((values, step))
+            return
         if self._wandb_run is None:
             return
         try:
@@ -273,7 +332,7 @@ class MetricsLogger:
 
         Only wandb gets them (`metrics.jsonl` holds numbers); the files stay where they were written.
         """
-        if not self.is_main or self._closed or self._wandb_run is None or not videos:
+        if not self.is_main or self._closed or (self._wandb_run is None and self._wandb_start is None) or not videos:
             return
 
         def media() -> dict[str, Any]:
@@ -322,6 +381,8 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        # Rows held while wandb started are sent if it comes up in time; the run never waits past that.
+        self._wandb_ready(final=True)
         self._finish_wandb(self._exit_code)
         if self._fh is not None:
             self._fh.close()

@@ -139,11 +139,19 @@ class Resume:
                     )
                 )
             path = older
-        for name, component in components.items():
-            try:
-                component.load_state_dict(saved[name])
-            except (ValueError, KeyError) as exc:
-                raise CheckpointError(f"checkpoint '{path}': its {name} state does not fit this run: {exc}") from exc
+
+        def apply() -> None:
+            for name, component in components.items():
+                try:
+                    component.load_state_dict(saved[name])
+                except (ValueError, KeyError) as exc:
+                    message = f"checkpoint '{path}': its {name} state does not fit this run: {exc}"
+                    raise CheckpointError(message) from exc
+
+        # Every rank meets a misfit alike (the same config, the same checkpoint): one of them says it.
+        code, failure, _ = self._agreed_attempt(apply)
+        if code:
+            self._agreed_error(failure or CheckpointError(f"checkpoint '{path}' does not fit this run on another rank"))
         for name, component in trainer.checkpoint_state.items():
             if name not in components:
                 component.start_fresh()
