@@ -15,7 +15,9 @@ The policy, checked at the start of `Trainer.__init__`, before any process group
   to `metrics.jsonl.abandoned-<resume step>` (`MetricsLogger`), and an earlier `config.yaml` that
   differs from this run's is kept as `config.yaml.previous-<n>` (`write_resolved_config`).
 
-Every rank reaches the same decision from the same (shared) folder; only rank 0 moves anything.
+Every rank reaches the same decision from the same (shared) folder; only rank 0 moves anything, and
+only once it holds both folders' lock (`h3train/runlock.py`, taken in `assemble`): a second run
+into either folder stops before it changes anything.
 """
 
 from __future__ import annotations
