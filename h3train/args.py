@@ -65,11 +65,10 @@ def check_args(args: argparse.Namespace) -> None:
 def check_output_folder(path: Path, what: str) -> None:
     """`path` is, or can be created as, a folder this process can write; nothing is created here."""
     absolute = Path(os.path.abspath(path.expanduser()))
-    for root in _NOT_A_DISK:
-        if absolute == _SHARED_MEMORY or _SHARED_MEMORY in absolute.parents:
-            break
-        if absolute == Path(root) or Path(root) in absolute.parents:
-            raise ConfigError(f"{what} '{path}' is under {root}, which holds no files; name a folder on a disk")
+    within = [absolute, *absolute.parents]
+    pseudo = next((root for root in _NOT_A_DISK if Path(root) in within), None)
+    if pseudo is not None and _SHARED_MEMORY not in within:
+        raise ConfigError(f"{what} '{path}' is under {pseudo}, which holds no files; name a folder on a disk")
     if absolute.exists() and not absolute.is_dir():
         raise ConfigError(f"{what} '{path}' is a file, not a folder; name a folder to write into")
     existing = absolute

@@ -446,14 +446,8 @@ def leaf_types() -> dict[str, Any]:
 @functools.cache
 def _optional_keys() -> set[str]:
     """Value keys whose default is null: `null` there means "unset"."""
-    tree = OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
-    return {key for key in leaf_types() if _lookup(tree, key) is None}
-
-
-def _lookup(tree: dict[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        tree = tree[part]
-    return tree
+    defaults = Config()
+    return {key for key in leaf_types() if get_key(defaults, key) is None}
 
 
 def parse_overrides(overrides: list[str]) -> DictConfig:

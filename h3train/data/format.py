@@ -578,7 +578,9 @@ def _entries(where: str, header: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return entries
 
 
-def _header_of(where: str, header: dict[str, Any]) -> SampleHeader:
+def _header_of(where: str, header: dict[str, Any]) -> tuple[SampleHeader, dict[str, str] | None]:
+    """The validated header, and the per-tensor digests the writer recorded (None for a sample written
+    before they were), from one parse of the metadata."""
     metadata = header.get("__metadata__") or {}
     raw = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
     if raw is None:
@@ -587,39 +589,38 @@ def _header_of(where: str, header: dict[str, Any]) -> SampleHeader:
         meta = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise _fail(where, "metadata", f"is not valid JSON ({exc})") from None
-    if isinstance(meta, dict):
-        meta.pop(DIGESTS_KEY, None)
+    record = meta.pop(DIGESTS_KEY, None) if isinstance(meta, dict) else None
+    digests = None
+    if record is not None:
+        try:
+            algorithm, digests = record["algorithm"], dict(record["tensors"])
+        except (ValueError, KeyError, TypeError):
+            raise _fail(where, f"metadata.{DIGESTS_KEY}", "is not a digest record") from None
+        if algorithm != ALGORITHM:
+            raise _fail(where, f"metadata.{DIGESTS_KEY}", f"uses {algorithm!r}, this reader checks {ALGORITHM!r}")
     specs = {}
     for name, info in _entries(where, header).items():
         dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
         if dtype is None:
             raise _fail(where, name, f"has unsupported dtype {info['dtype']}")
         specs[name] = _TensorSpec(tuple(info["shape"]), dtype)
-    return check_header(where, meta, specs)
+    return check_header(where, meta, specs), digests
 
 
-def _recorded_digests(where: str, header: dict[str, Any]) -> dict[str, str] | None:
-    """The per-tensor digests the writer recorded (None for a sample written before they were)."""
-    try:
-        record = json.loads((header.get("__metadata__") or {})[METADATA_KEY]).get(DIGESTS_KEY)
-    except (KeyError, ValueError, AttributeError):
-        return None  # no metadata at all: `_header_of` says so
-    if record is None:
-        return None
-    try:
-        algorithm, digests = record["algorithm"], dict(record["tensors"])
-    except (ValueError, KeyError, TypeError):
-        raise _fail(where, f"metadata.{DIGESTS_KEY}", "is not a digest record") from None
-    if algorithm != ALGORITHM:
-        raise _fail(where, f"metadata.{DIGESTS_KEY}", f"uses {algorithm!r}, this reader checks {ALGORITHM!r}")
-    return digests
+def _tensors(
+    where: str,
+    header: dict[str, Any],
+    sample: SampleHeader,
+    digests: dict[str, str] | None,
+    data: bytearray,
+    start: int,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the file, checked against its recorded digest, as views of `data` (owned memory).
 
-
-def _tensors(where: str, header: dict[str, Any], data: bytearray, start: int) -> dict[str, torch.Tensor]:
-    """Every tensor of the file, checked against its recorded digest, as views of `data` (owned memory)."""
-    entries = _entries(where, header)
-    digests = _recorded_digests(where, header)
-    end = max((info["data_offsets"][1] for info in entries.values()), default=0)
+    `header` is the raw safetensors header (for the offsets), `sample` its validated form (shapes, dtypes).
+    """
+    offsets = {name: header[name]["data_offsets"] for name in sample.specs}
+    end = max((last for _, last in offsets.values()), default=0)
     if len(data) < start + end:
         raise SampleError(
             f"sample '{where}': file is truncated ({len(data)} bytes, its header describes {start + end}); "
@@ -627,8 +628,8 @@ def _tensors(where: str, header: dict[str, Any], data: bytearray, start: int) ->
         )
     view = memoryview(data)
     tensors = {}
-    for name, info in entries.items():
-        first, last = (start + offset for offset in info["data_offsets"])
+    for name, spec in sample.specs.items():
+        first, last = (start + offset for offset in offsets[name])
         if digests is not None and digest_bytes(view[first:last]) != digests.get(name):
             raise _fail(
                 where,
@@ -636,15 +637,11 @@ def _tensors(where: str, header: dict[str, Any], data: bytearray, start: int) ->
                 "does not match the digest recorded when the sample was written (its bytes changed since); "
                 "re-encode it or remove it from the dataset",
             )
-        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise _fail(where, name, f"has unsupported dtype {info['dtype']}")
-        shape = tuple(info["shape"])
         if last == first:
-            tensors[name] = torch.empty(shape, dtype=dtype)
+            tensors[name] = torch.empty(spec.shape, dtype=spec.dtype)
         else:
-            count = (last - first) // dtype.itemsize
-            tensors[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=first).reshape(shape)
+            count = (last - first) // spec.dtype.itemsize
+            tensors[name] = torch.frombuffer(data, dtype=spec.dtype, count=count, offset=first).reshape(spec.shape)
     return tensors
 
 
@@ -652,7 +649,7 @@ def read_header(path: str | os.PathLike) -> SampleHeader:
     """Validate a sample's header (metadata, shapes, dtypes) without loading its tensors."""
     path = Path(path)
     header, _, _ = _read(str(path), path, whole=False)
-    return _header_of(str(path), header)
+    return _header_of(str(path), header)[0]
 
 
 def verify_sample(path: str | os.PathLike) -> None:
@@ -660,10 +657,10 @@ def verify_sample(path: str | os.PathLike) -> None:
     before they were recorded) fails too. Raises `SampleError`."""
     path = Path(path)
     header, data, start = _read(str(path), path, whole=True)
-    _header_of(str(path), header)
-    if _recorded_digests(str(path), header) is None:
+    sample, digests = _header_of(str(path), header)
+    if digests is None:
         raise _fail(str(path), f"metadata.{DIGESTS_KEY}", "is missing (written before samples recorded digests)")
-    _tensors(str(path), header, data, start)
+    _tensors(str(path), header, sample, digests, data, start)
 
 
 def read_cached_sample(path: str | os.PathLike) -> CachedSample:
@@ -671,8 +668,8 @@ def read_cached_sample(path: str | os.PathLike) -> CachedSample:
     path = Path(path)
     where = str(path)
     raw, data, start = _read(where, path, whole=True)
-    header = _header_of(where, raw)
-    tensors = _tensors(where, raw, data, start)
+    header, digests = _header_of(where, raw)
+    tensors = _tensors(where, raw, header, digests, data, start)
     check_values(where, tensors)
     meta = header.meta
     anchors = tuple(meta["keyframe_anchors"])

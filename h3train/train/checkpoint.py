@@ -196,12 +196,10 @@ def verify_file_digests(path: Path) -> None:
     """Every rank checks its share of checkpoint `path`'s files against their digests (collective); all
     raise `CorruptCheckpoint` naming the first file that differs on any rank."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    problems: list[str | None] = [None] * world
-    mine = file_digest_problem(path, rank, world)
+    problems: list[str | None] = [file_digest_problem(path, rank, world)]
     if world > 1:
+        mine, problems = problems[0], [None] * world
         dist.all_gather_object(problems, mine)
-    else:
-        problems = [mine]
     first = next((p for p in problems if p is not None), None)
     if first is not None:
         raise CorruptCheckpoint(f"checkpoint '{path}' cannot be read: {first}")
