@@ -292,24 +292,36 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         return args.func(args)
     except H3TrainError as exc:
-        if _reports_errors():
+        if _reports_errors(exc):
             print(f"h3train: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BaseException as exc:
+        # A write that ran out of space anywhere (a metrics line, an export shard, an encoded clip):
+        # one line naming where, not a traceback. Checkpoint saves say more (`Checkpointer`).
+        from .diskspace import full_disk_line, no_space
+
+        full = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else no_space(exc)
+        if full is None:
+            raise
+        print(f"h3train: error: {full_disk_line(full)}", file=sys.stderr)
+        return 1
 
 
-def _reports_errors() -> bool:
+def _reports_errors(exc: H3TrainError) -> bool:
     """Whether this process prints an `H3TrainError`, so that torchrun shows a bad input once, not once per rank.
 
     An error raised before the process group exists comes from the config, the command line or
     files, which the ranks of one node see alike: the node's first rank (`LOCAL_RANK` 0; rank 0
     on a single node) prints it, the others exit with the same code in silence. One rank per node
     speaks, because another node may lack a file this one has. After the process group exists an
-    error may be this rank's alone (it cannot see the checkpoint rank 0 chose), so every rank prints.
+    error may be this rank's alone (it cannot see the checkpoint rank 0 chose), so every rank prints,
+    unless the ranks reached it together (`exc.agreed`): then rank 0 alone does.
     """
-    if int(os.environ.get("RANK", "0")) == 0 or int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0 or (int(os.environ.get("LOCAL_RANK", "0")) == 0 and not exc.agreed):
         return True
     dist = sys.modules.get("torch.distributed")
-    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    return bool(dist is not None and dist.is_available() and dist.is_initialized()) and not exc.agreed
 
 
 def run() -> NoReturn:

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 
 class H3TrainError(Exception):
-    """Base of the errors the CLI reports as one line."""
+    """Base of the errors the CLI reports as one line.
+
+    `agreed`: set on an error every rank raised alike after the process group exists (a collective
+    decided it); rank 0 alone prints it, so torchrun shows it once, not once per rank.
+    """
 
     exit_code = 2
+    agreed = False
 
 
 class ConfigError(H3TrainError, ValueError):
@@ -37,5 +42,11 @@ class CheckpointError(H3TrainError, ValueError):
 
 class TrainingError(H3TrainError, RuntimeError):
     """Training cannot go on (e.g. too many consecutive non-finite steps)."""
+
+    exit_code = 1
+
+
+class DiskFullError(H3TrainError, RuntimeError):
+    """A write that found no space left, naming the folder, the bytes needed and the bytes free."""
 
     exit_code = 1

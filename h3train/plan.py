@@ -108,6 +108,8 @@ class MemoryPlan:
     # Transformer blocks recomputed in backward (`model.activation_checkpointing`); None: all of them
     # when `gradient_checkpointing`, else none.
     checkpointed_layers: int | None = None
+    # Tensor bytes of one checkpoint on disk, all ranks together (`checkpoint_bytes`); 0: not planned.
+    checkpoint_bytes: int = 0
 
     @property
     def world_size(self) -> int:
@@ -515,9 +517,30 @@ def estimate(
         cpu_offload=cfg.parallel.cpu_offload,
         checkpointed_layers=checkpointed_layers(cfg, _dim(dims, "num_layers")),
     )
+    plan = replace(plan, checkpoint_bytes=checkpoint_bytes(dims, cfg, lora))
     if lora is not None:
         plan = replace(plan, fit_lines=lora_fit_lines(dims, plan))
     return replace(plan, render_line=render_components_line(cfg)) if cfg.validation.samples else plan
+
+
+def checkpoint_bytes(dims: Mapping[str, Any], cfg: Config, lora: AdapterCounts | None = None) -> int:
+    """Tensor bytes one checkpoint of `cfg`'s run holds on disk, all ranks together, whatever the mesh.
+
+    What trains, in float32, three or four times: the weights (a LoRA checkpoint holds no frozen
+    base), AdamW's `exp_avg` and `exp_avg_sq`, and the EMA's shadows when `train.ema.decay > 0`.
+    DCP's framing of each tensor and the metadata come on top (kilobytes per tensor: a few MB for
+    the released model, next to hundreds of GB). `lora`: the adapter's counts, found from `cfg`
+    when not given.
+    """
+    if lora is None:
+        from .model.adapter import ModelAdapter
+        from .train.assemble import model_transforms
+
+        adapter = next((t for t in model_transforms(cfg) if isinstance(t, ModelAdapter)), None)
+        lora = adapter.plan_counts(dims) if adapter is not None else None
+    trainable = parameter_counts(dims).total if lora is None else lora.trainable
+    copies = 3 + (1 if cfg.train.ema.decay > 0 else 0)
+    return copies * trainable * _FP32
 
 
 def render_components_line(cfg: Config) -> str:
@@ -605,6 +628,11 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(
             f"fits: NO, {-plan.headroom_bytes / GIB:.1f} GiB over: shard over more ranks (dp_shard), "
             "raise sp, enable model.activation_checkpointing or parallel.cpu_offload, or shorten the clips"
+        )
+    if plan.checkpoint_bytes:
+        lines.append(
+            f"checkpoint    {_gib(plan.checkpoint_bytes).strip()} on disk each, all ranks together (fp32 weights, "
+            "AdamW moments, any EMA); checkpoint.dir holds keep_last + 1 while a save commits"
         )
     if plan.fit_lines:
         lines.append(f"longest packed sequence that fits ({plan.device_bytes / GIB:.0f} GiB devices, this LoRA):")

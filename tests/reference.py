@@ -7,6 +7,7 @@ weights and the same inputs, the loss built from the dumped targets, masks and w
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -195,6 +196,14 @@ def checkpoint_tensors(checkpoint: Path, prefix: str = "") -> dict[str, torch.Te
     }
     dcp.load(out, storage_reader=reader, no_dist=True)
     return {k.removeprefix(prefix): v for k, v in out.items()}
+
+
+def checkpoint_tensor_bytes(checkpoint: Path) -> int:
+    """Bytes of the tensors a DCP checkpoint holds, by its metadata (shapes and dtypes; DCP's framing aside)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    return sum(math.prod(m.size) * m.properties.dtype.itemsize for m in metadata.values() if hasattr(m, "size"))
 
 
 def read_metrics(log_dir: Path) -> list[dict]:

@@ -8,8 +8,10 @@ import torch
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.model.build import build_model
+from h3train.model.dims import model_dims
+from h3train.plan import checkpoint_bytes
 
-from reference import TINY_FL2VA, checkpoint_tensors, read_metrics, run_forked
+from reference import TINY_FL2VA, checkpoint_tensor_bytes, checkpoint_tensors, read_metrics, run_forked
 
 DECAY = 0.75
 
@@ -53,6 +55,14 @@ def test_ema_follows_the_recurrence_over_the_saved_weights(every_step) -> None:
             torch.testing.assert_close(ema[key].double(), value, rtol=1e-6, atol=1e-7, msg=f"step {step}: {key}")
     # The EMA is not just the weights: after four steps it lags them.
     assert not torch.allclose(ema["transformer.proj_in.weight"], weights["transformer.proj_in.weight"])
+
+
+def test_planned_checkpoint_size_counts_the_ema(every_step) -> None:
+    cfg = load_config(TINY_FL2VA, [f"train.ema.decay={DECAY}"])
+    planned, held = checkpoint_bytes(model_dims(cfg), cfg), checkpoint_tensor_bytes(_step(every_step, 4))
+    # Weights, AdamW's two moments and the EMA: four float32 copies; AdamW's step counts on top.
+    assert 0 <= held - planned <= 0.01 * planned, (held, planned)
+    assert planned == 4 * 4 * sum(p.numel() for p in build_model(cfg, cfg.train.seed).parameters())
 
 
 def test_ema_resumes_bitwise(tmp_path) -> None:

@@ -26,11 +26,23 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from h3train.cli import main
+from h3train.config import load_config
 from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
+from h3train.model.dims import model_dims
 from h3train.model.sp_forward import FORWARD_ARGS
+from h3train.plan import checkpoint_bytes
 from h3train.train.checkpoint import read_trainer_state
 
-from reference import ROOT, checkpoint_dir, dump_dir, read_metrics, reference_model_from_dump, run_forked, tiny_args
+from reference import (
+    ROOT,
+    checkpoint_dir,
+    checkpoint_tensor_bytes,
+    dump_dir,
+    read_metrics,
+    reference_model_from_dump,
+    run_forked,
+    tiny_args,
+)
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
@@ -193,6 +205,15 @@ def test_ema_of_a_lora_run_covers_the_adapters_only(runs) -> None:
     model = _components(_ckpt(runs.sp1, 6), "model.")
     assert {k.removeprefix("ema.") for k in ema} == {k.removeprefix("model.") for k in model}
     assert all(".lora_" in k for k in ema)
+
+
+def test_planned_checkpoint_size_of_a_lora_run(runs) -> None:
+    # The adapters alone, four times in float32 (weights, AdamW's moments, the EMA): no frozen base.
+    cfg = load_config(TINY_LORA, [o for o in COMMON if o.startswith("train.")])
+    planned, held = checkpoint_bytes(model_dims(cfg), cfg), checkpoint_tensor_bytes(_ckpt(runs.sp1, 6))
+    assert 0 <= held - planned <= 0.01 * planned, (held, planned)
+    adapters = sum(v.numel() for v in _components(_ckpt(runs.sp1, 6), "model.").values())
+    assert planned == 4 * 4 * adapters
 
 
 @pytest.mark.slow

@@ -229,6 +229,10 @@ def test_cluster_config_fits_per_the_plan(name: str, pretrained_folder: Path) ->
     assert plan.fits, format_plan(plan)
     assert round(plan.total_bytes / GIB, 2) == total
     assert f"total {total:.2f} GiB" in text
+    # A full fine-tune's checkpoint: float32 weights and AdamW's two moments, plus the EMA if on.
+    copies = 3 + (cfg.train.ema.decay > 0)
+    assert plan.checkpoint_bytes == copies * 4 * plan.params.total
+    assert f"checkpoint    {plan.checkpoint_bytes / GIB:.2f} GiB on disk each" in format_plan(plan)
 
 
 def test_cluster_configs_keep_the_global_batch(pretrained_folder: Path) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 from ..config import Config
 from ..data.sampler import DistributedSampler
 from ..data.source import MicroBatchStream, SampleSource, build_source, load_shared_negative
+from ..diskspace import check_room
 from ..model.adapter import ModelAdapter
 from ..model.build import build_meta_model, build_model, load_pretrained_shards, materialize, pretrained_folder
 from ..model.dims import model_dims
@@ -33,9 +34,10 @@ from ..ops.attention import resolve_attention_backend
 from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
 from ..parallel.fsdp import apply_fsdp, shards_nothing
 from ..parallel.ulysses import SequenceParallel
+from ..plan import checkpoint_bytes
 from ..preflight import preflight
 from ..runlock import RunLock
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, committed_checkpoints, size_on_disk
 from .events import EventLog, Progress
 from .faults import FaultInjector
 from .hooks import ModelTransform, TrainerHook
@@ -111,15 +113,28 @@ def assemble(
     log_dir = Path(cfg.logging.dir)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else log_dir / "checkpoints"
     # The run-folder policy (rundir.py), decided the same way on every rank from the shared folders.
+    ckpt_key = "checkpoint.dir" if cfg.checkpoint.dir else "logging.dir"
     probe_writable(log_dir, "logging.dir")
-    probe_writable(ckpt_dir, "checkpoint.dir" if cfg.checkpoint.dir else "logging.dir")
+    probe_writable(ckpt_dir, ckpt_key)
+    planned = planned_checkpoint_bytes(cfg, ckpt_dir)
+    note = check_room(ckpt_dir, ckpt_key, planned)
+    if note is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(note, file=sys.stderr, flush=True)
     lock = take_run_lock(log_dir, ckpt_dir)
     try:
-        return _assemble(cfg, dims, log_dir, ckpt_dir, lock, transforms, hooks, overwrite)
+        return _assemble(cfg, dims, log_dir, ckpt_dir, lock, planned, transforms, hooks, overwrite)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
+
+
+def planned_checkpoint_bytes(cfg: Config, ckpt_dir: Path) -> int:
+    """Bytes one checkpoint of this run needs: the plan's (`plan.checkpoint_bytes`), or the newest
+    checkpoint's size on disk when that is more (a resume: DCP's framing included)."""
+    planned = checkpoint_bytes(model_dims(cfg), cfg)
+    newest = committed_checkpoints(ckpt_dir)[-1:] if cfg.checkpoint.resume != "none" else []
+    return max([planned, *(size_on_disk(p) for p in newest)])
 
 
 def take_run_lock(log_dir: Path, ckpt_dir: Path) -> RunLock | None:
@@ -141,6 +156,7 @@ def _assemble(
     log_dir: Path,
     ckpt_dir: Path,
     lock: RunLock | None,
+    planned_bytes: int,
     transforms: Sequence[ModelTransform] | None,
     hooks: Sequence[TrainerHook] | None,
     overwrite: bool,
@@ -193,6 +209,7 @@ def _assemble(
         async_save=cfg.checkpoint.async_save,
         device=device,
         owner=lock.token if lock is not None else "",
+        planned_bytes=planned_bytes,
     )
     checkpointer.clean_incomplete()
     parts = TrainingParts(

@@ -70,7 +70,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..atomic import apply_file_mode, atomic_write_text, fsync_path, set_aside
 from ..digest import ALGORITHM, digest_file
-from ..errors import CheckpointError, ConfigError
+from ..diskspace import free_bytes, human_bytes, no_space
+from ..errors import CheckpointError, ConfigError, DiskFullError
 from ..runlock import OWNER_NAME, mark_owned, owned_by_another
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -108,6 +109,18 @@ def _commit_key(path: Path) -> tuple[float, int]:
         # Unreadable: ranked newest, so a resume checks it first, reports it and sets it aside.
         commit = float("inf")
     return commit, step_of(path)
+
+
+# A failed save that leaves less than this free (and less than a checkpoint) ran out of space.
+_FULL_BELOW = 64 * 1024**2
+
+
+def size_on_disk(path: Path) -> int:
+    """Bytes of the files in checkpoint folder `path` (0 if it cannot be listed)."""
+    try:
+        return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    except OSError:
+        return 0
 
 
 def committed_checkpoints(root: Path) -> list[Path]:
@@ -546,8 +559,11 @@ class Checkpointer:
         async_save: bool = False,
         device: torch.device | None = None,
         owner: str = "",
+        planned_bytes: int = 0,
     ) -> None:
         self.root = root
+        # One checkpoint's planned size (`assemble.planned_checkpoint_bytes`), for a disk-full message.
+        self.planned_bytes = planned_bytes
         # The token of the run lock this writer holds (`runlock.py`): its temporary folders carry it.
         self.owner = owner
         self.keep_last = keep_last
@@ -632,8 +648,12 @@ class Checkpointer:
             if before_commit is not None:
                 before_commit()
             return final
-        dcp.save(dict(components), checkpoint_id=str(tmp))
-        self._commit(tmp, final, step, info, before_commit)
+        try:
+            dcp.save(dict(components), checkpoint_id=str(tmp))
+            self._commit(tmp, final, step, info, before_commit)
+        except BaseException as exc:
+            self._raise_if_full(exc, tmp, step)
+            raise
         return final
 
     def wait_staged(self) -> None:
@@ -651,11 +671,45 @@ class Checkpointer:
         if pending is None:
             return None
         # The writes wait for the snapshot, so `committed` also raises what the copy raised.
-        pending.committed.result()
+        try:
+            pending.committed.result()
+        except BaseException as exc:
+            self._raise_if_full(exc, pending.final.with_name(f".tmp-{pending.final.name}"), step_of(pending.final))
+            raise
         self.written.add(pending.final.name)
         # Every rank returns once rank 0 has committed.
         dist.barrier()
         return pending.final
+
+    def _raise_if_full(self, exc: BaseException, tmp: Path, step: int) -> None:
+        """A save that ran out of space becomes one `DiskFullError` line; other failures pass through.
+
+        Out of space: an ENOSPC / EDQUOT `OSError` behind `exc`, or a folder left with less free space
+        than the checkpoint needs and than `_FULL_BELOW` (torch's zip writer turns a short write into a
+        RuntimeError that does not name the errno). Rank 0 then removes the partial save (its own
+        marked temporary folder: no rank writes to it once DCP has raised), so the space is free
+        again, and names what is needed and free; earlier checkpoints stay as they are. DCP raises a
+        failure on every rank alike, so rank 0 alone reports it; a failure of rank 0's commit is its own.
+        """
+        kept = complete_checkpoints(self.root)
+        needed = max([self.planned_bytes, *(size_on_disk(p) for p in kept[-1:])])
+        full = no_space(exc)
+        free = free_bytes(self.root)
+        if full is None and (free is None or free >= min(needed, _FULL_BELOW)):
+            return
+        if self.is_main and (tmp / OWNER_NAME).is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = free_bytes(self.root)
+        what = "with the partial save removed" if self.is_main else "before rank 0 removes the partial save"
+        error = DiskFullError(
+            f"checkpoint folder '{self.root}' is full: the checkpoint of step {step} needs about "
+            f"{human_bytes(needed)} and {human_bytes(free) if free is not None else 'an unknown amount'} is free "
+            f"({what}); "
+            + (f"{kept[-1].name} is kept. " if kept else "no checkpoint was saved. ")
+            + "Free space there or set checkpoint.dir to a disk with room, then resume with checkpoint.resume=auto"
+        )
+        error.agreed = isinstance(exc, CheckpointException)
+        raise error from exc
 
     def _commit_when_written(self, written: Future, tmp: Path, final: Path, step: int, info: dict[str, Any]) -> Future:
         """Rank 0 commits a background save as soon as it is written, on the writer thread.

@@ -24,8 +24,12 @@ class EventLog:
             if self.path is None:
                 return
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as exc:
+                # A file object's error names no file; a full disk must say which one.
+                raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
 
 class SpikeDetector:

@@ -10,6 +10,7 @@ the start, it is given up with one warning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -289,9 +290,13 @@ class MetricsLogger:
 
     def _write_line(self, record: dict[str, Any]) -> None:
         assert self._fh is not None
-        self._fh.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
-        # Flushed per line so `tail -f` and a crash both see every completed step.
-        self._fh.flush()
+        try:
+            self._fh.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
+            # Flushed per line so `tail -f` and a crash both see every completed step.
+            self._fh.flush()
+        except OSError as exc:
+            # A file object's error names no file; a full disk must say which one.
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
     def _wandb_log(self, values: Callable[[], dict[str, Any]], step: int) -> None:
         """`wandb.log(values(), step)` when wandb runs (held while it starts); a failure warns once and
@@ -385,8 +390,10 @@ class MetricsLogger:
         self._wandb_ready(final=True)
         self._finish_wandb(self._exit_code)
         if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+            fh, self._fh = self._fh, None
+            # Only a row whose write already failed (and was raised, naming the file) is unflushed.
+            with contextlib.suppress(OSError):
+                fh.close()
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -2,8 +2,9 @@
 
 The policy, checked at the start of `Trainer.__init__`, before any process group or model:
 
-- `logging.dir` and `checkpoint.dir` must be creatable and writable (a temporary file is written and
-  removed in each), else exit 2 naming the key: not a failed save after hours of training.
+- `logging.dir` and `checkpoint.dir` must be creatable and writable (a temporary file of 4 KiB is
+  written and removed in each), and `checkpoint.dir` must have room for one checkpoint of the run
+  (`diskspace.check_room`), else exit 2 naming the key: not a failed save after hours of training.
 - A fresh run (`checkpoint.resume=none`, or `auto` with nothing to resume) into a folder that holds
   an earlier run (a non-empty `metrics.jsonl` or a committed checkpoint) is refused (exit 2), naming
   the folder and the ways out: `checkpoint.resume=auto`, another `logging.dir`, or `--overwrite`.
@@ -36,6 +37,9 @@ RUN_FILE_PREFIXES = ("metrics.jsonl.", "config.yaml.")
 ASIDE_PREFIX = "previous-"
 
 
+_PROBE_BYTES = 4096
+
+
 def probe_writable(path: Path, key: str) -> None:
     """Create folder `path` and a temporary file in it; ConfigError naming `key` if either fails."""
     if path.exists() and not path.is_dir():
@@ -43,7 +47,8 @@ def probe_writable(path: Path, key: str) -> None:
     probe = path / f".h3train-probe-{uuid.uuid4().hex}"
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
+        # Some bytes, not an empty file: a full disk still makes an empty file.
+        probe.write_bytes(bytes(_PROBE_BYTES))
         probe.unlink()
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__

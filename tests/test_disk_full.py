@@ -1,0 +1,175 @@
+"""A full disk is one line naming the folder, the bytes needed and free; nothing already written is lost.
+
+The disks are real: each run is launched in a mount namespace of its own (`unshare -rm`) with a
+small tmpfs mounted on its checkpoint or logging folder, so writes fail with ENOSPC as on a full
+cluster volume. A machine that cannot make such a namespace skips these tests, saying why.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import subprocess
+from pathlib import Path
+
+import pytest
+from torch.distributed.checkpoint.api import CheckpointException
+
+from h3train.config import load_config
+from h3train.diskspace import check_room, free_bytes, no_space
+from h3train.errors import ConfigError
+from h3train.model.dims import model_dims
+from h3train.plan import checkpoint_bytes
+from h3train.train.checkpoint import complete_checkpoints, verify_file_digests
+
+from reference import TINY_FL2VA, checkpoint_tensor_bytes, h3train_command, read_metrics, run_env, run_process_group
+
+# Mount a tmpfs of $1 bytes on $2, run the rest, then copy what the tmpfs holds to $3 (it goes with
+# the namespace) and exit with the run's code.
+_ON_SMALL_DISK = 'mount -t tmpfs -o size="$1" tmpfs "$2" || exit 97; d="$2"; k="$3"; shift 3; "$@"; rc=$?; ' + (
+    'cp -a "$d/." "$k"; exit $rc'
+)
+
+
+@functools.cache
+def _namespaces() -> str | None:
+    """Why this machine cannot mount a private tmpfs (None: it can)."""
+    try:
+        proc = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt || mount -t tmpfs tmpfs /tmp"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unshare is not available: {exc}"
+    return None if proc.returncode == 0 else f"no private mount namespace here: {proc.stderr.strip()}"
+
+
+def _on_small_disk(
+    folder: Path, size: int, args: list[str], nproc: int = 1
+) -> tuple[subprocess.CompletedProcess, Path]:
+    """`h3train ARGS` with a tmpfs of `size` bytes on `folder`; returns the run and a copy of what the tmpfs held."""
+    reason = _namespaces()
+    if reason is not None:
+        pytest.skip(reason)
+    folder.mkdir(parents=True, exist_ok=True)
+    kept = folder.with_name(folder.name + ".kept")
+    kept.mkdir()
+    cmd = ["unshare", "-rm", "sh", "-c", _ON_SMALL_DISK, "sh", str(size), str(folder), str(kept)]
+    proc = run_process_group([*cmd, *h3train_command(args, nproc)], run_env(), timeout=240)
+    assert proc.returncode != 97, proc.stderr
+    return proc, kept
+
+
+def _planned() -> int:
+    cfg = load_config(TINY_FL2VA, [])
+    return checkpoint_bytes(model_dims(cfg), cfg)
+
+
+def _args(run: Path, ckpt: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        str(TINY_FL2VA),
+        f"logging.dir={run}",
+        f"checkpoint.dir={ckpt}",
+        "logging.progress=false",
+        "train.steps=4",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=1",
+        *extra,
+    ]
+
+
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("h3train: error:")]
+
+
+def _check_full_save(proc: subprocess.CompletedProcess, kept: Path, run: Path, ckpt: Path) -> None:
+    lines = _error_lines(proc.stderr)
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-4000:]
+    line = lines[0]
+    assert f"checkpoint folder '{ckpt}' is full: the checkpoint of step 4 needs about" in line, line
+    assert "MiB" in line and "is free" in line and "step_00000002 is kept" in line, line
+    assert "checkpoint.resume=auto" in line
+    assert "[rank" not in proc.stderr and "CheckpointException" not in proc.stderr, proc.stderr[-4000:]
+    # What was written before stays: the step-2 checkpoint, whole (its digests hold), and every metrics row.
+    assert [p.name for p in complete_checkpoints(kept)] == ["step_00000002"]
+    verify_file_digests(kept / "step_00000002")
+    # The partial save was this run's own: removed, so the space is free again.
+    assert not [p for p in kept.iterdir() if p.name.startswith(".tmp-")]
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
+
+
+def test_a_save_on_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    # Room for one checkpoint (DCP's framing included), not for the second one beside it.
+    proc, kept = _on_small_disk(ckpt, 2 * _planned(), _args(run, ckpt))
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    _check_full_save(proc, kept, run, ckpt)
+    # The size it planned with is the tensors' (weights and AdamW moments; AdamW's step counts on top).
+    planned, held = _planned(), checkpoint_tensor_bytes(kept / "step_00000002")
+    assert 0 <= held - planned <= 0.01 * planned, (held, planned)
+
+
+@pytest.mark.slow
+def test_a_background_save_on_a_full_disk_is_said_once_under_torchrun_sp2(tmp_path: Path) -> None:
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    args = _args(run, ckpt, "parallel.sp=2", "checkpoint.async_save=true")
+    proc, kept = _on_small_disk(ckpt, 2 * _planned(), args, nproc=2)
+    _check_full_save(proc, kept, run, ckpt)
+
+
+def test_a_run_started_without_room_for_a_checkpoint_stops_before_the_model(tmp_path: Path) -> None:
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    planned = _planned()
+    proc, kept = _on_small_disk(ckpt, planned // 2, _args(run, ckpt))
+    lines = _error_lines(proc.stderr)
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"config key 'checkpoint.dir': '{ckpt}' has" in lines[0]
+    assert f"({planned:,} bytes)" in lines[0] and "choose a checkpoint.dir with room" in lines[0]
+    # Stopped before anything was written: no step, no lock, no metrics.
+    assert "step 1/" not in proc.stderr and not list(kept.iterdir())
+    assert not (run / "metrics.jsonl").exists() and not (run / ".h3train.lock").exists()
+
+
+def test_a_full_logging_dir_names_the_file(tmp_path: Path) -> None:
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    proc, kept = _on_small_disk(run, 16 * 1024, _args(run, ckpt, "train.steps=400", "checkpoint.every=0"))
+    lines = _error_lines(proc.stderr)
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"no space left on the device writing '{run / 'metrics.jsonl'}'" in lines[0], lines[0]
+    assert "free there" in lines[0]
+    # The rows written before the disk filled are whole.
+    rows = (kept / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) > 5 and all(r.startswith('{"step": ') for r in rows[:-1])
+
+
+def test_no_space_is_found_behind_wrappers_and_in_a_rank_failure() -> None:
+    full = OSError(errno.ENOSPC, "No space left on device", "/x/f")
+    try:
+        try:
+            raise full
+        except OSError as exc:
+            raise RuntimeError("writer failed") from exc
+    except RuntimeError as wrapped:
+        assert no_space(wrapped) is full
+    gathered = CheckpointException("save failed", {1: (OSError(errno.EDQUOT, "Disk quota exceeded"), None)})
+    assert no_space(gathered).errno == errno.EDQUOT
+    assert no_space(RuntimeError("something else")) is None
+    assert no_space(OSError(errno.EACCES, "Permission denied")) is None
+
+
+def test_room_check_passes_fails_and_warns_where_it_cannot_know(tmp_path: Path, monkeypatch) -> None:
+    free = free_bytes(tmp_path)
+    assert free is not None and free > 0
+    assert check_room(tmp_path / "not" / "yet", "checkpoint.dir", 1024) is None
+    with pytest.raises(ConfigError, match="config key 'checkpoint.dir'.*free, and one checkpoint"):
+        check_room(tmp_path, "checkpoint.dir", free * 4)
+
+    def no_statvfs(path):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr("h3train.diskspace.shutil.disk_usage", no_statvfs)
+    warning = check_room(tmp_path, "checkpoint.dir", 5 * 1024**2)
+    assert warning is not None and "does not report its free space" in warning and "5.00 MiB" in warning
