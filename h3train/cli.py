@@ -32,14 +32,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 130
     try:
         trainer.fit()
-    except TrainingError as exc:
-        print(f"h3train: error: {exc}", file=sys.stderr)
+    except (TrainingError, SampleError, DatasetError) as exc:
+        if _reports_errors(exc):
+            print(f"h3train: error: {exc}", file=sys.stderr)
         trainer.close(clean=False)
-        return 1
-    except (SampleError, DatasetError) as exc:
-        print(f"h3train: error: {exc}", file=sys.stderr)
-        trainer.close(clean=False)
-        return 2
+        return exc.exit_code
     except RuntimeError as exc:
         if not _is_collective_failure(exc):
             trainer.close(clean=False)

@@ -6,6 +6,7 @@ Every path is exercised for real through `debug.fault` (or a really corrupted fi
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from h3train.cli import main
+from h3train.config import load_config
 from h3train.data.format import read_index
 
 from reference import (
@@ -56,13 +58,19 @@ def test_non_finite_step_is_skipped_by_every_rank(tmp_path, fault) -> None:
 
 @pytest.mark.slow
 def test_consecutive_non_finite_steps_stop_the_run_naming_the_step(tmp_path) -> None:
+    # Two data-parallel ranks meet the error at the same step: one line names both ranks' samples.
     proc = run_forked(
         tiny_args(tmp_path, "train.steps=5", "train.max_consecutive_skips=1", "debug.fault=[nan_loss@2,nan_loss@3]"),
+        nproc=2,
         check=False,
     )
     assert proc.returncode == 1
-    err = proc.stderr.strip().splitlines()[-1]
-    assert "step 3" in err and "synthetic-" in err
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("h3train: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "step 3: 2 consecutive steps" in errors[0]
+    per_rank = load_config(TINY_FL2VA, []).train.grad_accum  # one sample per micro-batch
+    named = re.findall(r"synthetic-\d+", errors[0].split("the step's samples: ")[1])
+    assert len(set(named)) == len(named) == 2 * per_rank, errors[0]
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
 
 

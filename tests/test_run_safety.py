@@ -406,12 +406,15 @@ def test_sp2_unwritable_checkpoint_dir_is_found_at_start(tmp_path) -> None:
 @pytest.mark.slow
 def test_sp2_ctrl_c_and_sigterm_to_the_launcher_checkpoint(tmp_path) -> None:
     # torchrun passes the signal on to the ranks; they save the same step and rank 0 says why.
+    # What the README says bare torchrun prints: its own SignalException traceback, and exit 1.
     rc, out, err = _stop_with(signal.SIGINT, tmp_path / "int", nproc=2, extra=tuple(SP2))
     assert out.count("interrupted by SIGINT: stopped after step") == 1
     assert "[rank" not in err  # no rank raised: only torchrun's own report of the signal
+    assert rc == 1 and "Received 2 death signal" in err and "SignalException" in err, err[-3000:]
     rc, out, err = _stop_with(signal.SIGTERM, tmp_path / "term", nproc=2, extra=tuple(SP2))
     assert out.count("preempted by SIGTERM: stopped after step") == 1 and "checkpoint saved" in out
     assert "[rank" not in err
+    assert rc == 1 and "Received 15 death signal" in err and "SignalException" in err, err[-3000:]
 
 
 def test_tiny_configs_checkpoint_what_the_readme_exports() -> None:

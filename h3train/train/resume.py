@@ -235,13 +235,12 @@ class Resume:
         )
 
     def _agreed_error(self, exc: H3TrainError) -> NoReturn:
-        """Raise an error every rank reached alike: rank 0 reports it, the others leave with its exit code.
+        """Raise an error every rank reached alike (`H3TrainError.agreed`): rank 0 alone reports it.
 
         Raised after the process group exists, it would otherwise be printed once per rank.
         """
-        if self._context().is_main:
-            raise exc
-        raise SystemExit(exc.exit_code)
+        exc.agreed = True
+        raise exc
 
     def _agreed_attempt(self, attempt: Callable[..., Any], *args: Any) -> tuple[int, CheckpointError | None, Any]:
         """Run `attempt(*args)` on every rank; all agree on the worst outcome (MAX all-reduce).

@@ -279,11 +279,7 @@ class Trainer:
             self.skipped_steps += 1
             self.consecutive_skips += 1
             if self.consecutive_skips > cfg.train.max_consecutive_skips:
-                raise TrainingError(
-                    f"step {step}: {self.consecutive_skips} consecutive steps with a non-finite loss or gradient "
-                    f"(train.max_consecutive_skips={cfg.train.max_consecutive_skips}); this rank's samples: "
-                    f"{', '.join(grads.sample_ids)}"
-                )
+                raise self._too_many_skips(step, grads.sample_ids)
         dt = time.perf_counter() - grads.started
         n = cfg.train.grad_accum * self.ctx.dims.dp
         n_audio = max(s[5], 1.0)
@@ -345,6 +341,24 @@ class Trainer:
         stop = INTERRUPT if stops[1] > 0 else PREEMPT if stops[0] > 0 else NONE
         n = len(scalars)
         return sums, values[12 : 12 + n], values[12 + n :], stop
+
+    def _too_many_skips(self, step: int, sample_ids: list[str]) -> TrainingError:
+        """The error that stops a run after too many skipped steps, naming every rank's samples of `step`.
+
+        Collective: the skip is decided in the step's all-reduce, so every rank is here at the same
+        step; rank 0 alone reports the error (`agreed`).
+        """
+        gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, sample_ids)
+        # SP ranks of one group hold the same samples: each id once, in rank order.
+        ids = list(dict.fromkeys(i for part in gathered for i in part))
+        max_skips = self.cfg.train.max_consecutive_skips
+        error = TrainingError(
+            f"step {step}: {self.consecutive_skips} consecutive steps with a non-finite loss or gradient "
+            f"(train.max_consecutive_skips={max_skips}); the step's samples: {', '.join(ids)}"
+        )
+        error.agreed = True
+        return error
 
     def _report_spikes(self, step: int, sample_ids: list[str], losses: list[float], step_loss: float) -> None:
         median = self.spikes.median()
