@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 
@@ -112,5 +113,20 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def atomic_save_file(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]) -> None:
-    """`safetensors.torch.save_file`, atomically, with the mode of `file_mode()`."""
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    """`safetensors.torch.save_file`, atomically, with the mode of `file_mode()`.
+
+    A failed write is an `OSError` naming `path` with the errno safetensors reports in its text
+    (`... (os error 28)`), so a full disk is recognised as one (`diskspace.no_space`).
+    """
+
+    def write(tmp: Path) -> None:
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        except SafetensorError as exc:
+            found = re.search(r"os error (\d+)", str(exc))
+            if found is None:
+                raise
+            code = int(found[1])
+            raise OSError(code, os.strerror(code), str(path)) from exc
+
+    atomic_write(path, write)

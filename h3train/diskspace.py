@@ -71,7 +71,7 @@ def full_disk_line(error: OSError) -> str:
     room = f"{human_bytes(free)} free there" if free is not None else "the free space there is not known"
     return (
         f"no space left on the device writing '{where}' (folder '{where.parent}', {room}); "
-        "free space there or point the run elsewhere; what was written before is kept"
+        "free space there or write elsewhere; what was written before is kept"
     )
 
 

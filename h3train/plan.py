@@ -498,7 +498,7 @@ def estimate(
     if rows is None:
         rows, rows_source = config_rows(cfg)
     from .model.adapter import ModelAdapter
-    from .train.assemble import model_transforms
+    from .train.transforms import model_transforms
 
     # What an adapter adds is the adapter's own arithmetic (`ModelAdapter.plan_counts`).
     adapter = next((t for t in model_transforms(cfg) if isinstance(t, ModelAdapter)), None)
@@ -534,7 +534,7 @@ def checkpoint_bytes(dims: Mapping[str, Any], cfg: Config, lora: AdapterCounts |
     """
     if lora is None:
         from .model.adapter import ModelAdapter
-        from .train.assemble import model_transforms
+        from .train.transforms import model_transforms
 
         adapter = next((t for t in model_transforms(cfg) if isinstance(t, ModelAdapter)), None)
         lora = adapter.plan_counts(dims) if adapter is not None else None

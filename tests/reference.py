@@ -6,6 +6,7 @@ weights and the same inputs, the loss built from the dumped targets, masks and w
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
 from ranks import run_ranks
@@ -90,6 +92,45 @@ def run_h3train(
     if check and proc.returncode != 0:
         raise AssertionError(f"h3train {' '.join(args)} exited {proc.returncode}\n{proc.stderr[-4000:]}")
     return proc
+
+
+# Mount a tmpfs of $1 bytes on $2, run the rest, then copy what the tmpfs holds to $3 (it goes with
+# the namespace) and exit with the run's code.
+_ON_SMALL_DISK = 'mount -t tmpfs -o size="$1" tmpfs "$2" || exit 97; d="$2"; k="$3"; shift 3; "$@"; rc=$?; ' + (
+    'cp -a "$d/." "$k"; exit $rc'
+)
+
+
+@functools.cache
+def _namespaces() -> str | None:
+    """Why this machine cannot mount a private tmpfs (None: it can)."""
+    try:
+        proc = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt || mount -t tmpfs tmpfs /tmp"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unshare is not available: {exc}"
+    return None if proc.returncode == 0 else f"no private mount namespace here: {proc.stderr.strip()}"
+
+
+def on_small_disk(folder: Path, size: int, args: list[str], nproc: int = 1) -> tuple[subprocess.CompletedProcess, Path]:
+    """`h3train ARGS` with a tmpfs of `size` bytes mounted on `folder`, in a mount namespace of its own
+    (`unshare -rm`), so that writes there fail with ENOSPC as on a full disk. Returns the run and a copy
+    of what the tmpfs held (`<folder>.kept`; the tmpfs goes with the namespace). A machine that cannot
+    make such a namespace skips the test, saying why."""
+    reason = _namespaces()
+    if reason is not None:
+        pytest.skip(reason)
+    folder.mkdir(parents=True, exist_ok=True)
+    kept = folder.with_name(folder.name + ".kept")
+    kept.mkdir()
+    cmd = ["unshare", "-rm", "sh", "-c", _ON_SMALL_DISK, "sh", str(size), str(folder), str(kept)]
+    proc = run_process_group([*cmd, *h3train_command(args, nproc)], run_env(), timeout=240)
+    assert proc.returncode != 97, proc.stderr
+    return proc, kept
 
 
 def run_forked(

@@ -1,14 +1,12 @@
 """A full disk is one line naming the folder, the bytes needed and free; nothing already written is lost.
 
-The disks are real: each run is launched in a mount namespace of its own (`unshare -rm`) with a
-small tmpfs mounted on its checkpoint or logging folder, so writes fail with ENOSPC as on a full
-cluster volume. A machine that cannot make such a namespace skips these tests, saying why.
+The disks are real (`reference.on_small_disk`): a tmpfs of a chosen size in a mount namespace of
+the run's own, so writes fail with ENOSPC as on a full cluster volume.
 """
 
 from __future__ import annotations
 
 import errno
-import functools
 import subprocess
 from pathlib import Path
 
@@ -22,44 +20,7 @@ from h3train.model.dims import model_dims
 from h3train.plan import checkpoint_bytes
 from h3train.train.checkpoint import complete_checkpoints, verify_file_digests
 
-from reference import TINY_FL2VA, checkpoint_tensor_bytes, h3train_command, read_metrics, run_env, run_process_group
-
-# Mount a tmpfs of $1 bytes on $2, run the rest, then copy what the tmpfs holds to $3 (it goes with
-# the namespace) and exit with the run's code.
-_ON_SMALL_DISK = 'mount -t tmpfs -o size="$1" tmpfs "$2" || exit 97; d="$2"; k="$3"; shift 3; "$@"; rc=$?; ' + (
-    'cp -a "$d/." "$k"; exit $rc'
-)
-
-
-@functools.cache
-def _namespaces() -> str | None:
-    """Why this machine cannot mount a private tmpfs (None: it can)."""
-    try:
-        proc = subprocess.run(
-            ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt || mount -t tmpfs tmpfs /tmp"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"unshare is not available: {exc}"
-    return None if proc.returncode == 0 else f"no private mount namespace here: {proc.stderr.strip()}"
-
-
-def _on_small_disk(
-    folder: Path, size: int, args: list[str], nproc: int = 1
-) -> tuple[subprocess.CompletedProcess, Path]:
-    """`h3train ARGS` with a tmpfs of `size` bytes on `folder`; returns the run and a copy of what the tmpfs held."""
-    reason = _namespaces()
-    if reason is not None:
-        pytest.skip(reason)
-    folder.mkdir(parents=True, exist_ok=True)
-    kept = folder.with_name(folder.name + ".kept")
-    kept.mkdir()
-    cmd = ["unshare", "-rm", "sh", "-c", _ON_SMALL_DISK, "sh", str(size), str(folder), str(kept)]
-    proc = run_process_group([*cmd, *h3train_command(args, nproc)], run_env(), timeout=240)
-    assert proc.returncode != 97, proc.stderr
-    return proc, kept
+from reference import TINY_FL2VA, checkpoint_tensor_bytes, on_small_disk, read_metrics
 
 
 def _planned() -> int:
@@ -101,10 +62,17 @@ def _check_full_save(proc: subprocess.CompletedProcess, kept: Path, run: Path, c
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
 
 
-def test_a_save_on_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
-    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    # Room for one checkpoint (DCP's framing included), not for the second one beside it.
-    proc, kept = _on_small_disk(ckpt, 2 * _planned(), _args(run, ckpt))
+@pytest.fixture(scope="module")
+def full_at_second_save(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path, Path]:
+    """A run whose checkpoint disk has room for one checkpoint (DCP's framing included), not for two."""
+    root = tmp_path_factory.mktemp("full")
+    run, ckpt = root / "run", root / "ckpt"
+    proc, kept = on_small_disk(ckpt, 2 * _planned(), _args(run, ckpt))
+    return proc, kept, run, ckpt
+
+
+def test_a_save_on_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(full_at_second_save) -> None:
+    proc, kept, run, ckpt = full_at_second_save
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
     _check_full_save(proc, kept, run, ckpt)
     # The size it planned with is the tensors' (weights and AdamW moments; AdamW's step counts on top).
@@ -116,14 +84,14 @@ def test_a_save_on_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_pat
 def test_a_background_save_on_a_full_disk_is_said_once_under_torchrun_sp2(tmp_path: Path) -> None:
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     args = _args(run, ckpt, "parallel.sp=2", "checkpoint.async_save=true")
-    proc, kept = _on_small_disk(ckpt, 2 * _planned(), args, nproc=2)
+    proc, kept = on_small_disk(ckpt, 2 * _planned(), args, nproc=2)
     _check_full_save(proc, kept, run, ckpt)
 
 
 def test_a_run_started_without_room_for_a_checkpoint_stops_before_the_model(tmp_path: Path) -> None:
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     planned = _planned()
-    proc, kept = _on_small_disk(ckpt, planned // 2, _args(run, ckpt))
+    proc, kept = on_small_disk(ckpt, planned // 2, _args(run, ckpt))
     lines = _error_lines(proc.stderr)
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"config key 'checkpoint.dir': '{ckpt}' has" in lines[0]
@@ -133,9 +101,21 @@ def test_a_run_started_without_room_for_a_checkpoint_stops_before_the_model(tmp_
     assert not (run / "metrics.jsonl").exists() and not (run / ".h3train.lock").exists()
 
 
+def test_an_export_onto_a_full_disk_names_the_file_and_leaves_nothing(full_at_second_save, tmp_path: Path) -> None:
+    checkpoint = full_at_second_save[1] / "step_00000002"
+    disk = tmp_path / "disk"
+    proc, kept = on_small_disk(disk, 64 * 1024, ["export", str(checkpoint), "--out", str(disk / "model")])
+    lines = _error_lines(proc.stderr)
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"no space left on the device writing '{disk}/.model.tmp-" in lines[0], lines[0]
+    assert ".safetensors'" in lines[0] and "free there" in lines[0]
+    # The half-written export was its own temporary sibling: gone, and no `model` folder appeared.
+    assert not list(kept.iterdir())
+
+
 def test_a_full_logging_dir_names_the_file(tmp_path: Path) -> None:
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    proc, kept = _on_small_disk(run, 16 * 1024, _args(run, ckpt, "train.steps=400", "checkpoint.every=0"))
+    proc, kept = on_small_disk(run, 16 * 1024, _args(run, ckpt, "train.steps=400", "checkpoint.every=0"))
     lines = _error_lines(proc.stderr)
     assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"no space left on the device writing '{run / 'metrics.jsonl'}'" in lines[0], lines[0]

@@ -51,7 +51,7 @@ from h3train.model.build import build_model
 from h3train.objective import compute_loss, micro_batch_inputs
 from h3train.runlock import LOCK_NAME, RunLock
 
-from reference import h3train_command, run_env, run_forked, start_in_session
+from reference import h3train_command, on_small_disk, run_env, run_forked, start_in_session
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small canvases keep the VAEs cheap: 3:2 clips land on 32x64 (2x4 latents), the 4:3 still on 32x32.
@@ -435,6 +435,22 @@ def test_ctrl_c_is_one_line_and_exit_130(media: Path, components: Path, tmp_path
     lines = err.strip().splitlines()
     assert "Traceback" not in err and lines[-1].startswith("h3train encode: interrupted"), err[-2000:]
     assert not (out / LOCK_NAME).exists()
+
+
+def test_a_full_disk_stops_the_encode_with_one_line(media: Path, components: Path, tmp_path: Path) -> None:
+    # Room for about one sample: a full disk is no clip's fault, so the encode stops instead of
+    # recording every later clip as failed.
+    out = tmp_path / "o"
+    args = ["encode", str(media / "manifest.jsonl"), "--components", str(components), "--out", str(out)]
+    flags = ["--short-edge", "32", "--max-pixels", str(32 * 64), "--reference-short-edge", "32",
+             "--min-seconds", "0", "--max-seconds", "2", "--device", "cpu", "--no-progress"]  # fmt: skip
+    proc, kept = on_small_disk(out, 48 * 1024, [*args, *flags])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("h3train: error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"no space left on the device writing '{out}/" in errors[0] and ".safetensors'" in errors[0], errors[0]
+    recorded = (kept / ERRORS_NAME).read_text() if (kept / ERRORS_NAME).exists() else ""
+    assert "No space left" not in recorded and "os error" not in recorded, recorded
+    assert not (kept / LOCK_NAME).exists()
 
 
 def test_manifest_ids_and_keyframes(tmp_path: Path) -> None:

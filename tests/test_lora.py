@@ -148,7 +148,7 @@ def test_targets_default_to_block_attention_and_feed_forward() -> None:
 
 
 def test_full_fine_tuning_has_no_transform() -> None:
-    from h3train.train.assemble import model_transforms
+    from h3train.train.transforms import model_transforms
 
     assert model_transforms(load_config(ROOT / "configs" / "tiny_fl2va.yaml")) == []
     assert len(model_transforms(_cfg())) == 1

@@ -71,6 +71,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from ..atomic import atomic_write_text, is_temporary, set_aside
+from ..diskspace import no_space
 from ..errors import ConfigError
 from ..runlock import RunLock
 from .components import Components, check_components_folder, components_fingerprint, load_components, reads_videos
@@ -488,6 +489,9 @@ def _encode_to_folder(
         sample = encode_entry(pipe, entry, settings)
         write_sample(sample_path, sample)
     except Exception as exc:  # noqa: BLE001 - one bad clip must not stop the run; the reason is recorded
+        if no_space(exc) is not None:
+            # A full disk is no clip's fault: every later clip would fail alike. Stop, naming the file.
+            raise
         # A sample left from older inputs no longer matches the manifest.
         sample_path.unlink(missing_ok=True)
         inputs_path.unlink(missing_ok=True)

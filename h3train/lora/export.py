@@ -33,8 +33,8 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from ..atomic import atomic_save_file
 from ..tasks.table import PARTITIONS, SAMPLE_TASKS, TRAINING_TASKS
 
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
@@ -197,7 +197,7 @@ def save_comfyui_lora(path: str | os.PathLike, adapters: dict[str, torch.Tensor]
     """Write the ComfyUI-format LoRA file at `path`; returns it."""
     tensors, metadata = comfyui_state_dict(adapters, lora_config)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata=metadata)
+    atomic_save_file(tensors, path, metadata=metadata)
     return Path(path)
 
 

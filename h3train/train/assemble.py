@@ -1,10 +1,11 @@
 """The composition root: a `Config` becomes the parts a `Trainer` wires together.
 
 Every choice a config makes about *which* part to use is taken here and nowhere else: the model and
-its transforms (adapters), the optimizer and schedule, the sample source and its micro-batch stream,
-the step hooks, the checkpointer and the resume decision. `build_trainer` runs them in the order the
-start-up needs (checks before any process group, the resume decision before the model is built,
-FSDP2 before the optimizer) and hands the parts to `Trainer`, which only wires them into the loop.
+its transforms (adapters; `transforms.py` names them, so that the memory plan can ask as well),
+the optimizer and schedule, the sample source and its micro-batch stream, the step hooks, the
+checkpointer and the resume decision. `build_trainer` runs them in the order the start-up needs
+(checks before any process group, the resume decision before the model is built, FSDP2 before the
+optimizer) and hands the parts to `Trainer`, which only wires them into the loop.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from .hooks import ModelTransform, TrainerHook
 from .optim import build_optimizer, build_scheduler
 from .resume import Resume
 from .rundir import probe_writable
+from .transforms import model_transforms
 
 
 @dataclass
@@ -308,16 +310,6 @@ def _create_synthetic_dataset(cfg: Config, ctx: ParallelContext, text_dim: int) 
             text_dim=text_dim,
         )
     dist.barrier()
-
-
-def model_transforms(cfg: Config) -> list[ModelTransform]:
-    """The transforms a config asks for, in the order they apply. Full fine-tuning has none."""
-    transforms: list[ModelTransform] = []
-    if cfg.lora.rank > 0:
-        from ..lora.adapters import LoraTransform
-
-        transforms.append(LoraTransform(cfg))
-    return transforms
 
 
 def after_load(transforms: Sequence[ModelTransform], model: nn.Module) -> None:
