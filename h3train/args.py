@@ -33,6 +33,7 @@ _RANGES: dict[str, tuple[float, float | None]] = {
     "width": (32, None),
     "text_len": (1, None),
     "parity_tol": (0, None),
+    "heldout": (0, None),
 }
 # Flags that must be above zero, not just at least it.
 _POSITIVE = ("max_shard_gb", "peak_tflops", "max_seconds")
@@ -54,12 +55,35 @@ def check_args(args: argparse.Namespace) -> None:
             bound = f"in [{low}, {high}]" if high is not None else (f"> {low}" if name in _POSITIVE else f">= {low}")
             raise ConfigError(f"{flag} is {value}; it takes a value {bound}")
     command = getattr(args, "command", None)
+    if command == "export" and args.name is not None:
+        check_lora_file_name(args.name, "--name")
     if command in ("synth", "export", "encode"):
         check_output_folder(Path(args.out), "--out")
     elif command == "tiny-components":
         check_output_folder(Path(args.dir), "DIR")
     elif command in ("plot", "bench") and args.out is not None:
         check_output_folder(Path(args.out).parent, "--out's folder")
+
+
+# diffusers reads a LoRA file as safetensors only by this suffix (any other it unpickles).
+LORA_FILE_SUFFIX = ".safetensors"
+# The longest file name the common file systems take, in bytes.
+_NAME_MAX = 255
+
+
+def check_lora_file_name(name: str, what: str) -> None:
+    """`name` is a plain file name (no folder part; `--out` is the folder) ending in `.safetensors`."""
+    example = f"my_lora{LORA_FILE_SUFFIX}"
+    seps = {os.sep, os.altsep or os.sep, "/"}
+    if name in ("", ".", "..") or "\0" in name or any(sep in name for sep in seps):
+        raise ConfigError(f"{what} '{name}' is not a plain file name; give one such as {example} (--out is the folder)")
+    if not name.endswith(LORA_FILE_SUFFIX) or name == LORA_FILE_SUFFIX:
+        raise ConfigError(
+            f"{what} '{name}' does not end in {LORA_FILE_SUFFIX}, the suffix diffusers reads a LoRA file by; "
+            f"e.g. {example}"
+        )
+    if len(os.fsencode(name)) > _NAME_MAX:
+        raise ConfigError(f"{what} is {len(os.fsencode(name))} bytes long; file names take at most {_NAME_MAX}")
 
 
 def check_output_folder(path: Path, what: str) -> None:

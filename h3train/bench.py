@@ -272,14 +272,10 @@ def build_bench_model(dims: dict[str, Any], device: torch.device, dtype: torch.d
 
 def set_backend(model: MiniMaxH3Transformer3DModel, backend: str) -> None:
     """`model.set_attention_backend` without diffusers' per-call "experimental feature" warning."""
-    from diffusers.utils import logging as dlogging
+    from .quiet import known_notices
 
-    level = dlogging.get_verbosity()
-    dlogging.set_verbosity_error()
-    try:
+    with known_notices():
         model.set_attention_backend(backend)
-    finally:
-        dlogging.set_verbosity(level)
 
 
 @dataclass

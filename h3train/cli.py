@@ -95,6 +95,17 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .config_report import report
+
+    # The values' checks only (`check` also reads the files the config names and plans the model):
+    # a config for another machine prints here as it resolves.
+    cfg = load_config(args.config, args.overrides)
+    print(report(cfg, args.config, args.overrides), end="")
+    return 0
+
+
 def _cmd_synth(args: argparse.Namespace) -> int:
     from .data.synth import write_synthetic_dataset
 
@@ -106,10 +117,14 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .train.export import export_checkpoint
+    from .train.export import checkpoint_to_export, export_checkpoint
 
-    out = export_checkpoint(
-        args.checkpoint,
+    checkpoint, chosen = checkpoint_to_export(Path(args.checkpoint))
+    if chosen is not None:
+        # Before the work: a full model's export takes minutes, and this says which step it is.
+        print(f"exporting {checkpoint}: {chosen}", flush=True)
+    summary = export_checkpoint(
+        checkpoint,
         args.out,
         args.dtype,
         int(args.max_shard_gb * 1024**3),
@@ -118,12 +133,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
         merge=args.merge,
         ema=args.ema,
         base=args.base,
+        name=args.name,
     )
-    from .lora.checkpoint_export import trained_partition
-    from .train.checkpoint import read_trainer_state
-
-    partition = trained_partition(read_trainer_state(Path(args.checkpoint)))
-    print(f"exported {args.checkpoint} to {out} (partition '{partition}': the pipeline's {partition}/ folder)")
+    print("\n".join(summary.lines()))
     return 0
 
 
@@ -135,18 +147,40 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_encode(args: argparse.Namespace) -> int:
+    from .data.components import encode_preset
     from .data.encode import EncodeSettings, encode_manifest
 
-    settings = EncodeSettings(
-        short_edge=args.short_edge,
-        max_pixels=args.max_pixels,
-        reference_short_edge=args.reference_short_edge,
-        min_seconds=args.min_seconds,
-        max_seconds=args.max_seconds,
-    )
+    # A flag given wins; then the components folder's preset; then the released checkpoint's settings.
+    flags = {
+        "short_edge": args.short_edge,
+        "max_pixels": args.max_pixels,
+        "reference_short_edge": args.reference_short_edge,
+        "min_seconds": args.min_seconds,
+        "max_seconds": args.max_seconds,
+    }
+    preset = encode_preset(args.components) or {}
+    settings = EncodeSettings(**{**preset, **{k: v for k, v in flags.items() if v is not None}})
+    if int(os.environ.get("RANK", "0")) == 0:
+        given = [k for k, v in flags.items() if v is not None]
+        origin = f"the preset of {args.components}" if preset else "the defaults"
+        print(
+            f"encode settings: short edge {settings.short_edge}, max pixels {settings.max_pixels}, "
+            f"reference short edge {settings.reference_short_edge}, "
+            f"{settings.min_seconds:g}-{settings.max_seconds:g} s "
+            f"(from {origin}{', flags: ' + ', '.join(given) if given else ''})",
+            flush=True,
+        )
     try:
         summary = encode_manifest(
-            args.manifest, args.components, args.out, settings, device=args.device, progress=not args.no_progress
+            args.manifest,
+            args.components,
+            args.out,
+            settings,
+            device=args.device,
+            progress=not args.no_progress,
+            heldout=args.heldout,
+            caption_prefix=args.caption_prefix,
+            verbose=args.verbose,
         )
     except KeyboardInterrupt:
         # The samples written so far are complete (atomic writes); a rerun skips them.
@@ -199,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_check)
 
+    p = sub.add_parser(
+        "config", help="print the resolved config as YAML, every default filled in, each value's source as a comment"
+    )
+    p.add_argument("config", help="a YAML config, e.g. configs/tiny_lora.yaml")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. lora.rank=16")
+    p.set_defaults(func=_cmd_config)
+
     p = sub.add_parser("synth", help="write a synthetic cached dataset (tests and demos)")
     p.add_argument("--out", required=True)
     from .tasks.table import TRAINING_TASKS
@@ -212,7 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "export", help="write a checkpoint as a diffusers transformer folder (a LoRA checkpoint as a LoRA file)"
     )
-    p.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/x/checkpoints/step_00001000")
+    p.add_argument(
+        "checkpoint",
+        help="a run folder (logging.dir: its newest complete checkpoint) or a checkpoint folder, "
+        "e.g. runs/x/checkpoints/step_00001000",
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "bf16", "fp32"))
     p.add_argument("--max-shard-gb", type=float, default=5.0)
@@ -231,27 +276,55 @@ def build_parser() -> argparse.ArgumentParser:
         "--base", type=Path, default=None, help="LoRA --merge: the pretrained base folder, if moved from where it was"
     )
     p.add_argument("--ema", action="store_true", help="write the EMA weights (train.ema.decay) in place of the trained")
+    p.add_argument(
+        "--name",
+        default=None,
+        help="LoRA files: the file's name in --out, ending in .safetensors "
+        "(default: pytorch_lora_weights.safetensors, lora_comfyui.safetensors with --format comfyui)",
+    )
     p.set_defaults(func=_cmd_export)
 
-    p = sub.add_parser("plot", help="plot loss and grad_norm from metrics.jsonl to a PNG")
+    p = sub.add_parser("plot", help="plot losses (smoothed), grad_norm and lr from metrics.jsonl to a PNG")
     p.add_argument("metrics")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_plot)
 
-    p = sub.add_parser("encode", help="encode a manifest of clips into a cached dataset (alone or under torchrun)")
-    p.add_argument("manifest", help="JSONL, one clip per line (see README: Encoding your data)")
+    p = sub.add_parser(
+        "encode",
+        help="encode a folder of clips or a manifest into a cached dataset (alone or under torchrun)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "manifest",
+        help="a folder of clips, each with a same-named .txt caption (t2va), or a JSONL manifest, one clip per "
+        "line, for keyframes and references (see README: Encoding your data)",
+    )
     p.add_argument("--components", required=True, help="folder with vae, audio_vae, text_encoder, tokenizer, processor")
-    p.add_argument("--out", required=True, help="dataset folder (samples, index.jsonl, errors.jsonl)")
-    p.add_argument("--short-edge", type=int, default=768, help="canvas short edge, a multiple of 32")
-    p.add_argument("--max-pixels", type=int, default=768 * 1344, help="canvas area cap")
-    p.add_argument("--reference-short-edge", type=int, default=2048, help="short edge of image references")
-    p.add_argument("--min-seconds", type=float, default=5.0, help="shorter clips are rejected")
-    p.add_argument("--max-seconds", type=float, default=15.0, help="longer clips are cut")
+    p.add_argument("--out", required=True, help="dataset folder (samples, index.jsonl, clips.tsv, errors.jsonl)")
+    p.add_argument("--heldout", type=int, default=0, help="clips held out into the dataset OUT/heldout (seeded by id)")
+    p.add_argument("--caption-prefix", default="", help="text put before every prompt, e.g. a trigger word")
+    # Geometry flags default to the components folder's preset (a stand-in states its small canvas),
+    # else to the released checkpoint's settings (`EncodeSettings`).
+    p.add_argument("--short-edge", type=int, default=None, help="canvas short edge, a multiple of 32 (else 768)")
+    p.add_argument("--max-pixels", type=int, default=None, help="canvas area cap (else 768*1344)")
+    p.add_argument("--reference-short-edge", type=int, default=None, help="short edge of image references (else 2048)")
+    p.add_argument(
+        "--min-seconds",
+        type=float,
+        default=None,
+        help="shorter clips are rejected, rounded down to the 17 n + 5 frame rule at 24 fps (else 5: a 4.46 s clip "
+        "is kept)",
+    )
+    p.add_argument("--max-seconds", type=float, default=None, help="longer clips are cut (else 15)")
     p.add_argument("--device", default=None, help="default: cuda:$LOCAL_RANK if available, else cpu")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--verbose", action="store_true", help="print each clip's line of clips.tsv")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_encode)
 
-    p = sub.add_parser("tiny-components", help="write tiny random encoders in the MiniMax-H3 layout (tests, demos)")
+    p = sub.add_parser(
+        "tiny-components",
+        help="write a tiny random MiniMax-H3 pipeline folder (encoders, transformers, schedulers, an encode preset)",
+    )
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_tiny_components)

@@ -172,6 +172,8 @@ class WandbConfig:
 class LoggingConfig:
     dir: str = "runs/default"
     progress: bool = True
+    # Also write metrics.jsonl's numbers and the rendered samples to TensorBoard, in <dir>/tensorboard.
+    tensorboard: bool = False
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -527,16 +529,16 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     """
     schema = _schema()
     tree = _schema_tree()
-    layers: list[DictConfig] = []
+    file_raw: dict[str, Any] = {}
     if path is not None:
-        raw = OmegaConf.to_container(_read_yaml(path), resolve=False)
-        _conform(tree, raw, "", f"in '{path}'")
-        anchor_sample_paths(raw, Path(path).resolve().parent, f"in '{path}'")
-        layers.append(OmegaConf.create(raw))
+        file_raw = OmegaConf.to_container(_read_yaml(path), resolve=False)  # type: ignore[assignment]
+        _conform(tree, file_raw, "", f"in '{path}'")
+        anchor_sample_paths(file_raw, Path(path).resolve().parent, f"in '{path}'")
     raw = OmegaConf.to_container(parse_overrides(list(overrides)), resolve=False)
     _conform(tree, raw, "", "in the overrides")
     anchor_sample_paths(raw, Path.cwd(), "in the overrides")
-    layers.append(OmegaConf.create(raw))
+    _override_replaces_exclusive(file_raw, raw)  # type: ignore[arg-type]
+    layers = [OmegaConf.create(file_raw), OmegaConf.create(raw)]
     try:
         merged = OmegaConf.merge(schema, *layers)
         OmegaConf.resolve(merged)
@@ -546,6 +548,22 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     _normalise(cfg)
     validate(cfg)
     return cfg
+
+
+# Pairs of keys a config sets one of: the model's weights come from a folder or from constructor kwargs.
+_EXCLUSIVE_KEYS = (("model", "pretrained", "config"),)
+
+
+def _override_replaces_exclusive(file_raw: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """An override of one of two exclusive keys drops the other from the file's layer: a tiny config's
+    `model.config` gives way to `model.pretrained=DIR` on the command line, and the other way round."""
+    for section, first, second in _EXCLUSIVE_KEYS:
+        given, in_file = overrides.get(section), file_raw.get(section)
+        if not isinstance(given, dict) or not isinstance(in_file, dict):
+            continue
+        for key, other in ((first, second), (second, first)):
+            if given.get(key) not in (None, {}) and other not in given:
+                in_file.pop(other, None)
 
 
 def to_yaml(cfg: Config) -> str:
@@ -633,7 +651,10 @@ def validate(cfg: Config) -> None:
             "'model.config' (constructor kwargs for a random init)"
         )
     if cfg.model.pretrained is not None and cfg.model.config:
-        raise ConfigError("config keys 'model.pretrained' and 'model.config' are exclusive: set one of them")
+        raise ConfigError(
+            "config keys 'model.pretrained' and 'model.config' are exclusive: set one of them (an override of "
+            "either on the command line replaces the other from the file)"
+        )
     if cfg.debug.dump_step is not None and not 1 <= cfg.debug.dump_step <= cfg.train.steps:
         raise ConfigError(
             f"config key 'debug.dump_step' must be in [1, train.steps={cfg.train.steps}], got {cfg.debug.dump_step}"

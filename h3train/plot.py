@@ -1,6 +1,8 @@
-"""Render a run's `metrics.jsonl` into a PNG: losses on top (held-out loss beside them), gradient norm below.
+"""Render a run's `metrics.jsonl` into a PNG: losses (held-out loss beside them), gradient norm, learning rate.
 
-Usage: `python -m h3train.plot runs/x/metrics.jsonl runs/x/metrics.png`.
+Each training curve is drawn raw (faint) under its exponential moving average (`SMOOTHING`);
+held-out rows (`"kind": "validation"`) are points; a dotted vertical line marks each step where
+the run was resumed. Usage: `python -m h3train.plot runs/x/metrics.jsonl runs/x/metrics.png`.
 """
 
 from __future__ import annotations
@@ -16,12 +18,21 @@ from typing import Any
 # affected by) the process-wide pyplot backend and works on machines without a display.
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 from .errors import UsageError
 
 _LOSS_KEYS = ("loss", "loss_video", "loss_audio")
 # Held-out rows (`"kind": "validation"`) drawn beside the training losses.
 _VALIDATION_KEYS = ("val/loss", "val/loss_video", "val/loss_audio")
+# Weight of the past in the smoothed curves: s_i = SMOOTHING * s_(i-1) + (1 - SMOOTHING) * x_i over
+# the logged values (nulls skipped), divided by 1 - SMOOTHING^i so the curve starts at the first value
+# rather than at 0 (TensorBoard's smoothing at 0.9: about the last 10 values).
+SMOOTHING = 0.9
+# How faint the raw curve is under its smoothed one.
+_RAW_ALPHA = 0.25
+# The marker's key in a training row: the first step a resumed run logged (`metrics.RESUMED_KEY`).
+_RESUMED_KEY = "resumed"
 
 
 def _as_float(value: Any) -> float:
@@ -71,12 +82,40 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return [step for step, _ in points], [value for _, value in points]
 
 
-def plot_metrics(metrics_path: str | os.PathLike[str], out_png: str | os.PathLike[str]) -> Path:
-    """Plot loss (and `loss_video` / `loss_audio` when logged) and `grad_norm` against step.
+def smoothed(values: list[float], factor: float = SMOOTHING) -> list[float]:
+    """The debiased exponential moving average of `values` (see `SMOOTHING`); NaN entries stay NaN and are skipped."""
+    out: list[float] = []
+    average = weight = 0.0
+    for value in values:
+        if not math.isfinite(value):
+            out.append(math.nan)
+            continue
+        average = factor * average + (1.0 - factor) * value
+        weight = factor * weight + (1.0 - factor)
+        out.append(average / weight)
+    return out
 
-    Writes one PNG with two stacked axes sharing the step axis and returns its path. A null value
-    (strict JSON's stand-in for a non-finite one) is skipped. Raises `UsageError` (a `ValueError`) naming the file if
-    it is missing, holds no step records, or no `loss` values, or if the PNG cannot be written.
+
+def resume_steps(records: list[dict[str, Any]]) -> list[int]:
+    """The steps training rows resumed from: `step - 1` of each row marked `"resumed": true` and of each
+    row whose step does not follow the previous row's (a gap: the rows in between are not in the file)."""
+    found: set[int] = set()
+    previous = None
+    for record in records:
+        step = record["step"]
+        if record.get(_RESUMED_KEY) is True or (previous is not None and step != previous + 1):
+            found.add(step - 1)
+        previous = step
+    return sorted(found)
+
+
+def plot_metrics(metrics_path: str | os.PathLike[str], out_png: str | os.PathLike[str]) -> Path:
+    """Plot the losses (`loss`, and `loss_video` / `loss_audio` when logged), `grad_norm` and `lr` against step.
+
+    Writes one PNG with three stacked axes sharing the step axis and returns its path. A null value
+    (a non-finite one in strict JSON, or a loss the step did not have) is skipped. Raises `UsageError` (a
+    `ValueError`) naming the file if it is missing, holds no step records, or no `loss` values, or if the
+    PNG cannot be written.
     """
     fig = metrics_figure(metrics_path)
     out = Path(out_png)
@@ -89,7 +128,7 @@ def plot_metrics(metrics_path: str | os.PathLike[str], out_png: str | os.PathLik
 
 
 def metrics_figure(metrics_path: str | os.PathLike[str]) -> Figure:
-    """The figure `plot_metrics` writes: training losses and held-out losses on top, grad_norm below."""
+    """The figure `plot_metrics` writes: losses (held-out points beside them), grad_norm, lr; legends outside."""
     path = Path(metrics_path)
     everything = read_metrics(path)
     records = [r for r in everything if r.get("kind") is None]
@@ -102,36 +141,73 @@ def metrics_figure(metrics_path: str | os.PathLike[str]) -> Figure:
     if not any(math.isfinite(v) for v in _series(records, "loss")[1]):
         raise UsageError(f"metrics file '{path}' has no finite 'loss' values to plot")
 
-    fig = Figure(figsize=(9, 6.5), layout="constrained")
+    fig = Figure(figsize=(10, 8.5), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_loss, ax_grad = fig.subplots(2, 1, sharex=True)
+    ax_loss, ax_grad, ax_lr = fig.subplots(3, 1, sharex=True, height_ratios=(2.2, 1.2, 1.0))
 
+    colors = {}
     for key in _LOSS_KEYS:
-        steps, values = _series(records, key)
-        if any(math.isfinite(v) for v in values):
-            ax_loss.plot(steps, values, label=key, linewidth=1.2 if key == "loss" else 0.9)
+        line = _smoothed_curve(ax_loss, records, key, linewidth=1.6 if key == "loss" else 1.1)
+        if line is not None:
+            colors[key] = line.get_color()
     for key in _VALIDATION_KEYS:
         steps, values = _series(validation, key)
         if any(math.isfinite(v) for v in values):
-            ax_loss.plot(steps, values, label=f"{key} (held out)", linestyle="--", marker="o", markersize=3)
+            # In the colour of the training loss it measures, edged in black to tell it from that curve.
+            style = {"color": colors[key[4:]]} if key[4:] in colors else {}
+            ax_loss.plot(
+                steps,
+                values,
+                label=f"{key} (held out)",
+                linestyle="none",
+                marker="o",
+                markersize=5,
+                markeredgecolor="black",
+                **style,
+            )
     ax_loss.set_ylabel("loss")
-    ax_loss.legend(loc="upper right")
-    ax_loss.grid(True, alpha=0.3)
-    ax_loss.set_title(str(path))
+    ax_loss.set_title(f"{path}  (smoothed: EMA {SMOOTHING:g}; raw faint)", fontsize="medium")
 
-    steps, values = _series(records, "grad_norm")
-    finite = [v for v in values if math.isfinite(v)]
-    if finite:
-        ax_grad.plot(steps, values, color="tab:red", linewidth=1.0, label="grad_norm")
+    if _smoothed_curve(ax_grad, records, "grad_norm", color="tab:red") is not None:
+        finite = [v for v in _series(records, "grad_norm")[1] if math.isfinite(v)]
         # Gradient norms span orders of magnitude (spikes, clipping), so a log axis reads better.
         if all(v > 0 for v in finite):
             ax_grad.set_yscale("log")
     else:
         ax_grad.text(0.5, 0.5, "no grad_norm logged", ha="center", va="center", transform=ax_grad.transAxes)
     ax_grad.set_ylabel("grad_norm")
-    ax_grad.set_xlabel("step")
-    ax_grad.grid(True, alpha=0.3)
+
+    steps, values = _series(records, "lr")
+    if any(math.isfinite(v) for v in values):
+        # The schedule is exact, not noisy: drawn as it is.
+        ax_lr.plot(steps, values, color="tab:green", linewidth=1.2, label="lr")
+        ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    else:
+        ax_lr.text(0.5, 0.5, "no lr logged", ha="center", va="center", transform=ax_lr.transAxes)
+    ax_lr.set_ylabel("lr")
+    ax_lr.set_xlabel("step")
+
+    resumes = resume_steps(records)
+    for ax in (ax_loss, ax_grad, ax_lr):
+        for i, step in enumerate(resumes):
+            label = "resumed" if i == 0 and ax is ax_loss else None
+            ax.axvline(step, color="0.35", linestyle=":", linewidth=1.0, label=label)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[1]:
+            # Outside the axes, on the right: a legend never covers the curves.
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize="small")
     return fig
+
+
+def _smoothed_curve(ax: Any, records: list[dict[str, Any]], key: str, **style: Any) -> Line2D | None:
+    """Draw `key` raw (faint, unlabelled) and smoothed (labelled `key`) on `ax`; the smoothed line, or None
+    when `key` has no finite value."""
+    steps, values = _series(records, key)
+    if not any(math.isfinite(v) for v in values):
+        return None
+    (line,) = ax.plot(steps, smoothed(values), label=key, **style)
+    ax.plot(steps, values, color=line.get_color(), alpha=_RAW_ALPHA, linewidth=0.8, zorder=line.get_zorder() - 0.5)
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:

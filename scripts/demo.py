@@ -1,7 +1,7 @@
 """`make demo`: the whole path on CPU, from media files to a trained tiny H3 and its loss plot.
 
-1. `h3train tiny-components`: random tiny encoders in the MiniMax-H3 layout (video and audio VAEs,
-   Qwen3-VL, tokenizer, processor).
+1. `h3train tiny-components`: a stand-in MiniMax-H3 pipeline folder of tiny random weights (video and
+   audio VAEs, Qwen3-VL, tokenizer, processor, both transformers, schedulers, the pipeline index).
 2. A handful of short clips made with PyAV (moving squares, most with a tone, one silent, one too short
    on purpose), two stills and a voice track, and a manifest mixing t2va, fl2va and ref2va.
 3. `h3train encode` under torchrun, 2 ranks splitting the manifest.
@@ -32,9 +32,6 @@ from h3train.data.media import moving_pattern, sine_tone, write_audio, write_vid
 
 OUT = ROOT / "demo_out"
 MEDIA = OUT / "media"
-# 3:2 clips land on a 64x96 canvas: 4x6 latents, 2x3 rows per latent frame.
-ENCODE_FLAGS = ["--short-edge", "64", "--max-pixels", str(64 * 96), "--reference-short-edge", "64",
-                "--min-seconds", "0", "--max-seconds", "2"]  # fmt: skip
 STEPS = 40
 # The sample rendered after the last step: the first keyframe of one clip, on the training canvas.
 SAMPLE = {"id": "dawn", "task": "fl2va", "prompt": "a square drifts over a gradient at dawn, with a steady hum",
@@ -108,7 +105,8 @@ def main() -> int:
     components, data, run_dir = OUT / "components", OUT / "data", OUT / "train"
     run(sys.executable, "-m", "h3train", "tiny-components", str(components))
     manifest = write_media()
-    torchrun("encode", str(manifest), "--components", str(components), "--out", str(data), *ENCODE_FLAGS)
+    # The stand-in's encode preset puts 3:2 clips on a 64x96 canvas (4x6 latents), at most 2 s, no minimum.
+    torchrun("encode", str(manifest), "--components", str(components), "--out", str(data))
     # A fresh training run each time; the encoded data above is reused when its inputs are unchanged.
     shutil.rmtree(run_dir, ignore_errors=True)
     sample = {**SAMPLE, "keyframes": {"first": str(MEDIA / "stills" / "dawn.png")}}
@@ -122,7 +120,7 @@ def main() -> int:
 
     errors = (data / "errors.jsonl").read_text().splitlines()
     print(f"\ndemo finished in {time.monotonic() - start:.0f} s")
-    print(f"components: {components}  (tiny random vae, audio_vae, text_encoder, tokenizer, processor)")
+    print(f"components: {components}  (a tiny random MiniMax-H3 pipeline folder: encoders, transformers, schedulers)")
     print(f"media:      {MEDIA}  (manifest.jsonl, clips/, stills/, audio/)")
     print(f"dataset:    {data}  (index.jsonl, one .safetensors per clip)")
     print(f"rejected:   {data / 'errors.jsonl'}  ({len(errors)} clip(s); blink.mp4 is too short on purpose)")

@@ -10,7 +10,7 @@ from h3train.errors import ConfigError
 from h3train.parallel.dims import ParallelDims
 from h3train.preflight import load_checked
 
-from reference import TINY_FL2VA, run_forked
+from reference import ROOT, TINY_FL2VA, run_forked
 
 
 def test_tiny_config_loads_with_overrides() -> None:
@@ -68,3 +68,14 @@ def test_check_prints_mesh_and_memory(capsys) -> None:
     assert main(["check", str(TINY_FL2VA), "parallel.sp=2", "--world-size", "4"]) == 0
     out = capsys.readouterr().out
     assert "dp_shard=2" in out and "sp=2" in out
+
+
+def test_an_override_of_one_exclusive_model_key_replaces_the_other_from_the_file(tmp_path) -> None:
+    tiny = ROOT / "configs" / "tiny_lora.yaml"
+    cfg = load_config(tiny, [f"model.pretrained={tmp_path}"])
+    assert cfg.model.pretrained == str(tmp_path) and cfg.model.config == {}
+    both = tmp_path / "both.yaml"
+    both.write_text(f"model:\n  pretrained: {tmp_path}\n  config: {{hidden_size: 32}}\n")
+    with pytest.raises(ConfigError, match="are exclusive: set one of them"):
+        load_config(both, [])
+    assert load_config(both, ["model.config={hidden_size: 8}"]).model.pretrained is None

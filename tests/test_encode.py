@@ -38,14 +38,18 @@ from h3train.config import load_config
 from h3train.data.components import COMPONENT_NAMES, TINY_TEXT_HIDDEN, load_components, write_tiny_components
 from h3train.data.encode import (
     ERRORS_NAME,
+    HELDOUT_NAME,
+    INPUTS_SUFFIX,
+    TABLE_NAME,
     EncodeSettings,
     EncodeSummary,
     audio_rows_to_latents,
     encode_manifest,
+    split_heldout,
     torchaudio_available,
 )
 from h3train.data.format import CachedSample, read_cached_sample, read_index, read_sample, write_index
-from h3train.data.manifest import ManifestError, read_manifest
+from h3train.data.manifest import ManifestError, read_clip_folder, read_manifest
 from h3train.data.media import fit_audio, load_clip, load_still, moving_pattern, sine_tone, write_audio, write_video
 from h3train.model.build import build_model
 from h3train.objective import compute_loss, micro_batch_inputs
@@ -198,6 +202,114 @@ def test_rerun_deletes_only_its_own_leftovers_and_keeps_the_earlier_errors(
     assert (out / f"{ERRORS_NAME}.previous").read_text() == earlier
     assert len((out / ERRORS_NAME).read_text().splitlines()) == 2
     assert not (out / LOCK_NAME).exists()
+
+
+# `SETTINGS` as command-line flags.
+FLAGS = ["--short-edge", "32", "--max-pixels", str(32 * 64), "--reference-short-edge", "32",
+         "--min-seconds", "0", "--max-seconds", "2", "--device", "cpu", "--no-progress"]  # fmt: skip
+CAPTIONS = {"tone": "a square drifts", "silent": "a quiet square", "sub/mono": "a humming square"}
+
+
+@pytest.fixture(scope="module")
+def clip_folder(media: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three clips with same-named captions, one in a subfolder: what a user has before any manifest."""
+    folder = tmp_path_factory.mktemp("clip_folder")
+    (folder / "sub").mkdir()
+    for name, caption in CAPTIONS.items():
+        shutil.copy(media / "clips" / f"{Path(name).name}.mp4", folder / f"{name}.mp4")
+        (folder / f"{name}.txt").write_text(caption + "\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def from_folder(clip_folder: Path, components: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("from_folder") / "data"
+    args = ["encode", str(clip_folder), "--components", str(components), "--out", str(out), *FLAGS]
+    assert main([*args, "--heldout", "1", "--caption-prefix", "sks"]) == 0
+    return out
+
+
+def _table(folder: Path) -> dict[str, dict[str, str]]:
+    header, *lines = (folder / TABLE_NAME).read_text().splitlines()
+    return {row["id"]: row for row in (dict(zip(header.split("\t"), line.split("\t"))) for line in lines)}
+
+
+def test_a_folder_of_clips_and_captions_is_a_t2va_dataset_with_a_heldout_split(
+    from_folder: Path, clip_folder: Path
+) -> None:
+    training, heldout = read_index(from_folder), read_index(from_folder / HELDOUT_NAME)
+    ids = {"tone", "silent", "sub--mono"}
+    assert {e.sample_id for e in training} | {e.sample_id for e in heldout} == ids
+    assert len(heldout) == 1 and all(e.task == "t2va" for e in (*training, *heldout))
+    # The held-out clip is the seeded rule's, and it is nowhere in the training dataset.
+    expected = split_heldout(read_clip_folder(clip_folder), 1)[1]
+    assert [e.sample_id for e in heldout] == [e.sample_id for e in expected]
+    assert not (from_folder / f"{heldout[0].sample_id}.safetensors").exists()
+    # The trigger word went before every caption.
+    for entry in (*training, *heldout):
+        folder = from_folder if entry in training else from_folder / HELDOUT_NAME
+        recorded = json.loads((folder / f"{entry.sample_id}{INPUTS_SUFFIX}").read_text())["inputs"]
+        assert recorded["prompt"] == "sks " + CAPTIONS[recorded["video"]["path"].removesuffix(".mp4")]
+    # One table line per clip: the source in its own size and rate -> canvas, frames, seconds, audio.
+    table = {**_table(from_folder), **_table(from_folder / HELDOUT_NAME)}
+    assert set(table) == ids
+    tone = table["tone"]
+    assert tone["source"] == "120x80 30 fps 1.00 s" and tone["canvas"] == "64x32" and tone["frames"] == "22"
+    assert tone["seconds"] == f"{22 / 24:.2f}" and tone["audio"] == "yes" and tone["outcome"] == "encoded"
+    assert table["silent"]["audio"] == "none"
+
+
+def test_a_folder_clip_without_a_caption_is_one_line_naming_it(clip_folder: Path, tmp_path: Path, capsys) -> None:
+    folder = Path(shutil.copytree(clip_folder, tmp_path / "clips"))
+    (folder / "silent.txt").unlink()
+    (folder / "tone.txt").write_text("  \n")
+    assert main(["encode", str(folder), "--components", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "2 of 3 clips lack a caption" in err, err
+    assert "'silent.mp4' has no caption 'silent.txt'" in err and "caption 'tone.txt' is empty" in err
+
+
+def test_rerun_re_encodes_only_the_clips_a_changed_flag_changes(
+    from_folder: Path, clip_folder: Path, components: Path, tmp_path: Path, capsys
+) -> None:
+    out = Path(shutil.copytree(from_folder, tmp_path / "data"))
+    base = ["encode", str(clip_folder), "--components", str(components), "--out", str(out), "--caption-prefix", "sks"]
+    flags = dict(zip(FLAGS[::2], FLAGS[1::2]))
+
+    def encode(**changed: str) -> str:
+        options = [x for k, v in {**flags, **changed}.items() for x in (k, v)]
+        capsys.readouterr()
+        assert main([*base, "--heldout", "1", *options, "--no-progress"]) == 0
+        return capsys.readouterr().out
+
+    # A lower --min-seconds keeps every clip as it was: nothing is encoded again.
+    assert "encoded 0, up to date 3, failed 0" in encode(**{"--min-seconds": "0.5"})
+    # --max-seconds 1.5 (36 frames) cuts only `silent` (40 frames at 24 fps: 39 -> 22 frames).
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.rglob("*.safetensors")}
+    assert "encoded 1, up to date 2, failed 0" in encode(**{"--max-seconds": "1.5"})
+    after = {p.name: p.stat().st_mtime_ns for p in out.rglob("*.safetensors")}
+    assert [name for name in stamps if stamps[name] != after[name]] == ["silent.safetensors"]
+    assert read_cached_sample(out / "silent.safetensors").num_frames == 22
+    # --min-seconds 2 (48 frames: 39 kept) rejects the two 1 s clips, naming the flag that would keep them;
+    # `silent` is back to 39 frames under --max-seconds 2.
+    printed = encode(**{"--min-seconds": "2"})
+    assert "encoded 1, up to date 0, failed 2 (too short 2; reasons in errors.jsonl)" in printed, printed
+    errors = [
+        json.loads(line) for f in (out, out / HELDOUT_NAME) for line in (f / ERRORS_NAME).read_text().splitlines()
+    ]
+    assert sorted(e["id"] for e in errors) == ["sub--mono", "tone"]
+    assert all("lower --min-seconds (now 2) to keep it" in e["error"] and e["kind"] == "too short" for e in errors)
+
+
+def test_a_changed_heldout_split_moves_samples_instead_of_encoding_them(
+    from_folder: Path, clip_folder: Path, components: Path, tmp_path: Path, capsys
+) -> None:
+    out = Path(shutil.copytree(from_folder, tmp_path / "data"))
+    args = ["encode", str(clip_folder), "--components", str(components), "--out", str(out), *FLAGS]
+    capsys.readouterr()
+    assert main([*args, "--caption-prefix", "sks"]) == 0
+    assert "encoded 0, up to date 3, failed 0" in capsys.readouterr().out
+    assert len(read_index(out)) == 3 and read_index(out / HELDOUT_NAME) == []
 
 
 def test_second_encode_into_a_held_folder_is_one_line(media: Path, components: Path, tmp_path: Path, capsys) -> None:
@@ -451,6 +563,16 @@ def test_a_full_disk_stops_the_encode_with_one_line(media: Path, components: Pat
     recorded = (kept / ERRORS_NAME).read_text() if (kept / ERRORS_NAME).exists() else ""
     assert "No space left" not in recorded and "os error" not in recorded, recorded
     assert not (kept / LOCK_NAME).exists()
+
+
+def test_a_manifest_line_without_task_takes_it_from_its_fields(tmp_path: Path) -> None:
+    rows = [
+        {"video": "a.mp4", "prompt": "plain"},
+        {"video": "b.mp4", "prompt": "framed", "keyframes": "both"},
+        {"video": "c.mp4", "prompt": "cast", "references": [{"kind": "audio", "path": "v.wav"}]},
+    ]
+    entries = read_manifest(_write_manifest(tmp_path / "m.jsonl", rows))
+    assert [e.task for e in entries] == ["t2va", "fl2va", "ref2va"]
 
 
 def test_manifest_ids_and_keyframes(tmp_path: Path) -> None:

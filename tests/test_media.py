@@ -14,7 +14,9 @@ from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2V
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
 from PIL import Image
 
+from h3train.data.encode import EncodeSettings
 from h3train.data.media import (
+    ClipTooShort,
     MediaError,
     aligned_frame_count,
     cover_crop,
@@ -50,8 +52,26 @@ def test_frame_count_is_the_largest_17n_plus_5_that_fits(available: int, max_fra
 def test_too_short_clip_is_rejected_with_a_reason() -> None:
     with pytest.raises(MediaError, match="clip too short: 4 frames"):
         aligned_frame_count(4, 0, 360)
-    with pytest.raises(MediaError, match="at least 124"):
+    # min_seconds 5 (120 frames) rounds down to the 17 n + 5 rule: 107 frames is the shortest kept.
+    with pytest.raises(ClipTooShort, match="the shortest kept is 107 frames") as caught:
         aligned_frame_count(100, 120, 360)
+    assert caught.value.shortest == 107
+    assert aligned_frame_count(107, 120, 360) == 107
+
+
+@pytest.mark.parametrize("fps", [24, 25, 30])
+def test_a_clip_of_exactly_min_seconds_is_kept_at_any_frame_rate(fps: int, tmp_path: Path) -> None:
+    path = write_video(tmp_path / f"five_{fps}.mp4", moving_pattern(5 * fps, 32, 48, fps), fps)
+    clip = _clip(path, min_frames=EncodeSettings().min_frames, max_frames=EncodeSettings().max_frames)
+    assert clip.num_frames == 107  # 5.00 s at 24 fps is 120 frames: the largest 17 n + 5 within it
+    assert clip.source is not None and clip.source.frames == 5 * fps and clip.source.fps == fps
+    assert clip.source.describe() == f"48x32 {fps} fps 5.00 s"
+
+
+def test_a_too_short_clip_is_named_in_its_own_frames_and_rate(tmp_path: Path) -> None:
+    path = write_video(tmp_path / "two.mp4", moving_pattern(50, 32, 48, 1), 25)
+    with pytest.raises(ClipTooShort, match=r"50 frames at 25 fps \(2.00 s\); the shortest kept is 4.46 s"):
+        _clip(path, min_frames=EncodeSettings().min_frames)
 
 
 @pytest.mark.parametrize("source_fps", [30.0, 25.0, 24.0, 12.0, 60.0])

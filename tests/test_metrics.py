@@ -1,8 +1,9 @@
-"""MetricsLogger (JSONL, resume, ranks, wandb fallbacks) and plot_metrics."""
+"""MetricsLogger (JSONL, console, resume, ranks, wandb and TensorBoard) and plot_metrics."""
 
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -257,3 +258,199 @@ def test_plot_metrics_rejects_bad_input(tmp_path: Path, content: str | None, mat
         plot_metrics(path, tmp_path / "out.png")
     assert str(path) in str(info.value)
     assert not (tmp_path / "out.png").exists()
+
+
+# -- console, null values, resumes -----------------------------------------------------------------
+
+
+def test_show_prints_a_steps_line_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _logger(tmp_path, total_steps=2) as logger:
+        logger.show(1, _metrics(1))
+        logger.log(1, _metrics(1))
+        # Without `show`, `log` prints it.
+        logger.log(2, _metrics(2))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/2", "2/2"]
+    assert all("elapsed 0:00:00, eta 0:00:00" in line for line in lines)
+
+
+def test_none_is_null_in_the_file_and_left_out_of_the_dashboards(tmp_path: Path, monkeypatch) -> None:
+    import wandb
+
+    class Run:
+        def __init__(self) -> None:
+            self.logged: list[dict[str, Any]] = []
+
+        def log(self, data: dict[str, Any], step: int | None = None) -> None:
+            self.logged.append(data)
+
+        def finish(self, exit_code: int | None = None) -> None:
+            pass
+
+    run = Run()
+    monkeypatch.setattr(wandb, "init", lambda *a, **k: run)
+    with _logger(tmp_path, wandb_cfg=WandbConfig(enabled=True), total_steps=1) as logger:
+        logger.log(1, {"loss": 0.5, "loss_audio": None})
+        assert logger._wandb_ready(final=True)
+    (row,) = _read(tmp_path / "metrics.jsonl")
+    assert row == {"step": 1, "loss": 0.5, "loss_audio": None}
+    assert run.logged == [{"loss": 0.5}]
+
+
+def test_the_first_row_of_a_resumed_run_says_so(tmp_path: Path) -> None:
+    with _logger(tmp_path) as logger:
+        for step in (1, 2, 3):
+            logger.log(step, _metrics(step))
+    with _logger(tmp_path, start_step=2) as logger:
+        for step in (3, 4):
+            logger.log(step, _metrics(step))
+    rows = _read(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r.get("resumed")) for r in rows] == [(1, None), (2, None), (3, True), (4, None)]
+
+
+# -- TensorBoard --------------------------------------------------------------------------------------
+
+
+def _events(folder: Path) -> Any:
+    """The TensorBoard events under `folder`, every one kept (tensorboard's `EventAccumulator`)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"images": 0, "audio": 0, "tensors": 0, "scalars": 0})
+    events.Reload()
+    return events
+
+
+def test_tensorboard_gets_the_rows_and_the_clips(tmp_path: Path) -> None:
+    import torch
+
+    from h3train.data.media import moving_pattern
+    from h3train.render.pipeline import write_clip
+
+    clip = write_clip(tmp_path / "clips", "x", moving_pattern(22, 64, 96, 0), torch.zeros(2, 32000), 32000)
+    with _logger(tmp_path, total_steps=2, progress=False, tensorboard=True) as logger:
+        logger.log(1, {"loss": 1.0, "loss_audio": None, "lr": 1e-3})
+        logger.log(2, {"loss": 0.5, "loss_audio": 0.25, "lr": 1e-3})
+        logger.log_validation(2, {"val/loss": 0.75})
+        logger.log_videos(2, {"x": (clip, "a prompt")})
+    events = _events(tmp_path / "tensorboard")
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert scalars == {
+        "loss": [(1, 1.0), (2, 0.5)],
+        "loss_audio": [(2, 0.25)],
+        "lr": [(1, pytest.approx(1e-3)), (2, pytest.approx(1e-3))],
+        "val/loss": [(2, 0.75)],
+    }
+    (image,) = events.Images("samples/x")
+    assert image.step == 2 and image.encoded_image_string.startswith(b"GIF8")
+    assert (image.width, image.height) == (96, 64)
+    (audio,) = events.Audio("samples/x/audio")
+    assert audio.step == 2 and audio.sample_rate == 32000
+    # torch's text summary puts its own suffix on the tag.
+    (prompt,) = events.Tensors("samples/x/prompt/text_summary")
+    assert prompt.step == 2 and prompt.tensor_proto.string_val == [b"a prompt"]
+
+
+def test_tensorboard_hides_the_steps_a_resumed_run_redoes(tmp_path: Path) -> None:
+    with _logger(tmp_path, tensorboard=True) as logger:
+        for step in (1, 2, 3, 4):
+            logger.log(step, {"loss": float(step)})
+    with _logger(tmp_path, start_step=2, tensorboard=True) as logger:
+        for step in (3, 4, 5):
+            logger.log(step, {"loss": 10.0 + step})
+    got = [(e.step, e.value) for e in _events(tmp_path / "tensorboard").Scalars("loss")]
+    assert got == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0)]
+
+
+def test_tensorboard_failure_warns_once_and_the_jsonl_goes_on(tmp_path: Path, monkeypatch) -> None:
+    from h3train.train import metrics
+
+    def refuse(self: Any, step: int, values: dict[str, float]) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(metrics._TensorBoard, "scalars", refuse)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with _logger(tmp_path, total_steps=3, tensorboard=True) as logger:
+            for step in (1, 2, 3):
+                logger.log(step, _metrics(step))
+    messages = [str(w.message) for w in record if "TensorBoard" in str(w.message)]
+    assert len(messages) == 1 and "No space left" in messages[0] and "metrics.jsonl" in messages[0]
+    assert [r["step"] for r in _read(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+# -- plot ---------------------------------------------------------------------------------------------
+
+
+def test_smoothing_is_a_debiased_exponential_average_that_skips_gaps() -> None:
+    from h3train.plot import SMOOTHING, smoothed
+
+    values = [4.0, 2.0, math.nan, 8.0, 1.0]
+    got = smoothed(values)
+    finite = [v for v in values if math.isfinite(v)]
+    want = []
+    for n in range(1, len(finite) + 1):
+        weights = [SMOOTHING ** (n - 1 - i) for i in range(n)]
+        want.append(sum(w * v for w, v in zip(weights, finite[:n])) / sum(weights))
+    assert math.isnan(got[2])
+    assert [g for g in got if math.isfinite(g)] == pytest.approx(want)
+    assert got[0] == values[0]
+
+
+def _resumed_log(tmp_path: Path) -> Path:
+    """Steps 1-6 with a resume from step 3 (steps 4-5 redone), a null loss_audio, a held-out row and a cosine lr."""
+    with _logger(tmp_path) as logger:
+        for step in range(1, 6):
+            logger.log(step, {**_metrics(step), "loss_audio": 0.3})
+    with _logger(tmp_path, start_step=3) as logger:
+        for step in (4, 5, 6):
+            audio = None if step == 5 else 0.2 / step
+            logger.log(step, {**_metrics(step), "loss_audio": audio, "lr": 1e-3 * math.cos(step / 10)})
+            if step == 6:
+                logger.log_validation(6, {"val/loss": 0.4})
+    return tmp_path / "metrics.jsonl"
+
+
+def test_plot_draws_smoothed_over_raw_lr_resumes_and_held_out_points(tmp_path: Path) -> None:
+    from matplotlib.colors import to_rgba
+
+    from h3train.plot import metrics_figure, smoothed
+
+    path = _resumed_log(tmp_path)
+    rows = [r for r in _read(path) if "kind" not in r]
+    fig = metrics_figure(path)
+    ax_loss, ax_grad, ax_lr = fig.axes[:3]
+    loss = [r["loss"] for r in rows]
+    (smooth,) = [ln for ln in ax_loss.get_lines() if ln.get_label() == "loss"]
+    assert list(smooth.get_ydata()) == pytest.approx(smoothed(loss))
+    (raw,) = [ln for ln in ax_loss.get_lines() if list(ln.get_ydata()) == loss and ln is not smooth]
+    assert raw.get_alpha() < 0.5 and to_rgba(raw.get_color()) == to_rgba(smooth.get_color())
+    (audio,) = [ln for ln in ax_loss.get_lines() if ln.get_label() == "loss_audio"]
+    assert list(audio.get_xdata()) == [1, 2, 3, 4, 6], "a null step is left out, not drawn at 0"
+    (held_out,) = [ln for ln in ax_loss.get_lines() if ln.get_label() == "val/loss (held out)"]
+    assert held_out.get_linestyle() == "None" and held_out.get_marker() == "o"
+    assert list(held_out.get_xdata()) == [6]
+    (lr,) = [ln for ln in ax_lr.get_lines() if ln.get_label() == "lr"]
+    assert list(lr.get_ydata()) == pytest.approx([r["lr"] for r in rows])
+    for ax in (ax_loss, ax_grad, ax_lr):
+        markers = [ln for ln in ax.get_lines() if list(ln.get_xdata()) == [3, 3]]
+        assert len(markers) == 1, "one marker where the run resumed (from step 3)"
+
+
+def test_plot_legends_sit_outside_the_axes(tmp_path: Path) -> None:
+    from h3train.plot import metrics_figure
+
+    fig = metrics_figure(_resumed_log(tmp_path))
+    fig.canvas.draw()
+    for ax in fig.axes[:3]:
+        legend = ax.get_legend()
+        assert legend is not None
+        box, area = legend.get_window_extent(), ax.get_window_extent()
+        assert box.x0 >= area.x1, "the legend must not cover the data"
+        assert box.x1 <= fig.bbox.x1 + 1, "and stays inside the figure"
+
+
+def test_plot_marks_a_gap_in_the_steps_as_a_resume() -> None:
+    from h3train.plot import resume_steps
+
+    rows = [{"step": s} for s in (1, 2, 3, 7, 8)] + [{"step": 9, "resumed": True}, {"step": 10}]
+    assert resume_steps(rows) == [6, 8]

@@ -420,9 +420,9 @@ def test_sp2_ctrl_c_and_sigterm_to_the_launcher_checkpoint(tmp_path) -> None:
 def test_tiny_configs_checkpoint_what_the_readme_exports() -> None:
     for name in ("tiny_demo", "tiny_fl2va", "tiny_ref2va", "tiny_ref2va_cfg"):
         assert load_config(ROOT / "configs" / f"{name}.yaml").checkpoint.every > 0, name
-    # Saved at the last step (and every `checkpoint.every`): the folder README's example exports.
-    example = re.search(r"h3train export runs/tiny_fl2va/checkpoints/step_(\d{8})", (ROOT / "README.md").read_text())
-    assert example is not None and int(example.group(1)) == load_config(TINY_FL2VA).train.steps
+    # The README exports the run folder of the tiny config as it is: its logging.dir.
+    example = re.search(r"h3train export (runs/tiny_fl2va\S*) --out", (ROOT / "README.md").read_text())
+    assert example is not None and example.group(1) == load_config(TINY_FL2VA).logging.dir
 
 
 def test_checkpoint_without_a_component_of_this_run_is_exit_2_and_kept(run_copy) -> None:

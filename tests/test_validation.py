@@ -121,6 +121,12 @@ def test_validation_leaves_training_bitwise_unchanged(tmp_path, heldout) -> None
     assert "loss" in labels and "val/loss (held out)" in labels
 
 
+def test_validation_also_runs_after_a_last_step_off_its_period(tmp_path, heldout) -> None:
+    # 3 steps, every 2: step 2, then the trained model at step 3 (at 4 steps, every 2: 2 and 4, once each).
+    assert main(["train", str(TINY_FL2VA), *_args(tmp_path, heldout, "train.steps=3", "validation.every=2")]) == 0
+    assert [m["step"] for m in _rows(tmp_path, "validation")] == [2, 3]
+
+
 def test_cfg_runs_report_the_plain_and_the_calibrated_loss(tmp_path, heldout) -> None:
     cfg = load_config(
         TINY_FL2VA, _args(tmp_path, heldout, "validation.at_start=true", "train.steps=1", "cfg.scale=3.0")

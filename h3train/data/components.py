@@ -9,8 +9,9 @@ A components folder holds five subfolders, as the released repository does:
     processor/     Qwen3VLProcessor
 
 Everything is loaded with `from_pretrained(..., local_files_only=True)`: nothing is downloaded.
-`write_tiny_components` writes randomly initialised versions of all five (a few MB) with the same
-classes and the special tokens the prompt presentations use.
+`write_tiny_components` writes randomly initialised versions of all five with the same classes and
+the special tokens the prompt presentations use, and around them the rest of a stand-in MiniMax-H3
+pipeline folder (`data/stand_in.py`: transformers, schedulers, pipeline index, encode preset).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from transformers import (
 from transformers.utils import is_torchvision_available
 
 from ..errors import ConfigError
+from ..quiet import known_notices
+from .stand_in import ENCODE_PRESET_FILE, TINY_ENCODE_PRESET, write_stand_in_pipeline
 
 COMPONENT_NAMES = ("vae", "audio_vae", "text_encoder", "tokenizer", "processor")
 # The tokens MiniMax H3's presentations and Qwen3-VL's processor look up by name.
@@ -110,12 +113,13 @@ def load_components(
     kwargs = {"local_files_only": True}
     try:
         vae = AutoencoderKLMiniMaxH3.from_pretrained(root, subfolder="vae", **kwargs)
-        audio_vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(root, subfolder="audio_vae", **kwargs)
+        with known_notices():
+            audio_vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(root, subfolder="audio_vae", **kwargs)
         text_encoder = Qwen3VLForConditionalGeneration.from_pretrained(
             root, subfolder="text_encoder", dtype=text_encoder_dtype, **kwargs
         )
         tokenizer = AutoTokenizer.from_pretrained(root, subfolder="tokenizer", **kwargs)
-        processor = _load_processor(root / "processor")
+        processor = load_processor(root / "processor")
     except (OSError, ValueError, KeyError) as exc:
         raise ComponentsError(f"components folder '{root}': {type(exc).__name__}: {_first_line(exc)}") from None
     for model in (vae, audio_vae, text_encoder):
@@ -123,7 +127,14 @@ def load_components(
     return Components(vae, audio_vae, text_encoder, tokenizer, processor)
 
 
-def _load_processor(folder: Path) -> Qwen3VLProcessor:
+def load_processor(folder: str | os.PathLike) -> Qwen3VLProcessor:
+    """Qwen3-VL's processor from its folder; without torchvision, built from its parts without the video half.
+
+    transformers' own `Qwen3VLProcessor.from_pretrained` always loads a video processor, which needs
+    torchvision; this is the processor to hand a diffusers pipeline there:
+    `pipe.update_components(processor=load_processor(DIR / "processor"))`.
+    """
+    folder = Path(folder)
     if is_torchvision_available():
         return Qwen3VLProcessor.from_pretrained(folder, local_files_only=True)
     return _Qwen3VLProcessorWithoutVideo(
@@ -159,12 +170,14 @@ def components_fingerprint(root: str | os.PathLike) -> str:
 
 
 def write_tiny_components(root: str | os.PathLike, seed: int = 0) -> Path:
-    """Write randomly initialised tiny versions of the five components into `root`; return it.
+    """Write a stand-in MiniMax-H3 pipeline folder of tiny random weights into `root`; return it.
 
-    Same classes and geometry rules as the released ones (24 video / 32 audio latent channels, 16x
-    spatial and 17 -> 5 temporal video compression, 800-sample audio hop, 51 text layers), with tiny
-    widths: the text encoder's hidden size, the `text_dim` a model trained on its embeddings needs,
-    is `TINY_TEXT_HIDDEN`. The same seed writes the same weights.
+    The five encoders have the released classes and geometry rules (24 video / 32 audio latent
+    channels, 16x spatial and 17 -> 5 temporal video compression, 800-sample audio hop, 51 text
+    layers) with tiny widths: the text encoder's hidden size, the `text_dim` a model trained on its
+    embeddings needs, is `TINY_TEXT_HIDDEN`. Beside them `data/stand_in.py` writes the two
+    transformer partitions (that `text_dim`), the schedulers, `modular_model_index.json` and the
+    encode preset (`encode_preset`). The same seed writes the same weights.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -177,7 +190,36 @@ def write_tiny_components(root: str | os.PathLike, seed: int = 0) -> Path:
     _tiny_video_vae().save_pretrained(root / "vae")
     torch.manual_seed(seed + 2)
     _tiny_audio_vae().save_pretrained(root / "audio_vae")
-    return root
+    return write_stand_in_pipeline(root, TINY_TEXT_HIDDEN, seed + 3)
+
+
+def encode_preset(root: str | os.PathLike) -> dict[str, int | float] | None:
+    """The `h3train encode` settings a components folder states for itself, or None if it states none.
+
+    A stand-in folder holds `h3train_encode_preset.json`: `EncodeSettings` field -> value for the
+    canvas and clip lengths its tiny models are meant for; the released folder has no such file.
+    Raises `ComponentsError` for a file that is not such an object.
+    """
+    path = Path(root) / ENCODE_PRESET_FILE
+    if not path.is_file():
+        return None
+    try:
+        preset = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ComponentsError(f"encode preset '{path}' cannot be read: {_first_line(exc)}") from None
+    if not isinstance(preset, dict):
+        raise ComponentsError(f"encode preset '{path}' must hold a JSON object of encode settings")
+    for key, value in preset.items():
+        if key not in TINY_ENCODE_PRESET:
+            raise ComponentsError(
+                f"encode preset '{path}' has unknown key '{key}'; expected some of {', '.join(TINY_ENCODE_PRESET)}"
+            )
+        # The pixel settings are whole numbers; the durations may be fractional.
+        fractional = isinstance(TINY_ENCODE_PRESET[key], float)
+        if isinstance(value, bool) or not isinstance(value, (int, float) if fractional else int):
+            what = "a number" if fractional else "a whole number"
+            raise ComponentsError(f"encode preset '{path}' key '{key}' is {value!r}; it takes {what}")
+    return preset
 
 
 def _tiny_tokenizer() -> Any:
@@ -273,16 +315,17 @@ def _tiny_video_vae() -> AutoencoderKLMiniMaxH3:
 def _tiny_audio_vae() -> AutoencoderKLMiniMaxH3Audio:
     # The released encoder hop (2*4*4*5*5 = 800 samples: 40 latents/s at 32 kHz) with three decoder
     # stages of the same product; the decoder needs `decoder_dim >= 2 ** len(decoder_rates)`.
-    return AutoencoderKLMiniMaxH3Audio(
-        encoder_dim=4,
-        latent_dim=32,
-        latent_channels=32,
-        num_attention_heads=2,
-        decoder_dim=8,
-        decoder_rates=(8, 10, 10),
-        decoder_kernel_sizes=(16, 20, 20),
-        resblock_kernel_sizes=(3,),
-        resblock_dilation_sizes=((1, 3, 5),),
-        # The pipeline normalizes with these.
-        **_tiny_statistics(32),
-    )
+    with known_notices():
+        return AutoencoderKLMiniMaxH3Audio(
+            encoder_dim=4,
+            latent_dim=32,
+            latent_channels=32,
+            num_attention_heads=2,
+            decoder_dim=8,
+            decoder_rates=(8, 10, 10),
+            decoder_kernel_sizes=(16, 20, 20),
+            resblock_kernel_sizes=(3,),
+            resblock_dilation_sizes=((1, 3, 5),),
+            # The pipeline normalizes with these.
+            **_tiny_statistics(32),
+        )

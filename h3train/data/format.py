@@ -741,14 +741,20 @@ def resolve_in_folder(folder: Path, relative: str, where: str) -> Path:
 def write_index(folder: str | os.PathLike) -> list[IndexEntry]:
     """Rebuild `index.jsonl` from every `*.safetensors` file under `folder` (headers only).
 
-    Files are listed in sorted relative-path order so the index, and with it the sample numbering,
-    is reproducible. Every header is validated; the index is written atomically.
+    A subfolder with an `index.jsonl` of its own is another dataset (the encoder's held-out split):
+    its files are left out. Files are listed in sorted relative-path order so the index, and with it
+    the sample numbering, is reproducible. Every header is validated; the index is written atomically.
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise DatasetError(f"dataset folder '{folder}' does not exist")
     entries, seen = [], {}
-    files = sorted(p for p in folder.rglob(f"*{SAMPLE_SUFFIX}") if not p.name.startswith("."))
+    nested = [p.parent for p in folder.rglob(INDEX_NAME) if p.parent != folder]
+    files = sorted(
+        p
+        for p in folder.rglob(f"*{SAMPLE_SUFFIX}")
+        if not p.name.startswith(".") and not any(d in p.parents for d in nested)
+    )
     for path in files:
         header = read_header(path)
         meta = header.meta

@@ -101,6 +101,56 @@ class ManifestEntry:
 _REPORTED_LINES = 5
 
 
+# What a folder of clips is read for: video files, each with a same-named `.txt` caption.
+VIDEO_SUFFIXES = (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v")
+CAPTION_SUFFIX = ".txt"
+
+
+def read_clip_folder(folder: str | os.PathLike) -> list[ManifestEntry]:
+    """The clips of a folder (and its subfolders) as t2va entries: each video with a same-named
+    `.txt` caption (`clips/a.mp4` + `clips/a.txt`), in sorted path order, ids from the paths as a
+    manifest derives them. Raises one `ManifestError` naming every clip without a usable caption.
+
+    `line` numbers the clips 1, 2, ... in that order. Keyframes and references need a manifest.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise ManifestError(f"clip folder '{root}' does not exist")
+    videos = sorted(
+        p for p in root.rglob("*") if p.suffix.lower() in VIDEO_SUFFIXES and p.is_file() and not p.name.startswith(".")
+    )
+    if not videos:
+        raise ManifestError(
+            f"clip folder '{root}' holds no video ({', '.join(VIDEO_SUFFIXES)}); put clips with same-named "
+            f"{CAPTION_SUFFIX} captions there, or pass a manifest"
+        )
+    rows, problems = [], []
+    for video in videos:
+        relative = video.relative_to(root).as_posix()
+        caption = video.with_suffix(CAPTION_SUFFIX)
+        try:
+            prompt = caption.read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            problems.append(f"'{relative}' has no caption '{caption.name}'")
+            continue
+        except (OSError, UnicodeDecodeError) as exc:
+            problems.append(f"caption '{caption.relative_to(root).as_posix()}' cannot be read as UTF-8 ({exc})")
+            continue
+        if not prompt:
+            problems.append(f"caption '{caption.relative_to(root).as_posix()}' is empty")
+            continue
+        rows.append({"video": relative, "prompt": prompt})
+    if problems:
+        shown = "; ".join(problems[:_REPORTED_LINES])
+        more = len(problems) - _REPORTED_LINES
+        raise ManifestError(
+            f"clip folder '{root}': {len(problems)} of {len(videos)} clips lack a caption: {shown}"
+            + (f"; and {more} more" if more > 0 else "")
+            + f" (each clip needs a same-named {CAPTION_SUFFIX} file with its prompt)"
+        )
+    return _entries(root.resolve(), rows, f"clip folder '{root}'")
+
+
 def read_manifest(path: str | os.PathLike) -> list[ManifestEntry]:
     """Parse and validate a manifest. Raises one `ManifestError` naming every bad line.
 
@@ -110,19 +160,35 @@ def read_manifest(path: str | os.PathLike) -> list[ManifestEntry]:
     path = Path(path)
     if not path.is_file():
         raise ManifestError(f"manifest '{path}' does not exist")
-    folder = path.resolve().parent
-    entries: list[ManifestEntry] = []
-    problems: list[tuple[int, str]] = []
-    first_line_of: dict[str, int] = {}
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ManifestError(f"manifest '{path}' cannot be read as UTF-8 text ({exc})") from None
+    rows: dict[int, Any] = {}
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         try:
-            entry = _parse_line(_Where(number), folder, raw)
+            rows[number] = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            rows[number] = _LineError(f"not valid JSON ({exc})")
+    return _entries(path.resolve().parent, rows, f"manifest '{path}'")
+
+
+def _entries(folder: Path, rows: dict[int, Any] | list[dict[str, Any]], name: str) -> list[ManifestEntry]:
+    """Validate `rows` (line number -> parsed JSON, or a list numbered from 1) of a manifest or clip folder.
+
+    Raises one `ManifestError` starting with `name` that names every bad line (the first few of many).
+    """
+    numbered = rows if isinstance(rows, dict) else dict(enumerate(rows, start=1))
+    entries: list[ManifestEntry] = []
+    problems: list[tuple[int, str]] = []
+    first_line_of: dict[str, int] = {}
+    for number, row in numbered.items():
+        try:
+            if isinstance(row, _LineError):
+                raise row
+            entry = _parse_row(_Where(number), folder, row)
         except _LineError as exc:
             problems.append((number, str(exc)))
             continue
@@ -139,15 +205,13 @@ def read_manifest(path: str | os.PathLike) -> list[ManifestEntry]:
         entries.append(entry)
     if len(problems) == 1:
         number, problem = problems[0]
-        raise ManifestError(f"manifest '{path}' line {number}: {problem}")
+        raise ManifestError(f"{name} line {number}: {problem}")
     if problems:
         shown = "; ".join(f"line {number}: {problem}" for number, problem in problems[:_REPORTED_LINES])
         more = len(problems) - _REPORTED_LINES
-        raise ManifestError(
-            f"manifest '{path}': {len(problems)} bad lines: {shown}" + (f"; and {more} more" if more > 0 else "")
-        )
+        raise ManifestError(f"{name}: {len(problems)} bad lines: {shown}" + (f"; and {more} more" if more > 0 else ""))
     if not entries:
-        raise ManifestError(f"manifest '{path}' lists no clips")
+        raise ManifestError(f"{name} lists no clips")
     return entries
 
 
@@ -163,11 +227,7 @@ class _Where:
         return _LineError(f"field '{field_name}' {problem}")
 
 
-def _parse_line(where: _Where, folder: Path, raw: str) -> ManifestEntry:
-    try:
-        row = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise _LineError(f"not valid JSON ({exc})") from None
+def _parse_row(where: _Where, folder: Path, row: Any) -> ManifestEntry:
     if not isinstance(row, dict):
         raise _LineError("expected a JSON object")
     unknown = sorted(set(row) - _KEYS)
@@ -176,7 +236,7 @@ def _parse_line(where: _Where, folder: Path, raw: str) -> ManifestEntry:
 
     video = _media(where, folder, "video", _string(where, row, "video"))
     prompt = _string(where, row, "prompt", allow_empty=True)
-    task = _string(where, row, "task")
+    task = _string(where, row, "task") if "task" in row else _task_of(row)
     if task not in SAMPLE_TASKS:
         raise where.error("task", f"is {task!r}, expected one of {', '.join(SAMPLE_TASKS)}")
     if SAMPLE_TASKS[task].conditioning is None and not prompt.strip():
@@ -206,6 +266,11 @@ def _parse_line(where: _Where, folder: Path, raw: str) -> ManifestEntry:
         keyframes=keyframes,
         references=references,
     )
+
+
+def _task_of(row: dict[str, Any]) -> str:
+    """The task of a line without `task`: the one whose conditioning field it has, else plain text (t2va)."""
+    return sample_task_of(next((name for name in ("keyframes", "references") if name in row), None))
 
 
 def _string(where: _Where, row: dict[str, Any], key: str, allow_empty: bool = False) -> str:

@@ -24,11 +24,7 @@ from typing import Any
 import av
 import numpy as np
 import torch
-from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
-    MINIMAX_H3_FPS,
-    align_num_frames,
-    resolve_canvas_size,
-)
+from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_FPS, resolve_canvas_size
 from diffusers.utils import load_image
 from PIL import Image
 
@@ -41,18 +37,58 @@ AUDIO_CHANNELS = 2
 class MediaError(ValueError):
     """A media file that cannot be used for this clip, with the reason in one line."""
 
+    # The short reason a summary groups clips by ("too short", "unreadable", ...).
+    kind = "unusable media"
+
+
+class ClipTooShort(MediaError):
+    """A clip shorter than the shortest kept (`shortest` frames at 24 fps: `min_seconds` rounded down
+    to the 17 n + 5 rule, at least the 5 frames the VAE encodes)."""
+
+    kind = "too short"
+
+    def __init__(self, message: str, shortest: int) -> None:
+        super().__init__(message)
+        self.shortest = shortest
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a target clip's file holds, as far as it was decoded.
+
+    `width` x `height` upright pixels at `fps`; `frames` decoded, which is all of them when `complete`
+    (decoding stops once `max_frames` are filled); `slots`: those frames put on 24 fps.
+    """
+
+    width: int
+    height: int
+    fps: float
+    frames: int
+    complete: bool
+    slots: int
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.fps
+
+    def describe(self) -> str:
+        """`640x360 25 fps 5.00 s` (`>=` before the seconds when decoding stopped early)."""
+        return f"{self.width}x{self.height} {self.fps:g} fps {'' if self.complete else '>='}{self.seconds:.2f} s"
+
 
 @dataclass
 class Clip:
     """A target clip on H3's geometry.
 
     frames `[T, H, W, 3]` uint8 at 24 fps on the canvas, `T = 17 n + 5`; audio `[2, N]` float32 at
-    `sample_rate` covering the clip from its start (None when the file has no audio track).
+    `sample_rate` covering the clip from its start (None when the file has no audio track); `source`:
+    what the file held.
     """
 
     frames: np.ndarray
     audio: torch.Tensor | None
     sample_rate: int
+    source: Source | None = None
 
     @property
     def num_frames(self) -> int:
@@ -70,21 +106,34 @@ class DecodedVideo:
     sample_rate: int | None
 
 
+def aligned_down(frames: int) -> int:
+    """The largest `17 n + 5` frame count not above `frames` (0 below 5, the shortest the VAE encodes)."""
+    if frames < VAE_LATENTS_PER_CHUNK:
+        return 0
+    return (frames - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
+
+
+def shortest_kept(min_frames: int) -> int:
+    """Frames at 24 fps of the shortest clip kept: `min_frames` rounded *down* to the 17 n + 5 rule.
+
+    Rounded down, so that a clip of exactly `min_seconds` is kept at whatever frame rate it was shot:
+    5.00 s is 120 frames at 24 fps, whose largest `17 n + 5` is 107 (4.46 s).
+    """
+    return max(aligned_down(min_frames), VAE_LATENTS_PER_CHUNK)
+
+
 def aligned_frame_count(available: int, min_frames: int, max_frames: int) -> int:
     """The largest `17 n + 5` frame count within `available` and `max_frames`; never more frames than exist.
 
-    Raises `MediaError` when it falls short of `min_frames` (or of 5, the shortest clip the VAE encodes).
+    Raises `ClipTooShort` when it falls short of `shortest_kept(min_frames)`.
     """
-    limit = min(available, max_frames)
-    if limit < VAE_LATENTS_PER_CHUNK:
-        count = 0
-    else:
-        count = (limit - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
-    floor = align_num_frames(max(min_frames, 1), VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK)
+    count = aligned_down(min(available, max_frames))
+    floor = shortest_kept(min_frames)
     if count < floor:
-        raise MediaError(
+        raise ClipTooShort(
             f"clip too short: {available} frames at {FPS} fps ({available / FPS:.2f} s), at most {max_frames} used; "
-            f"needs a 17 n + 5 frame count of at least {floor} ({floor / FPS:.2f} s)"
+            f"the shortest kept is {floor} frames ({floor / FPS:.2f} s)",
+            floor,
         )
     return count
 
@@ -149,19 +198,32 @@ def load_clip(
         scale = FPS / fps
         frames: list[np.ndarray] = []
         canvas: tuple[int, int] | None = None
+        size = (0, 0)
+        complete = True
         for image in _decoded_images(path, container, stream):
             if canvas is None:
+                size = image.size
                 canvas = canvas_size(image.size[0], image.size[1], short_edge, max_pixels, canvas_multiple)
             frames.append(np.asarray(cover_crop(image, canvas[1], canvas[0])))
             # Enough source frames to fill `max_frames` slots, the last one held for a full slot.
             if len(frames) * scale >= max_frames + 1:
+                complete = False
                 break
         if not frames:
             raise MediaError(f"'{path}' holds no decodable video frames")
         slots = fps_slots(len(frames), fps)
-        num_frames = aligned_frame_count(len(slots), min_frames, max_frames)
+        source = Source(size[0], size[1], fps, len(frames), complete, len(slots))
+        try:
+            num_frames = aligned_frame_count(len(slots), min_frames, max_frames)
+        except ClipTooShort as exc:
+            # Said in the file's own frames and rate: that is what its owner knows about it.
+            raise ClipTooShort(
+                f"clip too short: {source.frames} frames at {fps:g} fps ({source.seconds:.2f} s); the shortest kept "
+                f"is {exc.shortest / FPS:.2f} s",
+                exc.shortest,
+            ) from None
         audio = _soundtrack(path, container, sample_rate, num_frames / FPS)
-    return Clip(np.stack([frames[i] for i in slots[:num_frames]]), audio, sample_rate)
+    return Clip(np.stack([frames[i] for i in slots[:num_frames]]), audio, sample_rate, source)
 
 
 def load_video(path: str | os.PathLike, max_seconds: float | None = None) -> DecodedVideo:

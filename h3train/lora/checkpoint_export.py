@@ -8,6 +8,7 @@ read whole (megabytes) and renamed to the names files use (`names.export_name`).
 - `diffusers` (default): `pytorch_lora_weights.safetensors` (`export.save_diffusers_lora`), keys
   under `transformer.` or, for a ref2va run, `transformer_ref.`.
 - `comfyui`: `lora_comfyui.safetensors` (`export.save_comfyui_lora`).
+  Either file takes another name with `name` (`h3train export --name`, a `.safetensors` file name).
 - `merge`: a diffusers transformer folder, the adapters folded into the base the run trained on.
   The base is read from the pretrained folder the checkpoint records (or `base`, the same weights
   moved elsewhere: the digest must match), one of its weight files at a time, or rebuilt from the
@@ -36,10 +37,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..errors import CheckpointError, UsageError
 from ..tasks.table import PARTITIONS, TRAINING_TASKS
 from .base import as_trained, folder_digest, island_prefixes, random_base_state, read_record
-from .export import COMFYUI_WEIGHT_NAME, save_comfyui_lora, save_diffusers_lora
+from .export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME, save_comfyui_lora, save_diffusers_lora
 from .names import export_name
 
-FORMATS = ("diffusers", "comfyui")
+# `--format` -> what its export is, as `h3train export` reports it.
+FORMATS = {"diffusers": "diffusers LoRA file", "comfyui": "ComfyUI LoRA file"}
 
 
 def is_lora_checkpoint(state: dict[str, Any]) -> bool:
@@ -88,15 +90,19 @@ def write_lora_export(
     merge: bool,
     dtype: torch.dtype,
     base: Path | None,
-) -> None:
-    """Write the export of a LoRA checkpoint into the (new, empty) folder `out`."""
+    name: str | None = None,
+) -> str | None:
+    """Write the export of a LoRA checkpoint into the (new, empty) folder `out`.
+
+    Returns the LoRA file's name (`name`, else the format's own), or None for a merged folder.
+    """
     lora_config = state["lora"]
     adapters = {k: v for k, v in trained.items() if is_lora_factor(k)}
     if base is not None and not merge:
         raise UsageError("--base is the pretrained base for --merge; add --merge or drop --base")
     if merge:
         _write_merged(checkpoint, out, state, trained, lora_config, dtype, base)
-        return
+        return None
     others = sorted(k for k in trained if k not in adapters)
     if others:
         more = f" (and {len(others) - 1} more)" if others[1:] else ""
@@ -106,9 +112,12 @@ def write_lora_export(
         )
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "comfyui":
-        save_comfyui_lora(out / COMFYUI_WEIGHT_NAME, adapters, lora_config)
+        name = name or COMFYUI_WEIGHT_NAME
+        save_comfyui_lora(out / name, adapters, lora_config)
     else:
-        save_diffusers_lora(out, adapters, lora_config, partition=trained_partition(state))
+        name = name or DIFFUSERS_WEIGHT_NAME
+        save_diffusers_lora(out, adapters, lora_config, partition=trained_partition(state), weight_name=name)
+    return name
 
 
 def _base_groups(

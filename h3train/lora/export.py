@@ -97,8 +97,11 @@ def save_diffusers_lora(
     task: str = "fl2va",
     *,
     partition: str | None = None,
+    weight_name: str = DIFFUSERS_WEIGHT_NAME,
 ) -> Path:
-    """Write `out_dir/pytorch_lora_weights.safetensors` in the diffusers format; returns the file.
+    """Write `out_dir/<weight_name>` (`pytorch_lora_weights.safetensors`) in the diffusers format; returns the file.
+
+    A file of another `weight_name` is read back with `pipe.load_lora_weights(out_dir, weight_name=...)`.
 
     The keys go under the partition the adapter was trained on, since the pipeline loads them into
     the component of that name: `partition` (`transformer` or `transformer_ref`) or, without it, the
@@ -118,8 +121,8 @@ def save_diffusers_lora(
     metadata["target_modules"] = sorted(_modules(adapters))
     # `save_lora_weights` takes `<component>_lora_layers` / `<component>_lora_adapter_metadata` per partition.
     kwargs = {f"{partition}_lora_layers": layers, f"{partition}_lora_adapter_metadata": metadata}
-    MiniMaxH3LoraLoaderMixin.save_lora_weights(str(out_dir), weight_name=DIFFUSERS_WEIGHT_NAME, **kwargs)
-    return Path(out_dir) / DIFFUSERS_WEIGHT_NAME
+    MiniMaxH3LoraLoaderMixin.save_lora_weights(str(out_dir), weight_name=weight_name, **kwargs)
+    return Path(out_dir) / weight_name
 
 
 def _original_name(module: str) -> tuple[str, str]:

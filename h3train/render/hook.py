@@ -54,10 +54,12 @@ def load_vaes(root: str | Path) -> tuple[torch.nn.Module, torch.nn.Module]:
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 
     from ..data.components import ComponentsError
+    from ..quiet import known_notices
 
     try:
         vae = AutoencoderKLMiniMaxH3.from_pretrained(root, subfolder="vae", local_files_only=True)
-        audio_vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(root, subfolder="audio_vae", local_files_only=True)
+        with known_notices():
+            audio_vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(root, subfolder="audio_vae", local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ComponentsError(f"components folder '{root}': {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
     return vae.eval().requires_grad_(False), audio_vae.eval().requires_grad_(False)

@@ -33,12 +33,9 @@ from diffusers.video_processor import VideoProcessor
 from torch import nn
 
 from ..data.media import FPS, write_video
+from ..data.stand_in import AUDIO_SHIFT, VIDEO_SHIFT
 from ..tasks.table import DENOISE_BLOCKS_MODULE, SAMPLE_TASKS
 from .conditioning import Conditioning
-
-# The released schedulers (`scheduler/`, `audio_scheduler/` of MiniMax-H3): video shift 12, audio shift 3.
-VIDEO_SHIFT = 12.0
-AUDIO_SHIFT = 3.0
 
 
 def core_step(task: str) -> type:

@@ -37,6 +37,7 @@ from ..parallel.fsdp import apply_fsdp, shards_nothing
 from ..parallel.ulysses import SequenceParallel
 from ..plan import checkpoint_bytes
 from ..preflight import preflight
+from ..quiet import known_notices
 from ..runlock import RunLock
 from .checkpoint import Checkpointer, committed_checkpoints, size_on_disk
 from .events import EventLog, Progress
@@ -255,9 +256,10 @@ def build_sharded_model(
     restores_all = resumed and not trainable_only
     from_meta = pretrained is not None or restores_all
     transformer = build_meta_model(cfg) if from_meta else build_model(cfg, cfg.train.seed)
-    transformer.set_attention_backend(
-        resolve_attention_backend(cfg.model.attention_backend, device.type, cfg.model.dtype)
-    )
+    with known_notices():
+        transformer.set_attention_backend(
+            resolve_attention_backend(cfg.model.attention_backend, device.type, cfg.model.dtype)
+        )
     for transform in transforms:
         transform(transformer, cfg)
     model = SequenceParallelH3(

@@ -14,6 +14,10 @@ which replaces the folder whole: the old one is removed only after the new one i
 place. LoRA checkpoints take the same path (`h3train/lora/checkpoint_export.py` writes into the
 temporary folder), and so does `--ema`, which writes the EMA weights in place of the trained ones.
 
+`h3train export` also takes a run folder (its `logging.dir`): `checkpoint_to_export` picks the newest
+complete checkpoint of the run's checkpoint folder (`<run>/checkpoints`, or the `checkpoint.dir` its
+`config.yaml` names). `export_checkpoint` returns an `ExportSummary` of what it wrote.
+
 The export is of the partition the run trained (`lora.checkpoint_export.trained_partition`: its
 `model.subfolder`, else its `task.name`'s in the task table, `transformer` for t2va / fl2va and
 `transformer_ref` for ref2va): a transformer folder goes in the pipeline's folder of that name, a
@@ -27,26 +31,35 @@ import os
 import shutil
 import uuid
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from diffusers import MiniMaxH3Transformer3DModel
+from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..atomic import apply_file_mode, atomic_save_file, atomic_write_text
+from ..diskspace import human_bytes
 from ..errors import CheckpointError, ConfigError, UsageError
 from ..model.build import meta_transformer
 from ..runlock import OWNER_NAME, left_behind, mark_owned
 from .checkpoint import (
+    METADATA_FILE,
     MODEL_PREFIX,
+    STATE_FILE,
+    STEP_DIR,
     NamingReader,
+    complete_checkpoints,
     file_digest_problem,
     is_complete,
     read_failure_reason,
     read_trainer_state,
     validate_checkpoint,
 )
+from .metrics import CONFIG_FILE
 
 # One process reads the checkpoint on purpose (no_dist=True); DCP warns about it on every read.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -55,6 +68,98 @@ WEIGHTS_NAME = "diffusion_pytorch_model"
 # DCP key prefix of the EMA of the transformer's weights (`ema.py`): `ema.<fqn>` beside `model.<fqn>`.
 EMA_PREFIX = "ema.transformer."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+# The checkpoint folder of a run whose config leaves `checkpoint.dir` unset (`train/assemble.py`).
+RUN_CHECKPOINTS = "checkpoints"
+# Entries of a folder named in a message before the rest are counted.
+_LISTED = 6
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    """What one export wrote: the lines `h3train export` prints after it."""
+
+    checkpoint: Path
+    out: Path
+    # The LoRA file, or the folder of a transformer export.
+    path: Path
+    # e.g. `diffusers LoRA file`, `diffusers transformer folder`.
+    kind: str
+    # `transformer` or `transformer_ref`: the pipeline's folder the weights belong to.
+    partition: str
+    tensors: int
+    # Every file of `out`, config and index included.
+    bytes: int
+    # (rank, alpha) of a LoRA checkpoint's adapters; None for a full fine-tune.
+    lora: tuple[int, float] | None
+
+    def lines(self) -> list[str]:
+        p = self.partition
+        out = [
+            f"exported {self.checkpoint} to {self.out} (partition '{p}': the pipeline's {p}/ folder)",
+            f"  format:  {self.kind}",
+            f"  tensors: {self.tensors}",
+        ]
+        if self.lora is not None:
+            out.append(f"  lora:    rank {self.lora[0]}, alpha {self.lora[1]:g}")
+        out.append(f"  bytes:   {self.bytes} ({human_bytes(self.bytes)})")
+        out.append(f"  path:    {self.path}")
+        return out
+
+
+def _listing(folder: Path) -> str:
+    """The entries of `folder` for a message: `a, b/, c and 4 more`, folders with a slash; `nothing`."""
+    try:
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    except OSError as exc:
+        return f"nothing readable ({exc.strerror or type(exc).__name__})"
+    if not names:
+        return "nothing"
+    more = len(names) - _LISTED
+    return ", ".join(names[:_LISTED]) + (f" and {more} more" if more > 0 else "")
+
+
+def run_checkpoint_dir(run: Path) -> Path:
+    """The checkpoint folder of run folder `run`: its `config.yaml`'s `checkpoint.dir`, else `run/checkpoints`.
+
+    A `checkpoint.dir` that is relative is taken as the run took it, from the working directory.
+    """
+    try:
+        saved = yaml.safe_load((run / CONFIG_FILE).read_text(encoding="utf-8")) or {}
+        named = (saved.get("checkpoint") or {}).get("dir")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        # No readable record of another folder: the default one, which the message names if empty.
+        named = None
+    return Path(named) if isinstance(named, str) and named else run / RUN_CHECKPOINTS
+
+
+def checkpoint_to_export(path: Path) -> tuple[Path, str | None]:
+    """The checkpoint `h3train export PATH` reads, and how it was chosen (None: PATH is that checkpoint).
+
+    PATH is a checkpoint folder (also one that is not complete: `export_checkpoint` says what it
+    lacks), a checkpoint folder's parent (`checkpoint.dir`), or a run folder (`logging.dir`), whose
+    newest complete checkpoint, in commit order, is taken. A folder without one is a one-line
+    `CheckpointError` naming the folder and what it holds.
+    """
+    path = Path(path)
+    if STEP_DIR.match(path.name) or (path / STATE_FILE).exists() or (path / METADATA_FILE).exists():
+        return path, None
+    if not path.exists():
+        raise UsageError(f"'{path}' does not exist; pass a run folder (logging.dir) or a checkpoint folder")
+    if not path.is_dir():
+        raise UsageError(f"'{path}' is a file; pass a run folder (logging.dir) or a checkpoint folder")
+    root = path if complete_checkpoints(path) else run_checkpoint_dir(path)
+    found = complete_checkpoints(root)
+    if found:
+        return found[-1], f"the newest complete checkpoint in {root}"
+    held = f"'{path}' holds {_listing(path)}"
+    if root != path:
+        held += f"; '{root}' holds {_listing(root)}" if root.is_dir() else f"; there is no '{root}'"
+    raise CheckpointError(
+        f"no complete checkpoint in run folder '{path}' ({held}); a run saves one every checkpoint.every steps "
+        "and at its last step (checkpoint.every=0: only when stopped by a signal)"
+    )
 
 
 def keeps_fp32(name: str) -> bool:
@@ -98,15 +203,17 @@ def export_checkpoint(
     merge: bool = False,
     ema: bool = False,
     base: Path | None = None,
-) -> Path:
-    """Export `checkpoint` into the folder `out` (see the module docstring); returns `out`.
+    name: str | None = None,
+) -> ExportSummary:
+    """Export `checkpoint` into the folder `out` (see the module docstring); returns what it wrote.
 
     A full checkpoint becomes a diffusers transformer folder. A LoRA checkpoint becomes a LoRA file
-    in `fmt` (`diffusers`, the default, or `comfyui`), or with `merge` a transformer folder with the
-    adapters folded in (`h3train/lora/checkpoint_export.py`; `base` points at a moved pretrained base).
+    in `fmt` (`diffusers`, the default, or `comfyui`) named `name` (default: the format's own file
+    name), or with `merge` a transformer folder with the adapters folded in
+    (`h3train/lora/checkpoint_export.py`; `base` points at a moved pretrained base).
     `ema`: the EMA weights (component `ema`, same FQNs as `model`) in place of the trained ones.
     """
-    from ..lora.checkpoint_export import FORMATS, is_lora_checkpoint
+    from ..lora.checkpoint_export import FORMATS, is_lora_checkpoint, trained_partition
 
     checkpoint, out = Path(checkpoint), Path(out)
     if not is_complete(checkpoint):
@@ -117,17 +224,20 @@ def export_checkpoint(
         raise UsageError(f"--format {fmt!r}: choose {' or '.join(FORMATS)}")
     if fmt is not None and merge:
         raise UsageError("--merge writes a full transformer folder, not a LoRA file; drop --format or --merge")
+    if name is not None and merge:
+        raise UsageError("--name names a LoRA file; --merge writes a transformer folder, whose file names are fixed")
     _check_out(out, overwrite)
     if checkpoint.resolve().is_relative_to(out.resolve()):
         raise UsageError(f"--out '{out}' holds the checkpoint being exported; choose a folder outside it")
     problem = validate_checkpoint(checkpoint) or file_digest_problem(checkpoint)
     if problem is not None:
         raise CheckpointError(f"checkpoint '{checkpoint}' cannot be exported: {problem}")
-    lora = is_lora_checkpoint(read_trainer_state(checkpoint))
-    if not lora and (fmt is not None or merge or base is not None):
+    state = read_trainer_state(checkpoint)
+    lora = is_lora_checkpoint(state)
+    if not lora and (fmt is not None or merge or base is not None or name is not None):
         raise UsageError(
-            f"checkpoint '{checkpoint}' is a full fine-tune: --format, --merge and --base are for LoRA checkpoints; "
-            "it exports as a diffusers transformer folder without them"
+            f"checkpoint '{checkpoint}' is a full fine-tune: --format, --merge, --base and --name are for LoRA "
+            "checkpoints; it exports as a diffusers transformer folder without them"
         )
     if ema and not any(k.startswith(EMA_PREFIX) for k in NamingReader(checkpoint).read_metadata().state_dict_metadata):
         raise UsageError(
@@ -139,28 +249,69 @@ def export_checkpoint(
     try:
         tmp.mkdir()
         mark_owned(tmp, tmp.name)
+        file = None
         if lora:
-            _write_lora_export(checkpoint, tmp, fmt or "diffusers", merge, ema, DTYPES[dtype], base)
+            file = _write_lora_export(checkpoint, tmp, fmt or "diffusers", merge, ema, DTYPES[dtype], base, name)
         else:
             _write_export(checkpoint, tmp, DTYPES[dtype], max_shard_bytes, ema)
         (tmp / OWNER_NAME).unlink()
-        for file in tmp.iterdir():
-            apply_file_mode(file)
+        files = [f for f in tmp.iterdir() if f.is_file()]
+        for f in files:
+            apply_file_mode(f)
+        tensors = sum(_tensor_count(f) for f in files if f.suffix == ".safetensors")
+        size = sum(f.stat().st_size for f in files)
         _replace_folder(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    adapter = state["lora"] if lora else None
+    return ExportSummary(
+        checkpoint=checkpoint,
+        out=out,
+        path=out / file if file is not None else out,
+        kind=_kind(lora, fmt or "diffusers", merge, ema),
+        partition=trained_partition(state),
+        tensors=tensors,
+        bytes=size,
+        lora=(int(adapter["r"]), float(adapter["lora_alpha"])) if adapter is not None else None,
+    )
+
+
+def _kind(lora: bool, fmt: str, merge: bool, ema: bool) -> str:
+    """The format line of an export: what it is and, with `ema`, whose weights."""
+    if not lora:
+        kind = "diffusers transformer folder"
+    elif merge:
+        kind = "diffusers transformer folder, the LoRA merged into its base"
+    else:
+        from ..lora.checkpoint_export import FORMATS
+
+        kind = FORMATS[fmt]
+    return kind + (" (EMA weights)" if ema else "")
+
+
+def _tensor_count(file: Path) -> int:
+    # The header alone: no tensor is read.
+    with safe_open(file, "pt") as f:
+        return len(list(f.keys()))
 
 
 def _write_lora_export(
-    checkpoint: Path, out: Path, fmt: str, merge: bool, ema: bool, dtype: torch.dtype, base: Path | None
-) -> None:
+    checkpoint: Path,
+    out: Path,
+    fmt: str,
+    merge: bool,
+    ema: bool,
+    dtype: torch.dtype,
+    base: Path | None,
+    name: str | None,
+) -> str | None:
+    """Write a LoRA checkpoint's export into `out`; the LoRA file's name, or None for a merged folder."""
     from ..lora.checkpoint_export import read_trained, write_lora_export
 
     reader = NamingReader(checkpoint)
     metadata = reader.read_metadata().state_dict_metadata
     trained = read_trained(checkpoint, reader, metadata, "ema" if ema else "model")
-    write_lora_export(checkpoint, out, read_trainer_state(checkpoint), trained, fmt, merge, dtype, base)
+    return write_lora_export(checkpoint, out, read_trainer_state(checkpoint), trained, fmt, merge, dtype, base, name)
 
 
 def _replace_folder(new: Path, out: Path) -> None:

@@ -32,7 +32,15 @@ from ..errors import ConfigError, UsageError
 from .checkpoint import committed_checkpoints, step_of
 
 # What h3train writes into `logging.dir` (besides checkpoints); `--overwrite` moves these aside.
-RUN_FILES = ("metrics.jsonl", "config.yaml", "data_errors.jsonl", "loss_spikes.jsonl", "dump", "wandb")
+RUN_FILES = (
+    "metrics.jsonl",
+    "config.yaml",
+    "data_errors.jsonl",
+    "loss_spikes.jsonl",
+    "dump",
+    "wandb",
+    "tensorboard",
+)
 RUN_FILE_PREFIXES = ("metrics.jsonl.", "config.yaml.")
 ASIDE_PREFIX = "previous-"
 

@@ -8,6 +8,7 @@ steps with the hooks, metrics and checkpoints around them.
 from __future__ import annotations
 
 import math
+import shlex
 import signal
 import time
 import warnings
@@ -30,7 +31,14 @@ from .checkpoint import AttributeState, ModelState, OptimizerState, ScheduleStat
 from .dump import diffusers_state, lora_meta, micro_batch_tensors, write_dump
 from .events import SpikeDetector
 from .hooks import EvaluationWeights, TrainerHook
-from .metrics import MetricsLogger, write_resolved_config
+from .metrics import (
+    MEMORY_KEY,
+    MetricsLogger,
+    format_duration,
+    peak_memory_gib,
+    reset_peak_memory,
+    write_resolved_config,
+)
 from .preemption import INTERRUPT, NONE, PREEMPT, Preemption
 
 if TYPE_CHECKING:
@@ -82,6 +90,9 @@ class Trainer:
         self.interrupted = False
         self._metrics: MetricsLogger | None = None
         self._pending_validation: list[tuple[int, dict[str, float]]] = []
+        # For the closing summary: this run's last checkpoint and the folder of its last rendered samples.
+        self._last_checkpoint: Path | None = None
+        self._last_samples: Path | None = None
         # Everything a checkpoint holds, by name; a later feature adds its own component here
         # (`trainer.checkpoint_state["ema"] = ema`). Loaded in this order: the optimizer after the
         # model, the schedule after the optimizer (it sets the learning rate of each group).
@@ -131,7 +142,9 @@ class Trainer:
         self._pending_validation.clear()
 
     def log_videos(self, step: int, videos: Mapping[str, tuple[Path, str]]) -> None:
-        """Log rendered clips (id -> (mp4, caption)) after step `step`; rank 0 sends them to wandb."""
+        """Log rendered clips (id -> (mp4, caption)) after step `step`; rank 0 sends them to the dashboards."""
+        for path, _ in videos.values():
+            self._last_samples = Path(path).parent
         if self._metrics is not None:
             self._metrics.log_videos(step, dict(videos))
 
@@ -190,7 +203,7 @@ class Trainer:
 
     # -- one optimizer step ---------------------------------------------------------------------
 
-    def train_step(self, step: int) -> dict[str, float]:
+    def train_step(self, step: int) -> dict[str, float | None]:
         """Optimizer step `step` (1-based): `forward_backward`, then `update`; returns its logged values."""
         return self.update(step, self.forward_backward(step))
 
@@ -198,9 +211,11 @@ class Trainer:
         """Every micro-batch of step `step`: forward, loss, backward; the gradients accumulate on the parameters.
 
         Loss terms are summed on the device, so no micro-batch waits for the host; the host-side
-        counts join them once per step in `update`.
+        counts join them once per step in `update`. The step's peak memory is measured from here
+        (`metrics.peak_memory_gib`).
         """
         cfg = self.cfg
+        reset_peak_memory(self.device)
         accum = cfg.train.grad_accum
         dump = cfg.debug.dump_step == step
         grads = StepGradients(
@@ -247,11 +262,13 @@ class Trainer:
             self._dump(step, dumped, metas)
         return grads
 
-    def update(self, step: int, grads: StepGradients) -> dict[str, float]:
+    def update(self, step: int, grads: StepGradients) -> dict[str, float | None]:
         """Norm, clip, optimizer and schedule for step `step`, or a skip when anything is non-finite.
 
         Both reductions are global, so every rank reaches the same update decision without an
         extra collective: the grad norm covers every parameter shard, the loss every DP rank.
+        Returns the step's logged values; the audio losses are means over the micro-batches with
+        sound, and None when no micro-batch of the step (on any DP rank) had sound.
         """
         cfg = self.cfg
         self.phase = f"gradient norm of step {step}"
@@ -282,11 +299,12 @@ class Trainer:
                 raise self._too_many_skips(step, grads.sample_ids)
         dt = time.perf_counter() - grads.started
         n = cfg.train.grad_accum * self.ctx.dims.dp
-        n_audio = max(s[5], 1.0)
-        stats = {
+        # A mean over no clip is no number: a step without sound logs null, not a loss of 0.
+        n_audio = s[5]
+        stats: dict[str, float | None] = {
             "loss": s[0] / n,
             "loss_video": s[1] / n,
-            "loss_audio": s[2] / n_audio,
+            "loss_audio": s[2] / n_audio if n_audio else None,
             "grad_norm": grad_norm,
             "lr": lr,
             "seq_len": s[6] / n,
@@ -294,12 +312,13 @@ class Trainer:
             "step_time_s": dt,
             "skipped_steps": self.skipped_steps,
             "data_errors": int(s[9]),
+            MEMORY_KEY: peak_memory_gib(self.device),
         }
         if self.cfg_enabled:
             stats.update(
                 {
                     "loss_video_fm": s[3] / n,
-                    "loss_audio_fm": s[4] / n_audio,
+                    "loss_audio_fm": s[4] / n_audio if n_audio else None,
                     "cfg_scale_video": s[7] / n,
                     "cfg_scale_audio": s[8] / n,
                 }
@@ -419,12 +438,15 @@ class Trainer:
                 cfg.train.steps,
                 start_step=self.step,
                 progress=cfg.logging.progress,
+                tensorboard=cfg.logging.tensorboard,
             ) as metrics,
         ):
             self._metrics = metrics
             for hook in self.hooks:
                 hook.on_fit_start(self)
             self._flush_validation()
+            first_step = self.step
+            metrics.start_clock()
             for step in range(self.step + 1, cfg.train.steps + 1):
                 self.faults.maybe_die("kill", step)
                 self.faults.maybe_die("sigterm", step)
@@ -432,6 +454,9 @@ class Trainer:
                     hook.before_step(self, step)
                 stats = self.train_step(step)
                 self.step = step
+                # The step's console line before its hooks run, so what they print (validation,
+                # rendering) follows it; the row is written after them, with what they add.
+                metrics.show(step, stats)
                 for hook in self.hooks:
                     self.phase = f"{type(hook).__name__} after step {step}"
                     stats.update(hook.after_step(self, step, stats) or {})
@@ -443,7 +468,7 @@ class Trainer:
                 if preempted or (every and (step % every == 0 or step == cfg.train.steps)):
                     self._finish_saves()
                     self.phase = f"checkpoint save at step {step}"
-                    path = self.save_checkpoint()
+                    path = self._last_checkpoint = self.save_checkpoint()
                     if self.ctx.is_main:
                         background = self.checkpointer.async_save
                         print(f"{'saving' if background else 'saved'} checkpoint {path}", flush=True)
@@ -455,6 +480,8 @@ class Trainer:
             self._finish_saves()
             for hook in self.hooks:
                 hook.on_fit_end(self)
+            if self.ctx.is_main:
+                print("\n".join(self._summary(first_step, metrics.elapsed_s)), flush=True)
 
     def _finish_saves(self) -> None:
         """Commit the background save in flight, if any (every rank waits for its own write)."""
@@ -462,6 +489,30 @@ class Trainer:
         path = self.checkpointer.wait()
         if path is not None and self.ctx.is_main:
             print(f"saved checkpoint {path}", flush=True)
+
+    def _summary(self, first_step: int, elapsed_s: float) -> list[str]:
+        """The lines that close a run (rank 0): steps and time, the last checkpoint and how to export it, samples.
+
+        A run that saved no checkpoint names the one it resumed from when it trained no step, else none.
+        """
+        cfg = self.cfg
+        trained = self.step - first_step
+        if trained:
+            stopped = "stopped" if self.step < cfg.train.steps else "done"
+            steps = f"{stopped}: trained steps {first_step + 1}-{self.step} of {cfg.train.steps}"
+            lines = [f"{steps} ({trained} step{'s' * (trained != 1)}) in {format_duration(elapsed_s)}"]
+        else:
+            lines = [f"done: nothing to train, the run is at step {self.step} of {cfg.train.steps}"]
+        checkpoint = self._last_checkpoint or (None if trained else self.resume_from)
+        if checkpoint is None:
+            lines.append("no checkpoint of this run to export (checkpoint.every=0)")
+        else:
+            out = Path(cfg.logging.dir) / "export" / Path(checkpoint).name
+            lines.append(f"last checkpoint: {checkpoint}")
+            lines.append(f"export it with: h3train export {shlex.quote(str(checkpoint))} --out {shlex.quote(str(out))}")
+        if self._last_samples is not None:
+            lines.append(f"samples: {self._last_samples}")
+        return lines
 
     def _stop_line(self, step: int, kind: int) -> str:
         sig = self.preempt.signal

@@ -77,6 +77,8 @@ def sigma_label(sigma: float, sigmas: list[float]) -> str:
 class HeldOutLoss(TrainerHook):
     """`validation.every` / `validation.at_start`: the held-out loss, logged as its own metrics row.
 
+    It runs every `validation.every` steps and after the last one (`train.steps`), and at step 0 with `at_start`.
+
     `shared_negative` is the `cfg.negative=shared` text negative the trainer loaded (None otherwise):
     it is passed in, not read from the trainer, so evaluation uses exactly the training negative.
     """
@@ -117,7 +119,8 @@ class HeldOutLoss(TrainerHook):
             trainer.log_validation(0, self.evaluate(trainer))
 
     def after_step(self, trainer: TrainerView, step: int, stats: Mapping[str, float]) -> None:
-        if self.v.every and step % self.v.every == 0:
+        # Also after the last step, so the trained model is always measured; once when it is a multiple.
+        if self.v.every and (step % self.v.every == 0 or step == self.cfg.train.steps):
             trainer.log_validation(step, self.evaluate(trainer))
 
     def evaluate(self, trainer: TrainerView) -> dict[str, float]:
