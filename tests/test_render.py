@@ -22,8 +22,9 @@ from test_layouts_match_diffusers import TinyClipPipeline
 
 from h3train.cli import main
 from h3train.config import WandbConfig, load_config
-from h3train.data.components import COMPONENT_NAMES, load_components, write_tiny_components
+from h3train.data.components import COMPONENT_NAMES, TINY_TEXT_HIDDEN, load_components, write_tiny_components
 from h3train.data.media import load_still, moving_pattern
+from h3train.data.stand_in import TINY_TRANSFORMER
 from h3train.errors import ConfigError
 from h3train.model.build import build_model
 from h3train.preflight import load_checked
@@ -41,19 +42,7 @@ REQUESTS = [
     {"id": "hum", "prompt": "a square hums", "frames": 22, "resolution": "64x64", "seed": 5},
 ]  # fmt: skip
 NAMES = ["drift", "sample_1", "hum"]
-MODEL = {
-    "num_attention_heads": 4,
-    "attention_head_dim": 16,
-    "rope_freq_dim": 2,
-    "hidden_size": 32,
-    "num_layers": 2,
-    "num_refiner_layers": 1,
-    "ffn_dim": 64,
-    "text_dim": 64,  # the tiny text encoder's width
-    "freq_dim": 16,
-    "time_embed_hidden_dim": 32,
-    "time_embed_dim": 16,
-}
+MODEL = {**TINY_TRANSFORMER, "text_dim": TINY_TEXT_HIDDEN}  # prompts as wide as the tiny text encoder's
 
 
 def _config(folder: Path, components: Path, log_dir: Path, requests: list[dict] = REQUESTS, **validation) -> Path:
