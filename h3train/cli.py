@@ -1,4 +1,4 @@
-"""`h3train` command line: train, check, synth, plot, bench.
+"""`h3train` command line: train, check, config, export, encode, synth, tiny-components, plot, bench.
 
 A bad config or bad input exits 2 with one line on stderr, before any process group or model.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -33,8 +34,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     try:
         trainer.fit()
     except (TrainingError, SampleError, DatasetError) as exc:
-        if _reports_errors(exc):
-            print(f"h3train: error: {exc}", file=sys.stderr)
+        _report(exc)
         trainer.close(clean=False)
         return exc.exit_code
     except RuntimeError as exc:
@@ -362,8 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         return args.func(args)
     except H3TrainError as exc:
-        if _reports_errors(exc):
-            print(f"h3train: error: {exc}", file=sys.stderr)
+        _report(exc)
         return exc.exit_code
     except BaseException as exc:
         # A write that ran out of space anywhere (a metrics line, an export shard, an encoded clip):
@@ -375,6 +374,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"h3train: error: {full_disk_line(full)}", file=sys.stderr)
         return 1
+
+
+def _report(exc: H3TrainError) -> None:
+    """Print `exc` as one line where this rank speaks for it (`_reports_errors`).
+
+    An error the ranks reached together (`exc.agreed`) is printed by rank 0 before any rank leaves:
+    torchrun stops the ranks left as soon as one exits, which would cut rank 0 off before its line.
+    """
+    if _reports_errors(exc):
+        print(f"h3train: error: {exc}", file=sys.stderr, flush=True)
+    dist = sys.modules.get("torch.distributed")
+    if exc.agreed and dist is not None and dist.is_available() and dist.is_initialized():
+        # Leaving anyway if the barrier fails: the line above is what matters.
+        with contextlib.suppress(Exception):
+            dist.barrier()
 
 
 def _reports_errors(exc: H3TrainError) -> bool:
