@@ -273,9 +273,10 @@ class RunLock:
 
     def release(self) -> None:
         self._stop.set()
-        if self._thread is not None:
+        # A Ctrl-C inside `acquire` can land between the thread's creation and its start.
+        if self._thread is not None and self._thread.ident is not None:
             self._thread.join()
-            self._thread = None
+        self._thread = None
         for lock in self.locks:
             with contextlib.suppress(OSError):
                 lock.release()
