@@ -1,7 +1,7 @@
 """Command-line values of every `h3train` command, checked once they are parsed, before any work.
 
 Each failure is one `ConfigError` line naming the flag, what it holds and what it takes (exit 2);
-the config's own keys are `config.validate`'s. Only the standard library and `config` are imported:
+the config's own keys are `config.validate`'s. Only the standard library, `config` and `diskspace` are imported:
 a bad flag costs no torch import.
 """
 
@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from .config import SEED_MAX
+from .diskspace import nearest_existing
 from .errors import ConfigError
 
 # flag -> (smallest, largest) it takes; None: unbounded above. Only flags a command defines are read.
@@ -95,9 +96,7 @@ def check_output_folder(path: Path, what: str) -> None:
         raise ConfigError(f"{what} '{path}' is under {pseudo}, which holds no files; name a folder on a disk")
     if absolute.exists() and not absolute.is_dir():
         raise ConfigError(f"{what} '{path}' is a file, not a folder; name a folder to write into")
-    existing = absolute
-    while not existing.exists():
-        existing = existing.parent
+    existing = nearest_existing(absolute)
     if not existing.is_dir():
         raise ConfigError(f"{what} '{path}' lies inside the file '{existing}'; name a folder to write into")
     if not os.access(existing, os.W_OK | os.X_OK):

@@ -17,6 +17,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -521,6 +522,25 @@ def _read_yaml(path: str | os.PathLike) -> DictConfig:
     return loaded
 
 
+def config_layers(
+    path: str | os.PathLike | None, overrides: Sequence[str] = ()
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The two layers `load_config` merges over the defaults, as plain containers: the file's keys
+    (empty without a file) and the overrides', each conformed to the schema, media paths anchored,
+    an override of one exclusive key replacing the other from the file."""
+    tree = _schema_tree()
+    file_raw: dict[str, Any] = {}
+    if path is not None:
+        file_raw = OmegaConf.to_container(_read_yaml(path), resolve=False)  # type: ignore[assignment]
+        _conform(tree, file_raw, "", f"in '{path}'")
+        anchor_sample_paths(file_raw, Path(path).resolve().parent, f"in '{path}'")
+    raw: dict[str, Any] = OmegaConf.to_container(parse_overrides(list(overrides)), resolve=False)  # type: ignore[assignment]
+    _conform(tree, raw, "", "in the overrides")
+    anchor_sample_paths(raw, Path.cwd(), "in the overrides")
+    _override_replaces_exclusive(file_raw, raw)
+    return file_raw, raw
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
     """Load YAML (if given) over the schema defaults, apply overrides, normalise, check values, return a `Config`.
 
@@ -528,17 +548,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     `h3train.preflight.check_config`; `h3train.preflight.load_checked` runs both.
     """
     schema = _schema()
-    tree = _schema_tree()
-    file_raw: dict[str, Any] = {}
-    if path is not None:
-        file_raw = OmegaConf.to_container(_read_yaml(path), resolve=False)  # type: ignore[assignment]
-        _conform(tree, file_raw, "", f"in '{path}'")
-        anchor_sample_paths(file_raw, Path(path).resolve().parent, f"in '{path}'")
-    raw = OmegaConf.to_container(parse_overrides(list(overrides)), resolve=False)
-    _conform(tree, raw, "", "in the overrides")
-    anchor_sample_paths(raw, Path.cwd(), "in the overrides")
-    _override_replaces_exclusive(file_raw, raw)  # type: ignore[arg-type]
-    layers = [OmegaConf.create(file_raw), OmegaConf.create(raw)]
+    layers = [OmegaConf.create(layer) for layer in config_layers(path, overrides)]
     try:
         merged = OmegaConf.merge(schema, *layers)
         OmegaConf.resolve(merged)

@@ -22,12 +22,11 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .config import Config, leaf_types, parse_overrides
+from .config import Config, config_layers, leaf_types
 
 DEFAULT = "default"
 OVERRIDE = "override"
@@ -114,12 +113,8 @@ def sources(cfg: Config, path: str | os.PathLike | None, overrides: Sequence[str
 
     `cfg` must be what `load_config(path, overrides)` returned: the layers are read again for their keys.
     """
-    from omegaconf import OmegaConf
-
-    from_file: set[str] = set()
-    if path is not None:
-        from_file = given_keys(yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {})
-    from_overrides = given_keys(OmegaConf.to_container(parse_overrides(list(overrides)), resolve=False))
+    file_layer, override_layer = config_layers(path, overrides)
+    from_file, from_overrides = given_keys(file_layer), given_keys(override_layer)
     defaults = leaf_values(Config())
     out = {}
     for key, value in leaf_values(cfg).items():

@@ -27,16 +27,21 @@ def human_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path` made absolute, or its nearest ancestor that exists (the root at worst)."""
+    existing = Path(os.path.abspath(path))
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return existing
+
+
 def free_bytes(path: Path) -> int | None:
     """Bytes this user may still write on the file system of `path` (its nearest existing folder).
 
     None when the file system does not say (a `statvfs` that fails): the caller cannot know.
     """
-    existing = Path(os.path.abspath(path))
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
     try:
-        return shutil.disk_usage(existing).free
+        return shutil.disk_usage(nearest_existing(path)).free
     except OSError:
         return None
 

@@ -497,12 +497,7 @@ def estimate(
     rows_source = "given"
     if rows is None:
         rows, rows_source = config_rows(cfg)
-    from .model.adapter import ModelAdapter
-    from .train.transforms import model_transforms
-
-    # What an adapter adds is the adapter's own arithmetic (`ModelAdapter.plan_counts`).
-    adapter = next((t for t in model_transforms(cfg) if isinstance(t, ModelAdapter)), None)
-    lora = adapter.plan_counts(dims) if adapter is not None else None
+    lora = adapter_counts(dims, cfg)
     plan = plan_memory(
         dims,
         dp_replicate=mesh.dp_replicate,
@@ -523,6 +518,15 @@ def estimate(
     return replace(plan, render_line=render_components_line(cfg)) if cfg.validation.samples else plan
 
 
+def adapter_counts(dims: Mapping[str, Any], cfg: Config) -> AdapterCounts | None:
+    """What the adapter `cfg` asks for adds (`ModelAdapter.plan_counts`: its own arithmetic); None without one."""
+    from .model.adapter import ModelAdapter
+    from .train.transforms import model_transforms
+
+    adapter = next((t for t in model_transforms(cfg) if isinstance(t, ModelAdapter)), None)
+    return adapter.plan_counts(dims) if adapter is not None else None
+
+
 def checkpoint_bytes(dims: Mapping[str, Any], cfg: Config, lora: AdapterCounts | None = None) -> int:
     """Tensor bytes one checkpoint of `cfg`'s run holds on disk, all ranks together, whatever the mesh.
 
@@ -533,11 +537,7 @@ def checkpoint_bytes(dims: Mapping[str, Any], cfg: Config, lora: AdapterCounts |
     when not given.
     """
     if lora is None:
-        from .model.adapter import ModelAdapter
-        from .train.transforms import model_transforms
-
-        adapter = next((t for t in model_transforms(cfg) if isinstance(t, ModelAdapter)), None)
-        lora = adapter.plan_counts(dims) if adapter is not None else None
+        lora = adapter_counts(dims, cfg)
     trainable = parameter_counts(dims).total if lora is None else lora.trainable
     copies = 3 + (1 if cfg.train.ema.decay > 0 else 0)
     return copies * trainable * _FP32

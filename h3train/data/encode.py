@@ -40,6 +40,7 @@ import json
 import math
 import os
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,7 @@ from .media import (
     Clip,
     ClipTooShort,
     MediaError,
-    aligned_down,
+    aligned_frame_count,
     fit_audio,
     load_clip,
     load_still,
@@ -594,17 +595,13 @@ def _encode(
     if state.use_distributed:
         state.destroy_process_group()
     outcomes = [row.outcome for _, row in every]
-    failures: dict[str, int] = {}
-    for outcome in outcomes:
-        if outcome.startswith("failed: "):
-            kind = outcome.removeprefix("failed: ")
-            failures[kind] = failures.get(kind, 0) + 1
+    failures = Counter(o.removeprefix("failed: ") for o in outcomes if o.startswith("failed: "))
     return EncodeSummary(
         encoded=outcomes.count("encoded"),
         skipped=outcomes.count("up to date"),
         failed=sum(failures.values()),
         out=out,
-        failures=failures,
+        failures=dict(failures),
         heldout=sum(len(group) for folder, group in groups if folder != out),
     )
 
@@ -681,8 +678,8 @@ def _up_to_date(sample_path: Path, inputs_path: Path, digest: str, settings: Enc
         slots, frames = int(length["slots"]), int(length["frames"])
         if not length["complete"] and settings.max_frames > slots:
             return None
-        count = aligned_down(min(slots, settings.max_frames))
-        if count != frames or count < shortest_kept(settings.min_frames):
+        # The rule that chose the length, on the recorded slots (too short now raises, a ValueError).
+        if aligned_frame_count(slots, settings.min_frames, settings.max_frames) != frames:
             return None
         verify_sample(sample_path)
         return ClipRow(**recorded["row"])

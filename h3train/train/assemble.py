@@ -39,7 +39,7 @@ from ..plan import checkpoint_bytes
 from ..preflight import preflight
 from ..quiet import known_notices
 from ..runlock import RunLock
-from .checkpoint import Checkpointer, committed_checkpoints, size_on_disk
+from .checkpoint import Checkpointer, checkpoint_root, room_needed
 from .events import EventLog, Progress
 from .faults import FaultInjector
 from .hooks import ModelTransform, TrainerHook
@@ -114,7 +114,7 @@ def assemble(
     dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
     preflight(cfg)
     log_dir = Path(cfg.logging.dir)
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else log_dir / "checkpoints"
+    ckpt_dir = checkpoint_root(cfg.checkpoint.dir, log_dir)
     # The run-folder policy (rundir.py), decided the same way on every rank from the shared folders.
     ckpt_key = "checkpoint.dir" if cfg.checkpoint.dir else "logging.dir"
     probe_writable(log_dir, "logging.dir")
@@ -136,8 +136,7 @@ def planned_checkpoint_bytes(cfg: Config, ckpt_dir: Path) -> int:
     """Bytes one checkpoint of this run needs: the plan's (`plan.checkpoint_bytes`), or the newest
     checkpoint's size on disk when that is more (a resume: DCP's framing included)."""
     planned = checkpoint_bytes(model_dims(cfg), cfg)
-    newest = committed_checkpoints(ckpt_dir)[-1:] if cfg.checkpoint.resume != "none" else []
-    return max([planned, *(size_on_disk(p) for p in newest)])
+    return room_needed(planned, ckpt_dir) if cfg.checkpoint.resume != "none" else planned
 
 
 def take_run_lock(log_dir: Path, ckpt_dir: Path) -> RunLock | None:

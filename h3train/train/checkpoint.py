@@ -115,6 +115,21 @@ def _commit_key(path: Path) -> tuple[float, int]:
 _FULL_BELOW = 64 * 1024**2
 
 
+# The checkpoint folder of a run whose config leaves `checkpoint.dir` unset.
+RUN_CHECKPOINTS = "checkpoints"
+
+
+def checkpoint_root(checkpoint_dir: str | None, log_dir: Path) -> Path:
+    """Where a run's checkpoints go: `checkpoint.dir`, else `<logging.dir>/checkpoints`."""
+    return Path(checkpoint_dir) if checkpoint_dir else Path(log_dir) / RUN_CHECKPOINTS
+
+
+def room_needed(planned: int, root: Path) -> int:
+    """Bytes the next checkpoint in `root` needs: `planned`, or the newest complete one's size if larger
+    (DCP's framing included)."""
+    return max([planned, *(size_on_disk(p) for p in complete_checkpoints(root)[-1:])])
+
+
 def size_on_disk(path: Path) -> int:
     """Bytes of the files in checkpoint folder `path` (0 if it cannot be listed)."""
     try:
@@ -692,7 +707,7 @@ class Checkpointer:
         failure on every rank alike, so rank 0 alone reports it; a failure of rank 0's commit is its own.
         """
         kept = complete_checkpoints(self.root)
-        needed = max([self.planned_bytes, *(size_on_disk(p) for p in kept[-1:])])
+        needed = room_needed(self.planned_bytes, self.root)
         full = no_space(exc)
         free = free_bytes(self.root)
         if full is None and (free is None or free >= min(needed, _FULL_BELOW)):

@@ -52,6 +52,7 @@ from .checkpoint import (
     STATE_FILE,
     STEP_DIR,
     NamingReader,
+    checkpoint_root,
     complete_checkpoints,
     file_digest_problem,
     is_complete,
@@ -70,8 +71,6 @@ EMA_PREFIX = "ema.transformer."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-# The checkpoint folder of a run whose config leaves `checkpoint.dir` unset (`train/assemble.py`).
-RUN_CHECKPOINTS = "checkpoints"
 # Entries of a folder named in a message before the rest are counted.
 _LISTED = 6
 
@@ -131,7 +130,7 @@ def run_checkpoint_dir(run: Path) -> Path:
     except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
         # No readable record of another folder: the default one, which the message names if empty.
         named = None
-    return Path(named) if isinstance(named, str) and named else run / RUN_CHECKPOINTS
+    return checkpoint_root(named if isinstance(named, str) else None, run)
 
 
 def checkpoint_to_export(path: Path) -> tuple[Path, str | None]:
@@ -149,8 +148,10 @@ def checkpoint_to_export(path: Path) -> tuple[Path, str | None]:
         raise UsageError(f"'{path}' does not exist; pass a run folder (logging.dir) or a checkpoint folder")
     if not path.is_dir():
         raise UsageError(f"'{path}' is a file; pass a run folder (logging.dir) or a checkpoint folder")
-    root = path if complete_checkpoints(path) else run_checkpoint_dir(path)
-    found = complete_checkpoints(root)
+    root, found = path, complete_checkpoints(path)
+    if not found:
+        root = run_checkpoint_dir(path)
+        found = complete_checkpoints(root)
     if found:
         return found[-1], f"the newest complete checkpoint in {root}"
     held = f"'{path}' holds {_listing(path)}"
