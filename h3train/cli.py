@@ -89,6 +89,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"assumed: {note}")
     print(dims.describe())
+    if cfg.data.source == "cached" and not isinstance(cfg.data.path, str) and not notes:
+        from .data.mixture import DatasetMixture
+        from .data.source import build_source
+
+        if isinstance(source := build_source(cfg), DatasetMixture):
+            print(source.describe())
     from .plan import estimate, format_plan
 
     print(format_plan(estimate(planned_model_dims(cfg)[0], dims, cfg)))

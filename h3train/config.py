@@ -76,7 +76,9 @@ class SyntheticDataConfig:
 @dataclass
 class DataConfig:
     source: str = "synthetic"
-    path: str | None = None
+    # A cached dataset folder, or a list of them, each a folder or {path, weight} / {path, repeats}:
+    # see `dataset_specs`.
+    path: Any = None
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     # Samples loaded ahead in a background thread.
     prefetch: int = 2
@@ -395,6 +397,8 @@ def _conform(schema: dict[str, Any], layer: dict[str, Any], prefix: str, origin:
         name, want, value = f"{prefix}{key}", schema[key], layer[key]
         if isinstance(value, str) and value.startswith("${"):
             continue  # an interpolation: checked once resolved
+        if name in TEXT_OR_LIST_KEYS:
+            continue  # checked by its own parser (`dataset_specs`)
         if isinstance(want, dict):
             if value is None:
                 layer[key] = {}
@@ -459,24 +463,23 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
     The value of a text key (`logging.dir`, `data.path`, `optim.schedule`, ...) is the literal text
     after the first `=`: a ` #`, `1e3` or `on` in a folder name stays as written. A text key whose
     default is null takes `null` to unset it. Every other value is read as YAML (numbers, booleans,
-    lists, sections), and the schema then checks its type.
+    lists, sections), and the schema then checks its type. A key of `TEXT_OR_LIST_KEYS` is literal
+    text unless its value starts with `[` (a list).
     """
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}' is not of the form key=value")
     types_, optional = leaf_types(), _optional_keys()
-    parsed, literal = [], []
-    for item in overrides:
-        key, value = item.split("=", 1)
-        key = key.strip()
-        if types_.get(key) is str:
-            literal.append((key, None if value == "null" and key in optional else value))
-        else:
-            parsed.append(item)
+    tree = OmegaConf.create({})
     try:
-        tree = OmegaConf.from_dotlist(parsed)
-        for key, value in literal:
-            OmegaConf.update(tree, key, value, force_add=True)
+        # In the order given, so that a later override of a key wins whichever way each is read.
+        for item in overrides:
+            key, value = item.split("=", 1)
+            key = key.strip()
+            if types_.get(key) is str or (key in TEXT_OR_LIST_KEYS and not value.lstrip().startswith("[")):
+                OmegaConf.update(tree, key, None if value == "null" and key in optional else value, force_add=True)
+            else:
+                OmegaConf.update(tree, key, OmegaConf.select(OmegaConf.from_dotlist([item]), key), force_add=True)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot parse overrides: {_one_line(exc)}") from None
     return tree
@@ -594,6 +597,8 @@ def _normalise(cfg: Config) -> None:
     true turns `none` into `full`, and `full` sets it back to true for readers of the bool. Any other
     pairing is left for `validate` to refuse.
     """
+    if isinstance(cfg.data.path, int) and not isinstance(cfg.data.path, bool):
+        cfg.data.path = str(cfg.data.path)  # a folder named by a number, unquoted in YAML
     if cfg.model.gradient_checkpointing and cfg.model.activation_checkpointing == "none":
         cfg.model.activation_checkpointing = "full"
     if cfg.model.activation_checkpointing == "full":
@@ -686,8 +691,13 @@ def validate(cfg: Config) -> None:
     positive("train.spike_window")
     positive("train.max_consecutive_skips", allow_zero=True)
     positive("checkpoint.keep_last", allow_zero=True)
-    if cfg.data.source == "cached" and not cfg.data.path:
-        raise ConfigError("config key 'data.path' must name a cached dataset folder when data.source is 'cached'")
+    if cfg.data.source == "cached":
+        specs = dataset_specs(cfg.data)
+        if cfg.data.create_synthetic and len(specs) > 1:
+            raise ConfigError(
+                "config key 'data.create_synthetic' writes one dataset: give data.path one folder, "
+                "or write each dataset of the list with 'h3train synth'"
+            )
     _validate_lora(cfg.lora)
     _validate_validation(cfg.validation)
     if not 0.0 <= cfg.train.ema.decay < 1.0:
@@ -703,6 +713,99 @@ SEED_MAX = 2**32 - 1
 TIMEOUT_MAX_S = 7 * 24 * 3600
 _SEED_KEYS = ("train.seed", "validation.seed")
 _INT64 = 2**63 - 1
+
+
+# Keys that take one text value or a list (`data.path`: a folder, or several datasets).
+TEXT_OR_LIST_KEYS = frozenset({"data.path"})
+_DATASET_FIELDS = ("path", "weight", "repeats")
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """One dataset of `data.path`: its folder and how often an epoch draws it.
+
+    `weight` (a positive number; 1 for a dataset without one in a list where another has one) is the
+    dataset's share of each epoch's draws; an epoch draws as many samples as the datasets hold
+    together. Otherwise `repeats` (a positive integer, 1 by default) draws each of its samples that
+    many times per epoch.
+    """
+
+    path: str
+    weight: float | None = None
+    repeats: int = 1
+
+
+def dataset_specs(data: DataConfig) -> list[DatasetSpec]:
+    """`data.path` as datasets: a folder is one dataset drawn once per epoch; a list gives several,
+    each a folder or a mapping `{path: DIR, weight: W}` / `{path: DIR, repeats: R}` (a single mapping
+    is a list of one). Empty for no `data.path`; a malformed entry is a `ConfigError` naming it."""
+    given = data.path
+    if given is None or given == "":
+        if data.source == "cached":
+            raise ConfigError(
+                "config key 'data.path' must name a cached dataset folder (or a list of them) when data.source is "
+                "'cached'"
+            )
+        return []
+    if isinstance(given, str):
+        return [DatasetSpec(given)]
+    items = [given] if isinstance(given, dict) else given
+    if not isinstance(items, list) or not items:
+        raise ConfigError(
+            f"config key 'data.path' is {given!r}; give a dataset folder or a list of datasets, e.g. "
+            "data.path=[data/clips, {path: data/extra, weight: 0.25}]"
+        )
+    specs = [_dataset_spec(i, item) for i, item in enumerate(items)]
+    if any(spec.weight is not None for spec in specs):
+        if any(spec.repeats != 1 for spec in specs):
+            at = next(i for i, spec in enumerate(specs) if spec.repeats != 1)
+            raise ConfigError(
+                f"config key 'data.path[{at}].repeats' is set in a list balanced by weights; "
+                "balance the datasets by weight or by repeats, not both"
+            )
+        # A folder without a weight in a weighted list weighs 1.
+        specs = [dataclasses.replace(spec, weight=1.0 if spec.weight is None else spec.weight) for spec in specs]
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        where = os.path.normpath(os.path.abspath(os.path.expanduser(spec.path)))
+        if where in seen:
+            raise ConfigError(
+                f"config key 'data.path[{i}]' names the folder of data.path[{seen[where]}] again ('{spec.path}'); "
+                "list a dataset once and give it a weight or repeats"
+            )
+        seen[where] = i
+    return specs
+
+
+def _dataset_spec(i: int, item: Any) -> DatasetSpec:
+    key = f"data.path[{i}]"
+    if isinstance(item, str) and item:
+        return DatasetSpec(item)
+    if isinstance(item, int) and not isinstance(item, bool):
+        return DatasetSpec(str(item))  # a folder named by a number, unquoted in YAML
+    if not isinstance(item, dict):
+        raise ConfigError(
+            f"config key '{key}' is {item!r}; each dataset is a folder or {{path: DIR, weight: W}} / "
+            "{path: DIR, repeats: R}"
+        )
+    unknown = sorted(set(item) - set(_DATASET_FIELDS))
+    if unknown:
+        fields = ", ".join(_DATASET_FIELDS)
+        raise ConfigError(f"config key '{key}.{unknown[0]}' is not a dataset field (fields: {fields})")
+    path = item.get("path")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"config key '{key}.path' is {path!r}; give the dataset's folder")
+    weight, repeats = item.get("weight"), item.get("repeats")
+    if weight is not None and repeats is not None:
+        raise ConfigError(f"config key '{key}' sets both weight and repeats; give one of them")
+    if weight is not None and (
+        isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0
+    ):
+        raise ConfigError(f"config key '{key}.weight' is {weight!r}; it takes a positive number (a share of the draws)")
+    whole = isinstance(repeats, int) and not isinstance(repeats, bool)
+    if repeats is not None and not (whole and 1 <= repeats <= _INT64):
+        raise ConfigError(f"config key '{key}.repeats' is {repeats!r}; it takes a whole number of at least 1")
+    return DatasetSpec(path, None if weight is None else float(weight), 1 if repeats is None else repeats)
 
 
 def _check_numbers(cfg: Config) -> None:

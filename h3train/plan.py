@@ -465,13 +465,16 @@ def config_rows(cfg: Config) -> tuple[int, str]:
         task = sample_task_of("keyframes" if anchors else None)
         tags = torch.ones(syn.text_len, dtype=torch.long)
         return build_layout(task, tags, geometry, anchors).seq_len, "synthetic geometry"
-    if not cfg.data.path or not Path(cfg.data.path).is_dir():
+    from .config import dataset_specs
+
+    specs = dataset_specs(cfg.data)
+    if not specs or not all(Path(spec.path).is_dir() for spec in specs):
         return RELEASED_MAX_ROWS, "longest released clip; data.path is not readable here"
     from .data.source import build_source
     from .errors import ConfigError, DatasetError
 
     try:
-        return max(build_source(cfg).lengths), "longest sample in the dataset index"
+        return max(build_source(cfg).lengths), "longest sample in the dataset index" + ("es" if len(specs) > 1 else "")
     except DatasetError as exc:
         raise ConfigError(f"config key 'data.path': {exc}") from None
 

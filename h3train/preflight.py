@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from .config import Config, load_config, measures_held_out_loss
+from .config import Config, dataset_specs, load_config, measures_held_out_loss
 from .data.dataset import index_entries
 from .data.format import INDEX_NAME, read_header, resolve_in_folder
+from .data.mixture import dataset_key, epoch_draws
 from .errors import ConfigError, DatasetError
 from .lora.targets import meta_model, resolve_targets, resolve_train_modules
 from .model.dims import check_model_kwargs, model_dims, planned_model_dims, pretrained_config_file
@@ -150,25 +151,39 @@ def _check_builds(cfg: Config, dims: dict[str, Any]) -> None:
 
 
 def _check_dataset(cfg: Config, dims: dict[str, Any], required: bool) -> list[str]:
-    """A cached dataset is there, lists samples of the task, and its text width is the model's.
+    """Each cached dataset of `data.path` is there, lists samples of the task, and its text width is
+    the model's; a list's weights give every dataset at least one draw per epoch.
 
-    Reads `index.jsonl` and the header of the first sample that trains: the samples of one
+    Reads each `index.jsonl` and the header of its first sample that trains: the samples of one
     dataset come from one text encoder, so one header tells the width of all of them.
     """
     data = cfg.data
     if data.source != "cached":
         return []
-    folder = Path(data.path)
+    specs = dataset_specs(data)
+    sizes, notes = [], []
+    for i, spec in enumerate(specs):
+        size = _check_one_dataset(cfg, dims, dataset_key(specs, i), Path(spec.path))
+        if size is None:
+            if data.create_synthetic:
+                return []  # written at start-up, with the model's text width
+            if required:
+                raise ConfigError(
+                    f"config key '{dataset_key(specs, i)}': no dataset at '{spec.path}' (no {INDEX_NAME}); encode one "
+                    "with 'h3train encode' or write a synthetic one with 'h3train synth'"
+                )
+            notes.append(f"data: no dataset at '{spec.path}' here; planned for the longest released clip")
+        sizes.append(size)
+    if not notes:
+        epoch_draws(sizes, specs)
+    return notes[:1]
+
+
+def _check_one_dataset(cfg: Config, dims: dict[str, Any], key: str, folder: Path) -> int | None:
+    """The number of samples dataset `folder` (config key `key`) trains, None where it has no index."""
     index = folder / INDEX_NAME
     if not index.is_file():
-        if data.create_synthetic:
-            return []  # written at start-up, with the model's text width
-        if required:
-            raise ConfigError(
-                f"config key 'data.path': no dataset at '{data.path}' (no {INDEX_NAME}); encode one with "
-                "'h3train encode' or write a synthetic one with 'h3train synth'"
-            )
-        return [f"data: no dataset at '{data.path}' here; planned for the longest released clip"]
+        return None
     try:
         entries = index_entries(folder)
     except DatasetError as exc:
@@ -182,10 +197,11 @@ def _check_dataset(cfg: Config, dims: dict[str, Any], required: bool) -> list[st
     trained = [e for e in entries if e.task in accepted]
     if not trained:
         found = {e.task for e in entries}
+        other = "remove it from data.path" if key != "data.path" else f"use a {cfg.task.name} dataset"
         raise ConfigError(
             f"config key 'task.name' is '{cfg.task.name}' (it trains {', '.join(accepted)} samples) but dataset "
-            f"'{folder}' holds only {', '.join(sorted(found))} samples; use task.name={training_task_for(found)} "
-            f"or a {cfg.task.name} dataset"
+            f"'{folder}' ({key}) holds only {', '.join(sorted(found))} samples; use "
+            f"task.name={training_task_for(found)} or {other}"
         )
     sample = resolve_in_folder(folder, trained[0].file, f"index '{index}'")
     width = read_header(sample).specs["prompt_embeds"].shape[-1]
@@ -200,4 +216,4 @@ def _check_dataset(cfg: Config, dims: dict[str, Any], required: bool) -> list[st
                 else "encode the data with this model's text encoder, or use the model it was encoded for"
             )
         )
-    return []
+    return len(trained)

@@ -24,8 +24,7 @@ from ranks import run_ranks
 from safetensors.torch import load_file
 
 from h3train.config import load_config
-from h3train.data.sampler import DistributedSampler
-from h3train.data.source import build_source, load_shared_negative
+from h3train.data.source import build_sampler, build_source, load_shared_negative
 from h3train.objective import compute_loss, micro_batch_inputs
 from h3train.train.checkpoint import step_dir_name
 
@@ -318,7 +317,7 @@ def _reference_backward(cfg, meta: dict, model, dump_dir: Path, dp: int, step: i
     accum = cfg.train.grad_accum
     total = torch.zeros((), dtype=torch.float64)
     for rank in range(dp):
-        sampler = DistributedSampler(len(source), rank, dp, cfg.train.seed)
+        sampler = build_sampler(source, cfg, rank, dp)
         sampler.position = (step - 1) * accum * dp
         for micro in range(accum):
             sample = source[sampler.next_index()]

@@ -10,6 +10,7 @@ import torch
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.data.dataset import CachedDataset
+from h3train.data.format import INDEX_NAME, SAMPLE_SUFFIX, write_index
 from h3train.data.sampler import assigned_indices
 from h3train.data.synth import write_synthetic_dataset
 from h3train.model.build import build_model
@@ -135,6 +136,26 @@ def test_cfg_runs_report_the_plain_and_the_calibrated_loss(tmp_path, heldout) ->
     row = _rows(tmp_path, "validation")[0]
     assert hook.forwards == 2 * 3 * len(SIGMAS), "CFG adds the unconditional forward"
     assert row["val/loss_cfg"] != row["val/loss"] and row["val/loss_video_cfg"] > 0
+
+
+def test_a_heldout_set_without_sound_logs_null_audio_not_zero(tmp_path) -> None:
+    # Synthetic fl2va sample 2 has no soundtrack: keep it alone.
+    folder = write_synthetic_dataset(tmp_path / "silent", task="fl2va", num_samples=3, seed=7, text_dim=16)
+    for sample in sorted(folder.glob(f"*{SAMPLE_SUFFIX}"))[:2]:
+        sample.unlink()
+    (folder / INDEX_NAME).unlink()
+    write_index(folder)
+    assert [s.has_audio for s in CachedDataset(folder, "fl2va")] == [False]
+    cfg = load_config(
+        TINY_FL2VA, _args(tmp_path / "run", str(folder), "validation.at_start=true", "train.steps=1", "cfg.scale=3.0")
+    )
+    _fit_with_heldout(cfg)
+    row = _rows(tmp_path / "run", "validation")[0]
+    audio_keys = [k for k in row if k.startswith("val/loss_audio")]
+    assert len(audio_keys) == 2 + len(SIGMAS) and all(row[k] is None for k in audio_keys), row
+    # The totals are the video terms alone (loss_weights.video is 1).
+    assert row["val/loss"] == row["val/loss_video"] > 0 and row["val/loss_cfg"] == row["val/loss_video_cfg"] > 0
+    assert "nonfinite" not in row
 
 
 @pytest.mark.slow

@@ -14,10 +14,21 @@ is cut into consecutive windows of `bucket_size` entries and each window is sort
 keep permutation order). Neighbouring entries, which the DP ranks train on in the same micro-batch,
 then have similar packed lengths, so fewer ranks idle at the gradient reduction. The bucketed order
 depends only on `(seed, epoch, lengths, bucket_size)`, never on `dp_size`, so resume keeps working.
+
+Several datasets (`parts`): the samples are numbered dataset after dataset, and dataset `d` of `size`
+samples is drawn `draws` times per epoch (its repeats times its size, or its weight's share of the
+epoch): every sample `draws // size` times, and `draws % size` extras taken in turn from the
+dataset's own endless stream of seeded permutations. A dataset drawn less than its size so shows a
+different subset each epoch and all of its samples over the epochs; within an epoch a sample is drawn
+`draws // size` or one more times (two more only where the extras cross from one permutation to the
+next), and over `size` epochs exactly `draws` times. An epoch is the sorted multiset of all datasets'
+draws, shuffled by the epoch's permutation as above; with one dataset drawn once per epoch the
+multiset is `range(num_samples)` and the order is the plain one.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -33,7 +44,10 @@ class DistributedSampler:
         shuffle: bool = True,
         lengths: Sequence[int] | None = None,
         bucket_size: int = 0,
+        parts: Sequence[tuple[int, int]] | None = None,
     ) -> None:
+        """`parts`: `(size, draws per epoch)` of each dataset, in sample order; None is one dataset
+        drawn once per epoch. The sizes add up to `num_samples`."""
         if num_samples < 1:
             raise ValueError("the dataset holds no samples")
         if not 0 <= dp_rank < dp_size:
@@ -44,6 +58,11 @@ class DistributedSampler:
             raise ValueError("length bucketing needs the per-sample lengths")
         if lengths is not None and len(lengths) != num_samples:
             raise ValueError(f"{len(lengths)} lengths given for {num_samples} samples")
+        parts = [(num_samples, num_samples)] if parts is None else [(int(n), int(d)) for n, d in parts]
+        if sum(n for n, _ in parts) != num_samples or any(n < 1 or d < 1 for n, d in parts):
+            raise ValueError(f"dataset parts {parts} do not cover {num_samples} samples, each drawn at least once")
+        self.parts = parts
+        self.epoch_length = sum(d for _, d in parts)
         self.num_samples = num_samples
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -59,16 +78,39 @@ class DistributedSampler:
         # loop finishes this one. The dict is replaced, never mutated, so a concurrent reader is safe.
         cache = self._epoch_cache
         if epoch not in cache:
+            order = self._draws(epoch)
             if self.shuffle:
                 g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-                order = torch.randperm(self.num_samples, generator=g)
-            else:
-                order = torch.arange(self.num_samples)
+                order = order[torch.randperm(self.epoch_length, generator=g)]
             if self.bucket_size:
                 order = self._bucket(order)
             cache = {e: o for e, o in cache.items() if abs(e - epoch) <= 1} | {epoch: order}
             self._epoch_cache = cache
         return cache[epoch]
+
+    def _draws(self, epoch: int) -> torch.Tensor:
+        """The epoch's samples as a sorted multiset of `epoch_length` global indices."""
+        pieces, offset = [], 0
+        for d, (size, draws) in enumerate(self.parts):
+            whole, extra = divmod(draws, size)
+            pieces.append(torch.arange(size).repeat(whole) + offset)
+            # The extras are entries [epoch * extra, (epoch + 1) * extra) of the dataset's own stream of
+            # passes (seeded permutations): over `size` epochs every sample is an extra `extra` times.
+            position, stop = epoch * extra, (epoch + 1) * extra
+            while position < stop:
+                p, into = divmod(position, size)
+                take = min(size - into, stop - position)
+                pieces.append(self._pass(d, p)[into : into + take] + offset)
+                position += take
+            offset += size
+        return torch.sort(torch.cat(pieces)).values
+
+    def _pass(self, dataset: int, index: int) -> torch.Tensor:
+        """Pass `index` of dataset `dataset`'s own stream: a seeded permutation of its local indices."""
+        size = self.parts[dataset][0]
+        key = hashlib.sha256(f"{self.seed}/{dataset}/{index}".encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") >> 1)
+        return torch.randperm(size, generator=g)
 
     def _bucket(self, order: torch.Tensor) -> torch.Tensor:
         """Sort each window of `bucket_size` consecutive entries by length; a permutation stays one."""
@@ -80,7 +122,7 @@ class DistributedSampler:
 
     def global_index(self, position: int) -> int:
         """The sample at a global position of the (epoch-concatenated) order."""
-        epoch, offset = divmod(position, self.num_samples)
+        epoch, offset = divmod(position, self.epoch_length)
         return int(self._order(epoch)[offset])
 
     def next_index(self) -> int:
@@ -106,6 +148,7 @@ class DistributedSampler:
             "seed": self.seed,
             "num_samples": self.num_samples,
             "bucket_size": self.bucket_size,
+            "parts": [list(part) for part in self.parts],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -120,7 +163,18 @@ class DistributedSampler:
                 f"sampler state is for bucket_size {state.get('bucket_size', 0)}, this run has "
                 f"{self.bucket_size}; resume with the same data.bucket_size"
             )
+        # Other datasets, weights or repeats draw another order: the position would point elsewhere.
+        parts = [tuple(part) for part in state.get("parts", [(self.num_samples, self.num_samples)])]
+        if parts != self.parts:
+            raise ValueError(
+                f"sampler state is for datasets of {_parts_text(parts)}, this run has {_parts_text(self.parts)}; "
+                "resume with the same data.path datasets, weights and repeats"
+            )
         self.position = int(state["position"])
+
+
+def _parts_text(parts: Sequence[tuple[int, int]]) -> str:
+    return ", ".join(f"{size} samples ({draws} draws per epoch)" for size, draws in parts)
 
 
 def assigned_indices(num_samples: int, dp_rank: int, dp: int) -> list[int | None]:

@@ -2,8 +2,9 @@
 
 A **sample source** is indexable: `len(source)`, `source[i]` -> `PackedSample`, and `lengths` (the
 packed length of every sample, for bucketing and planning, known without reading the samples).
-`build_source` makes the one `data.source` names; the trainer, the planner, validation and preflight
-all take theirs from it.
+`build_source` makes the one `data.source` names (several `data.path` datasets are one
+`DatasetMixture`); the trainer, the planner, validation and preflight all take theirs from it, and
+`build_sampler` the sampler that draws from it.
 
 The loop does not index a source itself: it asks a **micro-batch stream** for micro-batch `micro`
 of step `step` (`MicroBatchStream.next`). The indexable stream below draws indices from the
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..config import Config
+from ..config import Config, dataset_specs
 from ..errors import ConfigError
 from ..tasks.layout import PackedSample
 from .prefetch import MicroBatchPosition, Prefetcher, micro_batch_positions
@@ -40,6 +41,10 @@ class SampleSource(Protocol):
     def lengths(self) -> list[int]:
         """Packed sequence length of every sample, without reading the sample files."""
         ...
+
+
+# A source of several datasets (`mixture.DatasetMixture`) also has `parts`: each dataset's
+# `(size, draws per epoch)`, which `build_sampler` hands to the sampler.
 
 
 def build_source(
@@ -65,8 +70,29 @@ def build_source(
     if path is not None:
         return CachedDataset(path, cfg.task.name)
     corrupt = FaultInjector(cfg.debug.fault, rank=0).corrupt_samples()
-    return CachedDataset(
-        cfg.data.path, cfg.task.name, on_error=cfg.data.on_error, on_skip=on_skip, injected_corrupt=corrupt
+    specs = dataset_specs(cfg.data)
+    datasets = [
+        CachedDataset(spec.path, cfg.task.name, on_error=cfg.data.on_error, on_skip=on_skip, injected_corrupt=corrupt)
+        for spec in specs
+    ]
+    if isinstance(cfg.data.path, str):
+        return datasets[0]
+    from .mixture import DatasetMixture
+
+    return DatasetMixture(datasets, specs)
+
+
+def build_sampler(source: SampleSource, cfg: Config, dp_rank: int, dp_size: int) -> DistributedSampler:
+    """The sampler of `source` for DP rank `dp_rank` of `dp_size` (every SP rank of a DP group builds
+    the same one): `data.bucket_size` windows, and a mixture's draws per dataset."""
+    return DistributedSampler(
+        len(source),
+        dp_rank,
+        dp_size,
+        cfg.train.seed,
+        lengths=source.lengths if cfg.data.bucket_size > 1 else None,
+        bucket_size=cfg.data.bucket_size,
+        parts=getattr(source, "parts", None),
     )
 
 

@@ -17,7 +17,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from ..config import Config
+from ..config import Config, dataset_specs
 from ..errors import ConfigError
 from .table import PARTITIONS, TRAINING_TASKS, partition_tasks, sample_task_of
 
@@ -40,13 +40,19 @@ def _data_tasks(cfg: Config) -> Counter[str] | None:
 
         made = sample_task_of("keyframes" if synthetic_anchors(data.synthetic, cfg.task.name) else None)
         return Counter({made: data.synthetic.num_samples})
-    if data.path is None:
-        return None
     from ..data.format import INDEX_NAME, read_index
 
-    if not (Path(data.path) / INDEX_NAME).is_file():
-        return Counter(dict.fromkeys(TRAINING_TASKS[cfg.task.name].sample_tasks, 1)) if data.create_synthetic else None
-    return Counter(entry.task for entry in read_index(data.path))
+    specs = dataset_specs(data)
+    if not specs:
+        return None
+    tasks: Counter[str] = Counter()
+    for spec in specs:
+        if not (Path(spec.path) / INDEX_NAME).is_file():
+            if not data.create_synthetic:
+                return None
+            return Counter(dict.fromkeys(TRAINING_TASKS[cfg.task.name].sample_tasks, 1))
+        tasks.update(entry.task for entry in read_index(spec.path))
+    return tasks
 
 
 def check_partition(cfg: Config) -> str | None:

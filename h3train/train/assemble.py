@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import Config
-from ..data.sampler import DistributedSampler
-from ..data.source import MicroBatchStream, SampleSource, build_source, load_shared_negative
+from ..config import Config, dataset_specs
+from ..data.mixture import DatasetMixture
+from ..data.source import MicroBatchStream, SampleSource, build_sampler, build_source, load_shared_negative
 from ..diskspace import check_room
 from ..model.adapter import ModelAdapter
 from ..model.build import build_meta_model, build_model, load_pretrained_shards, materialize, pretrained_folder
@@ -189,14 +189,9 @@ def _assemble(
         model_config["text_dim"],
         on_skip=lambda sample_id, reason: data_errors.write(step=progress.step + 1, sample_id=sample_id, reason=reason),
     )
-    sampler = DistributedSampler(
-        len(source),
-        ctx.dp_rank,
-        dims.dp,
-        cfg.train.seed,
-        lengths=source.lengths if cfg.data.bucket_size > 1 else None,
-        bucket_size=cfg.data.bucket_size,
-    )
+    if ctx.is_main and isinstance(source, DatasetMixture):
+        print(source.describe(), flush=True)
+    sampler = build_sampler(source, cfg, ctx.dp_rank, dims.dp)
     batches = MicroBatchStream(
         source,
         sampler,
@@ -298,13 +293,16 @@ def _warn_cross_node_sp(ctx: ParallelContext) -> None:
 def _create_synthetic_dataset(cfg: Config, ctx: ParallelContext, text_dim: int) -> None:
     """`data.create_synthetic`: rank 0 writes a synthetic dataset where `data.path` holds none yet."""
     data = cfg.data
-    if data.source != "cached" or not data.create_synthetic or (Path(data.path) / "index.jsonl").is_file():
+    if data.source != "cached" or not data.create_synthetic:
+        return
+    (spec,) = dataset_specs(data)
+    if (Path(spec.path) / "index.jsonl").is_file():
         return
     if ctx.is_main:
         from ..data.synth import write_synthetic_dataset
 
         write_synthetic_dataset(
-            data.path,
+            spec.path,
             task=cfg.task.name,
             num_samples=data.synthetic.num_samples,
             seed=cfg.train.seed,

@@ -123,7 +123,7 @@ class HeldOutLoss(TrainerHook):
         if self.v.every and (step % self.v.every == 0 or step == self.cfg.train.steps):
             trainer.log_validation(step, self.evaluate(trainer))
 
-    def evaluate(self, trainer: TrainerView) -> dict[str, float]:
+    def evaluate(self, trainer: TrainerView) -> dict[str, float | None]:
         """One pass over the held-out set; every rank returns the same, DP-reduced values."""
         source = self._samples()
         n = len(source) if not self.v.num_samples else min(self.v.num_samples, len(source))
@@ -195,23 +195,32 @@ class HeldOutLoss(TrainerHook):
             ]
         )
 
-    def _summarise(self, sums: torch.Tensor) -> dict[str, float]:
+    def _summarise(self, sums: torch.Tensor) -> dict[str, float | None]:
+        # An audio term over a held-out set (or sigma) without sound is None, logged as null: no
+        # number to average, and a 0 would pull the total and the plot down as if audio were learned.
         w = self.cfg.train.loss_weights
         total = sums.sum(0).tolist()
-        samples, with_audio = total[4], max(total[5], 1.0)
-        out = {
+        samples, with_audio = total[4], total[5]
+
+        def audio(value: float, count: float) -> float | None:
+            return value / count if count > 0 else None
+
+        def weighted(video: float, audio_term: float | None) -> float:
+            return w.video * video + (w.audio * audio_term if audio_term is not None else 0.0)
+
+        out: dict[str, float | None] = {
             "val/loss_video": total[0] / samples,
-            "val/loss_audio": total[1] / with_audio,
+            "val/loss_audio": audio(total[1], with_audio),
         }
-        out["val/loss"] = w.video * out["val/loss_video"] + w.audio * out["val/loss_audio"]
+        out["val/loss"] = weighted(total[0] / samples, out["val/loss_audio"])
         if self.cfg_enabled:
             out["val/loss_video_cfg"] = total[2] / samples
-            out["val/loss_audio_cfg"] = total[3] / with_audio
-            out["val/loss_cfg"] = w.video * out["val/loss_video_cfg"] + w.audio * out["val/loss_audio_cfg"]
+            out["val/loss_audio_cfg"] = audio(total[3], with_audio)
+            out["val/loss_cfg"] = weighted(total[2] / samples, out["val/loss_audio_cfg"])
         if self.drift:
             out["val/drift_video"] = total[6] / total[7] if total[7] > 0 else 0.0
-            out["val/drift_audio"] = total[8] / total[9] if total[9] > 0 else 0.0
+            out["val/drift_audio"] = total[8] / total[9] if with_audio and total[9] > 0 else None
         for label, row in zip(self.labels, sums.tolist()):
             out[f"val/loss_video@{label}"] = row[0] / row[4]
-            out[f"val/loss_audio@{label}"] = row[1] / max(row[5], 1.0)
+            out[f"val/loss_audio@{label}"] = audio(row[1], row[5])
         return out
