@@ -125,6 +125,8 @@ def test_weights_split_an_epoch_of_all_samples_by_the_largest_remainder() -> Non
     draws = epoch_draws([8, 5, 3], specs)
     assert sum(draws) == 16 and draws == [10, 3, 3]  # shares 9.6, 3.2, 3.2: the 0.6 takes the extra one
     assert epoch_draws([8, 5], [DatasetSpec("a", repeats=2), DatasetSpec("b", repeats=3)]) == [16, 15]
+    with pytest.raises(ConfigError, match=r"'data.path\[1\].repeats' makes an epoch of 100,000,008 draws"):
+        epoch_draws([8, 1_000_000], [DatasetSpec("a"), DatasetSpec("b", repeats=100)])
     with pytest.raises(ConfigError, match=r"'data.path\[1\].weight' gives dataset 'b' 0.11 of the 11 draws"):
         epoch_draws([10, 1], [DatasetSpec("a", weight=100), DatasetSpec("b", weight=1)])
 

@@ -16,6 +16,9 @@ from ..errors import ConfigError
 from ..tasks.layout import PackedSample
 from .dataset import CachedDataset
 
+# The sampler holds an epoch's order in memory (8 bytes a draw, two epochs at a time).
+MAX_EPOCH_DRAWS = 100_000_000
+
 
 def dataset_key(specs: Sequence[DatasetSpec], i: int) -> str:
     """The config key naming dataset `i`: `data.path` for a single folder, `data.path[i]` in a list."""
@@ -30,7 +33,14 @@ def epoch_draws(sizes: Sequence[int], specs: Sequence[DatasetSpec]) -> list[int]
     differ from the exact shares by less than one. A weight whose share is under one draw is refused.
     """
     if all(spec.weight is None for spec in specs):
-        return [size * spec.repeats for size, spec in zip(sizes, specs, strict=True)]
+        draws = [size * spec.repeats for size, spec in zip(sizes, specs, strict=True)]
+        if sum(draws) > MAX_EPOCH_DRAWS:
+            d = max(range(len(specs)), key=lambda i: draws[i])
+            raise ConfigError(
+                f"config key '{dataset_key(specs, d)}.repeats' makes an epoch of {sum(draws):,} draws, more than the "
+                f"sampler holds ({MAX_EPOCH_DRAWS:,}); lower the repeats, or weight the datasets instead"
+            )
+        return draws
     total, weight_sum = sum(sizes), sum(float(spec.weight or 0.0) for spec in specs)
     shares = [total * float(spec.weight or 0.0) / weight_sum for spec in specs]
     draws = [int(share) for share in shares]
