@@ -17,7 +17,7 @@ from h3train.data.source import build_sampler, build_source
 from h3train.data.synth import write_synthetic_dataset
 from h3train.errors import ConfigError
 
-from reference import ROOT, parity_step, read_metrics, run_h3train, tiny_args
+from reference import ROOT, parity_step, read_metrics, tiny_args
 
 TOL = 1e-5
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
@@ -232,7 +232,7 @@ def test_preflight_names_the_dataset_of_the_list(two_datasets, tmp_path: Path, c
 
 @pytest.mark.slow
 def test_a_weighted_mixture_at_dp2_sp2_matches_the_unsharded_reference_and_resumes_only_as_itself(
-    two_datasets, tmp_path: Path
+    two_datasets, tmp_path: Path, capsys
 ) -> None:
     a, b = two_datasets
     run = tmp_path / "run"
@@ -251,21 +251,16 @@ def test_a_weighted_mixture_at_dp2_sp2_matches_the_unsharded_reference_and_resum
     assert result.grad_norm == pytest.approx(result.ref_norm, rel=TOL)
 
     # Other weights are another order: the checkpoint's data position would point elsewhere.
-    proc = run_h3train(
-        tiny_args(run, "train.steps=2", "parallel.dp_shard=-1", *_mixture_overrides(a, b, (1, 1)), config=TINY_REF2VA),
-        check=False,
-    )
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
-    assert "same data.path datasets, weights and repeats" in lines[0], lines[0]
+    resume = ["train.steps=2", "parallel.dp_shard=-1", "logging.progress=false", f"logging.dir={run}"]
+    assert main(["train", str(TINY_REF2VA), *resume, *_mixture_overrides(a, b, (1, 1))]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "same data.path datasets, weights and repeats" in lines[0], lines
     # The same list resumes (under another DP size) and trains on.
-    proc = run_h3train(
-        tiny_args(run, "train.steps=2", "parallel.dp_shard=-1", *_mixture_overrides(a, b), config=TINY_REF2VA)
-    )
-    said = [line for line in proc.stdout.splitlines() if line.startswith("data: 2 datasets")]
+    assert main(["train", str(TINY_REF2VA), *resume, *_mixture_overrides(a, b)]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("data: 2 datasets")]
     assert said == [
         f"data: 2 datasets, 8 draws per epoch: '{a}' 5 samples x 0.4 = 2 (weight 1, 25.0%); "
         f"'{b}' 3 samples x 2 = 6 (weight 3, 75.0%)"
-    ], proc.stdout
+    ]
     rows = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2] and math.isfinite(rows[-1]["loss"])
