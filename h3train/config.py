@@ -217,6 +217,11 @@ class CheckpointConfig:
     # Write in the background (`torch.distributed.checkpoint.async_save`): the step waits only for
     # the copy to host memory; the commit follows when every rank's write is done.
     async_save: bool = False
+    # A validation metric (`val/loss`, `val/guidance_cos_video`, ...): a validation that improves it
+    # saves a checkpoint, kept as the best (never pruned by keep_last) until a better one commits.
+    keep_best: str | None = None
+    # min: lower is better; max: higher is better.
+    keep_best_mode: str = "min"
 
 
 @dataclass
@@ -284,6 +289,17 @@ class SampleRequestConfig:
 
 
 @dataclass
+class GuardConfig:
+    """Thresholds on each modality's retention metrics (null: not checked), checked after every validation
+    from step 1 on; `action`: `warn` (one line) or `stop` (save a checkpoint, then exit with status 3)."""
+
+    min_guidance_ratio: float | None = None
+    min_guidance_cos: float | None = None
+    max_drift: float | None = None
+    action: str = "warn"
+
+
+@dataclass
 class ValidationConfig:
     """Held-out loss at fixed base sigmas with fixed noise, comparable from step to step and run to run,
     and rendered samples (`samples`) through diffusers' H3 pipeline with the live model."""
@@ -312,6 +328,11 @@ class ValidationConfig:
     reference_short_edge: int = 2048
     # Also write the generated latents beside each mp4 (`<id>.latents.safetensors`).
     save_latents: bool = False
+    # Drift and guidance retention against the base, whose held-out predictions are computed before
+    # the first step and stored in `<logging.dir>/base_predictions/` (one more forward per pair).
+    retention: bool = True
+    # What to do when a validation finds the fine-tune has lost its base's guidance or moved too far.
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
 
 @dataclass
@@ -345,6 +366,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "cfg.schedule": ("constant", "sigma"),
     "cfg.negative": ("per_sample", "shared"),
     "cfg.negative_visual": ("keep", "drop"),
+    "validation.guard.action": ("warn", "stop"),
+    "checkpoint.keep_best_mode": ("min", "max"),
 }
 
 
@@ -700,6 +723,7 @@ def validate(cfg: Config) -> None:
             )
     _validate_lora(cfg.lora)
     _validate_validation(cfg.validation)
+    _validate_keep_best(cfg)
     if not 0.0 <= cfg.train.ema.decay < 1.0:
         raise ConfigError(f"config key 'train.ema.decay' must be in [0, 1) (0: off), got {cfg.train.ema.decay}")
     if cfg.validation.use_ema and not cfg.train.ema.decay:
@@ -850,6 +874,53 @@ def _validate_validation(v: ValidationConfig) -> None:
         raise ConfigError("config key 'validation.dataset' must name a cached dataset folder to validate on")
     if not v.sigmas or not all(0.0 < s < 1.0 for s in v.sigmas) or len(set(v.sigmas)) != len(v.sigmas):
         raise ConfigError(f"config key 'validation.sigmas' must be distinct numbers in (0, 1), got {list(v.sigmas)}")
+    g = v.guard
+    limits = {
+        "min_guidance_ratio": g.min_guidance_ratio,
+        "min_guidance_cos": g.min_guidance_cos,
+        "max_drift": g.max_drift,
+    }
+    for name, value in limits.items():
+        if value is None:
+            continue
+        if not v.retention or not v.every:
+            raise ConfigError(
+                f"config key 'validation.guard.{name}' needs retention measured during training: "
+                "validation.retention=true and validation.every > 0"
+            )
+        low, high = (-1.0, 1.0) if name == "min_guidance_cos" else (0.0, math.inf)
+        if not low <= value <= high:
+            raise ConfigError(f"config key 'validation.guard.{name}' is {value}; choose a value in [{low}, {high}]")
+
+
+_VALIDATION_METRIC = re.compile(
+    r"val/(?:(?P<loss>loss(?:_video|_audio)?)(?P<cfg>_cfg)?|(?P<drift>drift)_(?:video|audio)"
+    r"|(?P<guidance>guidance_(?:ratio|cos))_(?:video|audio))(?P<sigma>@[0-9.]+)?"
+)
+
+
+def _validate_keep_best(cfg: Config) -> None:
+    """`checkpoint.keep_best` names a metric the run's validation logs."""
+    metric, v = cfg.checkpoint.keep_best, cfg.validation
+    if metric is None:
+        return
+    found = _VALIDATION_METRIC.fullmatch(metric)
+    example = "val/loss, val/loss_video, val/drift_video, val/guidance_ratio_video, val/guidance_cos_audio"
+    by_sigma = found is not None and (found["guidance"] or found["loss"] in ("loss_video", "loss_audio"))
+    if found is None or (found["sigma"] and not (by_sigma and not found["cfg"])):
+        raise ConfigError(
+            f"config key 'checkpoint.keep_best' is {metric!r}; name a validation metric such as {example}"
+        )
+    if not (v.dataset and v.every):
+        raise ConfigError(
+            "config key 'checkpoint.keep_best' needs a held-out loss during training: set validation.dataset "
+            "and validation.every"
+        )
+    if (found["drift"] or found["guidance"]) and not v.retention:
+        raise ConfigError(f"config key 'checkpoint.keep_best' is {metric!r}, which needs validation.retention=true")
+    scales = (cfg.cfg.scale, cfg.cfg.video_scale, cfg.cfg.audio_scale)
+    if found["cfg"] and all(s in (None, 1.0) for s in scales):
+        raise ConfigError(f"config key 'checkpoint.keep_best' is {metric!r}, logged only with cfg.scale other than 1")
 
 
 def _validate_lora(lora: LoraConfig) -> None:

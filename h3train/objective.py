@@ -306,6 +306,28 @@ def make_training_inputs(
     )
 
 
+def negative_inputs(
+    sample: PackedSample,
+    ti: TrainingInputs,
+    cfg: CfgConfig,
+    shared_negative: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The forward inputs of `ti`'s noised rows under the negative prompt `cfg` configures: the CFG
+    branch's own inputs when it has one, else built the same way (for measuring guidance at scale 1)."""
+    if ti.uncond_inputs is not None:
+        return ti.uncond_inputs
+    embeds, tags = negative_prompt(sample, cfg, shared_negative)
+    rows = ti.model_inputs
+    return forward_inputs(
+        sample.layout_for(tags),
+        rows["hidden_states"][0],
+        rows["audio_hidden_states"][0],
+        embeds,
+        ti.t_video,
+        ti.t_audio,
+    )
+
+
 def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `(pred - target)^2` over the rows where `mask` is 1 and all channels. pred `[1, N, C]`."""
     err = (pred[0].float() - target).square() * mask[:, None]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 import torch
+from diffusers import MiniMaxH3Transformer3DModel
 
 from h3train.cli import main
-from h3train.config import load_config
+from h3train.config import CfgConfig, load_config
 from h3train.data.dataset import CachedDataset
 from h3train.data.format import INDEX_NAME, SAMPLE_SUFFIX, write_index
 from h3train.data.sampler import assigned_indices
@@ -83,7 +85,8 @@ def test_heldout_loss_equals_an_unsharded_diffusers_forward_on_the_same_noise(tm
     hook = _fit_with_heldout(cfg)
     got = _rows(tmp_path, "validation")[0]
     assert got["step"] == 0
-    assert hook.forwards == 3 * len(SIGMAS), "every (sample, sigma) pair is one forward"
+    # Every (sample, sigma) pair: the conditional forward, and the negative prompt's for retention.
+    assert hook.forwards == 2 * 3 * len(SIGMAS)
 
     # The same random init as the run, evaluated by plain diffusers, one sample at a time.
     model = build_model(cfg, cfg.train.seed).eval()
@@ -134,8 +137,108 @@ def test_cfg_runs_report_the_plain_and_the_calibrated_loss(tmp_path, heldout) ->
     )
     hook = _fit_with_heldout(cfg)
     row = _rows(tmp_path, "validation")[0]
-    assert hook.forwards == 2 * 3 * len(SIGMAS), "CFG adds the unconditional forward"
+    assert hook.forwards == 2 * 3 * len(SIGMAS), "CFG's negative forward is the one retention uses"
     assert row["val/loss_cfg"] != row["val/loss"] and row["val/loss_video_cfg"] > 0
+
+
+def _reference_retention(cfg, trained, base, heldout: str) -> dict[str, float]:
+    """Drift, guidance ratio and cosine per modality (and per sigma) from two plain diffusers models."""
+    sums: dict[str, float] = {}
+
+    def add(key: str, value: float) -> None:
+        sums[key] = sums.get(key, 0.0) + value
+
+    for sample in CachedDataset(heldout, "fl2va"):
+        for sigma in SIGMAS:
+            # The negative branch as the CFG objective builds it (cfg.negative=per_sample, keep).
+            ti = make_training_inputs(
+                sample,
+                heldout_generator(cfg.validation.seed, sample.sample_id, sigma),
+                cfg.train.timestep,
+                cfg.train.loss_weights,
+                CfgConfig(scale=2.0),
+                sigma=sigma,
+            )
+            with torch.no_grad():
+                p, p_neg = trained(**ti.model_inputs, return_dict=False), trained(**ti.uncond_inputs, return_dict=False)
+                b, b_neg = base(**ti.model_inputs, return_dict=False), base(**ti.uncond_inputs, return_dict=False)
+            label = sigma_label(sigma, SIGMAS)
+            for m, (name, target, mask) in enumerate(
+                (("video", ti.target_video, ti.loss_mask_video), ("audio", ti.target_audio, ti.loss_mask_audio))
+            ):
+                if name == "audio" and not sample.has_audio:
+                    continue
+                rows = mask.bool()
+                pm, bm, t = p[m][0][rows].double(), b[m][0][rows].double(), target[rows].double()
+                g, gb = pm - p_neg[m][0][rows].double(), bm - b_neg[m][0][rows].double()
+                add(f"moved_{name}", float((pm - bm).square().mean()))
+                add(f"error_{name}", float((bm - t).square().mean()))
+                for suffix in ("", f"@{label}"):
+                    add(f"norm_{name}{suffix}", float(g.norm()))
+                    add(f"base_norm_{name}{suffix}", float(gb.norm()))
+                    add(f"dot_{name}{suffix}", float((g * gb).sum()))
+                    add(f"sq_{name}{suffix}", float(g.square().sum()))
+                    add(f"base_sq_{name}{suffix}", float(gb.square().sum()))
+    out = {}
+    for name in ("video", "audio"):
+        out[f"val/drift_{name}"] = sums[f"moved_{name}"] / sums[f"error_{name}"]
+        for suffix in ["", *(f"@{sigma_label(s, SIGMAS)}" for s in SIGMAS)]:
+            out[f"val/guidance_ratio_{name}{suffix}"] = sums[f"norm_{name}{suffix}"] / sums[f"base_norm_{name}{suffix}"]
+            both = sums[f"sq_{name}{suffix}"] * sums[f"base_sq_{name}{suffix}"]
+            out[f"val/guidance_cos_{name}{suffix}"] = sums[f"dot_{name}{suffix}"] / both**0.5
+    return out
+
+
+def test_retention_of_a_full_fine_tune_equals_an_unsharded_diffusers_computation(tmp_path, heldout) -> None:
+    run = tmp_path / "run"
+    args = _args(run, heldout, "validation.every=4", "checkpoint.every=4", "optim.lr=2e-2")
+    assert main(["train", str(TINY_FL2VA), *args]) == 0
+    cfg = load_config(TINY_FL2VA, args)
+    stored = json.loads((run / "base_predictions" / "meta.json").read_text())
+    assert stored["samples"] == 3 and stored["pairs"] == 3 * len(SIGMAS)
+    assert main(["export", str(run), "--out", str(tmp_path / "export")]) == 0
+    trained = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "export").eval()
+    base = build_model(cfg, cfg.train.seed).eval()  # the run's own random init, as stored
+    got = _rows(run, "validation")[-1]
+    want = _reference_retention(cfg, trained, base, heldout)
+    assert set(want) <= set(got)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-5), key
+    # Trained at a high rate for 4 steps: the guidance has moved, measurably.
+    assert got["val/drift_video"] > 1e-3 and got["val/guidance_cos_video"] < 0.9999
+
+
+def test_stored_base_predictions_are_refused_for_other_pairs_and_read_as_they_are_otherwise(
+    tmp_path, heldout, capsys
+) -> None:
+    run = tmp_path / "run"
+    first = _args(run, heldout, "validation.every=2", "checkpoint.every=2", "train.steps=2")
+    assert main(["train", str(TINY_FL2VA), *first]) == 0
+    capsys.readouterr()
+    store = run / "base_predictions"
+    before = {p.name: p.read_bytes() for p in store.iterdir()}
+    for changed in ("validation.sigmas=[0.2,0.5]", "validation.seed=3", "validation.num_samples=2"):
+        assert main(["train", str(TINY_FL2VA), *first, "train.steps=4", changed]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "were computed for another held-out set or other validation settings" in err[0], err
+    # The same settings resume and read the store as it is: not a byte rewritten.
+    assert main(["train", str(TINY_FL2VA), *first, "train.steps=4"]) == 0
+    capsys.readouterr()
+    assert {p.name: p.read_bytes() for p in store.iterdir()} == before
+    assert _rows(run, "validation")[-1]["val/guidance_ratio_video"] > 0
+    # A damaged file is found before any step, named, and not used.
+    damaged = bytearray((store / "000001.safetensors").read_bytes())
+    damaged[-3] ^= 0xFF
+    (store / "000001.safetensors").write_bytes(bytes(damaged))
+    assert main(["train", str(TINY_FL2VA), *first, "train.steps=6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "000001.safetensors" in err[0] and "does not match its digest" in err[0], err
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
+    # A full fine-tune whose store is gone cannot compute its base again: it says so and goes on without.
+    shutil.rmtree(store)
+    assert main(["train", str(TINY_FL2VA), *first, "train.steps=6"]) == 0
+    assert "drift and guidance retention are off for this run" in capsys.readouterr().err
+    assert "val/guidance_ratio_video" not in _rows(run, "validation")[-1]
 
 
 def test_a_heldout_set_without_sound_logs_null_audio_not_zero(tmp_path) -> None:

@@ -16,32 +16,55 @@ Logged (each a mean over samples, audio terms over samples with sound): `val/los
 `val/loss_video@0.50` / `val/loss_audio@0.50`, and under CFG the calibrated loss of the training
 objective as `val/loss_cfg`, `val/loss_video_cfg`, `val/loss_audio_cfg`.
 
-LoRA runs also report how far the fine-tune has moved from its base: the same conditional inputs are
-run once more with the adapters disabled (the base costs no memory; peft's `disable_adapters` on the
-transformer inside the sharded wrapper), and `val/drift_video` / `val/drift_audio` are
-`sum MSE(p_lora, p_base) / sum MSE(p_base, v)` over the held-out pairs: the prediction's move
-relative to the base's own error, 0 while every lora_B is zero. A full fine-tune keeps no copy of
-its base in memory, so it has no drift.
+Retention (`validation.retention`, on by default): how much of its base the fine-tune keeps, on the
+same pairs. The base's predictions are computed once, on a fresh run before the first step (a LoRA
+with its adapters disabled, a full fine-tune as loaded) and stored in the run folder
+(`base_predictions.py`); every validation, and a resumed run, reads them. Per modality:
+
+- `val/drift_video` / `val/drift_audio`: `sum MSE(p, p_base) / sum MSE(p_base, v)` over the pairs,
+  the prediction's move relative to the base's own error (0 while nothing has trained).
+- `val/guidance_ratio_video` / `_audio` (also per sigma, `@0.50`): `sum ||g|| / sum ||g_base||`, with
+  `g = p(c) - p(neg)` the implicit guidance, conditional minus negative-prompt prediction (the
+  negative as `cfg.negative` / `cfg.negative_visual` configure it), norms over the loss rows of each
+  pair. A CFG-distilled base has a large `g_base`; a fine-tune that undoes the distillation shrinks
+  it (ratio below 1).
+- `val/guidance_cos_video` / `_audio` (also per sigma): `sum <g, g_base> / sqrt(sum ||g||^2 sum ||g_base||^2)`,
+  whether the guidance still points the base's way.
+
+An audio term over pairs without sound is null, not 0. Each pair costs one more forward (the negative
+prompt's) unless the CFG-calibrated objective runs it anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import sys
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..config import Config
 from ..data.sampler import assigned_indices
-from ..objective import cfg_enabled, compute_loss, make_training_inputs, masked_mse
+from ..digest import digest_tensor
+from ..errors import DatasetError, SampleError
+from ..objective import TrainingInputs, cfg_enabled, compute_loss, make_training_inputs, negative_inputs
 from ..tasks.layout import PackedSample
+from .base_predictions import FOLDER, BasePredictions, fingerprint
 from .hooks import TrainerHook, TrainerView
 
-# Columns of the per-sigma sums: [video_fm, audio_fm, video_cfg, audio_cfg, samples, samples_with_audio,
-# then for LoRA runs the drift terms MSE(p_lora, p_base) and MSE(p_base, v), video then audio]
-_COLUMNS = 10
+# Columns of the per-sigma sums: [video_fm, audio_fm, video_cfg, audio_cfg, samples, samples_with_audio],
+# then with retention, per modality (video, audio): drift MSE(p, p_base) and MSE(p_base, v), guidance
+# ||g||, ||g_base||, <g, g_base>, ||g||^2, ||g_base||^2.
+_LOSS_COLUMNS = 6
+_RETENTION_COLUMNS = 7
+_COLUMNS = _LOSS_COLUMNS + 2 * _RETENTION_COLUMNS
+MODALITIES = ("video", "audio")
 
 
 @contextmanager
@@ -83,38 +106,36 @@ class HeldOutLoss(TrainerHook):
     it is passed in, not read from the trainer, so evaluation uses exactly the training negative.
     """
 
-    def __init__(
-        self,
-        cfg: Config,
-        source_factory: Callable[[], object] | None = None,
-        *,
-        shared_negative: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
+    def __init__(self, cfg: Config, *, shared_negative: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         if cfg.cfg.negative == "shared" and shared_negative is None:
             raise ValueError("cfg.negative is 'shared': HeldOutLoss needs the loaded shared_negative")
         self.cfg = cfg
         self.shared_negative = shared_negative
         self.v = cfg.validation
-        self._source_factory = source_factory
         self._source = None
         self.sigmas = list(self.v.sigmas)
         self.labels = [sigma_label(s, self.sigmas) for s in self.sigmas]
         self.cfg_enabled = cfg_enabled(cfg.cfg)
-        self.drift = cfg.lora.rank > 0
+        self.lora = cfg.lora.rank > 0
+        # The stored base predictions, once `on_fit_start` has them (None: retention off or unavailable).
+        self.base: BasePredictions | None = None
         # Forwards run by this rank in its last pass (tests count them).
         self.forwards = 0
 
     def _samples(self):
         if self._source is None:
-            if self._source_factory is not None:
-                self._source = self._source_factory()
-            else:
-                from ..data.source import build_source
+            from ..data.source import build_source
 
-                self._source = build_source(self.cfg, path=self.v.dataset)
+            self._source = build_source(self.cfg, path=self.v.dataset)
         return self._source
 
+    def _count(self) -> int:
+        source = self._samples()
+        return len(source) if not self.v.num_samples else min(self.v.num_samples, len(source))
+
     def on_fit_start(self, trainer: TrainerView) -> None:
+        if self.v.retention:
+            self.base = self._prepare_base(trainer)
         if self.v.at_start and trainer.step == 0:
             trainer.log_validation(0, self.evaluate(trainer))
 
@@ -123,10 +144,133 @@ class HeldOutLoss(TrainerHook):
         if self.v.every and (step % self.v.every == 0 or step == self.cfg.train.steps):
             trainer.log_validation(step, self.evaluate(trainer))
 
+    # -- the base's predictions ------------------------------------------------------------------
+
+    def settings(self) -> dict[str, object]:
+        """What the held-out pairs depend on besides the samples: part of the store's fingerprint."""
+        c, t = self.cfg.cfg, self.cfg.train.timestep
+        return {
+            "sigmas": self.sigmas,
+            "seed": self.v.seed,
+            "samples": self._count(),
+            "video_shift": t.video_shift,
+            "audio_shift": t.audio_shift,
+            "negative": c.negative,
+            "negative_visual": c.negative_visual,
+            "shared_negative": None if self.shared_negative is None else digest_tensor(self.shared_negative[0]),
+        }
+
+    def _prepare_base(self, trainer: TrainerView) -> BasePredictions | None:
+        """The store of this run's base predictions, written now on a fresh run (and on a resumed LoRA
+        run whose store is incomplete), read as it is on a resume; rank 0 decides for every rank."""
+        ctx = trainer.ctx
+        source, n = self._samples(), self._count()
+        decision: list[object] = [None, None]
+        if ctx.is_main:
+            files = [(source.entries[i].sample_id, source.path(i)) for i in range(n)]
+            store = BasePredictions(Path(self.cfg.logging.dir) / FOLDER, fingerprint(files, self.settings()))
+            decision = [store.fingerprint, store.matches()]
+        dist.broadcast_object_list(decision, src=0)
+        store = BasePredictions(Path(self.cfg.logging.dir) / FOLDER, str(decision[0]))
+        found = decision[1]
+        if trainer.step == 0 or (found is None and self.lora):
+            self._record(trainer, store, n)
+            return store
+        if found:
+            self._verify(trainer, store, n)
+            return store
+        if found is False:
+            error = DatasetError(
+                f"base predictions '{store.folder}' were computed for another held-out set or other validation "
+                "settings (validation.dataset, num_samples, sigmas, seed, the shifts or the negative prompt); "
+                "resume with the settings of the run's start, or set validation.retention=false"
+            )
+            error.agreed = True
+            raise error
+        if ctx.is_main:
+            print(
+                f"validation: no complete base predictions in '{store.folder}' and a full fine-tune keeps no base "
+                "to compute them from: drift and guidance retention are off for this run",
+                file=sys.stderr,
+                flush=True,
+            )
+        return None
+
+    def _verify(self, trainer: TrainerView, store: BasePredictions, n: int) -> None:
+        """Each rank reads the stored samples it evaluates, before training: a damaged file stops the
+        run with one line (the first rank's that found one), not at the next validation."""
+        ctx = trainer.ctx
+        problem = None
+        try:
+            for index in assigned_indices(n, ctx.dp_rank, ctx.dims.dp):
+                if index is not None:
+                    store.read(index)
+        except SampleError as exc:
+            problem = str(exc)
+        found: list[str | None] = [None] * ctx.dims.world_size
+        dist.all_gather_object(found, problem)
+        first = next((message for message in found if message is not None), None)
+        if first is not None:
+            error = SampleError(first)
+            error.agreed = True
+            raise error
+
+    def _record(self, trainer: TrainerView, store: BasePredictions, n: int) -> None:
+        """One pass of the base over the held-out pairs; SP rank 0 of each DP group writes its samples."""
+        ctx = trainer.ctx
+        if ctx.is_main:
+            store.begin()
+        dist.barrier()
+        model = trainer.model
+        was_training = model.training
+        model.eval()
+        written = 0
+        base = adapters_disabled(model.transformer) if self.lora else contextlib.nullcontext()
+        try:
+            with torch.no_grad(), base:
+                for index in assigned_indices(n, ctx.dp_rank, ctx.dims.dp):
+                    counted = index is not None
+                    sample: PackedSample = self._samples()[index if counted else 0]
+                    tensors = {}
+                    for label, sigma in zip(self.labels, self.sigmas):
+                        ti = self._inputs(sample, sigma).to(trainer.device)
+                        assert ti.uncond_inputs is not None
+                        negative = model(**ti.uncond_inputs)
+                        conditional = model(**ti.model_inputs)
+                        for name, p, n_, mask in zip(
+                            MODALITIES, conditional, negative, (ti.loss_mask_video, ti.loss_mask_audio)
+                        ):
+                            rows = mask.bool()
+                            tensors[f"{label}/{name}"] = p[0][rows]
+                            tensors[f"{label}/guide_{name}"] = p[0][rows].float() - n_[0][rows].float()
+                    if counted and ctx.sp_rank == 0:
+                        written += store.write(index, tensors)
+        finally:
+            model.train(was_training)
+        trainer.phase = "base predictions all-reduce"
+        total = torch.tensor([written], dtype=torch.float64, device=trainer.device)
+        dist.all_reduce(total)
+        if ctx.is_main:
+            store.commit(n, n * len(self.sigmas), int(total.item()), self.settings())
+        dist.barrier()
+
+    # -- one validation ----------------------------------------------------------------------------
+
+    def _inputs(self, sample: PackedSample, sigma: float) -> TrainingInputs:
+        """The fixed inputs of one pair; with retention the negative prompt's branch always (CFG or not)."""
+        cfg = self.cfg
+        gen = heldout_generator(self.v.seed, sample.sample_id, sigma)
+        ti = make_training_inputs(
+            sample, gen, cfg.train.timestep, cfg.train.loss_weights, cfg.cfg, self.shared_negative, sigma=sigma
+        )
+        if self.v.retention and ti.uncond_inputs is None:
+            # Guidance stays at scale 1: compute_loss runs this forward first and trains nothing on it.
+            ti = replace(ti, uncond_inputs=negative_inputs(sample, ti, cfg.cfg, self.shared_negative))
+        return ti
+
     def evaluate(self, trainer: TrainerView) -> dict[str, float | None]:
         """One pass over the held-out set; every rank returns the same, DP-reduced values."""
-        source = self._samples()
-        n = len(source) if not self.v.num_samples else min(self.v.num_samples, len(source))
+        n = self._count()
         ctx, device = trainer.ctx, trainer.device
         sums = torch.zeros(len(self.sigmas), _COLUMNS, dtype=torch.float64, device=device)
         model = trainer.model
@@ -138,9 +282,10 @@ class HeldOutLoss(TrainerHook):
             with torch.no_grad(), weights:
                 for index in assigned_indices(n, ctx.dp_rank, ctx.dims.dp):
                     counted = index is not None
-                    sample: PackedSample = source[index if counted else 0]
-                    for k, sigma in enumerate(self.sigmas):
-                        values = self._pair(trainer, sample, sigma)
+                    sample: PackedSample = self._samples()[index if counted else 0]
+                    base = self.base.read(index if counted else 0) if self.base is not None else None
+                    for k, (label, sigma) in enumerate(zip(self.labels, self.sigmas)):
+                        values = self._pair(trainer, sample, sigma, label, base)
                         if counted:
                             sums[k] += values
         finally:
@@ -152,48 +297,62 @@ class HeldOutLoss(TrainerHook):
         dist.all_reduce(sums)
         return self._summarise(sums.cpu())
 
-    def _pair(self, trainer: TrainerView, sample: PackedSample, sigma: float) -> torch.Tensor:
-        cfg = self.cfg
-        gen = heldout_generator(self.v.seed, sample.sample_id, sigma)
-        ti = make_training_inputs(
-            sample, gen, cfg.train.timestep, cfg.train.loss_weights, cfg.cfg, self.shared_negative, sigma=sigma
-        )
+    def _pair(
+        self,
+        trainer: TrainerView,
+        sample: PackedSample,
+        sigma: float,
+        label: str,
+        base: dict[str, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        ti = self._inputs(sample, sigma)
         self.forwards += 1 + (ti.uncond_inputs is not None)
         ti = ti.to(trainer.device)
-        calls: list[tuple[dict, tuple[torch.Tensor, torch.Tensor]]] = []
+        calls: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def forward(**inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            calls.append((inputs, out := trainer.model(**inputs)))
+            calls.append(out := trainer.model(**inputs))
             return out
 
         parts = compute_loss(forward, ti)
         has_audio = float(sample.has_audio)
         one = torch.ones((), dtype=torch.float64, device=trainer.device)
+        columns = [
+            parts.video_fm.double(),
+            parts.audio_fm.double() * has_audio,
+            parts.video.double(),
+            parts.audio.double() * has_audio,
+            one,
+            one * has_audio,
+        ]
         zero = torch.zeros((), dtype=torch.float64, device=trainer.device)
-        drift = [zero] * 4
-        if self.drift:
-            # The conditional forward is compute_loss's last; the base sees exactly its inputs.
-            inputs, (p_video, p_audio) = calls[-1]
-            self.forwards += 1
-            with adapters_disabled(trainer.model.transformer):
-                b_video, b_audio = trainer.model(**inputs)
-            drift = [
-                masked_mse(p_video, b_video[0].float(), ti.loss_mask_video).double(),
-                masked_mse(b_video, ti.target_video, ti.loss_mask_video).double(),
-                masked_mse(p_audio, b_audio[0].float(), ti.loss_mask_audio).double() * has_audio,
-                masked_mse(b_audio, ti.target_audio, ti.loss_mask_audio).double() * has_audio,
-            ]
-        return torch.stack(
-            [
-                parts.video_fm.double(),
-                parts.audio_fm.double() * has_audio,
-                parts.video.double(),
-                parts.audio.double() * has_audio,
-                one,
-                one * has_audio,
-                *drift,
-            ]
-        )
+        retention = [zero] * (2 * _RETENTION_COLUMNS)
+        if base is not None:
+            # compute_loss's forwards: the negative prompt's first, the conditional last.
+            negative, conditional = calls[0], calls[-1]
+            retention = []
+            masks = (ti.loss_mask_video, ti.loss_mask_audio)
+            targets = (ti.target_video, ti.target_audio)
+            for m, name in enumerate(MODALITIES):
+                weight = 1.0 if name == "video" else has_audio
+                rows = masks[m].bool()
+                p = conditional[m][0][rows].double()
+                g = p - negative[m][0][rows].double()
+                p_base = base[f"{label}/{name}"].to(trainer.device).double()
+                g_base = base[f"{label}/guide_{name}"].to(trainer.device).double()
+                retention += [
+                    value * weight
+                    for value in (
+                        (p - p_base).square().mean(),
+                        (p_base - targets[m][rows].double()).square().mean(),
+                        g.norm(),
+                        g_base.norm(),
+                        (g * g_base).sum(),
+                        g.square().sum(),
+                        g_base.square().sum(),
+                    )
+                ]
+        return torch.stack(columns + retention)
 
     def _summarise(self, sums: torch.Tensor) -> dict[str, float | None]:
         # An audio term over a held-out set (or sigma) without sound is None, logged as null: no
@@ -217,10 +376,26 @@ class HeldOutLoss(TrainerHook):
             out["val/loss_video_cfg"] = total[2] / samples
             out["val/loss_audio_cfg"] = audio(total[3], with_audio)
             out["val/loss_cfg"] = weighted(total[2] / samples, out["val/loss_audio_cfg"])
-        if self.drift:
-            out["val/drift_video"] = total[6] / total[7] if total[7] > 0 else 0.0
-            out["val/drift_audio"] = total[8] / total[9] if with_audio and total[9] > 0 else None
+        if self.base is not None:
+            for name, present in (("video", samples), ("audio", with_audio)):
+                out.update(_retention(total, name, present, ""))
         for label, row in zip(self.labels, sums.tolist()):
             out[f"val/loss_video@{label}"] = row[0] / row[4]
             out[f"val/loss_audio@{label}"] = audio(row[1], row[5])
+            if self.base is not None:
+                for name, present in (("video", row[4]), ("audio", row[5])):
+                    out.update(_retention(row, name, present, f"@{label}", drift=False))
         return out
+
+
+def _retention(row: list[float], name: str, present: float, suffix: str, drift: bool = True) -> dict[str, float | None]:
+    """One modality's drift, guidance ratio and cosine from a row of sums (None without such pairs)."""
+    at = _LOSS_COLUMNS + _RETENTION_COLUMNS * MODALITIES.index(name)
+    moved, base_error, norm, base_norm, dot, square, base_square = row[at : at + _RETENTION_COLUMNS]
+    out: dict[str, float | None] = {}
+    if drift:
+        out[f"val/drift_{name}"] = (moved / base_error if base_error > 0 else 0.0) if present else None
+    both = square * base_square
+    out[f"val/guidance_ratio_{name}{suffix}"] = norm / base_norm if present and base_norm > 0 else None
+    out[f"val/guidance_cos_{name}{suffix}"] = dot / math.sqrt(both) if present and both > 0 else None
+    return out
