@@ -23,7 +23,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .preflight import load_checked
 
     cfg = load_checked(args.config, args.overrides)
-    from .errors import DatasetError, SampleError, TrainingError
+    from .errors import H3TrainError
     from .train.assemble import build_trainer
 
     try:
@@ -33,7 +33,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 130
     try:
         trainer.fit()
-    except (TrainingError, SampleError, DatasetError) as exc:
+    except H3TrainError as exc:
         _report(exc)
         trainer.close(clean=False)
         return exc.exit_code
@@ -61,7 +61,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         trainer.close(clean=False)
         raise
     trainer.close()
-    # Ctrl-C exits as an interrupted program does; a preemption signal is a clean stop (exit 0).
+    # Ctrl-C exits as an interrupted program does; a preemption signal is a clean stop (exit 0); a
+    # run stopped by validation.guard says so in its status.
+    if trainer.guard_stop is not None:
+        from .train.guard import GUARD_EXIT
+
+        return GUARD_EXIT
     return 130 if trainer.interrupted else 0
 
 

@@ -42,6 +42,7 @@ from ..runlock import RunLock
 from .checkpoint import Checkpointer, checkpoint_root, room_needed
 from .events import EventLog, Progress
 from .faults import FaultInjector
+from .guard import ValidationWatch
 from .hooks import ModelTransform, TrainerHook
 from .optim import build_optimizer, build_scheduler
 from .resume import Resume
@@ -78,6 +79,7 @@ class TrainingParts:
     data_errors: EventLog
     spike_log: EventLog
     progress: Progress
+    watch: ValidationWatch
     lock: RunLock | None = None
 
 
@@ -228,6 +230,7 @@ def _assemble(
         data_errors=data_errors,
         spike_log=spike_log,
         progress=progress,
+        watch=ValidationWatch(cfg.checkpoint.keep_best, cfg.checkpoint.keep_best_mode, cfg.validation.guard),
         lock=lock,
     )
     return parts

@@ -594,6 +594,8 @@ class Checkpointer:
         # Resuming sets such later ones aside under another name, so this is a second guard.
         self.protected_after: int | None = None
         self.written: set[str] = set()
+        # The step of the best checkpoint so far (`checkpoint.keep_best`), never pruned; None: none.
+        self.best_step: Callable[[], int | None] = lambda: None
 
     def clean_incomplete(self) -> None:
         """Remove the `.tmp-*` leftovers of saves that never committed (rank 0; others wait).
@@ -807,7 +809,7 @@ class Checkpointer:
         self._prune(keep=final)
 
     def _prune(self, keep: Path) -> None:
-        """Retire all but the newest `keep_last` checkpoints; delete them in the background.
+        """Retire all but the newest `keep_last` checkpoints and the best; delete them in the background.
 
         A checkpoint newer than the resume point that this run did not write is never retired. A
         retired checkpoint is first renamed to `.tmp-*` (atomic), so an interrupted deletion never
@@ -816,13 +818,14 @@ class Checkpointer:
         if self.keep_last <= 0:
             return
         retired = []
+        best = self.best_step()
         for old in complete_checkpoints(self.root)[: -self.keep_last]:
             foreign_later = (
                 self.protected_after is not None
                 and step_of(old) > self.protected_after
                 and old.name not in self.written
             )
-            if old == keep or foreign_later:
+            if old == keep or foreign_later or step_of(old) == best:
                 continue
             target = old.with_name(f".tmp-retired-{old.name}")
             mark_owned(old, self.owner)  # before the rename: a retired folder always carries it

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import shlex
 import signal
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -27,9 +28,10 @@ from ..config import to_yaml
 from ..errors import TrainingError
 from ..objective import cfg_enabled, compute_loss
 from ..parallel.fsdp import local_tensor
-from .checkpoint import AttributeState, ModelState, OptimizerState, ScheduleState
+from .checkpoint import AttributeState, ModelState, OptimizerState, ScheduleState, step_dir_name
 from .dump import diffusers_state, lora_meta, micro_batch_tensors, write_dump
 from .events import SpikeDetector
+from .guard import Verdict
 from .hooks import EvaluationWeights, TrainerHook
 from .metrics import (
     MEMORY_KEY,
@@ -90,6 +92,10 @@ class Trainer:
         self.interrupted = False
         self._metrics: MetricsLogger | None = None
         self._pending_validation: list[tuple[int, dict[str, float]]] = []
+        # What this step's validation rows ask for (`guard.py`); the reason a guard stopped the run.
+        self.watch = parts.watch
+        self._verdict = Verdict()
+        self.guard_stop: str | None = None
         # For the closing summary: this run's last checkpoint and the folder of its last rendered samples.
         self._last_checkpoint: Path | None = None
         self._last_samples: Path | None = None
@@ -104,6 +110,9 @@ class Trainer:
             "sampler": self.batches,
             "progress": AttributeState(self.progress, ("step", "skipped_steps")),
         }
+        if self.watch.metric is not None:
+            self.checkpoint_state["best"] = self.watch
+            self.checkpointer.best_step = lambda: self.watch.best_checkpoint
         self.hooks: list[TrainerHook] = []
         for hook in parts.hooks:
             self.add_hook(hook)
@@ -135,6 +144,7 @@ class Trainer:
         Rows wait until the step's training row is written, so `metrics.jsonl` stays in step order.
         """
         self._pending_validation.append((step, dict(values)))
+        self._verdict.merge(self.watch.judge(step, values))
 
     def _flush_validation(self) -> None:
         for step, values in self._pending_validation:
@@ -462,10 +472,15 @@ class Trainer:
                     stats.update(hook.after_step(self, step, stats) or {})
                 metrics.log(step, stats)
                 self._flush_validation()
+                verdict, self._verdict = self._verdict, Verdict()
+                if self.ctx.is_main:
+                    for line in verdict.lines:
+                        print(line, file=sys.stderr, flush=True)
                 # Agreed in the step's all-reduce: a signal any rank got before the step ended.
                 preempted = self.stop_request
                 self.interrupted = preempted == INTERRUPT
-                if preempted or (every and (step % every == 0 or step == cfg.train.steps)):
+                due = every and (step % every == 0 or step == cfg.train.steps)
+                if preempted or verdict.save or due:
                     self._finish_saves()
                     self.phase = f"checkpoint save at step {step}"
                     path = self._last_checkpoint = self.save_checkpoint()
@@ -476,6 +491,14 @@ class Trainer:
                     self._finish_saves()
                     if self.ctx.is_main:
                         print(self._stop_line(step, preempted), flush=True)
+                    break
+                if verdict.stop is not None:
+                    self._finish_saves()
+                    self.guard_stop = verdict.stop
+                    if self.ctx.is_main:
+                        print(
+                            f"h3train: stopped by {verdict.stop}; checkpoint {path} saved", file=sys.stderr, flush=True
+                        )
                     break
             self._finish_saves()
             for hook in self.hooks:
@@ -510,6 +533,10 @@ class Trainer:
             out = Path(cfg.logging.dir) / "export" / Path(checkpoint).name
             lines.append(f"last checkpoint: {checkpoint}")
             lines.append(f"export it with: h3train export {shlex.quote(str(checkpoint))} --out {shlex.quote(str(out))}")
+        best = self.watch.describe()
+        if best is not None:
+            step = self.watch.best_checkpoint
+            lines.append(f"best checkpoint: {self.checkpointer.root / step_dir_name(step)} ({best})")
         if self._last_samples is not None:
             lines.append(f"samples: {self._last_samples}")
         return lines
