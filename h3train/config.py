@@ -248,13 +248,10 @@ class LoraConfig:
     # Scale of the adapters' output is alpha / rank; default: rank (scale 1).
     alpha: float | None = None
     dropout: float = 0.0
-    # Default: every transformer block's attention projections and feed-forward (not the refiner).
-    target_modules: list[str] = field(
-        default_factory=lambda: [
-            r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0)",
-            r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
-        ]
-    )
+    # Module paths, suffixes or expressions, or a preset: video_and_audio (the default: every block's
+    # attention projections and feed-forward, which read all rows), video_only / audio_only (the one
+    # output projection that moves only that modality's prediction; `lora/targets.py` PRESETS).
+    target_modules: list[str] = field(default_factory=lambda: ["video_and_audio"])
     # A LoRA file in any format diffusers' H3 loader reads, to continue from.
     init_from: str | None = None
     # Modules trained in full (float32) beside the adapters, e.g. norms.

@@ -99,6 +99,8 @@ class MemoryPlan:
     rows_source: str = ""
     # Host memory of the components that render `validation.samples` (not on the device), for the printout.
     render_line: str = ""
+    # The base's stored held-out predictions (`validation.retention`), for the printout.
+    retention_line: str = ""
     # LoRA runs: the adapter counts; `master_weights_bytes` is then the frozen base.
     lora: AdapterCounts | None = None
     # LoRA runs: the longest clips that fit here and on reference setups, for the printout.
@@ -518,7 +520,31 @@ def estimate(
     plan = replace(plan, checkpoint_bytes=checkpoint_bytes(dims, cfg, lora))
     if lora is not None:
         plan = replace(plan, fit_lines=lora_fit_lines(dims, plan))
+    from .config import measures_held_out_loss
+
+    if cfg.validation.retention and measures_held_out_loss(cfg.validation):
+        plan = replace(plan, retention_line=base_predictions_line(cfg))
     return replace(plan, render_line=render_components_line(cfg)) if cfg.validation.samples else plan
+
+
+def base_predictions_line(cfg: Config) -> str:
+    """The plan's line for `<logging.dir>/base_predictions/`: bytes per held-out pair and in all, from
+    the held-out samples' headers, beside a released clip's for scale."""
+    from .data.dataset import CachedDataset
+    from .data.format import read_header
+    from .train.base_predictions import FOLDER, RELEASED_PAIR_BYTES, pair_bytes
+
+    v = cfg.validation
+    heldout = CachedDataset(v.dataset, cfg.task.name)
+    n = len(heldout) if not v.num_samples else min(v.num_samples, len(heldout))
+    per_sample = [pair_bytes(read_header(heldout.path(i)).geometry) for i in range(n)]
+    total = sum(per_sample) * len(v.sigmas)
+    five, fifteen = RELEASED_PAIR_BYTES
+    return (
+        f"base preds    {_gib(total).strip()} in {Path(cfg.logging.dir) / FOLDER} for {n * len(v.sigmas)} held-out "
+        f"pairs ({n} samples x {len(v.sigmas)} sigmas, at most {_gib(max(per_sample)).strip()} a pair; a released "
+        f"5 s clip {_gib(five).strip()}, a 15 s one {_gib(fifteen).strip()})"
+    )
 
 
 def adapter_counts(dims: Mapping[str, Any], cfg: Config) -> AdapterCounts | None:
@@ -637,6 +663,8 @@ def format_plan(plan: MemoryPlan) -> str:
             f"checkpoint    {_gib(plan.checkpoint_bytes).strip()} on disk each, all ranks together (fp32 weights, "
             "AdamW moments, any EMA); checkpoint.dir holds keep_last + 1 while a save commits"
         )
+    if plan.retention_line:
+        lines.append(plan.retention_line)
     if plan.fit_lines:
         lines.append(f"longest packed sequence that fits ({plan.device_bytes / GIB:.0f} GiB devices, this LoRA):")
         lines.extend(plan.fit_lines)

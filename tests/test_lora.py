@@ -147,6 +147,25 @@ def test_targets_default_to_block_attention_and_feed_forward() -> None:
     }
 
 
+def test_presets_name_the_modules_of_each_modality() -> None:
+    adapted = {}
+    for preset in ("video_only", "audio_only", "video_and_audio"):
+        model = build_model(cfg := _cfg(f"lora.target_modules={preset}"), 0)
+        add_adapters(model, cfg)
+        adapted[preset] = {
+            n.removesuffix(".lora_A.default.weight") for n, _ in model.named_parameters() if ".lora_A." in n
+        }
+    assert adapted["video_only"] == {"proj_out"} and adapted["audio_only"] == {"audio_proj_out"}
+    assert adapted["video_and_audio"] == {f"transformer_blocks.{i}.{s}" for i in range(2) for s in DEFAULT_SUFFIXES}
+    # A preset joins other entries.
+    model = build_model(cfg := _cfg("lora.target_modules=[audio_only, proj_in]"), 0)
+    add_adapters(model, cfg)
+    assert {n.removesuffix(".lora_A.default.weight") for n, _ in model.named_parameters() if ".lora_A." in n} == {
+        "audio_proj_out",
+        "proj_in",
+    }
+
+
 def test_full_fine_tuning_has_no_transform() -> None:
     from h3train.train.transforms import model_transforms
 

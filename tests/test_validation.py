@@ -12,13 +12,15 @@ from diffusers import MiniMaxH3Transformer3DModel
 from h3train.cli import main
 from h3train.config import CfgConfig, load_config
 from h3train.data.dataset import CachedDataset
-from h3train.data.format import INDEX_NAME, SAMPLE_SUFFIX, write_index
+from h3train.data.format import INDEX_NAME, SAMPLE_SUFFIX, read_header, write_index
 from h3train.data.sampler import assigned_indices
 from h3train.data.synth import write_synthetic_dataset
 from h3train.model.build import build_model
 from h3train.objective import make_training_inputs
+from h3train.plan import base_predictions_line
 from h3train.plot import metrics_figure
 from h3train.train.assemble import build_trainer
+from h3train.train.base_predictions import pair_bytes
 from h3train.train.validation import HeldOutLoss, heldout_generator, sigma_label
 
 from reference import TINY_FL2VA, read_metrics, run_forked
@@ -193,9 +195,15 @@ def test_retention_of_a_full_fine_tune_equals_an_unsharded_diffusers_computation
     run = tmp_path / "run"
     args = _args(run, heldout, "validation.every=4", "checkpoint.every=4", "optim.lr=2e-2")
     assert main(["train", str(TINY_FL2VA), *args]) == 0
-    cfg = load_config(TINY_FL2VA, args)
     stored = json.loads((run / "base_predictions" / "meta.json").read_text())
     assert stored["samples"] == 3 and stored["pairs"] == 3 * len(SIGMAS)
+    # The size `h3train check` plans is what the store holds.
+    samples = CachedDataset(heldout, "fl2va")
+    planned = sum(pair_bytes(read_header(samples.path(i)).geometry) for i in range(3)) * len(SIGMAS)
+    assert planned == stored["bytes"]
+    line = base_predictions_line(cfg := load_config(TINY_FL2VA, args))
+    assert f"{planned / 2**20:.2f} MiB in {run / 'base_predictions'} for 9 held-out pairs" in line, line
+    assert sum(p.stat().st_size for p in (run / "base_predictions").glob("*.safetensors")) > stored["bytes"]
     assert main(["export", str(run), "--out", str(tmp_path / "export")]) == 0
     trained = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "export").eval()
     base = build_model(cfg, cfg.train.seed).eval()  # the run's own random init, as stored

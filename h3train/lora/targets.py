@@ -48,9 +48,34 @@ def _quoted(items: Iterable[str]) -> str:
     return ", ".join(repr(i) for i in items)
 
 
+# Named sets of targets by the modality whose prediction they move. H3's blocks are shared: every
+# attention and feed-forward layer reads video, audio and text rows alike, and the blocks' AdaLN
+# projection makes every modality's modulation in one Linear. An input projection (`proj_in`,
+# `audio_proj_in`, the text path) sees one kind of row, but the joint attention carries what it
+# changes to every output. Only the output projections move one modality's prediction alone:
+# `proj_out` the video's, `audio_proj_out` the audio's.
+PRESETS: dict[str, tuple[str, ...]] = {
+    "video_only": ("proj_out",),
+    "audio_only": ("audio_proj_out",),
+    "video_and_audio": (
+        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0)",
+        r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
+    ),
+}
+
+
+def expand_presets(entries: Iterable[str]) -> list[str]:
+    """`entries` with each preset name (`PRESETS`) replaced by the entries it stands for."""
+    out: list[str] = []
+    for entry in entries:
+        out += PRESETS.get(entry, (entry,))
+    return out
+
+
 def resolve_targets(model: nn.Module, target_modules: Iterable[str]) -> list[str]:
-    """Full paths of the Linear layers `target_modules` selects; a `ConfigError` naming any bad entry."""
-    entries = list(target_modules)
+    """Full paths of the Linear layers `target_modules` selects (presets expanded); a `ConfigError`
+    naming any bad entry."""
+    entries = expand_presets(target_modules)
     if not entries:
         raise ConfigError("config key 'lora.target_modules' is empty; name at least one Linear layer, e.g. [to_q]")
     chosen, missing = select_modules(model, entries)

@@ -20,6 +20,7 @@ Files are per sample, so a resume under another DP size reads the same values, b
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,24 @@ from safetensors import safe_open
 from ..atomic import atomic_save_file, atomic_write_text
 from ..digest import ALGORITHM, digest_bytes, digest_file, digest_tensor
 from ..errors import SampleError
+from ..tasks.layout import PATCH_SIZE, Geometry
+from ..tasks.synthetic import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 
 FOLDER = "base_predictions"
+# Floats per target row: a video row is a (1, 2, 2) patch of 24 latent channels, an audio row 32 wide.
+VIDEO_ROW = VIDEO_LATENT_CHANNELS * math.prod(PATCH_SIZE)
+AUDIO_ROW = AUDIO_LATENT_CHANNELS
+
+
+def pair_bytes(geometry: Geometry) -> int:
+    """Bytes one (sample, sigma) pair adds to the store: its prediction and guidance, float32, over the
+    target rows of both modalities (conditioning rows are not stored)."""
+    return 2 * 4 * (geometry.video_rows() * VIDEO_ROW + geometry.audio_rows() * AUDIO_ROW)
+
+
+# The released canvas (768 x 1344, 24 fps): a 5 s clip (37 latent frames, 207 audio latents per
+# channel) and a 15 s one (107, 603), as `plan.RELEASED_5S_ROWS` / `RELEASED_MAX_ROWS` pack them.
+RELEASED_PAIR_BYTES = (pair_bytes(Geometry(37, 48, 84, 207)), pair_bytes(Geometry(107, 48, 84, 603)))
 META = "meta.json"
 _DIGESTS = "digests"
 # The format of the files; a change makes older stores incomplete, never misread.
