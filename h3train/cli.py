@@ -11,6 +11,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import NoReturn
@@ -393,13 +394,23 @@ def _report(exc: H3TrainError) -> None:
     An error the ranks reached together (`exc.agreed`) is printed by rank 0 before any rank leaves:
     torchrun stops the ranks left as soon as one exits, which would cut rank 0 off before its line.
     """
+    dist = sys.modules.get("torch.distributed")
+    grouped = dist is not None and dist.is_available() and dist.is_initialized()
     if _reports_errors(exc):
         print(f"h3train: error: {exc}", file=sys.stderr, flush=True)
-    dist = sys.modules.get("torch.distributed")
-    if exc.agreed and dist is not None and dist.is_available() and dist.is_initialized():
+    elif not grouped:
+        # A silent rank before the process group: its node's first rank meets the same error and
+        # prints it. Leaving at once could let torchrun stop that rank before its line (a loaded
+        # node starts ranks seconds apart); the speaking rank's exit ends this wait.
+        time.sleep(_SILENT_RANK_GRACE_S)
+    if exc.agreed and grouped:
         # Leaving anyway if the barrier fails: the line above is what matters.
         with contextlib.suppress(Exception):
             dist.barrier()
+
+
+# How long a rank that does not print a start-up error waits before it exits.
+_SILENT_RANK_GRACE_S = 10.0
 
 
 def _reports_errors(exc: H3TrainError) -> bool:

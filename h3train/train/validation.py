@@ -37,12 +37,11 @@ prompt's) unless the CFG-calibrated objective runs it anyway.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import zlib
 from collections.abc import Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -225,7 +224,7 @@ class HeldOutLoss(TrainerHook):
         was_training = model.training
         model.eval()
         written = 0
-        base = adapters_disabled(model.transformer) if self.lora else contextlib.nullcontext()
+        base = adapters_disabled(model.transformer) if self.lora else nullcontext()
         try:
             with torch.no_grad(), base:
                 for index in assigned_indices(n, ctx.dp_rank, ctx.dims.dp):
