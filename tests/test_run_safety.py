@@ -315,8 +315,14 @@ def sp2_run(tmp_path_factory) -> Path:
     return run
 
 
-def _torchrun(args: list[str], check: bool = False):
-    return run_h3train(args, nproc=2, check=check)
+def _torchrun(args: list[str]):
+    """A failing sp=2 run under torchrun itself: what the launcher prints around the run's one line."""
+    return run_h3train(args, nproc=2, check=False)
+
+
+def _ranks(args: list[str]):
+    """A run that must succeed, on two forked ranks (what it computes and writes, not the launcher)."""
+    return run_forked(args, nproc=2)
 
 
 @pytest.mark.slow
@@ -330,7 +336,7 @@ def test_sp2_rerun_policy(sp2_run, tmp_path) -> None:
 
     # Resume from the older step with a changed LR: history kept aside, the new LR runs.
     resume = checkpoint_dir(run, 2)
-    proc = _torchrun(_train_args(run, *SP2, f"checkpoint.resume={resume}", "optim.lr=1e-2"), check=True)
+    proc = _ranks(_train_args(run, *SP2, f"checkpoint.resume={resume}", "optim.lr=1e-2"))
     assert proc.stdout.count("resume: optim.lr 0.001 -> 0.01") == 1
     assert (run / "metrics.jsonl.abandoned-2").read_text().splitlines() == before["metrics.jsonl"].decode().split("\n")[
         2:4
@@ -339,7 +345,7 @@ def test_sp2_rerun_policy(sp2_run, tmp_path) -> None:
     cfg = load_config(run / "config.yaml")
     assert read_metrics(run)[3]["lr"] == 1e-2 * lr_factor(3, cfg.optim, cfg.train.steps)
 
-    proc = _torchrun([*_train_args(run, *SP2, "checkpoint.resume=none", "train.steps=1"), "--overwrite"], check=True)
+    proc = _ranks([*_train_args(run, *SP2, "checkpoint.resume=none", "train.steps=1"), "--overwrite"])
     assert (run / "previous-1" / "metrics.jsonl.abandoned-2").is_file()
     assert [m["step"] for m in read_metrics(run)] == [1]
 
@@ -378,7 +384,7 @@ def test_sp2_corrupt_newest_checkpoint(sp2_run, tmp_path) -> None:
     assert proc.returncode != 0
     assert "__1_0.distcp is truncated" in _one_error_line(proc.stderr, torchrun=True)
 
-    proc = _torchrun(_train_args(run, *SP2, "train.steps=5"), check=True)
+    proc = _ranks(_train_args(run, *SP2, "train.steps=5"))
     assert proc.stderr.count("skipped checkpoint") == 1 and "__1_0.distcp is truncated" in proc.stderr
     assert "resumed from" in proc.stdout and "step_00000002 at step 2" in proc.stdout
     assert (run / CKPTS / "step_00000004.corrupt").is_dir()
