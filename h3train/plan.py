@@ -112,6 +112,8 @@ class MemoryPlan:
     checkpointed_layers: int | None = None
     # Tensor bytes of one checkpoint on disk, all ranks together (`checkpoint_bytes`); 0: not planned.
     checkpoint_bytes: int = 0
+    # `train.ema.decay > 0`: the EMA's float32 shadow of every trainable parameter, sharded like it.
+    ema_bytes: int = 0
 
     @property
     def world_size(self) -> int:
@@ -124,7 +126,7 @@ class MemoryPlan:
 
     @property
     def sharded_state_bytes(self) -> int:
-        return self.master_weights_bytes + self.grads_bytes + self.optimizer_bytes
+        return self.master_weights_bytes + self.grads_bytes + self.optimizer_bytes + self.ema_bytes
 
     @property
     def host_bytes(self) -> int:
@@ -314,6 +316,7 @@ def plan_memory(
     lora: AdapterCounts | None = None,
     cpu_offload: bool = False,
     checkpointed_layers: int | None = None,
+    ema: bool = False,
 ) -> MemoryPlan:
     """Per-rank memory of an AdamW fine-tune on a resolved `(dp_replicate, dp_shard, sp)` mesh.
 
@@ -322,7 +325,8 @@ def plan_memory(
     longest sample, padded to a multiple of `sp` as the SP forward does. `lora`: a LoRA run
     (`lora_counts`), whose base is frozen in bfloat16; None: a full fine-tune. `cpu_offload`: the
     sharded state is counted in host memory, not on the device. `checkpointed_layers`: selective
-    checkpointing (`activation_bytes`).
+    checkpointing (`activation_bytes`). `ema`: an EMA of the trainable parameters (`train.ema.decay`),
+    a float32 shadow of each, sharded (and offloaded) as its parameter is.
     """
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
@@ -362,6 +366,7 @@ def plan_memory(
         master_weights_bytes=weights,
         grads_bytes=trainable * _FP32,
         optimizer_bytes=trainable * 2 * _FP32,
+        ema_bytes=trainable * _FP32 if ema else 0,
         # Counted at every mesh size: the compute-dtype copy of a unit exists even unsharded, and a
         # one-rank mesh is not a layout the 33 B model fits in anyway.
         unsharded_params_bytes=2 * block_params * b,
@@ -516,6 +521,7 @@ def estimate(
         lora=lora,
         cpu_offload=cfg.parallel.cpu_offload,
         checkpointed_layers=checkpointed_layers(cfg, _dim(dims, "num_layers")),
+        ema=cfg.train.ema.decay > 0,
     )
     plan = replace(plan, checkpoint_bytes=checkpoint_bytes(dims, cfg, lora))
     if lora is not None:
@@ -641,6 +647,8 @@ def format_plan(plan: MemoryPlan) -> str:
             f"  trainable gradients fp32      {_gib(plan.grads_bytes)}{where}",
             f"  AdamW of the trainable        {_gib(plan.optimizer_bytes)}{where}",
         ]
+    if plan.ema_bytes:
+        lines.append(f"  EMA shadows fp32              {_gib(plan.ema_bytes)}{where}")
     lines += [
         f"  2 unsharded blocks {plan.dtype:<11}{_gib(plan.unsharded_params_bytes)}  (running + prefetched)",
         f"  unsharded block grad fp32     {_gib(plan.unsharded_grads_bytes)}{'  (trainable only)' if lora else ''}",

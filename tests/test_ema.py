@@ -65,6 +65,28 @@ def test_planned_checkpoint_size_counts_the_ema(every_step) -> None:
     assert planned == 4 * 4 * sum(p.numel() for p in build_model(cfg, cfg.train.seed).parameters())
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_planned_per_rank_memory_holds_the_ema_shadows_the_trainer_keeps(lora: bool, tmp_path) -> None:
+    from h3train.parallel.dims import ParallelDims
+    from h3train.parallel.fsdp import local_tensor
+    from h3train.plan import estimate
+    from h3train.train.assemble import build_trainer
+    from h3train.train.ema import EmaHook
+
+    extra = ["lora.rank=4"] if lora else []
+    cfg = load_config(TINY_FL2VA, [f"train.ema.decay={DECAY}", f"logging.dir={tmp_path}", *extra])
+    trainer = build_trainer(cfg)
+    try:
+        (ema,) = [h for h in trainer.hooks if isinstance(h, EmaHook)]
+        held = sum(local_tensor(s).numel() * local_tensor(s).element_size() for s in ema.shadow.values())
+    finally:
+        trainer.close()
+    plan = estimate(model_dims(cfg), ParallelDims.from_config(cfg.parallel, 1), cfg)
+    assert plan.ema_bytes == held > 0
+    without = estimate(model_dims(cfg), ParallelDims.from_config(cfg.parallel, 1), load_config(TINY_FL2VA, extra))
+    assert plan.total_bytes - without.total_bytes == held
+
+
 def test_ema_resumes_bitwise(tmp_path) -> None:
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_forked(_args(straight, "train.steps=4", "checkpoint.every=4"))
