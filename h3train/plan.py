@@ -425,6 +425,7 @@ def lora_fit_lines(dims: Mapping[str, Any], plan: MemoryPlan) -> tuple[str, ...]
         "lora": plan.lora,
         "cpu_offload": plan.cpu_offload,
         "checkpointed_layers": plan.checkpointed_layers,
+        "ema": plan.ema_bytes > 0,
     }
     setups = [("this mesh", plan.dp_replicate, plan.dp_shard, plan.sp)]
     for label, ranks, sp in LORA_REFERENCE_SETUPS:
