@@ -133,6 +133,16 @@ def test_the_best_checkpoint_outlives_keep_last_across_a_resume_and_is_named_at_
     assert f"step_{best:08d} (val/guidance_cos_video" in capsys.readouterr().out
 
 
+def test_keep_best_turned_on_at_a_resume_starts_its_comparison_there(tmp_path: Path, heldout: str, capsys) -> None:
+    run = tmp_path / "run"
+    assert main(_args(run, heldout, "train.steps=1", "checkpoint.every=1")) == 0
+    capsys.readouterr()
+    assert main(_args(run, heldout, "train.steps=2", "checkpoint.every=0", "checkpoint.keep_best=val/loss")) == 0
+    out = capsys.readouterr().out
+    assert "resume: step_00000001 holds no best; no checkpoint is the best yet" in out
+    assert f"best checkpoint: {run / 'checkpoints' / 'step_00000002'} (val/loss" in out
+
+
 def test_the_guard_warns_or_stops_with_a_checkpoint_and_exit_3(tmp_path: Path, heldout: str, capsys) -> None:
     warn = tmp_path / "warn"
     limit = "validation.guard.min_guidance_cos=0.99999"

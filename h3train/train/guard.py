@@ -106,6 +106,7 @@ class ValidationWatch:
 
     # A run that turns keep_best on when it resumes from a checkpoint without this state starts afresh.
     fresh_if_missing = True
+    fresh_start = "no checkpoint is the best yet"
 
     def start_fresh(self) -> None:
         self.best_value = self.best_step = None

@@ -156,7 +156,8 @@ class Resume:
             if name not in components:
                 component.start_fresh()
                 if ctx.is_main:
-                    print(f"resume: {path.name} holds no {name}; it starts from the resumed weights", flush=True)
+                    fresh = getattr(component, "fresh_start", "it starts from the resumed weights")
+                    print(f"resume: {path.name} holds no {name}; {fresh}", flush=True)
         self.path = path
         self._report(trainer, path)
         dist.barrier()
