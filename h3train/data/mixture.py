@@ -41,8 +41,10 @@ def epoch_draws(sizes: Sequence[int], specs: Sequence[DatasetSpec]) -> list[int]
                 f"sampler holds ({MAX_EPOCH_DRAWS:,}); lower the repeats, or weight the datasets instead"
             )
         return draws
-    total, weight_sum = sum(sizes), sum(float(spec.weight or 0.0) for spec in specs)
-    shares = [total * float(spec.weight or 0.0) / weight_sum for spec in specs]
+    # `dataset_specs` gives every dataset of a weighted list a weight.
+    weights = [float(spec.weight) for spec in specs]  # type: ignore[arg-type]
+    total = sum(sizes)
+    shares = [total * w / sum(weights) for w in weights]
     draws = [int(share) for share in shares]
     by_remainder = sorted(range(len(specs)), key=lambda d: (-(shares[d] - draws[d]), d))
     for d in by_remainder[: total - sum(draws)]:

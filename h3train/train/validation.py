@@ -282,7 +282,8 @@ class HeldOutLoss(TrainerHook):
                 for index in assigned_indices(n, ctx.dp_rank, ctx.dims.dp):
                     counted = index is not None
                     sample: PackedSample = self._samples()[index if counted else 0]
-                    base = self.base.read(index if counted else 0) if self.base is not None else None
+                    # A padding repeat runs its forwards for the collectives only: no base to read.
+                    base = self.base.read(index) if self.base is not None and counted else None
                     for k, (label, sigma) in enumerate(zip(self.labels, self.sigmas)):
                         values = self._pair(trainer, sample, sigma, label, base)
                         if counted:
