@@ -157,7 +157,12 @@ class OptimConfig:
     warmup_steps: int = 0
     # Floor of cosine / linear decay, as a fraction of `lr`.
     min_lr_ratio: float = 0.0
-    # AdamW kernel: `fused` (one kernel over all parameters of a device and dtype), `foreach`
+    # What AdamW keeps per trainable parameter (`train/optim.py`): `adamw` float32 weights and moments
+    # (16 B with the gradient); `adamw8bit` / `adamw4bit` torchao's block-wise quantized moments
+    # (about 10 / 9 B); `adamw_bf16` bfloat16 weights, gradients and moments, the update stochastically
+    # rounded onto the weights (8 B). The float32 islands keep float32 weights under every choice.
+    name: str = "adamw"
+    # Kernel of `adamw`: `fused` (one kernel over all parameters of a device and dtype), `foreach`
     # (batched ops) or `for-loop` (one parameter at a time). All three compute the same update.
     implementation: str = "fused"
 
@@ -256,6 +261,11 @@ class LoraConfig:
     init_from: str | None = None
     # Modules trained in full (float32) beside the adapters, e.g. norms.
     train_modules: list[str] = field(default_factory=list)
+    # Adapter kind (peft): `lora` (B A), `lokr` (a Kronecker product of two factors), `loha` (the
+    # Hadamard product of two low-rank products).
+    kind: str = "lora"
+    # DoRA: a LoRA whose update is split into a learned per-output magnitude and a direction.
+    use_dora: bool = False
 
 
 @dataclass
@@ -358,7 +368,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "train.timestep.sampling": ("uniform", "logit_normal"),
     "train.timestep.weighting": ("none", "cosmap"),
     "optim.schedule": ("constant", "cosine", "linear"),
+    "optim.name": ("adamw", "adamw8bit", "adamw4bit", "adamw_bf16"),
     "optim.implementation": ("fused", "foreach", "for-loop"),
+    "lora.kind": ("lora", "lokr", "loha"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
     "cfg.schedule": ("constant", "sigma"),
     "cfg.negative": ("per_sample", "shared"),
@@ -925,10 +937,19 @@ def _validate_lora(lora: LoraConfig) -> None:
     if lora.rank < 0:
         raise ConfigError(f"config key 'lora.rank' must be >= 0 (0 = full fine-tuning), got {lora.rank}")
     if lora.rank == 0:
-        for key, value in (("init_from", lora.init_from), ("train_modules", lora.train_modules)):
+        for key, value in (
+            ("init_from", lora.init_from),
+            ("train_modules", lora.train_modules),
+            ("use_dora", lora.use_dora),
+            ("kind", lora.kind != "lora"),
+        ):
             if value:
                 raise ConfigError(f"config key 'lora.{key}' needs LoRA: set lora.rank > 0 (rank 0 is full fine-tuning)")
         return
+    if lora.use_dora and lora.kind != "lora":
+        raise ConfigError(
+            f"config key 'lora.use_dora' is a variant of lora.kind=lora, not of {lora.kind!r}: set one of them"
+        )
     if lora.alpha is not None and lora.alpha <= 0:
         raise ConfigError(f"config key 'lora.alpha' must be > 0 (default: lora.rank), got {lora.alpha}")
     if not 0.0 <= lora.dropout < 1.0:
