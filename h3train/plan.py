@@ -12,13 +12,15 @@ Memory model of one rank (FSDP2 over `dp_shard x sp`, replicated over `dp_replic
 - Unsharded, transient: the all-gathered parameters of the largest FSDP unit (one transformer
   block) in the compute dtype, twice (the unit running and the one prefetched), plus that
   unit's unsharded float32 gradient before the reduce-scatter.
-- Activations for the rank's `ceil(rows / sp)` rows (see `block_activation_row_bytes`).
+- Activations for the rank's `ceil(rows / sp)` rows (see `block_activation_row_bytes`), and the
+  text refiner's over every text row, on every SP rank (`refiner_activation_bytes`).
 - A fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation.
 
 A LoRA run (`lora.rank > 0`, `AdapterCounts`) changes the sharded state: the frozen base is 2 bytes per
 parameter in bfloat16 (4 in the float32 islands), with no gradient and no optimizer state; only the
 adapters and `lora.train_modules` take the 16 bytes. The all-gathered blocks carry their adapters,
-the unsharded gradient is that of a block's trainable parameters, and each adapted Linear keeps its
+the unsharded gradient is that of a block's trainable parameters, the frozen base keeps less for the
+backward (nothing only a weight's gradient reads: `frozen_base`), and each adapted Linear keeps its
 rank-r `lora_A` output per row for the backward. `longest_fit_rows` solves the plan for the longest
 packed sequence that fits, which the printout turns into clip seconds (`rows_to_seconds`).
 """
@@ -44,6 +46,8 @@ GIB = 1024**3
 # same canvas (124 frames -> 37 latent frames, 2 x 207 audio rows) packs to 41,774 rows.
 RELEASED_MAX_ROWS = 113_126
 RELEASED_5S_ROWS = 41_774
+# The text prefix of both: the rows the text refiner runs over.
+RELEASED_TEXT_ROWS = 2_048
 
 # AdaLN rows per timestep (video, text, audio) and the six modulation vectors per block.
 _MODALITIES = 3
@@ -114,6 +118,10 @@ class MemoryPlan:
     checkpoint_bytes: int = 0
     # `train.ema.decay > 0`: the EMA's float32 shadow of every trainable parameter, sharded like it.
     ema_bytes: int = 0
+    # Text rows of the sample, which the refiner runs over on every SP rank, and what it keeps of
+    # `activation_bytes` (`refiner_activation_bytes`), for the printout.
+    text_rows: int = 0
+    refiner_activation_bytes: int = 0
 
     @property
     def world_size(self) -> int:
@@ -210,23 +218,30 @@ def parameter_counts(dims: Mapping[str, Any]) -> ParameterCounts:
     )
 
 
-def block_activation_row_bytes(dims: Mapping[str, Any], dtype: str, sp: int = 1) -> int:
+def _norm_row_bytes(width: int, rows: int = 1, frozen: bool = False) -> int:
+    """torch's composite RMSNorm per row: the float32 upcast of its input (4 width) and its rstd (4 per
+    normalised row), plus the float32 normalised copy its weight's gradient needs (4 width) unless frozen."""
+    return (4 if frozen else 8) * width + _FP32 * rows
+
+
+def block_activation_row_bytes(dims: Mapping[str, Any], dtype: str, sp: int = 1, frozen_base: bool = False) -> int:
     """Bytes autograd keeps per row of the packed sequence for one `MiniMaxH3TransformerBlock`.
 
     With h = hidden, a = heads * head_dim, f = ffn, b = bytes of the compute dtype and
-    rot = 6 * rope_freq_dim rotated channels per head, following `MiniMaxH3TransformerBlock.forward`:
+    rot = 6 * rope_freq_dim rotated channels per head, following `MiniMaxH3TransformerBlock.forward`
+    (the last column: `frozen_base`, where it differs):
 
-        norm1: float32 upcast of its input, float32 normalised, rstd      8h + 4
-        (1 + scale_msa) row and norm1's output (the modulation product)   2bh
+        norm1: float32 upcast of its input, float32 normalised, rstd      8h + 4        4h + 4
+        (1 + scale_msa) row and norm1's output (the modulation product)   2bh           bh
         q/k/v projection input                                            bh
-        norm_q / norm_k: as norm1, per head                               2 (8a + 4 heads)
+        norm_q / norm_k: as norm1, per head                               2 (8a + 4 heads)   2 (4a + 4 heads)
         rotary cos / sin cast to the compute dtype, for q and for k       4 b rot   (none in float32)
         q, k, v and output kept by the attention kernel, its logsumexp    4ab + 4 heads
         Ulysses: the all-to-all copy of the attention output (sp > 1)     ab
-        gate_msa row, attention projection output                         2bh
-        norm2, its modulation, feed-forward input                         8h + 4 + 3bh
+        gate_msa row, attention projection output                         2bh           bh
+        norm2, its modulation, feed-forward input                         8h + 4 + 3bh  4h + 4 + 2bh
         SwiGLU projection output (value | gate), silu(gate), their product 4bf
-        gate_mlp row, feed-forward output                                 2bh
+        gate_mlp row, feed-forward output                                 2bh           bh
 
     Nothing else survives: the shift rows feed additions, and the rotary multiplications keep only
     cos / sin. The norm terms are those of torch's composite RMSNorm (CPU, and CUDA builds without a
@@ -234,8 +249,17 @@ def block_activation_row_bytes(dims: Mapping[str, Any], dtype: str, sp: int = 1)
     an upper bound. The attention terms assume an O(S)-memory kernel (flash, cuDNN, efficient
     SDPA); a math backend would also keep the (heads / sp) x S x S scores.
 
+    `frozen_base`: no parameter of the block's base needs a gradient (a LoRA run with no
+    `lora.train_modules` inside the block), so what only a weight's gradient reads is not kept: the
+    norms' normalised copies, and the products the frozen AdaLN rows multiply (scale_msa, gate_msa,
+    scale_mlp, gate_mlp: their rows stay, for the gradient of the other factor). The Linear inputs
+    stay: each adapter's lora_A reads the base layer's input and keeps it for its own weight's
+    gradient (its rank-r output is `plan_memory`'s). A block with fewer adapted Linears than the
+    default targets (attention and feed-forward) keeps at most this.
+
     For the 33 B model in bfloat16 (h 5376, a 56 x 128, f 14336, rot 96) that is 481,704 bytes
-    (470 KiB) per row per block, 496,040 bytes with sp > 1.
+    (470 KiB) per row per block, 496,040 bytes with sp > 1; with a frozen base 338,344 bytes
+    (330 KiB), 352,680 with sp > 1.
     """
     b = _DTYPE_BYTES[dtype]
     h = _dim(dims, "hidden_size")
@@ -243,38 +267,114 @@ def block_activation_row_bytes(dims: Mapping[str, Any], dtype: str, sp: int = 1)
     a = heads * _dim(dims, "attention_head_dim")
     f = _dim(dims, "ffn_dim")
     rot = 6 * _dim(dims, "rope_freq_dim")
+    # Kept only for a weight's gradient: the modulation products and the gated outputs, one bh each.
+    product = 0 if frozen_base else b * h
 
     def norm(width: int, rows: int = 1) -> int:
-        return 8 * width + _FP32 * rows
+        return _norm_row_bytes(width, rows, frozen_base)
 
     terms = {
-        "norm1, its modulation, q/k/v input": norm(h) + 2 * b * h + b * h,
+        "norm1, its modulation, q/k/v input": norm(h) + b * h + product + b * h,
         "norm_q, norm_k": 2 * norm(a, heads),
         "rotary tables cast per call": 0 if b == _FP32 else 4 * b * rot,
         "attention kernel": 4 * a * b + _FP32 * heads,
         "Ulysses output all-to-all": a * b if sp > 1 else 0,
-        "gate_msa, attention output": 2 * b * h,
-        "norm2, its modulation, feed-forward input": norm(h) + 3 * b * h,
+        "gate_msa, attention output": b * h + product,
+        "norm2, its modulation, feed-forward input": norm(h) + 2 * b * h + product,
         "SwiGLU": 4 * b * f,
-        "gate_mlp, feed-forward output": 2 * b * h,
+        "gate_mlp, feed-forward output": b * h + product,
     }
     return sum(terms.values())
 
 
-def outside_stack_row_bytes(dims: Mapping[str, Any], dtype: str) -> int:
+def refiner_block_row_bytes(dims: Mapping[str, Any], dtype: str) -> int:
+    """Bytes autograd keeps per text row for one `MiniMaxH3TokenRefinerBlock` whose parameters train.
+
+    A plain pre-norm block (no AdaLN, no rotary), so with the symbols of `block_activation_row_bytes`:
+
+        norm1, and its output (the q/k/v projection input)                8h + 4 + bh
+        norm_q / norm_k                                                   2 (8a + 4 heads)
+        q, k (the q/k norms' outputs), v and output, its logsumexp        4ab + 4 heads
+        norm2, and its output (the feed-forward input)                    8h + 4 + bh
+        SwiGLU projection output, silu(gate), their product               4bf
+
+    The residual additions keep nothing: no gate multiplies the attention or feed-forward output.
+    For the 33 B model in bfloat16 that is 394,920 bytes (386 KiB) per text row.
+    """
+    b = _DTYPE_BYTES[dtype]
+    h = _dim(dims, "hidden_size")
+    heads = _dim(dims, "num_attention_heads")
+    a = heads * _dim(dims, "attention_head_dim")
+    f = _dim(dims, "ffn_dim")
+    terms = {
+        "norm1, q/k/v input": _norm_row_bytes(h) + b * h,
+        "norm_q, norm_k": 2 * _norm_row_bytes(a, heads),
+        "attention kernel": 4 * a * b + _FP32 * heads,
+        "norm2, feed-forward input": _norm_row_bytes(h) + b * h,
+        "SwiGLU": 4 * b * f,
+    }
+    return sum(terms.values())
+
+
+def _frozen_parts(dims: Mapping[str, Any], lora: AdapterCounts | None) -> tuple[bool, bool]:
+    """(whether a block's base is frozen, whether everything outside the block stack is) for `lora`'s run.
+
+    A block's base is frozen when its trainable parameters are adapters alone. Outside the stack is
+    frozen when every trainable parameter sits in the blocks; otherwise the plan cannot tell whether
+    the trained part comes before the stack (the gradient then reaches the refiner) and counts it as
+    a full fine-tune would, an upper bound.
+    """
+    if lora is None:
+        return False, False
+    layers = _dim(dims, "num_layers")
+    return lora.block_trainable == lora.block_adapters, lora.trainable <= layers * lora.block_trainable
+
+
+def outside_stack_row_bytes(dims: Mapping[str, Any], dtype: str, frozen_base: bool = False) -> int:
     """Bytes per row kept outside the block stack, an upper bound shared by every configuration.
 
     `norm_out` (composite RMSNorm 8h + 4, modulation 2bh), the float32 cast feeding the two output
     heads (4h), the float32 rotary tables every block reads (2 x 4 rot) and the float32 inputs of
-    the two patch projections (counted for every row). The text refiner runs over the text rows
-    only and is left out.
+    the two patch projections (counted for every row). At sp = 1 the packing's `index_copy` also
+    keeps the embedded rows it places (bh per row), left out (under 1 % of a row's activations in a
+    stack of 50 blocks). The text refiner runs over the text rows only: `refiner_activation_bytes`.
+
+    `frozen_base` (nothing outside the blocks trains): `norm_out` keeps its float32 input and rstd
+    (4h + 4) and its (1 + scale) row (bh); the frozen heads and patch projections keep no input.
     """
     b = _DTYPE_BYTES[dtype]
     h = _dim(dims, "hidden_size")
-    video_patch = _dim(dims, "in_channels") * math.prod(int(p) for p in dims["patch_size"])
     rot = 6 * _dim(dims, "rope_freq_dim")
+    if frozen_base:
+        return _norm_row_bytes(h, frozen=True) + b * h + 2 * _FP32 * rot
+    video_patch = _dim(dims, "in_channels") * math.prod(int(p) for p in dims["patch_size"])
     patch_inputs = _FP32 * (video_patch + _dim(dims, "audio_in_channels"))
     return 8 * h + _FP32 + 2 * b * h + _FP32 * h + 2 * _FP32 * rot + patch_inputs
+
+
+def refiner_activation_bytes(
+    dims: Mapping[str, Any],
+    text_rows: int,
+    dtype: str,
+    gradient_checkpointing: bool,
+    lora: AdapterCounts | None = None,
+) -> int:
+    """Bytes the text refiner keeps for the backward on each rank: it runs over all `text_rows` text
+    rows on every SP rank, before the sequence is split, so sp does not divide them.
+
+    Per text row: the context embedder's input cast to the compute dtype (b * text_dim; none in
+    float32, where the float32 prompt is read as it is), each refiner block's
+    `refiner_block_row_bytes` (with `gradient_checkpointing` only its input, bh) and `final_norm`
+    (8h + 4). A LoRA run (`lora`) whose trainable parameters all sit in the block stack keeps
+    nothing here: no gradient reaches the refiner.
+    """
+    if text_rows <= 0 or _frozen_parts(dims, lora)[1]:
+        return 0
+    b = _DTYPE_BYTES[dtype]
+    h = _dim(dims, "hidden_size")
+    cast = 0 if b == _FP32 else b * _dim(dims, "text_dim")
+    block = b * h if gradient_checkpointing else refiner_block_row_bytes(dims, dtype)
+    return text_rows * (cast + _dim(dims, "num_refiner_layers") * block + _norm_row_bytes(h))
 
 
 def activation_bytes(
@@ -284,6 +384,9 @@ def activation_bytes(
     gradient_checkpointing: bool,
     sp: int = 1,
     checkpointed_layers: int | None = None,
+    *,
+    text_rows: int = 0,
+    lora: AdapterCounts | None = None,
 ) -> int:
     """Peak activation memory of one rank holding `local_rows` rows of the packed sequence.
 
@@ -292,13 +395,33 @@ def activation_bytes(
     Without it every block keeps everything `block_activation_row_bytes` lists. Selective
     checkpointing (`checkpointed_layers` of the blocks) sits between: the checkpointed blocks keep
     their inputs, the others everything, plus one recomputed block at a time.
+
+    `text_rows`: the sample's text rows, which the refiner runs over (`refiner_activation_bytes`;
+    0: not counted). Full checkpointing (`gradient_checkpointing`) recomputes its blocks too, after
+    the stack's backward, so the recompute peak is the larger of one block over the local rows and
+    one refiner block over the text rows.
+
+    `lora`: a LoRA run's counts. Its frozen base keeps less (`frozen_base` of the row functions),
+    and when only the blocks train, nothing before block 0's first adapted Linear needs a gradient:
+    the refiner keeps nothing, nor do block 0's norm1 and modulation (4h + 4 + bh per row less,
+    unless block 0 is checkpointed). The adapters' own per-row values are `plan_memory`'s.
     """
     b = _DTYPE_BYTES[dtype]
+    h = _dim(dims, "hidden_size")
     layers = _dim(dims, "num_layers")
-    block = block_activation_row_bytes(dims, dtype, sp)
+    block_frozen, outside_frozen = _frozen_parts(dims, lora)
+    block = block_activation_row_bytes(dims, dtype, sp, frozen_base=block_frozen)
     done = (layers if gradient_checkpointing else 0) if checkpointed_layers is None else checkpointed_layers
-    per_row = done * _dim(dims, "hidden_size") * b + (layers - done) * block + (block if done else 0)
-    return local_rows * (per_row + outside_stack_row_bytes(dims, dtype))
+    per_row = done * h * b + (layers - done) * block + outside_stack_row_bytes(dims, dtype, outside_frozen)
+    if block_frozen and outside_frozen and not done:
+        per_row -= _norm_row_bytes(h, frozen=True) + b * h
+    refiner_recompute = gradient_checkpointing and text_rows > 0 and not outside_frozen
+    recompute = max(
+        local_rows * block if done else 0,
+        text_rows * refiner_block_row_bytes(dims, dtype) if refiner_recompute else 0,
+    )
+    refiner = refiner_activation_bytes(dims, text_rows, dtype, gradient_checkpointing, lora)
+    return local_rows * per_row + refiner + recompute
 
 
 def plan_memory(
@@ -317,6 +440,7 @@ def plan_memory(
     cpu_offload: bool = False,
     checkpointed_layers: int | None = None,
     ema: bool = False,
+    text_rows: int = 0,
 ) -> MemoryPlan:
     """Per-rank memory of an AdamW fine-tune on a resolved `(dp_replicate, dp_shard, sp)` mesh.
 
@@ -326,7 +450,9 @@ def plan_memory(
     (`lora_counts`), whose base is frozen in bfloat16; None: a full fine-tune. `cpu_offload`: the
     sharded state is counted in host memory, not on the device. `checkpointed_layers`: selective
     checkpointing (`activation_bytes`). `ema`: an EMA of the trainable parameters (`train.ema.decay`),
-    a float32 shadow of each, sharded (and offloaded) as its parameter is.
+    a float32 shadow of each, sharded (and offloaded) as its parameter is. `text_rows`: the sample's
+    text rows (at most `rows`), which the text refiner runs over on every SP rank; 0 leaves the
+    refiner out.
     """
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
@@ -338,7 +464,10 @@ def plan_memory(
     per_rank = -(-counts.total // shard)
     local_rows = -(-rows // sp)
     b = _DTYPE_BYTES[dtype]
-    activations = activation_bytes(dims, local_rows, dtype, gradient_checkpointing, sp, checkpointed_layers)
+    text_rows = min(max(text_rows, 0), rows)
+    activations = activation_bytes(
+        dims, local_rows, dtype, gradient_checkpointing, sp, checkpointed_layers, text_rows=text_rows, lora=lora
+    )
     if lora is None:
         weights, trainable, block_params, block_grads = per_rank * _FP32, per_rank, counts.block, counts.block
     else:
@@ -378,25 +507,32 @@ def plan_memory(
         lora=lora,
         cpu_offload=cpu_offload,
         checkpointed_layers=checkpointed_layers,
+        text_rows=text_rows,
+        refiner_activation_bytes=refiner_activation_bytes(dims, text_rows, dtype, gradient_checkpointing, lora),
     )
 
 
 def longest_fit_rows(dims: Mapping[str, Any], **kwargs: Any) -> int:
     """The most packed rows (a multiple of `sp`) for which `plan_memory(dims, rows=..., **kwargs)` fits; 0: none.
 
-    Memory grows with the rows through the activations alone, by a fixed amount per local row, so
-    the answer is read off two plans and checked.
+    Memory grows with the rows through the activations alone, never falling, but not in a straight
+    line: the text rows are at most the rows, and the recompute peak switches from a refiner block's
+    to a transformer block's. So the answer is found by doubling, then bisecting, the local rows.
     """
     sp = kwargs["sp"]
-    one = plan_memory(dims, rows=sp, **kwargs)
-    two = plan_memory(dims, rows=2 * sp, **kwargs)
-    per_local_row = two.total_bytes - one.total_bytes
-    fixed = one.total_bytes - per_local_row
-    local = (one.device_bytes - fixed) // per_local_row if per_local_row > 0 else 0
-    rows = max(int(local), 0) * sp
-    while rows and not plan_memory(dims, rows=rows, **kwargs).fits:
-        rows -= sp
-    return rows
+
+    def fits(local: int) -> bool:
+        return plan_memory(dims, rows=local * sp, **kwargs).fits
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low * sp
 
 
 def rows_to_seconds(rows: int) -> float:
@@ -426,6 +562,7 @@ def lora_fit_lines(dims: Mapping[str, Any], plan: MemoryPlan) -> tuple[str, ...]
         "cpu_offload": plan.cpu_offload,
         "checkpointed_layers": plan.checkpointed_layers,
         "ema": plan.ema_bytes > 0,
+        "text_rows": plan.text_rows,
     }
     setups = [("this mesh", plan.dp_replicate, plan.dp_shard, plan.sp)]
     for label, ranks, sp in LORA_REFERENCE_SETUPS:
@@ -459,6 +596,16 @@ def config_rows(cfg: Config) -> tuple[int, str]:
     entry of the dataset's `index.jsonl` when `data.path` exists here; planning away from the data
     (a laptop, a login node) falls back to the longest released clip, `RELEASED_MAX_ROWS`.
     """
+    rows, _, source = config_sample_rows(cfg)
+    return rows, source
+
+
+def config_sample_rows(cfg: Config) -> tuple[int, int, str]:
+    """`config_rows`, with the text rows of that sample between: the rows the text refiner runs over.
+
+    Synthetic data: `data.synthetic.text_len`. Cached data: the prompt length in the longest
+    sample's header (one file read); away from the data, the released clips' `RELEASED_TEXT_ROWS`.
+    """
     import torch
 
     if cfg.data.source == "synthetic":
@@ -472,19 +619,33 @@ def config_rows(cfg: Config) -> tuple[int, str]:
         anchors = synthetic_anchors(syn, cfg.task.name)
         task = sample_task_of("keyframes" if anchors else None)
         tags = torch.ones(syn.text_len, dtype=torch.long)
-        return build_layout(task, tags, geometry, anchors).seq_len, "synthetic geometry"
+        return build_layout(task, tags, geometry, anchors).seq_len, syn.text_len, "synthetic geometry"
     from .config import dataset_specs
 
     specs = dataset_specs(cfg.data)
     if not specs or not all(Path(spec.path).is_dir() for spec in specs):
-        return RELEASED_MAX_ROWS, "longest released clip; data.path is not readable here"
+        return RELEASED_MAX_ROWS, RELEASED_TEXT_ROWS, "longest released clip; data.path is not readable here"
+    from .data.format import read_header
     from .data.source import build_source
-    from .errors import ConfigError, DatasetError
+    from .errors import ConfigError, DatasetError, SampleError
 
     try:
-        return max(build_source(cfg).lengths), "longest sample in the dataset index" + ("es" if len(specs) > 1 else "")
+        source = build_source(cfg)
+        lengths = source.lengths
     except DatasetError as exc:
         raise ConfigError(f"config key 'data.path': {exc}") from None
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if hasattr(source, "locate"):  # a mixture: the dataset, then the sample within it
+        part, index = source.locate(longest)
+        sample = source.datasets[part], index
+    else:
+        sample = source, longest
+    try:
+        text_rows = read_header(sample[0].path(sample[1])).specs["text_token_tags"].shape[0]
+    except SampleError:  # training skips or reports it (`data.on_error`); plan for a released prefix
+        text_rows = min(RELEASED_TEXT_ROWS, lengths[longest])
+    found = "longest sample in the dataset index" + ("es" if len(specs) > 1 else "")
+    return lengths[longest], text_rows, found
 
 
 def checkpointed_layers(cfg: Config, num_layers: int) -> int:
@@ -503,11 +664,16 @@ def estimate(
     cfg: Config,
     rows: int | None = None,
     device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
+    text_rows: int | None = None,
 ) -> MemoryPlan:
-    """`plan_memory` for a loaded config on a resolved mesh; `rows` defaults to `config_rows(cfg)`."""
+    """`plan_memory` for a loaded config on a resolved mesh; `rows` defaults to `config_rows(cfg)`,
+    `text_rows` to the text rows of the config's longest sample (`config_sample_rows`), at most `rows`."""
     rows_source = "given"
     if rows is None:
-        rows, rows_source = config_rows(cfg)
+        rows, found_text, rows_source = config_sample_rows(cfg)
+        text_rows = found_text if text_rows is None else text_rows
+    elif text_rows is None:
+        text_rows = config_sample_rows(cfg)[1]
     lora = adapter_counts(dims, cfg)
     plan = plan_memory(
         dims,
@@ -523,6 +689,7 @@ def estimate(
         cpu_offload=cfg.parallel.cpu_offload,
         checkpointed_layers=checkpointed_layers(cfg, _dim(dims, "num_layers")),
         ema=cfg.train.ema.decay > 0,
+        text_rows=text_rows,
     )
     plan = replace(plan, checkpoint_bytes=checkpoint_bytes(dims, cfg, lora))
     if lora is not None:
@@ -608,6 +775,18 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def _refiner_note(plan: MemoryPlan) -> str:
+    """The activation line's note on the text refiner's share (`refiner_activation_bytes`)."""
+    if not plan.text_rows:
+        return ""
+    if not plan.refiner_activation_bytes:
+        return f"  (text refiner over {plan.text_rows:,} text rows: keeps nothing, no gradient reaches it)"
+    return (
+        f"  (text refiner {_gib(plan.refiner_activation_bytes).strip()} of it: {plan.text_rows:,} text rows "
+        "on every SP rank)"
+    )
+
+
 def format_plan(plan: MemoryPlan) -> str:
     """A readable multi-line table of `plan`, one memory line per term, ending in the verdict."""
     p = plan.params
@@ -653,7 +832,7 @@ def format_plan(plan: MemoryPlan) -> str:
     lines += [
         f"  2 unsharded blocks {plan.dtype:<11}{_gib(plan.unsharded_params_bytes)}  (running + prefetched)",
         f"  unsharded block grad fp32     {_gib(plan.unsharded_grads_bytes)}{'  (trainable only)' if lora else ''}",
-        f"  activations                   {_gib(plan.activation_bytes)}",
+        f"  activations                   {_gib(plan.activation_bytes)}" + _refiner_note(plan),
         f"  reserve (CUDA, NCCL, frag.)   {_gib(plan.reserve_bytes)}",
         f"  total                         {_gib(plan.total_bytes)} of {plan.device_bytes / GIB:.0f} GiB"
         + (f" on the device; {_gib(plan.host_bytes).strip()} in host memory" if plan.cpu_offload else ""),
