@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import thread as executor_threads
 from pathlib import Path
 from typing import NoReturn
 
@@ -464,6 +465,11 @@ def run() -> NoReturn:
         code = 1
     if not joined_process_group():
         sys.exit(code)
+    # Thread-pool workers (inductor's compile pool, for one) stop only when their executors are told
+    # to, which interpreter shutdown does after this join; joining them first would wait forever.
+    stop_executors = getattr(executor_threads, "_python_exit", None)
+    if callable(stop_executors):
+        stop_executors()
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .model.adapter import AdapterCounts
+from .train.lowbit import QUANT_BLOCK, state_bytes_per_value
 
 if TYPE_CHECKING:
     from .config import Config
@@ -76,6 +77,10 @@ class ParameterCounts:
     num_refiner_layers: int
     # Everything outside the two block stacks: input/output projections, time MLP, norms.
     other: int
+    # Of `other`, the `_keep_in_fp32_modules` islands (patch projections, time MLP, output heads).
+    fp32_islands: int = 0
+    # Of `total`, the 1-D parameters (norm scales, biases): shards torchao leaves unquantized.
+    vectors: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,8 @@ class MemoryPlan:
     checkpoint_bytes: int = 0
     # `train.ema.decay > 0`: the EMA's float32 shadow of every trainable parameter, sharded like it.
     ema_bytes: int = 0
+    # `optim.name`: what the optimizer keeps per trainable parameter (`train/lowbit.py`).
+    optimizer: str = "adamw"
     # Text rows of the sample, which the refiner runs over on every SP rank, and what it keeps of
     # `activation_bytes` (`refiner_activation_bytes`), for the printout.
     text_rows: int = 0
@@ -206,6 +213,10 @@ def parameter_counts(dims: Mapping[str, Any]) -> ParameterCounts:
         "audio_proj_out": h * audio_ch + audio_ch,
     }
     other = sum(outside_blocks.values())
+    islands = ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out")
+    plain_vectors = 2 * h + 2 * head_dim
+    outside_vectors = 5 * h + t_hidden + t_emb + 2 * h + video_patch + audio_ch
+    vectors = layers * (plain_vectors + _ADALN_VECTORS * _MODALITIES * h) + refiner_layers * plain_vectors
     total = layers * block + refiner_layers * plain_block + other
     return ParameterCounts(
         total=total,
@@ -215,6 +226,8 @@ def parameter_counts(dims: Mapping[str, Any]) -> ParameterCounts:
         refiner_block=plain_block,
         num_refiner_layers=refiner_layers,
         other=other,
+        fp32_islands=sum(outside_blocks[name] for name in islands),
+        vectors=vectors + outside_vectors,
     )
 
 
@@ -441,6 +454,7 @@ def plan_memory(
     checkpointed_layers: int | None = None,
     ema: bool = False,
     text_rows: int = 0,
+    optimizer: str = "adamw",
 ) -> MemoryPlan:
     """Per-rank memory of an AdamW fine-tune on a resolved `(dp_replicate, dp_shard, sp)` mesh.
 
@@ -452,7 +466,9 @@ def plan_memory(
     checkpointing (`activation_bytes`). `ema`: an EMA of the trainable parameters (`train.ema.decay`),
     a float32 shadow of each, sharded (and offloaded) as its parameter is. `text_rows`: the sample's
     text rows (at most `rows`), which the text refiner runs over on every SP rank; 0 leaves the
-    refiner out.
+    refiner out. `optimizer`: `optim.name`; `adamw_bf16` stores the trainable weights and gradients
+    in bfloat16 (its float32 islands, which a LoRA's adapters are counted outside of, in float32),
+    and each kind its moments at `state_bytes_per_value` bytes (8 for float32 AdamW).
     """
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
@@ -468,13 +484,16 @@ def plan_memory(
     activations = activation_bytes(
         dims, local_rows, dtype, gradient_checkpointing, sp, checkpointed_layers, text_rows=text_rows, lora=lora
     )
+    low = optimizer == "adamw_bf16"
     if lora is None:
-        weights, trainable, block_params, block_grads = per_rank * _FP32, per_rank, counts.block, counts.block
+        trainable, block_params, block_grads = per_rank, counts.block, counts.block
+        # adamw_bf16 keeps the islands in float32: their weights, gradients and moments.
+        islands = -(-counts.fp32_islands // shard) if low else 0
+        frozen_base = 0
     else:
         frozen = counts.total - lora.train_modules
         base = (frozen - lora.frozen_fp32) * 2 + lora.frozen_fp32 * _FP32
-        trainable = -(-lora.trainable // shard)
-        weights = -(-base // shard) + trainable * _FP32
+        trainable, islands, frozen_base = -(-lora.trainable // shard), 0, -(-base // shard)
         block_params, block_grads = counts.block + lora.block_adapters, lora.block_trainable
         # Each adapted Linear keeps its lora_A output (r per row) for lora_B's backward; its input is
         # the base layer's, already counted. Checkpointing holds one block's worth at a time.
@@ -482,6 +501,11 @@ def plan_memory(
         done = (layers if gradient_checkpointing else 0) if checkpointed_layers is None else checkpointed_layers
         blocks = layers - done + (1 if done else 0)
         activations += local_rows * blocks * lora.block_adapted_layers * lora.rank * b
+    weight_bytes = 2 if low else _FP32
+    trainable_bytes = (trainable - islands) * weight_bytes + islands * _FP32
+    # torchao keeps a shard under 4,096 values in float32: every 1-D parameter's, at any width.
+    plain = islands + (-(-counts.vectors // shard) if lora is None and optimizer in QUANT_BLOCK else 0)
+    moment_bytes = math.ceil((trainable - plain) * state_bytes_per_value(optimizer)) + plain * 2 * _FP32
     return MemoryPlan(
         dp_replicate=dp_replicate,
         dp_shard=dp_shard,
@@ -492,10 +516,11 @@ def plan_memory(
         local_rows=local_rows,
         params=counts,
         params_per_rank=per_rank,
-        master_weights_bytes=weights,
-        grads_bytes=trainable * _FP32,
-        optimizer_bytes=trainable * 2 * _FP32,
+        master_weights_bytes=frozen_base + trainable_bytes,
+        grads_bytes=trainable_bytes,
+        optimizer_bytes=moment_bytes,
         ema_bytes=trainable * _FP32 if ema else 0,
+        optimizer=optimizer,
         # Counted at every mesh size: the compute-dtype copy of a unit exists even unsharded, and a
         # one-rank mesh is not a layout the 33 B model fits in anyway.
         unsharded_params_bytes=2 * block_params * b,
@@ -690,6 +715,7 @@ def estimate(
         checkpointed_layers=checkpointed_layers(cfg, _dim(dims, "num_layers")),
         ema=cfg.train.ema.decay > 0,
         text_rows=text_rows,
+        optimizer=cfg.optim.name,
     )
     plan = replace(plan, checkpoint_bytes=checkpoint_bytes(dims, cfg, lora))
     if lora is not None:
@@ -733,17 +759,23 @@ def adapter_counts(dims: Mapping[str, Any], cfg: Config) -> AdapterCounts | None
 def checkpoint_bytes(dims: Mapping[str, Any], cfg: Config, lora: AdapterCounts | None = None) -> int:
     """Tensor bytes one checkpoint of `cfg`'s run holds on disk, all ranks together, whatever the mesh.
 
-    What trains, in float32, three or four times: the weights (a LoRA checkpoint holds no frozen
-    base), AdamW's `exp_avg` and `exp_avg_sq`, and the EMA's shadows when `train.ema.decay > 0`.
-    DCP's framing of each tensor and the metadata come on top (kilobytes per tensor: a few MB for
-    the released model, next to hundreds of GB). `lora`: the adapter's counts, found from `cfg`
-    when not given.
+    What trains: the weights (a LoRA checkpoint holds no frozen base; bfloat16 under `adamw_bf16`
+    but for a full fine-tune's float32 islands), AdamW's `exp_avg` and `exp_avg_sq` as `optim.name`
+    keeps them (DCP writes torchao's quantized moments as codes and scales), and the EMA's float32
+    shadows when `train.ema.decay > 0`. DCP's framing of each tensor and the metadata come on top
+    (kilobytes per tensor: a few MB for the released model, next to hundreds of GB). `lora`: the
+    adapter's counts, found from `cfg` when not given.
     """
     if lora is None:
         lora = adapter_counts(dims, cfg)
-    trainable = parameter_counts(dims).total if lora is None else lora.trainable
-    copies = 3 + (1 if cfg.train.ema.decay > 0 else 0)
-    return copies * trainable * _FP32
+    counts = parameter_counts(dims)
+    trainable = counts.total if lora is None else lora.trainable
+    name = cfg.optim.name
+    islands = counts.fp32_islands if lora is None and name == "adamw_bf16" else 0
+    weights = (trainable - islands) * (2 if name == "adamw_bf16" else _FP32) + islands * _FP32
+    plain = islands + (counts.vectors if lora is None and name in QUANT_BLOCK else 0)
+    moments = math.ceil((trainable - plain) * state_bytes_per_value(name)) + plain * 2 * _FP32
+    return weights + moments + (trainable * _FP32 if cfg.train.ema.decay > 0 else 0)
 
 
 def render_components_line(cfg: Config) -> str:
@@ -808,12 +840,15 @@ def format_plan(plan: MemoryPlan) -> str:
         f"compute       {plan.dtype}, gradient checkpointing {ckpt}",
     ]
     lora = plan.lora
+    wdt = "bf16" if plan.optimizer == "adamw_bf16" else "fp32"
+    moments = {"adamw": "fp32", "adamw8bit": "8-bit", "adamw4bit": "4-bit", "adamw_bf16": "bf16"}[plan.optimizer]
     if lora is None:
+        isl = "  (fp32 islands 4 B)" if wdt == "bf16" else ""
         lines += [
             "memory per rank",
-            f"  master weights fp32           {_gib(plan.master_weights_bytes)}{where}",
-            f"  gradients fp32                {_gib(plan.grads_bytes)}{where}",
-            f"  AdamW exp_avg + exp_avg_sq    {_gib(plan.optimizer_bytes)}{where}",
+            f"  master weights {wdt}           {_gib(plan.master_weights_bytes)}{isl}{where}",
+            f"  gradients {wdt}                {_gib(plan.grads_bytes)}{isl}{where}",
+            f"  AdamW moments {moments:<5}           {_gib(plan.optimizer_bytes)}  ({plan.optimizer}){where}",
         ]
     else:
         trainable_weights = plan.grads_bytes
@@ -823,9 +858,9 @@ def format_plan(plan: MemoryPlan) -> str:
             "memory per rank",
             f"  frozen base bf16 (fp32 isl.)  {_gib(plan.master_weights_bytes - trainable_weights)}  "
             f"(2 B/param, {lora.frozen_fp32:,} island params 4 B){where}",
-            f"  trainable weights fp32        {_gib(trainable_weights)}  (adapters + train_modules){where}",
-            f"  trainable gradients fp32      {_gib(plan.grads_bytes)}{where}",
-            f"  AdamW of the trainable        {_gib(plan.optimizer_bytes)}{where}",
+            f"  trainable weights {wdt}        {_gib(trainable_weights)}  (adapters + train_modules){where}",
+            f"  trainable gradients {wdt}      {_gib(plan.grads_bytes)}{where}",
+            f"  AdamW of the trainable        {_gib(plan.optimizer_bytes)}  ({plan.optimizer}, {moments}){where}",
         ]
     if plan.ema_bytes:
         lines.append(f"  EMA shadows fp32              {_gib(plan.ema_bytes)}{where}")

@@ -29,6 +29,7 @@ from .render.requests import validate_samples
 from .tasks.partition import check_partition
 from .tasks.table import TRAINING_TASKS, training_task_for
 from .train.faults import parse_faults
+from .train.lowbit import torchao_missing
 
 
 def load_checked(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Config:
@@ -41,10 +42,10 @@ def load_checked(path: str | os.PathLike | None, overrides: Sequence[str] = ()) 
 def check_config(cfg: Config) -> None:
     """The config checks that read more than the values, in order; raises `ConfigError` on the first problem.
 
-    The task table, the files `cfg.shared_negative_path` and `validation.dataset` name,
-    `debug.fault`, the model's constructor kwargs and head count, the LoRA module names (on the
-    model built on meta) and `lora.init_from`, then `validation.samples`. Away from the model folder
-    the released architecture stands in, as in `planned_model_dims`.
+    The task table, whether `optim.name` can run here (torchao), the files `cfg.shared_negative_path`
+    and `validation.dataset` name, `debug.fault`, the model's constructor kwargs and head count, the
+    LoRA module names (on the model built on meta) and `lora.init_from`, then `validation.samples`.
+    Away from the model folder the released architecture stands in, as in `planned_model_dims`.
     """
     if cfg.task.name not in TRAINING_TASKS:
         raise ConfigError(f"config key 'task.name' is {cfg.task.name!r}; choose one of {', '.join(TRAINING_TASKS)}")
@@ -54,6 +55,9 @@ def check_config(cfg: Config) -> None:
             f"config key 'cfg.shared_negative_path': file '{negative.shared_negative_path}' does not exist"
         )
     parse_faults(cfg.debug.fault)
+    missing = torchao_missing(cfg.optim.name)
+    if missing:
+        raise ConfigError(missing)
     _check_model_shape(cfg)
     _check_lora(cfg)
     v = cfg.validation

@@ -117,7 +117,10 @@ def test_dockerfile_runtime_stage() -> None:
     final = text[text.rindex("\nFROM ") :]
     assert 'ENTRYPOINT ["h3train"]' in final
     assert re.search(r"^USER (?!root|0\b)\S+", final, re.MULTILINE), "the final stage must not run as root"
-    assert "[flash]" in final  # h3train is installed with its flash extra
+    assert "[flash,lowbit]" in final  # h3train is installed with its flash and low-bit optimizer extras
+    # torchao is pinned to the release made for the image's torch (2.8 -> 0.13), and checked after install.
+    assert re.search(r"^ARG TORCHAO_VERSION=0\.13\.\d+$", final, re.MULTILINE) and "TORCH_VERSION=2.8." in text
+    assert '"torchao==${TORCHAO_VERSION}"' in final and "m.version('torchao')" in final
     # Every pip call leaves no cache behind in a layer.
     assert text.count("--no-cache-dir") == len(re.findall(r"pip (?:install|wheel|download)", text))
     assert not re.search(r"apt-get install|build-essential|nvcc", text), "no build tools in the image"

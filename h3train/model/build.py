@@ -54,6 +54,20 @@ def fp32_island_names(model: MiniMaxH3Transformer3DModel) -> list[str]:
     ]
 
 
+def store_trainable(model: MiniMaxH3Transformer3DModel, dtype: torch.dtype) -> None:
+    """Store the trainable parameters outside the float32 islands in `dtype` (`optim.weights_dtype`).
+
+    The islands keep float32: diffusers computes them in float32, and an FSDP2 unit all-gathers one
+    dtype. Works on real and meta parameters, before sharding.
+    """
+    if dtype == torch.float32:
+        return
+    islands = tuple(f"{name}." for name in fp32_island_names(model))
+    for name, param in model.named_parameters():
+        if param.requires_grad and not name.startswith(islands):
+            param.data = param.data.to(dtype)
+
+
 def meta_transformer(dims: dict[str, Any]) -> MiniMaxH3Transformer3DModel:
     """`MiniMaxH3Transformer3DModel(**dims)` on the `meta` device: names, shapes and config, no memory.
 

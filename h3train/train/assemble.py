@@ -27,7 +27,14 @@ from ..data.mixture import DatasetMixture
 from ..data.source import MicroBatchStream, SampleSource, build_sampler, build_source, load_shared_negative
 from ..diskspace import check_room
 from ..model.adapter import ModelAdapter
-from ..model.build import build_meta_model, build_model, load_pretrained_shards, materialize, pretrained_folder
+from ..model.build import (
+    build_meta_model,
+    build_model,
+    load_pretrained_shards,
+    materialize,
+    pretrained_folder,
+    store_trainable,
+)
 from ..model.dims import model_dims
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import micro_batch_inputs
@@ -44,7 +51,7 @@ from .events import EventLog, Progress
 from .faults import FaultInjector
 from .guard import ValidationWatch
 from .hooks import ModelTransform, TrainerHook
-from .optim import build_optimizer, build_scheduler
+from .optim import build_optimizer, build_scheduler, weights_dtype
 from .resume import Resume
 from .rundir import probe_writable
 from .transforms import model_transforms
@@ -175,7 +182,7 @@ def _assemble(
     resumed = resume.choose(ctx, model_dims(cfg), adapter) is not None
     model = build_sharded_model(cfg, ctx, transforms, resumed, trainable_only=adapter is not None)
     model_config = {k: v for k, v in dict(model.transformer.config).items() if not k.startswith("_")}
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, cfg.train.seed)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
     shared_negative = load_shared_negative(cfg)
@@ -259,6 +266,7 @@ def build_sharded_model(
         )
     for transform in transforms:
         transform(transformer, cfg)
+    store_trainable(transformer, weights_dtype(cfg.optim))
     model = SequenceParallelH3(
         transformer,
         SequenceParallel(ctx.sp_group),

@@ -1,4 +1,8 @@
-"""AdamW with decoupled weight decay off norms and biases, and warmup + constant/cosine/linear LR."""
+"""AdamW with decoupled weight decay off norms and biases, and warmup + constant/cosine/linear LR.
+
+`optim.name` chooses what the optimizer stores between steps (`lowbit.py` for the kinds below
+float32); the param groups, the LR schedule, clipping and the checkpoint's layout are the same for all.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import OptimConfig
+from .lowbit import BF16AdamW, quantized_adamw
 
 
 def no_decay(name: str, param: torch.Tensor) -> bool:
@@ -16,11 +21,18 @@ def no_decay(name: str, param: torch.Tensor) -> bool:
     return param.ndim < 2 or name.endswith(".bias")
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters, with the kernel `optim.implementation` names.
+def weights_dtype(cfg: OptimConfig) -> torch.dtype:
+    """dtype the trainable parameters are stored in (outside the float32 islands): bfloat16 for
+    `adamw_bf16`, whose update is rounded onto bfloat16 weights, float32 master weights otherwise."""
+    return torch.bfloat16 if cfg.name == "adamw_bf16" else torch.float32
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, seed: int = 0) -> torch.optim.Optimizer:
+    """The `optim.name` AdamW over the trainable parameters; `adamw` with the kernel `optim.implementation` names.
 
     `fused` is the default: one kernel per device and dtype, no host sync on a GPU, and over
-    FSDP2's DTensors it dispatches once instead of once per parameter and operation.
+    FSDP2's DTensors it dispatches once instead of once per parameter and operation. `seed` keys
+    `adamw_bf16`'s stochastic rounding (`train.seed`).
     """
     decay, plain = [], []
     for name, param in model.named_parameters():
@@ -30,8 +42,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": plain, "weight_decay": 0.0},
     ]
+    hyper = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
+    if cfg.name == "adamw_bf16":
+        return BF16AdamW(groups, seed=seed, **hyper)
+    if cfg.name != "adamw":
+        return quantized_adamw(cfg.name, groups, **hyper)
     kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kernel[cfg.implementation])
+    return torch.optim.AdamW(groups, **hyper, **kernel[cfg.implementation])
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -26,6 +26,7 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
+import yaml
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..atomic import set_aside
@@ -68,6 +69,22 @@ def check_full_checkpoint(saved: dict[str, Any], path: Path) -> None:
         raise CheckpointError(
             f"checkpoint '{path}' is a LoRA checkpoint (adapters only) and this run fine-tunes the "
             "whole model; resume it with its lora settings or set checkpoint.resume=none"
+        )
+
+
+def check_same_optimizer(saved: dict[str, Any], cfg: Config, path: Path) -> None:
+    """A checkpoint's optimizer states load only into the `optim.name` that wrote them."""
+    try:
+        saved_cfg = yaml.safe_load(saved.get("config_yaml", "")) or {}
+    except yaml.YAMLError:
+        return
+    optim = saved_cfg.get("optim") if isinstance(saved_cfg, dict) else None
+    name = (optim or {}).get("name", "adamw") if isinstance(optim, dict) else "adamw"
+    if name != cfg.optim.name:
+        raise CheckpointError(
+            f"checkpoint '{path}' holds {name} optimizer states and this run sets optim.name={cfg.optim.name}: "
+            f"resume with optim.name={name}, or start a new run from its weights "
+            "(h3train export, then model.pretrained)"
         )
 
 
@@ -192,6 +209,7 @@ class Resume:
         try:
             saved = read_trainer_state(agreed)
             check_same_model(saved["model_config"], self.model_dims, agreed)
+            check_same_optimizer(saved, self.cfg, agreed)
             if self.adapter is not None:
                 self.adapter.check_checkpoint(saved, agreed)
             else:
