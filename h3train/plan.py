@@ -495,12 +495,13 @@ def plan_memory(
         base = (frozen - lora.frozen_fp32) * 2 + lora.frozen_fp32 * _FP32
         trainable, islands, frozen_base = -(-lora.trainable // shard), 0, -(-base // shard)
         block_params, block_grads = counts.block + lora.block_adapters, lora.block_trainable
-        # Each adapted Linear keeps its lora_A output (r per row) for lora_B's backward; its input is
-        # the base layer's, already counted. Checkpointing holds one block's worth at a time.
+        # Each adapted Linear keeps what its kind needs beyond the base's input, already counted: per
+        # row (LoRA its lora_A output, DoRA also its norms' rows) or once (LoKr / LoHa: the delta
+        # weight). Checkpointing holds one block's worth at a time.
         layers = _dim(dims, "num_layers")
         done = (layers if gradient_checkpointing else 0) if checkpointed_layers is None else checkpointed_layers
         blocks = layers - done + (1 if done else 0)
-        activations += local_rows * blocks * lora.block_adapted_layers * lora.rank * b
+        activations += blocks * (local_rows * lora.block_row_values + lora.block_delta_values) * b
     weight_bytes = 2 if low else _FP32
     trainable_bytes = (trainable - islands) * weight_bytes + islands * _FP32
     # torchao keeps a shard under 4,096 values in float32: every 1-D parameter's, at any width.
@@ -571,6 +572,9 @@ def rows_to_seconds(rows: int) -> float:
     return 5.0 + (rows - RELEASED_5S_ROWS) / per_second
 
 
+# The shortest clip the frame rule (17 n + 5 frames, n >= 1, at 24 fps) allows: 22 frames.
+SHORTEST_CLIP_S = 22 / 24
+
 # Reference setups of the LoRA printout: (label, ranks, sp), all 80 GB devices.
 LORA_REFERENCE_SETUPS = (("8 x A100-80GB", 8, 8), ("1 x 80 GB GPU", 1, 1))
 
@@ -601,7 +605,7 @@ def lora_fit_lines(dims: Mapping[str, Any], plan: MemoryPlan) -> tuple[str, ...]
     for label, dp_replicate, dp_shard, sp in setups:
         rows = longest_fit_rows(dims, dp_replicate=dp_replicate, dp_shard=dp_shard, sp=sp, **common)
         seconds = rows_to_seconds(rows)
-        clip = f"~{seconds:.1f} s of 768x1344 FL2VA" if seconds >= 0.5 else "no clip of the released canvas"
+        clip = f"~{seconds:.1f} s of 768x1344 FL2VA" if seconds >= SHORTEST_CLIP_S else "no clip of the released canvas"
         lines.append(f"  {label:<28} {rows:>11,} rows" + (f"  ({clip})" if released else ""))
     return tuple(lines)
 
@@ -853,7 +857,7 @@ def format_plan(plan: MemoryPlan) -> str:
     else:
         trainable_weights = plan.grads_bytes
         lines += [
-            f"LoRA          rank {lora.rank} on {lora.adapted_layers} Linear layers: {lora.adapters:,} adapter "
+            f"{lora.kind:<14}rank {lora.rank} on {lora.adapted_layers} Linear layers: {lora.adapters:,} adapter "
             f"parameters ({_count(lora.adapters)}), {lora.train_modules:,} in train_modules; base frozen",
             "memory per rank",
             f"  frozen base bf16 (fp32 isl.)  {_gib(plan.master_weights_bytes - trainable_weights)}  "

@@ -90,6 +90,9 @@ def _check_lora(cfg: Config) -> None:
     lora = cfg.lora
     if lora.rank == 0:
         return
+    from .lora.adapters import check_kind
+
+    check_kind(lora)
     if lora.init_from is not None and not Path(lora.init_from).is_file():
         raise ConfigError(f"config key 'lora.init_from': file '{lora.init_from}' does not exist")
     model = meta_model(cfg)

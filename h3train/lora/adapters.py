@@ -1,24 +1,45 @@
-"""LoRA adapters on the H3 transformer through its own `PeftAdapterMixin` (`transformer.add_adapter`).
+"""Adapters on the H3 transformer through its own `PeftAdapterMixin` (`transformer.add_adapter`).
 
 `LoraTransform` is the model transform `model_transforms(cfg)` returns when `lora.rank > 0`. On the
 bare transformer, before the sequence-parallel wrapper and FSDP2, it:
 
-1. adds one peft adapter (`ADAPTER_NAME`) on the Linear layers `lora.target_modules` selects;
-   peft freezes every other parameter;
+1. adds one peft adapter (`ADAPTER_NAME`) of the configured kind (`KINDS`) on the Linear layers
+   `lora.target_modules` selects; peft freezes every other parameter;
 2. unfreezes the `lora.train_modules` (trained in full, float32 master weights);
 3. stores the frozen base in bfloat16 except the `_keep_in_fp32_modules` islands, which stay float32
    as in the released checkpoint; adapters are float32. A frozen parameter has no gradient and no
    optimizer state, so no float32 copy of it exists anywhere;
-4. gives every adapter its seeded initial value (`adapter_init`): lora_A as peft's default
-   (Kaiming-uniform, a = sqrt(5)), lora_B zero, drawn from a generator seeded by `train.seed` and the
-   parameter's name, so every rank and every build (random, pretrained, meta) gets the same values;
-   or, with `lora.init_from`, the values of that LoRA file (`init_from.py`).
+4. gives every adapter its seeded initial value (`adapter_init`): the factors peft starts at zero
+   (`ZERO_FACTORS`: lora_B, lokr_w1, hada_w2_b) zero, so the adapted model starts as its base, every
+   other factor as peft's default (Kaiming-uniform, a = sqrt(5)), drawn from a generator seeded by
+   `train.seed` and the parameter's name, so every rank and every build (random, pretrained, meta)
+   gets the same values; a DoRA magnitude is the row norm of its layer's weight as held (`magnitude`),
+   so the adapted layer starts as its base exactly; or, with `lora.init_from`, the values of that
+   LoRA file (`init_from.py`).
+
+The kinds (`lora.kind`, `lora.use_dora`), all with `lora.rank` r and the output scale `lora.alpha / r`:
+
+- `lora`: `W + s B A`, peft's `LoraConfig` (lora_A r x in, lora_B out x r); `lora.dropout` is peft's
+  dropout on the adapter's input.
+- DoRA (`lora.use_dora`): peft's `LoraConfig(use_dora=True)`: `m * (W + s B A) / ||W + s B A||`, the
+  norm per output row and taken as a constant in the backward (peft, after the DoRA paper); the
+  magnitude m (`lora_magnitude_vector`, one value per output row, 1-D) trains beside A and B.
+- `lokr`: peft's `LoKrConfig`: `W + s kron(w1, w2)`, out = out_l * out_k and in = in_m * in_n factored
+  near their square roots (`decompose_factor=-1`); w1 (`lokr_w1`, out_l x in_m) is a full matrix
+  (`decompose_both=False`), w2 is `lokr_w2_a @ lokr_w2_b` (out_k x r, r x in_n) when r is under half of
+  max(out_k, in_n), else a full `lokr_w2`. peft's rank and module dropouts draw one mask per forward,
+  which sequence-parallel ranks would not share, so `lora.dropout` must be 0 (`check_kind`).
+- `loha`: peft's `LoHaConfig`: `W + s (hada_w1_a @ hada_w1_b) * (hada_w2_a @ hada_w2_b)` (Hadamard
+  product; the `_a` factors out x r, the `_b` ones r x in); `lora.dropout` must be 0, as for LoKr.
+
+LoKr and LoHa materialise each adapted layer's full delta weight in the forward (peft's
+`get_delta_weight`), which the backward keeps: `AdapterCounts.block_delta_values`.
 
 A model built on the meta device (pretrained weights, resume) has no values yet: its adapters are
 created on meta too and get their values in `LoraTransform.after_load`, which the trainer calls once
 FSDP2 has sharded and materialised the model and the pretrained weights are in. Each rank then draws
 the full adapter tensor from the seeded generator and keeps its own shard, so the sharded values
-equal the unsharded init exactly.
+equal the unsharded init exactly (a DoRA magnitude gathers its layer's weight to take the norms).
 """
 
 from __future__ import annotations
@@ -26,36 +47,86 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
+from peft import LoHaConfig, LoKrConfig
 from peft import LoraConfig as PeftLoraConfig
+from peft.tuners.lokr.layer import factorization
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import Config, LoraConfig
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..model.adapter import AdapterCounts
 from ..model.build import fp32_island_names, meta_transformer, pretrained_folder
 from ..parallel.shards import fill_from_full
 from .base import BASE_DTYPE, BASE_KEY, base_record, check_same_base, read_record
-from .names import ADAPTER_NAME, export_name, is_adapter_param
+from .names import ADAPTER_NAME, MAGNITUDE, export_name, is_adapter_param, split_factor
 from .targets import resolve_targets, resolve_train_modules
 
 ROOT_PREFIX = "transformer."
 
+#: Adapter kind -> its peft config class and `peft_type` (as a checkpoint's record names it).
+KINDS: dict[str, tuple[type, str]] = {
+    "lora": (PeftLoraConfig, "LORA"),
+    "dora": (PeftLoraConfig, "LORA"),
+    "lokr": (LoKrConfig, "LOKR"),
+    "loha": (LoHaConfig, "LOHA"),
+}
+#: The factors peft starts at zero, so that the adapted layer starts as its base.
+ZERO_FACTORS = ("lora_B.weight", "lokr_w1", "lokr_w1_a", "hada_w2_b")
+# The LyCORIS kinds name their scale's numerator `alpha`; the record also carries it as `lora_alpha`.
+_LYCORIS = ("lokr", "loha")
 
-def peft_config(lora: LoraConfig, targets: list[str]) -> PeftLoraConfig:
-    """peft's config for `lora` on the resolved full module paths `targets`."""
+
+def adapter_kind(lora: LoraConfig) -> str:
+    """`lora`, `dora`, `lokr` or `loha`: the kind `lora.kind` and `lora.use_dora` ask for."""
+    return "dora" if lora.use_dora else lora.kind
+
+
+def kind_setting(kind: str) -> str:
+    """The config setting that asks for `kind`, as messages name it."""
+    return "lora.use_dora=true" if kind == "dora" else f"lora.kind={kind}"
+
+
+def check_kind(lora: LoraConfig) -> None:
+    """What the configured kind cannot do, as a one-line `ConfigError` naming the key; before any model."""
+    kind = adapter_kind(lora)
+    if kind in _LYCORIS and lora.dropout:
+        raise ConfigError(
+            f"config key 'lora.dropout' is {lora.dropout}, and {kind_setting(kind)} has no input dropout (peft's "
+            "rank and module dropouts draw one mask per forward, which sequence-parallel ranks would not share); "
+            "set lora.dropout=0"
+        )
+    if kind in _LYCORIS and lora.init_from:
+        raise ConfigError(
+            f"config key 'lora.init_from' reads LoRA and DoRA files, not {kind_setting(kind)} adapters; drop "
+            "lora.init_from (a run of this kind continues with checkpoint.resume)"
+        )
+
+
+def peft_config(lora: LoraConfig, targets: list[str]) -> PeftLoraConfig | LoKrConfig | LoHaConfig:
+    """peft's config for `lora` on the resolved full module paths `targets` (the kinds: module docstring)."""
+    check_kind(lora)
+    alpha = lora.alpha if lora.alpha is not None else lora.rank
+    kind = adapter_kind(lora)
+    if kind in _LYCORIS:
+        common = dict(r=lora.rank, alpha=alpha, rank_dropout=0.0, module_dropout=0.0, init_weights=True)
+        if kind == "lokr":
+            return LoKrConfig(**common, target_modules=list(targets), decompose_both=False, decompose_factor=-1)
+        return LoHaConfig(**common, target_modules=list(targets))
     return PeftLoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha if lora.alpha is not None else lora.rank,
+        lora_alpha=alpha,
         lora_dropout=lora.dropout,
         target_modules=list(targets),
         init_lora_weights=True,
         bias="none",
+        use_dora=lora.use_dora,
     )
 
 
@@ -63,8 +134,17 @@ def is_adapted(transformer: nn.Module) -> bool:
     return bool(getattr(transformer, "_hf_peft_config_loaded", False))
 
 
+def adapted_modules(names: Any) -> list[str]:
+    """The module paths that file names `names` hold adapter parameters of, sorted."""
+    return sorted({split[0] for split in map(split_factor, names) if split is not None})
+
+
 def adapter_config(transformer: nn.Module) -> dict | None:
-    """The adapter's peft config as a JSON-able dict (what `LoraConfig(**d)` rebuilds); None without one."""
+    """The adapter's peft config as a JSON-able dict (`peft_config_from_record` rebuilds it); None without one.
+
+    The LyCORIS kinds' `alpha` is recorded as `lora_alpha` too, so a reader of the rank and scale
+    (`r`, `lora_alpha`) needs no kind.
+    """
     if not is_adapted(transformer):
         return None
     d = transformer.peft_config[ADAPTER_NAME].to_dict()
@@ -75,12 +155,39 @@ def adapter_config(transformer: nn.Module) -> dict | None:
         if k in ("peft_type", "task_type") and v is not None:
             v = str(getattr(v, "value", v))
         out[k] = v
+    if "lora_alpha" not in out:
+        out["lora_alpha"] = out["alpha"]
     # peft rewrites a long target list to the shortest suffixes that select the same modules; record
     # the adapted modules' full paths instead, which select them in any model of this layout.
-    out["target_modules"] = sorted(
-        {export_name(n).removesuffix(".lora_A.weight") for n, _ in transformer.named_parameters() if ".lora_A." in n}
+    out["target_modules"] = adapted_modules(
+        export_name(n) for n, _ in transformer.named_parameters() if is_adapter_param(n)
     )
     return out
+
+
+def record_kind(record: Mapping[str, Any]) -> str:
+    """The adapter kind of a recorded peft config (`adapter_config`); a record without a type is LoRA."""
+    peft_type = str(record.get("peft_type") or "LORA")
+    if peft_type == "LORA":
+        return "dora" if record.get("use_dora") else "lora"
+    kinds = [k for k, (_, t) in KINDS.items() if t == peft_type]
+    if not kinds:
+        raise ValueError(f"peft_type {peft_type!r} is not one of the adapter kinds h3train trains ({', '.join(KINDS)})")
+    return kinds[0]
+
+
+def peft_config_from_record(record: Mapping[str, Any], **changes: Any) -> PeftLoraConfig | LoKrConfig | LoHaConfig:
+    """The peft config object of a recorded one (`adapter_config`), with `changes` applied."""
+    cls = KINDS[record_kind(record)][0]
+    names = {f.name for f in fields(cls)} - {"peft_type", "task_type", "peft_version", "auto_mapping"}
+    return cls(**{k: v for k, v in {**record, **changes}.items() if k in names})
+
+
+def peft_metadata(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The recorded config as a file's adapter metadata: the keys the kind's peft config takes."""
+    cls = KINDS[record_kind(record)][0]
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in record.items() if k in names}
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -89,8 +196,14 @@ def _param_seed(seed: int, name: str) -> int:
 
 
 def adapter_init(name: str, shape: torch.Size | tuple[int, ...], seed: int) -> torch.Tensor:
-    """The seeded initial value of adapter parameter `name` (a file name, see `names.export_name`)."""
-    if ".lora_B." in name:
+    """The seeded initial value of adapter factor `name` (a file name, see `names.export_name`).
+
+    A DoRA magnitude depends on the base weight, not on a seed: `magnitude`.
+    """
+    if is_magnitude(name):
+        raise ValueError(f"'{name}' is a DoRA magnitude, the row norms of its layer's weight (adapters.magnitude)")
+    split = split_factor(name)
+    if split is not None and split[1] in ZERO_FACTORS:
         return torch.zeros(shape, dtype=torch.float32)
     gen = torch.Generator().manual_seed(_param_seed(seed, name))
     value = torch.empty(shape, dtype=torch.float32)
@@ -98,18 +211,54 @@ def adapter_init(name: str, shape: torch.Size | tuple[int, ...], seed: int) -> t
     return value
 
 
+def magnitude(weight: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """A DoRA magnitude: the float32 row norms of `weight + delta` (peft's `get_weight_norm`).
+
+    With the LoRA delta of the layer's initial factors (zero, unless `lora.init_from`), the adapted
+    layer starts as `W + delta` exactly: the magnitude equals the norm peft divides by.
+    """
+    w = weight.float()
+    return torch.linalg.norm(w if delta is None else w + delta.float(), dim=1)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def adapter_values(model: nn.Module, cfg: Config) -> dict[str, torch.Tensor]:
-    """Initial values of `model`'s adapter parameters by file name: from `lora.init_from`, or seeded."""
+    """Initial values of `model`'s adapter parameters by file name: from `lora.init_from`, or seeded.
+
+    A collective on a sharded DoRA model (each magnitude gathers its layer's weight): every rank calls it.
+    """
+    params = {export_name(name.removeprefix(ROOT_PREFIX)): p for name, p in model.named_parameters()}
     shapes = {
         export_name(name.removeprefix(ROOT_PREFIX)): param.shape
         for name, param in model.named_parameters()
         if is_adapter_param(name)
     }
+    scale = adapter_scale(cfg.lora)
     if cfg.lora.init_from:
         from .init_from import init_values
 
-        return init_values(cfg.lora.init_from, shapes, adapter_scale(cfg.lora))
-    return {name: adapter_init(name, shape, cfg.train.seed) for name, shape in shapes.items()}
+        values = init_values(cfg.lora.init_from, shapes, scale)
+    else:
+        values = {n: adapter_init(n, s, cfg.train.seed) for n, s in shapes.items() if not is_magnitude(n)}
+    # The magnitudes the file does not hold (all of them without one): the row norms of the layers.
+    for name in sorted(set(shapes) - set(values)):
+        module = name.removesuffix(f".{MAGNITUDE}")
+        weight = params[f"{module}.weight"]
+        if weight.is_meta:  # preflight's check of a model on meta: shapes only
+            values[name] = torch.zeros(shapes[name])
+            continue
+        a, b = values[f"{module}.lora_A.weight"], values[f"{module}.lora_B.weight"]
+        delta = scale * (b @ a) if torch.count_nonzero(b) else None
+        values[name] = magnitude(_full(weight).detach().cpu(), delta)
+    return values
+
+
+def is_magnitude(name: str) -> bool:
+    """Whether a file name is a DoRA magnitude (`<module>.lora_magnitude_vector`)."""
+    return name.endswith(f".{MAGNITUDE}")
 
 
 def adapter_scale(lora: LoraConfig) -> float:
@@ -130,6 +279,7 @@ def init_adapters(model: nn.Module, cfg: Config) -> None:
 def add_adapters(transformer: MiniMaxH3Transformer3DModel, cfg: Config) -> None:
     """Steps 1-4 of the module docstring, on the bare transformer (real or on meta)."""
     lora = cfg.lora
+    check_kind(lora)
     targets = resolve_targets(transformer, lora.target_modules)
     train_modules = resolve_train_modules(transformer, lora.train_modules, targets)
     # peft initialises with the default RNG; fork it, so adding adapters never shifts other draws.
@@ -153,13 +303,15 @@ class LoraTransform:
 
     As the adapter it says what a checkpoint of the run records (`checkpoint_info`), that the
     checkpoint holds the trainable state only (`trainable_only`: the frozen base is rebuilt as on a
-    fresh start) and which checkpoints a resume may continue (`check_checkpoint`: the same base).
+    fresh start) and which checkpoints a resume may continue (`check_checkpoint`: the same base, kind
+    and rank). Built from its config, it refuses what the kind cannot do (`check_kind`) before any model.
     """
 
     #: A checkpoint holds the parameters that train; the frozen base is rebuilt where a fresh start gets it.
     trainable_only = True
 
     def __init__(self, cfg: Config) -> None:
+        check_kind(cfg.lora)
         self.cfg = cfg
         self._base: dict[str, Any] | None = None
 
@@ -176,10 +328,16 @@ class LoraTransform:
         return {"lora": adapter_config(getattr(model, "transformer", model)), BASE_KEY: self.base}
 
     def check_checkpoint(self, saved: dict[str, Any], path: Path) -> None:
-        """A LoRA checkpoint resumes only on the base it was trained on, into adapters of its rank
-        (`CheckpointError` naming what changed and the ways out otherwise)."""
+        """A LoRA checkpoint resumes only on the base it was trained on, into adapters of its kind and
+        rank (`CheckpointError` naming what changed and the ways out otherwise)."""
         check_same_base(read_record(saved), self.base, path)
         record = saved.get("lora") or {}
+        old, new = record_kind(record), adapter_kind(self.cfg.lora)
+        if record and old != new:
+            raise CheckpointError(
+                f"checkpoint '{path}' holds adapters of another kind: {kind_setting(old)} -> {kind_setting(new)}; "
+                f"resume it with {kind_setting(old)}, or start afresh in a new logging.dir (or checkpoint.resume=none)"
+            )
         old = record.get("r")
         if old is not None and int(old) != self.cfg.lora.rank:
             raise CheckpointError(
@@ -204,7 +362,7 @@ def trainable_state_dict(model: nn.Module, adapters_only: bool = False) -> dict[
 
     A collective on a sharded model: every rank must call it. Adapters come under the names
     `peft.get_peft_model_state_dict` gives, train_modules under their diffusers names;
-    `adapters_only` keeps the LoRA factors alone (what a LoRA file holds).
+    `adapters_only` keeps the adapter's own parameters alone (what a LoRA file holds).
     """
     out = {}
     for name, param in model.named_parameters():
@@ -214,36 +372,62 @@ def trainable_state_dict(model: nn.Module, adapters_only: bool = False) -> dict[
     return out
 
 
+def layer_counts(kind: str, rank: int, in_features: int, out_features: int) -> tuple[int, int, int]:
+    """(parameters, values kept per row for the backward, values kept per forward) an adapted Linear adds.
+
+    The parameters mirror peft's shapes (module docstring). Kept per row: LoRA its rank-r lora_A
+    output; DoRA that and, for the magnitude's gradient, the lora_B output and the base output (out
+    each). LoKr and LoHa keep nothing per row: their input is the base layer's, already counted, and
+    the backward keeps the materialised delta weight (out x in) instead.
+    """
+    if kind in ("lora", "dora"):
+        params = rank * (in_features + out_features)
+        if kind == "dora":
+            return params + out_features, rank + 2 * out_features, 0
+        return params, rank, 0
+    if kind == "loha":
+        return 2 * rank * (in_features + out_features), 0, in_features * out_features
+    out_l, out_k = factorization(out_features, -1)
+    in_m, in_n = factorization(in_features, -1)
+    w2 = rank * (out_k + in_n) if rank < max(out_k, in_n) / 2 else out_k * in_n
+    return out_l * in_m + w2, 0, in_features * out_features
+
+
 def lora_counts(dims: Mapping[str, Any], lora: Any) -> AdapterCounts:
     """Count a `LoraConfig`'s adapters on the architecture `dims`, built on the meta device (no memory).
 
-    Each adapted Linear gains `rank x (in + out)` parameters (lora_A, lora_B) and keeps its rank-r
-    lora_A output per row for the backward (`AdapterCounts.rank`).
+    Each adapted Linear gains the parameters of `layer_counts` (LoRA: `rank x (in + out)`, lora_A and
+    lora_B) and keeps what it says for the backward (`AdapterCounts.block_row_values`, `block_delta_values`).
     """
     model = meta_transformer(dict(dims))
     targets = resolve_targets(model, lora.target_modules)
     trained = resolve_train_modules(model, lora.train_modules, targets)
     modules = dict(model.named_modules())
     rank = int(lora.rank)
+    kind = adapter_kind(lora)
 
-    def adapter(name: str) -> int:
+    def adapter(name: str) -> tuple[int, int, int]:
         layer = modules[name]
-        return rank * (layer.in_features + layer.out_features)
+        return layer_counts(kind, rank, layer.in_features, layer.out_features)
 
     trained_params = {n: p.numel() for m in trained for n, p in modules[m].named_parameters(prefix=m)}
     islands = tuple(f"{n}." for n in fp32_island_names(model))
     frozen_fp32 = sum(
         p.numel() for n, p in model.named_parameters() if n.startswith(islands) and n not in trained_params
     )
-    block = "transformer_blocks.0."
-    block_adapters = sum(adapter(t) for t in targets if t.startswith(block))
+    block = [adapter(t) for t in targets if t.startswith("transformer_blocks.0.")]
+    block_adapters = sum(c[0] for c in block)
     return AdapterCounts(
         rank=rank,
         adapted_layers=len(targets),
-        adapters=sum(adapter(t) for t in targets),
+        adapters=sum(adapter(t)[0] for t in targets),
         train_modules=sum(trained_params.values()),
         frozen_fp32=frozen_fp32,
         block_adapters=block_adapters,
-        block_trainable=block_adapters + sum(v for n, v in trained_params.items() if n.startswith(block)),
-        block_adapted_layers=sum(1 for t in targets if t.startswith(block)),
+        block_trainable=block_adapters
+        + sum(v for n, v in trained_params.items() if n.startswith("transformer_blocks.0.")),
+        block_adapted_layers=len(block),
+        block_row_values=sum(c[1] for c in block),
+        block_delta_values=sum(c[2] for c in block),
+        kind={"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}[adapter_kind(lora)],
     )

@@ -1,5 +1,10 @@
 """`h3train export` of a LoRA checkpoint: the diffusers format, the ComfyUI format, or merged weights.
 
+Every adapter kind (`adapters.KINDS`: LoRA, DoRA, LoKr, LoHa) exports the same way; which format holds
+which kind, and under which names, is `export.py`'s table. A format that cannot hold the checkpoint's
+adapter (LoHa in the diffusers format, LoKr on to_q / to_k / to_v in the ComfyUI one) is a one-line
+`UsageError` pointing to the formats that can; `--merge` takes every kind.
+
 A LoRA checkpoint (`trainer_state.json` has `lora`, the adapter's peft config, and `lora_base`,
 `base.py`) holds the trainable parameters only, under their live FQNs in the DCP component `model`
 (`model.transformer.<module>.lora_A.default.weight`) and, with an EMA, again under `ema`. They are
@@ -36,9 +41,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError, UsageError
 from ..tasks.table import PARTITIONS, TRAINING_TASKS
+from .adapters import kind_setting, record_kind
 from .base import as_trained, folder_digest, island_prefixes, random_base_state, read_record
 from .export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME, save_comfyui_lora, save_diffusers_lora
-from .names import export_name
+from .names import export_name, split_factor
 
 # `--format` -> what its export is, as `h3train export` reports it.
 FORMATS = {"diffusers": "diffusers LoRA file", "comfyui": "ComfyUI LoRA file"}
@@ -63,8 +69,9 @@ def trained_partition(state: dict[str, Any]) -> str:
 
 
 def is_lora_factor(name: str) -> bool:
-    """Whether a file name (`names.export_name`) is a LoRA factor, what a LoRA file holds."""
-    return ".lora_A." in name or ".lora_B." in name
+    """Whether a file name (`names.export_name`) is an adapter's parameter (LoRA factor, DoRA magnitude,
+    LoKr or LoHa factor), what a LoRA file holds."""
+    return split_factor(name) is not None
 
 
 def read_trained(checkpoint: Path, reader, metadata, component: str) -> dict[str, torch.Tensor]:
@@ -111,12 +118,17 @@ def write_lora_export(
             "which a LoRA file cannot hold; export it with --merge"
         )
     out.mkdir(parents=True, exist_ok=True)
-    if fmt == "comfyui":
-        name = name or COMFYUI_WEIGHT_NAME
-        save_comfyui_lora(out / name, adapters, lora_config)
-    else:
-        name = name or DIFFUSERS_WEIGHT_NAME
-        save_diffusers_lora(out, adapters, lora_config, partition=trained_partition(state), weight_name=name)
+    try:
+        if fmt == "comfyui":
+            name = name or COMFYUI_WEIGHT_NAME
+            save_comfyui_lora(out / name, adapters, lora_config)
+        else:
+            name = name or DIFFUSERS_WEIGHT_NAME
+            save_diffusers_lora(out, adapters, lora_config, partition=trained_partition(state), weight_name=name)
+    except ValueError as exc:  # what the adapter's kind or modules cannot be in this format: one line
+        raise UsageError(
+            f"checkpoint '{checkpoint}' ({kind_setting(record_kind(lora_config))}) has no {FORMATS[fmt]}: {exc}"
+        ) from None
     return name
 
 
@@ -196,8 +208,6 @@ def _write_merged(
 
 
 def _target_weight(name: str) -> str:
-    """The base weight a trained tensor changes: `m.lora_A.weight` -> `m.weight`; a full one itself."""
-    for part in (".lora_A.weight", ".lora_B.weight"):
-        if name.endswith(part):
-            return name.removesuffix(part) + ".weight"
-    return name
+    """The base weight a trained tensor changes: `m.lora_A.weight`, `m.lokr_w1` -> `m.weight`; a full one itself."""
+    split = split_factor(name)
+    return f"{split[0]}.weight" if split is not None else name

@@ -1,28 +1,48 @@
-"""LoRA files from a trained adapter: the diffusers format, the ComfyUI format, and merged weights.
+"""Adapter files from a trained adapter: the diffusers format, the ComfyUI format, and merged weights.
 
 Every function takes the adapter as a state dict under the names `peft.get_peft_model_state_dict`
-gives (`transformer_blocks.0.attn.to_q.lora_A.weight`; `adapters.trainable_state_dict` returns it)
-and the adapter's peft `LoraConfig` as a dict (`adapters.adapter_config`), so it works the same on a
-live model and on a checkpoint's contents. The adapter's output is scaled by `lora_alpha / rank`.
+gives (`transformer_blocks.0.attn.to_q.lora_A.weight`, `....lokr_w1`; `adapters.trainable_state_dict`
+returns it) and the adapter's recorded peft config as a dict (`adapters.adapter_config`), so it works
+the same on a live model and on a checkpoint's contents. The adapter's output is scaled by
+`lora_alpha / rank`. What each kind (`adapters.KINDS`) is written as:
+
+| kind | diffusers format (`transformer.` + peft names)    | ComfyUI format (`diffusion_model.` + original names)    |
+| ---- | ------------------------------------------------- | ------------------------------------------------------- |
+| lora | `lora_A.weight`, `lora_B.weight`                  | `lora_down.weight`, `lora_up.weight`, `alpha`           |
+| dora | those and `lora_magnitude_vector`                 | those and `dora_scale` (out x 1)                        |
+| lokr | `lokr_w1`, `lokr_w2` or `lokr_w2_a` / `lokr_w2_b` | the same LyCORIS names, the scale folded into w1        |
+| loha | none: diffusers' loader does not read LoHa        | `hada_w1_a` / `_w1_b` / `_w2_a` / `_w2_b`, scale in w1_a |
 
 - `save_diffusers_lora`: `pytorch_lora_weights.safetensors` written by
   `MiniMaxH3LoraLoaderMixin.save_lora_weights`, under the trained partition's name: `transformer.`
   (t2va / fl2va) or `transformer_ref.` (ref2va), with the peft config as the file's adapter metadata, so
-  `pipe.load_lora_weights(dir)` and `transformer.load_lora_adapter(dir)` rebuild the same adapter.
+  `pipe.load_lora_weights(dir)` and `transformer.load_lora_adapter(dir)` rebuild the same adapter
+  (diffusers' `load_lora_adapter` builds a DoRA `LoraConfig` or a `LoKrConfig` from that metadata; the
+  pipeline's `load_lora_weights` takes names holding `lora` only, so a LoKr file loads per model:
+  `pipe.transformer.load_lora_adapter(dir, prefix="transformer")`).
 - `comfyui_state_dict` / `save_comfyui_lora`: the original checkpoint's module names under
-  `diffusion_model.`, as the reference code and ComfyUI read them, kohya style
-  (`lora_down` / `lora_up` / `alpha`, scale `alpha / rank`). It is the exact inverse of diffusers'
+  `diffusion_model.`, as the reference code and ComfyUI read them, with kohya / LyCORIS names
+  (ComfyUI's `lora`, `loha` and `lokr` weight adapters). For LoRA it is the exact inverse of diffusers'
   `_convert_non_diffusers_minimax_h3_lora_to_diffusers`:
   `to_q`, `to_k`, `to_v` fuse into `attn.qkv_proj` (`[q; k; v]` rows, as every producer but
   DiffSynth-Studio writes it): their lora_A stack into one down matrix of rank `3 r` and their
   lora_B sit block-diagonally in the up matrix, so `up @ down` restricted to each third is exactly
-  that projection's `B @ A`; alpha is `3 r * alpha / r`, keeping the scale. `ff.net.0.proj` becomes
-  `mlp.fc1` with its output halves in the original order: diffusers' SwiGLU computes
-  `value * silu(gate)` from `[value; gate]`, the original `fc2(silu(gate) * value)` from
-  `[gate; value]` (recorded in the file's metadata as `swiglu_fc1_halves`).
-- `merge_adapters` / `save_merged_transformer`: the adapters folded into the base weights
-  (`W + alpha / r * B @ A`, computed in float32, stored in the weight's own dtype, so the float32
-  islands stay float32), as a diffusers transformer folder `from_pretrained` loads.
+  that projection's `B @ A`; alpha is `3 r * alpha / r`, keeping the scale. LoHa fuses the same way
+  (each product's `_a` factors block-diagonal, its `_b` factors stacked), DoRA stacks the three
+  magnitudes; a Kronecker product does not split into thirds, so LoKr on to_q / to_k / to_v has no
+  ComfyUI form. `ff.net.0.proj` becomes `mlp.fc1` with its output halves in the original order:
+  diffusers' SwiGLU computes `value * silu(gate)` from `[value; gate]`, the original
+  `fc2(silu(gate) * value)` from `[gate; value]` (recorded in the file's metadata as
+  `swiglu_fc1_halves`): the rows of lora_up (and the DoRA magnitude), of both LoHa `_a` factors, or of
+  the LoKr factor whose rows hold the halves swap. LoKr and LoHa files hold no `alpha`: readers
+  take their scale as 1, and the factors carry it. DoRA's `dora_scale` is peft's magnitude, one value
+  per output row (LyCORIS' `wd_on_out`): `m * (W + dW) / ||W + dW||` per row. ComfyUI reads an
+  output-axis `dora_scale` but normalises by the base weight's row norms `||W||`, so it applies a
+  DoRA file approximately; `--merge` is exact.
+- `merge_adapters` / `save_merged_transformer`: the adapters folded into the base weights by peft's
+  own `merge` of the adapter kind (LoRA `W + s B A`; DoRA, LoKr, LoHa as the `adapters` docstring
+  says), computed in float32, stored in the weight's own dtype, so the float32 islands stay float32,
+  as a diffusers transformer folder `from_pretrained` loads.
 """
 
 from __future__ import annotations
@@ -33,9 +53,12 @@ import re
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..atomic import atomic_save_file
 from ..tasks.table import PARTITIONS, SAMPLE_TASKS, TRAINING_TASKS
+from .adapters import peft_config_from_record, peft_metadata, record_kind
+from .names import MAGNITUDE, export_name, is_adapter_param, split_factor
 
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 COMFYUI_WEIGHT_NAME = "lora_comfyui.safetensors"
@@ -63,23 +86,23 @@ _BLOCKS = (
 _QKV = ("attn.to_q", "attn.to_k", "attn.to_v")
 
 
-def _modules(adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Module path -> (lora_A, lora_B); anything but LoRA factors is an error."""
-    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for key in adapters:
-        if not key.endswith(".lora_A.weight"):
-            if not key.endswith(".lora_B.weight"):
-                raise ValueError(f"'{key}' is not a LoRA factor; a LoRA file holds lora_A / lora_B weights only")
-            continue
-        module = key.removesuffix(".lora_A.weight")
-        b_key = f"{module}.lora_B.weight"
-        if b_key not in adapters:
-            raise ValueError(f"'{key}' has no '{b_key}'")
-        out[module] = (adapters[key], adapters[b_key])
-    missing_a = [k for k in adapters if k.endswith(".lora_B.weight") and k.removesuffix(".lora_B.weight") not in out]
-    if missing_a:
-        raise ValueError(f"'{missing_a[0]}' has no lora_A")
+def adapter_groups(adapters: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Module path -> {factor (`names.FACTORS`): tensor}; a name that is no adapter parameter is an error."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in adapters.items():
+        split = split_factor(key)
+        if split is None:
+            raise ValueError(f"'{key}' is not an adapter parameter; an adapter file holds the adapters' factors only")
+        out.setdefault(split[0], {})[split[1]] = value
     return out
+
+
+def _lora_pair(module: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lora_A, lora_B) of a LoRA / DoRA module's parts; a missing one is an error."""
+    for have, need in (("lora_A.weight", "lora_B.weight"), ("lora_B.weight", "lora_A.weight")):
+        if need not in parts:
+            raise ValueError(f"'{module}.{have}' has no '{module}.{need}'")
+    return parts["lora_A.weight"], parts["lora_B.weight"]
 
 
 def lora_scale(lora_config: dict, rank: int) -> float:
@@ -105,10 +128,17 @@ def save_diffusers_lora(
 
     The keys go under the partition the adapter was trained on, since the pipeline loads them into
     the component of that name: `partition` (`transformer` or `transformer_ref`) or, without it, the
-    partition of `task` (a `task.name` or a sample task, from the task table).
+    partition of `task` (a `task.name` or a sample task, from the task table). A LoHa adapter has no
+    diffusers form (`ValueError`).
     """
     from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
 
+    kind = record_kind(lora_config)
+    if kind == "loha":
+        raise ValueError(
+            "diffusers' LoRA loader reads LoRA, DoRA and LoKr adapters, not LoHa; export the ComfyUI format "
+            "(LyCORIS hada_ keys) or merge instead"
+        )
     if partition is None:
         spec = TRAINING_TASKS.get(task) or SAMPLE_TASKS.get(task)
         partition = spec.partition if spec is not None else None
@@ -116,9 +146,14 @@ def save_diffusers_lora(
             raise ValueError(f"task '{task}' names no single partition; pass partition= (one of {list(PARTITIONS)})")
     if partition not in PARTITIONS:
         raise ValueError(f"partition '{partition}' is not one of {list(PARTITIONS)}")
+    groups = adapter_groups(adapters)
+    if kind in ("lora", "dora"):
+        for module, parts in groups.items():
+            _lora_pair(module, parts)
     layers = {k: v.detach().cpu().contiguous() for k, v in adapters.items()}
-    metadata = json.loads(json.dumps(lora_config))
-    metadata["target_modules"] = sorted(_modules(adapters))
+    # The config the kind's peft class takes (diffusers builds `LoraConfig` / `LoKrConfig(**metadata)`).
+    metadata = json.loads(json.dumps(peft_metadata(lora_config)))
+    metadata["target_modules"] = sorted(groups)
     # `save_lora_weights` takes `<component>_lora_layers` / `<component>_lora_adapter_metadata` per partition.
     kwargs = {f"{partition}_lora_layers": layers, f"{partition}_lora_adapter_metadata": metadata}
     MiniMaxH3LoraLoaderMixin.save_lora_weights(str(out_dir), weight_name=weight_name, **kwargs)
@@ -146,54 +181,124 @@ def _original_name(module: str) -> tuple[str, str]:
     )
 
 
+def _file_parts(kind: str, module: str, parts: dict[str, torch.Tensor], lora_config: dict) -> dict[str, torch.Tensor]:
+    """One module's adapter as the ComfyUI file names it (before renaming and fusing), float32.
+
+    LoRA / DoRA: `lora_down.weight`, `lora_up.weight`, `alpha` (`scale * rank`), DoRA's `dora_scale`
+    (out x 1). LoKr / LoHa: their LyCORIS names with the scale folded into the first factor.
+    """
+    parts = {k: v.detach().float().cpu() for k, v in parts.items()}
+    if kind in ("lora", "dora"):
+        a, b = _lora_pair(module, parts)
+        out = {"lora_down.weight": a, "lora_up.weight": b, "alpha": lora_scale(lora_config, a.shape[0]) * a.shape[0]}
+        if kind == "dora":
+            out["dora_scale"] = parts[MAGNITUDE].reshape(-1, 1)
+        return out
+    rank = int(lora_config["r"])
+    first = "hada_w1_a" if kind == "loha" else ("lokr_w1" if "lokr_w1" in parts else "lokr_w1_a")
+    return {k: v * lora_scale(lora_config, rank) if k == first else v for k, v in parts.items()}
+
+
+def _swap_fc1(kind: str, module: str, parts: dict) -> dict:
+    """`parts` of the SwiGLU input projection with its output halves swapped (module docstring)."""
+
+    def swap(t: torch.Tensor) -> torch.Tensor:
+        first, second = t.chunk(2, dim=0)
+        return torch.cat([second, first], dim=0)
+
+    if kind in ("lora", "dora"):
+        rows = ("lora_up.weight", "dora_scale")
+    elif kind == "loha":
+        rows = ("hada_w1_a", "hada_w2_a")
+    else:
+        # kron(w1, w2): output row i = a * out_k + b. Halves swap as w1's rows do when out_l is even.
+        out_l = (parts.get("lokr_w1") if "lokr_w1" in parts else parts["lokr_w1_a"]).shape[0]
+        if out_l % 2 == 0:
+            rows = ("lokr_w1", "lokr_w1_a")
+        elif out_l == 1:
+            rows = ("lokr_w2", "lokr_w2_a")
+        else:
+            raise ValueError(f"'{module}': a LoKr of {out_l} x ... Kronecker rows cannot swap the SwiGLU halves")
+    return {k: swap(v) if k in rows else v for k, v in parts.items()}
+
+
+def _fuse_qkv(kind: str, name: str, thirds: dict[int, dict]) -> dict:
+    """The file parts of `attn.qkv_proj` from those of to_q / to_k / to_v (index 0, 1, 2; module docstring)."""
+    if kind == "lokr":
+        raise ValueError(
+            f"'{name}': the original layout fuses to_q, to_k and to_v into one Linear, and LoKr's Kronecker "
+            "products do not fuse; export the diffusers format or merge, or leave to_q / to_k / to_v out of "
+            "lora.target_modules"
+        )
+    if kind == "dora" and len(thirds) != 3:
+        raise ValueError(
+            f"'{name}': a DoRA magnitude covers the fused projection's every row, so to_q, to_k and to_v must "
+            "all be adapted; export the diffusers format or merge instead"
+        )
+    # (stacked, block-diagonal) factor pairs: each pair's product is the projection's own per third.
+    lycoris = (("hada_w1_b", "hada_w1_a"), ("hada_w2_b", "hada_w2_a"))
+    pairs = lycoris if kind == "loha" else (("lora_down.weight", "lora_up.weight"),)
+    if kind != "loha":
+        scales = {p["alpha"] / p["lora_down.weight"].shape[0] for p in thirds.values()}
+        if len(scales) != 1:
+            raise ValueError(f"'{name}': q, k and v adapters of different scales cannot share one fused alpha")
+    out: dict[str, torch.Tensor | float] = {}
+    for down_key, up_key in pairs:
+        out_rows = {p[up_key].shape[0] for p in thirds.values()}.pop()
+        rank = sum(p[down_key].shape[0] for p in thirds.values())
+        out[down_key] = torch.cat([thirds[i][down_key] for i in sorted(thirds)], dim=0)
+        up = torch.zeros(3 * out_rows, rank)
+        col = 0
+        for i in sorted(thirds):
+            block = thirds[i][up_key]
+            up[i * out_rows : (i + 1) * out_rows, col : col + block.shape[1]] = block
+            col += block.shape[1]
+        out[up_key] = up
+    if kind != "loha":
+        out["alpha"] = scales.pop() * out["lora_down.weight"].shape[0]
+    if kind == "dora":
+        out["dora_scale"] = torch.cat([thirds[i]["dora_scale"] for i in range(3)], dim=0)
+    return out
+
+
 def comfyui_state_dict(
     adapters: dict[str, torch.Tensor], lora_config: dict
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, safetensors metadata) of the ComfyUI-format file (see the module docstring)."""
+    kind = record_kind(lora_config)
+    groups = adapter_groups(adapters)
     tensors: dict[str, torch.Tensor] = {}
-    fused: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-    ranks = set()
-    for module, (a, b) in _modules(adapters).items():
-        a, b = a.detach().float().cpu(), b.detach().float().cpu()
-        ranks.add(a.shape[0])
-        name, kind = _original_name(module)
-        if kind.startswith("qkv:"):
-            fused.setdefault(name, {})[int(kind[4:])] = (a, b)
+    fused: dict[str, dict[int, dict]] = {}
+    for module, parts in groups.items():
+        name, where = _original_name(module)
+        parts = _file_parts(kind, module, parts, lora_config)
+        if where.startswith("qkv:"):
+            fused.setdefault(name, {})[int(where[4:])] = parts
             continue
-        if kind == "fc1":
-            value, gate = b.chunk(2, dim=0)
-            b = torch.cat([gate, value], dim=0)
-        _put(tensors, name, a, b, lora_scale(lora_config, a.shape[0]) * a.shape[0])
-    for name, parts in fused.items():
-        scales = {lora_scale(lora_config, a.shape[0]) for a, _ in parts.values()}
-        if len(scales) != 1:
-            raise ValueError(f"'{name}': q, k and v adapters of different scales cannot share one fused alpha")
-        out_rows = {b.shape[0] for _, b in parts.values()}.pop()
-        rank = sum(a.shape[0] for a, _ in parts.values())
-        down = torch.cat([parts[i][0] for i in sorted(parts)], dim=0)
-        up = torch.zeros(3 * out_rows, rank)
-        col = 0
-        for i in sorted(parts):
-            a, b = parts[i]
-            up[i * out_rows : (i + 1) * out_rows, col : col + a.shape[0]] = b
-            col += a.shape[0]
-        _put(tensors, name, down, up, scales.pop() * rank)
+        _put(tensors, name, _swap_fc1(kind, module, parts) if where == "fc1" else parts)
+    for name, thirds in fused.items():
+        _put(tensors, name, _fuse_qkv(kind, name, thirds))
     metadata = {
         "format": "pt",
         "h3train_lora_format": "comfyui",
-        "rank": ",".join(str(r) for r in sorted(ranks)),
+        "adapter_kind": kind,
+        "rank": str(lora_config["r"]) if kind in ("lokr", "loha") else _ranks(groups),
         "lora_alpha": str(lora_config["lora_alpha"]),
-        "target_modules": json.dumps(sorted(_modules(adapters))),
+        "target_modules": json.dumps(sorted(groups)),
         "swiglu_fc1_halves": SWIGLU_FC1_HALVES,
         "qkv_rows": "q,k,v",
     }
     return tensors, metadata
 
 
-def _put(tensors: dict[str, torch.Tensor], name: str, down: torch.Tensor, up: torch.Tensor, alpha: float) -> None:
-    tensors[f"{COMFYUI_PREFIX}{name}.lora_down.weight"] = down.contiguous()
-    tensors[f"{COMFYUI_PREFIX}{name}.lora_up.weight"] = up.contiguous()
-    tensors[f"{COMFYUI_PREFIX}{name}.alpha"] = torch.tensor(float(alpha), dtype=torch.float32)
+def _ranks(groups: dict[str, dict[str, torch.Tensor]]) -> str:
+    return ",".join(str(r) for r in sorted({parts["lora_A.weight"].shape[0] for parts in groups.values()}))
+
+
+def _put(tensors: dict[str, torch.Tensor], name: str, parts: dict) -> None:
+    for key, value in parts.items():
+        value = torch.tensor(float(value), dtype=torch.float32) if key == "alpha" else value
+        tensors[f"{COMFYUI_PREFIX}{name}.{key}"] = value.contiguous()
 
 
 def save_comfyui_lora(path: str | os.PathLike, adapters: dict[str, torch.Tensor], lora_config: dict) -> Path:
@@ -205,28 +310,49 @@ def save_comfyui_lora(path: str | os.PathLike, adapters: dict[str, torch.Tensor]
 
 
 @torch.no_grad()
+def merged_weight(weight: torch.Tensor, parts: dict[str, torch.Tensor], lora_config: dict) -> torch.Tensor:
+    """`weight` (out x in) with one module's adapter `parts` ({factor: tensor}) folded in, float32.
+
+    The adapter kind's own peft layer does it: a Linear holding `weight` gets the recorded config's
+    adapter, takes `parts` as its values and runs peft's `merge`.
+    """
+    from peft import inject_adapter_in_model
+
+    holder = nn.Module()
+    holder.layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    holder.layer.weight = nn.Parameter(weight.detach().float().clone(), requires_grad=False)
+    config = peft_config_from_record(lora_config, target_modules=["layer"])
+    with torch.random.fork_rng(devices=[]):
+        inject_adapter_in_model(config, holder)
+    for name, param in holder.named_parameters():
+        if is_adapter_param(name):
+            param.copy_(parts[export_name(name).removeprefix("layer.")])
+    holder.layer.merge()
+    return holder.layer.get_base_layer().weight.detach()
+
+
+@torch.no_grad()
 def merge_adapters(
     base: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], lora_config: dict
 ) -> dict[str, torch.Tensor]:
     """The base state dict (diffusers names) with the adapters folded in and `train_modules` replaced.
 
-    `trained` is `adapters.trainable_state_dict`: LoRA factors plus any fully trained parameters.
+    `trained` is `adapters.trainable_state_dict`: the adapters' parameters plus any fully trained ones.
     Each merged weight keeps the base weight's dtype (bf16 base bf16, float32 islands float32).
     """
-    factors = {k: v for k, v in trained.items() if k.endswith((".lora_A.weight", ".lora_B.weight"))}
+    factors = {k: v for k, v in trained.items() if split_factor(k) is not None}
     merged = dict(base)
     for key, value in trained.items():
         if key not in factors:
             if key not in base:
                 raise ValueError(f"trained parameter '{key}' is not a parameter of the base model")
             merged[key] = value.to(base[key].dtype)
-    for module, (a, b) in _modules(factors).items():
+    for module, parts in adapter_groups(factors).items():
         key = f"{module}.weight"
         if key not in base:
             raise ValueError(f"adapter '{module}' adapts no weight of the base model")
         w = base[key]
-        delta = lora_scale(lora_config, a.shape[0]) * (b.float() @ a.float())
-        merged[key] = (w.float() + delta).to(w.dtype)
+        merged[key] = merged_weight(w, parts, lora_config).to(w.dtype)
     return merged
 
 

@@ -11,6 +11,12 @@ A fused `attn.qkv_proj` in the original layout converts to `to_q` / `to_k` / `to
 the fused rank sharing one lora_A; a file this trainer wrote (each projection's lora_B non-zero
 only in its own block of columns) is split back into the per-projection rank-r factors exactly.
 Anything else that does not fit the configured adapters is a `ConfigError` naming the module.
+
+A DoRA run (`lora.use_dora`) takes the magnitudes a DoRA file holds (`<module>.lora_magnitude_vector`,
+the diffusers format h3train writes) as they are; from a plain LoRA file its magnitudes are the row
+norms of `W + s B A` (`adapters.adapter_values`), so it starts computing what the LoRA did. A plain
+LoRA run refuses a DoRA file (it would drop the magnitudes). The LyCORIS kinds (`lora.kind` lokr,
+loha) take no file (`adapters.check_kind`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from ..tasks.table import PARTITIONS
+from .names import MAGNITUDE
 
 _QKV = (".attn.to_q", ".attn.to_k", ".attn.to_v")
 
@@ -73,7 +80,14 @@ def init_values(path: str, shapes: dict[str, torch.Size], scale: float) -> dict[
         raise _key(
             f"'{path}' has no adapter for {missing[0]} (and {len(missing) - 1} more) that lora.target_modules selects"
         )
+    magnitudes = {k for k in factors if k.endswith(f".{MAGNITUDE}")}
+    if magnitudes and not any(k.endswith(f".{MAGNITUDE}") for k in shapes):
+        raise _key(f"'{path}' holds DoRA magnitudes ({sorted(magnitudes)[0]}, ...); set lora.use_dora=true to train it")
     out = {}
+    for key in sorted(magnitudes & set(shapes)):
+        if factors[key].shape != shapes[key]:
+            raise _key(f"'{path}': {key} has {factors[key].numel()} values, the layer has {shapes[key][0]} outputs")
+        out[key] = factors[key].float().contiguous()
     for module in modules:
         a, b = factors[f"{module}.lora_A.weight"].float(), factors[f"{module}.lora_B.weight"].float()
         want_a, want_b = shapes[f"{module}.lora_A.weight"], shapes[f"{module}.lora_B.weight"]

@@ -1,6 +1,6 @@
 """The interface of a model adapter: a transform that adds parameters of its own (LoRA and kin).
 
-An adapter kind is one class (`lora.adapters.LoraTransform` is the example) that is both a model
+An adapter is one class (`lora.adapters.LoraTransform`, for every peft kind h3train trains) that is both a model
 transform (`train/hooks.ModelTransform`: it edits the bare transformer before sharding) and a
 `ModelAdapter`: it owns what checkpoints of the adapted model are and what it adds to the memory
 plan. The build, the trainer, resume and the planner ask it; none of them branches on the kind.
@@ -19,12 +19,15 @@ from torch import nn
 class AdapterCounts:
     """What an adapter adds, as the memory plan (`plan.py`) counts it: what trains, what stays float32.
 
-    `rank`: values each adapted layer keeps per row for its backward (LoRA: its rank-r lora_A output).
+    `rank`: the adapters' configured rank (`lora.rank`). For a plain LoRA it is also the values each
+    adapted layer keeps per row for its backward (its rank-r lora_A output); `block_row_values` counts
+    those for any kind.
     """
 
     rank: int
     adapted_layers: int
-    # The adapter's parameters (LoRA: lora_A + lora_B) and fully trained `lora.train_modules` ones, whole model.
+    # The adapter's parameters (LoRA: lora_A + lora_B; DoRA adds a magnitude per output; LoKr, LoHa their
+    # factors) and fully trained `lora.train_modules` ones, whole model.
     adapters: int
     train_modules: int
     # Frozen parameters in the float32 islands (`_keep_in_fp32_modules`).
@@ -33,6 +36,13 @@ class AdapterCounts:
     block_adapters: int
     block_trainable: int
     block_adapted_layers: int
+    # Within one block, what its adapted layers keep for the backward beyond the base's activations, in
+    # compute-dtype values: per row of the sequence (LoRA: rank per layer; DoRA: rank + 2 x out per layer),
+    # and per forward whatever the rows (LoKr, LoHa: each layer's materialised out x in delta weight).
+    block_row_values: int
+    block_delta_values: int
+    # What the printout calls the adapters: `LoRA`, `DoRA`, `LoKr` or `LoHa`.
+    kind: str = "LoRA"
 
     @property
     def trainable(self) -> int:
