@@ -887,8 +887,8 @@ def format_plan(plan: MemoryPlan) -> str:
         )
     if plan.checkpoint_bytes:
         lines.append(
-            f"checkpoint    {_gib(plan.checkpoint_bytes).strip()} on disk each, all ranks together (fp32 weights, "
-            "AdamW moments, any EMA); checkpoint.dir holds keep_last + 1 while a save commits"
+            f"checkpoint    {_gib(plan.checkpoint_bytes).strip()} on disk each, all ranks together ({wdt} weights, "
+            f"{moments} AdamW moments, any EMA); checkpoint.dir holds keep_last + 1 while a save commits"
         )
     if plan.retention_line:
         lines.append(plan.retention_line)
