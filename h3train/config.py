@@ -266,6 +266,9 @@ class LoraConfig:
     kind: str = "lora"
     # DoRA: a LoRA whose update is split into a learned per-output magnitude and a direction.
     use_dora: bool = False
+    # The frozen base's Linear weights: `none` (bfloat16), `int8` (A100) or `float8` (e4m3, H100/H200),
+    # weight-only with one scale per output row (`lora/quant.py`); 1 byte per weight instead of 2.
+    base_quant: str = "none"
 
 
 @dataclass
@@ -371,6 +374,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "optim.name": ("adamw", "adamw8bit", "adamw4bit", "adamw_bf16"),
     "optim.implementation": ("fused", "foreach", "for-loop"),
     "lora.kind": ("lora", "lokr", "loha"),
+    "lora.base_quant": ("none", "int8", "float8"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
     "cfg.schedule": ("constant", "sigma"),
     "cfg.negative": ("per_sample", "shared"),
@@ -942,6 +946,7 @@ def _validate_lora(lora: LoraConfig) -> None:
             ("train_modules", lora.train_modules),
             ("use_dora", lora.use_dora),
             ("kind", lora.kind != "lora"),
+            ("base_quant", lora.base_quant != "none"),
         ):
             if value:
                 raise ConfigError(f"config key 'lora.{key}' needs LoRA: set lora.rank > 0 (rank 0 is full fine-tuning)")

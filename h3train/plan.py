@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .lora.quant import base_bytes_per_weight
 from .model.adapter import AdapterCounts
 from .train.lowbit import QUANT_BLOCK, state_bytes_per_value
 
@@ -125,6 +126,8 @@ class MemoryPlan:
     ema_bytes: int = 0
     # `optim.name`: what the optimizer keeps per trainable parameter (`train/lowbit.py`).
     optimizer: str = "adamw"
+    # `lora.base_quant`: how the frozen base's matrices are stored (`lora/quant.py`).
+    base_quant: str = "none"
     # Text rows of the sample, which the refiner runs over on every SP rank, and what it keeps of
     # `activation_bytes` (`refiner_activation_bytes`), for the printout.
     text_rows: int = 0
@@ -455,6 +458,7 @@ def plan_memory(
     ema: bool = False,
     text_rows: int = 0,
     optimizer: str = "adamw",
+    base_quant: str = "none",
 ) -> MemoryPlan:
     """Per-rank memory of an AdamW fine-tune on a resolved `(dp_replicate, dp_shard, sp)` mesh.
 
@@ -468,7 +472,9 @@ def plan_memory(
     text rows (at most `rows`), which the text refiner runs over on every SP rank; 0 leaves the
     refiner out. `optimizer`: `optim.name`; `adamw_bf16` stores the trainable weights and gradients
     in bfloat16 (its float32 islands, which a LoRA's adapters are counted outside of, in float32),
-    and each kind its moments at `state_bytes_per_value` bytes (8 for float32 AdamW).
+    and each kind its moments at `state_bytes_per_value` bytes (8 for float32 AdamW). `base_quant`:
+    `lora.base_quant`, the frozen base's matrices at 1 byte per weight (the row scales, 2 bytes per
+    row of thousands of inputs, are left out), its vectors in bfloat16 and islands in float32.
     """
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
@@ -493,6 +499,9 @@ def plan_memory(
     else:
         frozen = counts.total - lora.train_modules
         base = (frozen - lora.frozen_fp32) * 2 + lora.frozen_fp32 * _FP32
+        if base_quant != "none":
+            # The matrices outside the islands: everything frozen there but the vectors.
+            base -= max(frozen - lora.frozen_fp32 - counts.vectors, 0) * (2 - base_bytes_per_weight(base_quant))
         trainable, islands, frozen_base = -(-lora.trainable // shard), 0, -(-base // shard)
         block_params, block_grads = counts.block + lora.block_adapters, lora.block_trainable
         # Each adapted Linear keeps what its kind needs beyond the base's input, already counted: per
@@ -522,6 +531,7 @@ def plan_memory(
         optimizer_bytes=moment_bytes,
         ema_bytes=trainable * _FP32 if ema else 0,
         optimizer=optimizer,
+        base_quant=base_quant,
         # Counted at every mesh size: the compute-dtype copy of a unit exists even unsharded, and a
         # one-rank mesh is not a layout the 33 B model fits in anyway.
         unsharded_params_bytes=2 * block_params * b,
@@ -592,6 +602,8 @@ def lora_fit_lines(dims: Mapping[str, Any], plan: MemoryPlan) -> tuple[str, ...]
         "checkpointed_layers": plan.checkpointed_layers,
         "ema": plan.ema_bytes > 0,
         "text_rows": plan.text_rows,
+        "optimizer": plan.optimizer,
+        "base_quant": plan.base_quant,
     }
     setups = [("this mesh", plan.dp_replicate, plan.dp_shard, plan.sp)]
     for label, ranks, sp in LORA_REFERENCE_SETUPS:
@@ -720,6 +732,7 @@ def estimate(
         ema=cfg.train.ema.decay > 0,
         text_rows=text_rows,
         optimizer=cfg.optim.name,
+        base_quant=cfg.lora.base_quant,
     )
     plan = replace(plan, checkpoint_bytes=checkpoint_bytes(dims, cfg, lora))
     if lora is not None:
@@ -846,6 +859,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lora = plan.lora
     wdt = "bf16" if plan.optimizer == "adamw_bf16" else "fp32"
     moments = {"adamw": "fp32", "adamw8bit": "8-bit", "adamw4bit": "4-bit", "adamw_bf16": "bf16"}[plan.optimizer]
+    base = "bf16 (fp32 isl.)" if plan.base_quant == "none" else f"{plan.base_quant} (fp32 isl.)"
+    per_weight = "2 B/param" if plan.base_quant == "none" else "matrices 1 B/param, vectors 2 B"
     if lora is None:
         isl = "  (fp32 islands 4 B)" if wdt == "bf16" else ""
         lines += [
@@ -860,8 +875,8 @@ def format_plan(plan: MemoryPlan) -> str:
             f"{lora.kind:<14}rank {lora.rank} on {lora.adapted_layers} Linear layers: {lora.adapters:,} adapter "
             f"parameters ({_count(lora.adapters)}), {lora.train_modules:,} in train_modules; base frozen",
             "memory per rank",
-            f"  frozen base bf16 (fp32 isl.)  {_gib(plan.master_weights_bytes - trainable_weights)}  "
-            f"(2 B/param, {lora.frozen_fp32:,} island params 4 B){where}",
+            f"  frozen base {base:<18}{_gib(plan.master_weights_bytes - trainable_weights)}  "
+            f"({per_weight}, {lora.frozen_fp32:,} island params 4 B){where}",
             f"  trainable weights {wdt}        {_gib(trainable_weights)}  (adapters + train_modules){where}",
             f"  trainable gradients {wdt}      {_gib(plan.grads_bytes)}{where}",
             f"  AdamW of the trainable        {_gib(plan.optimizer_bytes)}  ({plan.optimizer}, {moments}){where}",

@@ -66,6 +66,7 @@ from ..model.build import fp32_island_names, meta_transformer, pretrained_folder
 from ..parallel.shards import fill_from_full
 from .base import BASE_DTYPE, BASE_KEY, base_record, check_same_base, read_record
 from .names import ADAPTER_NAME, MAGNITUDE, export_name, is_adapter_param, split_factor
+from .quant import quantize_base
 from .targets import resolve_targets, resolve_train_modules
 
 ROOT_PREFIX = "transformer."
@@ -101,6 +102,11 @@ def check_kind(lora: LoraConfig) -> None:
             f"config key 'lora.dropout' is {lora.dropout}, and {kind_setting(kind)} has no input dropout (peft's "
             "rank and module dropouts draw one mask per forward, which sequence-parallel ranks would not share); "
             "set lora.dropout=0"
+        )
+    if kind == "dora" and lora.base_quant != "none":
+        raise ConfigError(
+            f"config key 'lora.base_quant' is {lora.base_quant}, and DoRA's magnitudes are read from the base "
+            "weights as trained: use lora.base_quant=none with lora.use_dora=true, or plain LoRA on the quantized base"
         )
     if kind in _LYCORIS and lora.init_from:
         raise ConfigError(
@@ -294,6 +300,8 @@ def add_adapters(transformer: MiniMaxH3Transformer3DModel, cfg: Config) -> None:
             param.data = param.data.float()
         elif not name.startswith(islands):
             param.data = param.data.to(BASE_DTYPE)
+    if lora.base_quant != "none":
+        quantize_base(transformer, lora.base_quant, islands)
     if not any(p.is_meta for p in transformer.parameters()):
         init_adapters(transformer, cfg)
 
@@ -320,7 +328,7 @@ class LoraTransform:
         """What `trainer_state.json` records about the frozen base (`base.base_record`)."""
         if self._base is None:
             pretrained = pretrained_folder(self.cfg) if self.cfg.model.pretrained else None
-            self._base = base_record(pretrained, self.cfg.train.seed)
+            self._base = base_record(pretrained, self.cfg.train.seed, self.cfg.lora.base_quant)
         return self._base
 
     def checkpoint_info(self, model: nn.Module) -> dict[str, Any]:

@@ -41,17 +41,21 @@ def folder_digest(folder: Path) -> str:
     return h.hexdigest()
 
 
-def base_record(pretrained: Path | None, seed: int) -> dict[str, Any]:
-    """What `trainer_state.json` records about the base of a LoRA run (see the module docstring)."""
+def base_record(pretrained: Path | None, seed: int, quant: str = "none") -> dict[str, Any]:
+    """What `trainer_state.json` records about the base of a LoRA run (see the module docstring);
+    `quant`: `lora.base_quant`, recorded when the base is quantized."""
     if pretrained is not None:
-        return {"kind": "pretrained", "folder": str(pretrained.resolve()), "digest": folder_digest(pretrained)}
-    return {"kind": "random", "seed": int(seed)}
+        record = {"kind": "pretrained", "folder": str(pretrained.resolve()), "digest": folder_digest(pretrained)}
+    else:
+        record = {"kind": "random", "seed": int(seed)}
+    return {**record, "quant": quant} if quant != "none" else record
 
 
 def _describe(record: dict[str, Any]) -> str:
+    quant = f", lora.base_quant={record['quant']}" if record.get("quant", "none") != "none" else ""
     if record.get("kind") == "pretrained":
-        return f"the pretrained base '{record.get('folder')}' (digest {str(record.get('digest'))[:12]})"
-    return f"a random base of train.seed={record.get('seed')}"
+        return f"the pretrained base '{record.get('folder')}' (digest {str(record.get('digest'))[:12]}{quant})"
+    return f"a random base of train.seed={record.get('seed')}{quant}"
 
 
 def check_same_base(saved: dict[str, Any] | None, current: dict[str, Any], path: Path) -> None:
@@ -64,15 +68,20 @@ def check_same_base(saved: dict[str, Any] | None, current: dict[str, Any], path:
             f"checkpoint '{path}' records no LoRA base (it is not a LoRA checkpoint); resume it with lora.rank=0 "
             "or set checkpoint.resume=none"
         )
-    same = saved.get("kind") == current.get("kind") and (
-        saved.get("digest") == current.get("digest")
-        if current.get("kind") == "pretrained"
-        else saved.get("seed") == current.get("seed")
+    same = (
+        saved.get("quant", "none") == current.get("quant", "none")
+        and saved.get("kind") == current.get("kind")
+        and (
+            saved.get("digest") == current.get("digest")
+            if current.get("kind") == "pretrained"
+            else saved.get("seed") == current.get("seed")
+        )
     )
     if not same:
         raise CheckpointError(
             f"checkpoint '{path}' was trained on {_describe(saved)}, this run has {_describe(current)}; "
-            "resume on the same base (model.pretrained, or train.seed for a random one) or set checkpoint.resume=none"
+            "resume on the same base (model.pretrained, or train.seed for a random one, and lora.base_quant) "
+            "or set checkpoint.resume=none"
         )
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from ..config import Config
 from ..errors import ConfigError
 from ..lora.names import pretrained_key
+from ..lora.quant import fill_quantized
 from ..parallel.shards import fill_from_full
 from .dims import default_subfolder, model_config_dict
 
@@ -125,11 +126,18 @@ def load_pretrained_shards(model: nn.Module, folder: Path, device: torch.device,
     materialize(model, device, prefix)
     files = _weight_files(folder)
     handles: dict[Path, Any] = {}
+    params = dict(model.named_parameters())
+    # A quantized base layer (`lora/quant.py`) holds its file weight as codes and row scales.
+    quantized = {n.removesuffix(".qweight") for n in params if n.endswith(".qweight")}
     try:
-        for name, param in model.named_parameters():
+        for name, param in params.items():
+            module = name.rpartition(".")[0]
+            if module in quantized and name.endswith(".scale"):
+                continue  # filled with its codes
             # LoRA adapters are not in the pretrained files (their transform initialises them after
             # this load); an adapted layer's weight is there under its unadapted name.
-            key = pretrained_key(name.removeprefix(prefix))
+            stored = f"{module}.weight" if module in quantized and name.endswith(".qweight") else name
+            key = pretrained_key(stored.removeprefix(prefix))
             if key is None:
                 continue
             if key not in files:
@@ -143,6 +151,10 @@ def load_pretrained_shards(model: nn.Module, folder: Path, device: torch.device,
                     f"config key 'model.pretrained': weight '{key}' in '{file.name}' has shape "
                     f"{tensor_slice.get_shape()}, the model expects {list(param.shape)}"
                 )
-            fill_from_full(param, tensor_slice.__getitem__)
+            if stored != name:
+                layer = model.get_submodule(module)
+                fill_quantized(param, params[f"{module}.scale"], layer.kind, tensor_slice.__getitem__)
+            else:
+                fill_from_full(param, tensor_slice.__getitem__)
     finally:
         handles.clear()

@@ -48,7 +48,12 @@ def diffusers_state(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
         src = param.grad if grads else param
         if src is None:
             src = torch.zeros_like(param)
-        out[export_name(name.removeprefix(ROOT_PREFIX))] = full_tensor(src.detach()).float().cpu().contiguous()
+        # Cast before gathering: gloo has no float8 (a quantized base's codes).
+        out[export_name(name.removeprefix(ROOT_PREFIX))] = full_tensor(src.detach().float()).cpu().contiguous()
+    # A quantized base layer (`lora/quant.py`) is written as the weight it computes with.
+    for codes in [k for k in out if k.endswith(".qweight")]:
+        module = codes.removesuffix(".qweight")
+        out[f"{module}.weight"] = out.pop(codes) * out.pop(f"{module}.scale")
     return out
 
 

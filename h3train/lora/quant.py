@@ -1,0 +1,135 @@
+"""A quantized frozen base for LoRA (`lora.base_quant: int8 | float8`): weight-only, per output row.
+
+Each frozen Linear outside the float32 islands (peft's `base_layer` of every adapted layer, and the
+unadapted ones) becomes a `QuantizedLinear`: codes `qweight` [out, in] (int8 in [-127, 127], or
+float8 e4m3) and one bfloat16 scale per output row `scale` [out, 1] (its absmax / 127, or / 448),
+the weight being `qweight * scale`. Both are plain frozen parameters, so FSDP2 shards them along
+the rows like any other (1 byte per weight at rest instead of bfloat16's 2) and all-gathers them in
+the unit's compute dtype, in which the codes are exact; the forward multiplies them out and runs
+`F.linear`. A row's codes need only that row, so each rank quantizes the rows it loads.
+
+torchao's weight-only tensors (`Int8WeightOnlyConfig`'s `Int8Tensor`) were tried first: FSDP2 cannot
+shard them (no `aten.split` for the subclass), and a replicated base would cost more per rank than a
+sharded bfloat16 one on any mesh over two ranks. Adapters and their gradients stay in the training
+dtype; `--merge` merges into the unquantized base from the pretrained folder (or the seeded init).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+# Code dtype and the largest code of each kind.
+CODES = {"int8": (torch.int8, 127.0), "float8": (torch.float8_e4m3fn, 448.0)}
+SCALE_DTYPE = torch.bfloat16
+
+
+def quantize_rows(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [out, in], scale [out, 1] bfloat16) of `weight` [out, in], row by row.
+
+    The scale is rounded to bfloat16 first and the codes are taken against the rounded scale, so
+    `codes * scale` is the weight the run computes with, on every rank and in any reference.
+    """
+    dtype, top = CODES[kind]
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / top).to(SCALE_DTYPE)
+    # An all-zero row keeps scale 1 (any scale gives it zero codes).
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    scaled = w / scale.float()
+    codes = scaled.round().clamp(-top, top).to(dtype) if kind == "int8" else scaled.clamp(-top, top).to(dtype)
+    return codes, scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return codes.to(dtype) * scale.to(dtype)
+
+
+class QuantizedLinear(nn.Module):
+    """A frozen Linear held as per-row codes and scales (see the module docstring)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, kind: str, device: torch.device | None = None
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.kind = in_features, out_features, kind
+        dtype, _ = CODES[kind]
+        self.qweight = nn.Parameter(torch.zeros(out_features, in_features, dtype=dtype, device=device), False)
+        self.scale = nn.Parameter(torch.ones(out_features, 1, dtype=SCALE_DTYPE, device=device), False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=SCALE_DTYPE, device=device), False) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kind: str) -> QuantizedLinear:
+        """The quantized twin of `linear` (values quantized unless it is on meta)."""
+        weight = linear.weight
+        out = cls(linear.in_features, linear.out_features, linear.bias is not None, kind, weight.device)
+        if linear.bias is not None:
+            out.bias.data = linear.bias.data.detach().clone()
+        if not weight.is_meta:
+            codes, scale = quantize_rows(weight, kind)
+            out.qweight.data.copy_(codes)
+            out.scale.data.copy_(scale)
+        return out
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight the forward computes with, in the scale's dtype (peft reads a base layer's `weight`)."""
+        return dequantize(self.qweight, self.scale, self.scale.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, dequantize(self.qweight, self.scale, x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+
+
+def _adapter_part(name: str) -> bool:
+    # peft's own Linear layers (lora_A / lora_B) and any module inside an adapter's containers.
+    return any(part.startswith(("lora_", "lokr_", "hada_")) for part in name.split("."))
+
+
+def quantize_base(transformer: nn.Module, kind: str, islands: tuple[str, ...]) -> list[str]:
+    """Replace every frozen `nn.Linear` of `transformer` outside `islands` (`name.` prefixes) and outside
+    the adapters by a `QuantizedLinear`; returns the replaced module paths. Real or meta weights."""
+    replaced = []
+    for name, module in list(transformer.named_modules()):
+        if type(module) is not nn.Linear or f"{name}.".startswith(islands) or _adapter_part(name):
+            continue
+        if module.weight.requires_grad:  # lora.train_modules train in full
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = transformer.get_submodule(parent_name) if parent_name else transformer
+        setattr(parent, attr, QuantizedLinear.from_linear(module, kind))
+        replaced.append(name)
+    return replaced
+
+
+@torch.no_grad()
+def fill_quantized(
+    qweight: torch.Tensor, scale: torch.Tensor, kind: str, read: Callable[[tuple[slice, ...]], torch.Tensor]
+) -> None:
+    """Give a (sharded) `qweight` / `scale` pair the codes of this rank's rows of a full weight.
+
+    `read(rows)` returns the full weight's block at `rows`; both parameters shard dim 0 alike, so
+    the rank's rows of the codes and of the scales are the same rows.
+    """
+    if isinstance(qweight, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(qweight.shape, qweight.device_mesh, qweight.placements)
+        local_q, local_s = qweight.to_local(), scale.to_local()
+    else:
+        shape, offset, local_q, local_s = tuple(qweight.shape), (0, 0), qweight, scale
+    if not local_q.numel():
+        return
+    codes, scales = quantize_rows(read(tuple(slice(o, o + n) for o, n in zip(offset, shape))), kind)
+    local_q.copy_(codes.to(local_q.device))
+    local_s.copy_(scales.to(local_s.device))
+
+
+def base_bytes_per_weight(kind: str) -> int:
+    """Bytes at rest per quantized weight value (the per-row scale aside): 1 for int8 and float8."""
+    return CODES[kind][0].itemsize
