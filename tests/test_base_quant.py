@@ -57,6 +57,22 @@ def test_quantized_linear_computes_with_its_dequantized_weight() -> None:
     assert not any(p.requires_grad for p in q.parameters())
 
 
+def test_a_quantized_layer_saves_no_dequantized_weight_for_the_backward() -> None:
+    torch.manual_seed(2)
+    q = QuantizedLinear.from_linear(torch.nn.Linear(64, 48), "int8")
+    x = torch.randn(7, 64, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = q(x)
+    assert all(t is q.qweight or t is q.scale for t in saved), [tuple(t.shape) for t in saved]
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    w = dequantize(q.qweight, q.scale)
+    x2 = x.detach().clone().requires_grad_(True)
+    torch.nn.functional.linear(x2, w, q.bias).backward(grad)
+    assert torch.equal(x.grad, x2.grad)
+
+
 def test_quantize_base_leaves_islands_adapters_and_trained_modules() -> None:
     cfg = load_config(TINY_LORA, ["lora.base_quant=int8", "lora.train_modules=[norm_out.linear]"])
     from h3train.lora.adapters import add_adapters
@@ -161,6 +177,7 @@ def test_base_quant_config_errors(capsys) -> None:
     assert "lora.base_quant" in capsys.readouterr().err
     assert main(["check", str(TINY_LORA), "lora.base_quant=int4"]) == 2
     assert "lora.base_quant" in capsys.readouterr().err
-    assert main(["check", str(TINY_LORA), "lora.base_quant=int8", "lora.use_dora=true"]) == 2
-    err = capsys.readouterr().err
-    assert "lora.base_quant" in err and len(err.strip().splitlines()) == 1
+    for kind in ("lora.use_dora=true", "lora.kind=lokr", "lora.kind=loha"):
+        assert main(["check", str(TINY_LORA), "lora.base_quant=int8", kind]) == 2
+        err = capsys.readouterr().err
+        assert "lora.base_quant" in err and kind in err and len(err.strip().splitlines()) == 1

@@ -103,10 +103,11 @@ def check_kind(lora: LoraConfig) -> None:
             "rank and module dropouts draw one mask per forward, which sequence-parallel ranks would not share); "
             "set lora.dropout=0"
         )
-    if kind == "dora" and lora.base_quant != "none":
+    if kind != "lora" and lora.base_quant != "none":
+        # DoRA reads its magnitudes, LoKr / LoHa their delta's shape, from the base layer's whole weight.
         raise ConfigError(
-            f"config key 'lora.base_quant' is {lora.base_quant}, and DoRA's magnitudes are read from the base "
-            "weights as trained: use lora.base_quant=none with lora.use_dora=true, or plain LoRA on the quantized base"
+            f"config key 'lora.base_quant' is {lora.base_quant}, which takes plain LoRA adapters, not "
+            f"{kind_setting(kind)}: set lora.base_quant=none, or train LoRA on the quantized base"
         )
     if kind in _LYCORIS and lora.init_from:
         raise ConfigError(

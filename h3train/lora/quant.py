@@ -4,14 +4,18 @@ Each frozen Linear outside the float32 islands (peft's `base_layer` of every ada
 unadapted ones) becomes a `QuantizedLinear`: codes `qweight` [out, in] (int8 in [-127, 127], or
 float8 e4m3) and one bfloat16 scale per output row `scale` [out, 1] (its absmax / 127, or / 448),
 the weight being `qweight * scale`. Both are plain frozen parameters, so FSDP2 shards them along
-the rows like any other (1 byte per weight at rest instead of bfloat16's 2) and all-gathers them in
-the unit's compute dtype, in which the codes are exact; the forward multiplies them out and runs
-`F.linear`. A row's codes need only that row, so each rank quantizes the rows it loads.
+the rows like any other (1 byte per weight at rest instead of bfloat16's 2) and all-gathers them
+per unit (the scales in the compute dtype). The forward multiplies them out in the input's dtype
+and runs the matmul; it keeps only the codes and scales for the backward, which multiplies them out
+again for the input's gradient, so a quantized layer holds no dequantized weight between the two
+(the base is frozen: no weight gradient, no saved input). A row's codes need only that row, so
+each rank quantizes the rows it loads.
 
-torchao's weight-only tensors (`Int8WeightOnlyConfig`'s `Int8Tensor`) were tried first: FSDP2 cannot
-shard them (no `aten.split` for the subclass), and a replicated base would cost more per rank than a
-sharded bfloat16 one on any mesh over two ranks. Adapters and their gradients stay in the training
-dtype; `--merge` merges into the unquantized base from the pretrained folder (or the seeded init).
+The codes are plain tensors because FSDP2 cannot shard torchao's weight-only tensors
+(`Int8WeightOnlyConfig`'s `Int8Tensor` has no `aten.split`), and a replicated base would cost more
+per rank than a sharded bfloat16 one on any mesh over two ranks. Adapters and their gradients stay
+in the training dtype; `--merge` merges into the unquantized base from the pretrained folder (or
+the seeded init).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ def quantize_rows(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
     """(codes [out, in], scale [out, 1] bfloat16) of `weight` [out, in], row by row.
 
     The scale is rounded to bfloat16 first and the codes are taken against the rounded scale, so
-    `codes * scale` is the weight the run computes with, on every rank and in any reference.
+    `codes * scale` is the same on every rank and in any reference (in float32 compute exactly the
+    weight the run uses; in bfloat16 compute that product rounded to bfloat16).
     """
     dtype, top = CODES[kind]
     w = weight.detach().float()
@@ -46,7 +51,22 @@ def quantize_rows(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight [out, in] of `codes` [out, in] and row `scale` [out, 1], computed in `dtype`."""
     return codes.to(dtype) * scale.to(dtype)
+
+
+class _FrozenQuantizedMatmul(torch.autograd.Function):
+    """`x @ (codes * scale).T + bias` for a frozen weight: saves the codes and scales, not the weight."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        ctx.save_for_backward(codes, scale)
+        return F.linear(x, dequantize(codes, scale, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        codes, scale = ctx.saved_tensors
+        return grad @ dequantize(codes, scale, grad.dtype), None, None, None
 
 
 class QuantizedLinear(nn.Module):
@@ -82,7 +102,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        return F.linear(x, dequantize(self.qweight, self.scale, x.dtype), bias)
+        return _FrozenQuantizedMatmul.apply(x, self.qweight, self.scale, bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"

@@ -121,7 +121,8 @@ def load_pretrained_shards(model: nn.Module, folder: Path, device: torch.device,
     """Materialise a meta-initialised, FSDP-sharded model and fill each rank's shards from safetensors.
 
     Every rank reads only the rows of each tensor it owns (`get_slice`), so no rank ever holds the
-    whole model. Weights are upcast to the float32 master dtype.
+    whole model. Weights are cast to each parameter's dtype (float32 master weights, bfloat16 under
+    `adamw_bf16` or for a LoRA's base), and a quantized base layer's rows are quantized as they load.
     """
     materialize(model, device, prefix)
     files = _weight_files(folder)

@@ -29,9 +29,11 @@ from torch.distributed.tensor import DTensor
 
 from ..atomic import atomic_save_file, atomic_write_text
 from ..lora.names import export_name
+from ..lora.quant import dequantize
 from ..objective import TrainingInputs
 
 ROOT_PREFIX = "transformer."
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -48,12 +50,14 @@ def diffusers_state(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
         src = param.grad if grads else param
         if src is None:
             src = torch.zeros_like(param)
-        # Cast before gathering: gloo has no float8 (a quantized base's codes).
-        out[export_name(name.removeprefix(ROOT_PREFIX))] = full_tensor(src.detach().float()).cpu().contiguous()
+        src = src.detach()
+        if src.dtype in FLOAT8:  # gloo gathers no float8 (a quantized base's codes)
+            src = src.float()
+        out[export_name(name.removeprefix(ROOT_PREFIX))] = full_tensor(src).float().cpu().contiguous()
     # A quantized base layer (`lora/quant.py`) is written as the weight it computes with.
     for codes in [k for k in out if k.endswith(".qweight")]:
         module = codes.removesuffix(".qweight")
-        out[f"{module}.weight"] = out.pop(codes) * out.pop(f"{module}.scale")
+        out[f"{module}.weight"] = dequantize(out.pop(codes), out.pop(f"{module}.scale"))
     return out
 
 

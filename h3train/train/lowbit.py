@@ -12,7 +12,11 @@ float32 arithmetic); what changes is what is stored between steps.
   builds the trainable parameters in bfloat16, `weights_dtype`). A bfloat16 weight has 8 bits of
   mantissa, so an update under half its last bit would round away every step; the new weight is
   stochastically rounded instead (rounded up with probability equal to the discarded fraction), so
-  small updates land on average. The random bits are a hash of (seed, step, parameter, element's
+  small updates land on average. The moments are rounded the same way: `exp_avg_sq` moves by
+  `1 - beta2` = 0.1 % of itself a step, under half a bfloat16 step, so rounded to nearest it would
+  stop following the gradient's size. FSDP2 hands each micro-batch's reduced gradient over in the
+  parameter's dtype, so under `train.grad_accum > 1` the micro-batches' gradients are summed in
+  bfloat16 (HSDP keeps that partial sum in float32). The random bits are a hash of (seed, step, parameter, element's
   index in the full tensor): no state to checkpoint, the same under any sharding, and the same on
   every replica, so HSDP replicas stay identical. float32 parameters (the `_keep_in_fp32_modules`
   islands) are updated in float32 with float32 moments.
@@ -103,6 +107,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & mask
     x = x ^ (x >> 15)
+    # The product may pass 2^63: int64 wraps, and only its low 32 bits are kept.
     x = (x * 0x846CA68B) & mask
     return x ^ (x >> 16)
 
@@ -138,9 +143,10 @@ class BF16AdamW(torch.optim.Optimizer):
     """AdamW over bfloat16 weights with bfloat16 moments and a stochastically rounded update.
 
     The arithmetic is float32 (`torch.optim.AdamW`'s, for-loop form); bfloat16 parameters keep
-    bfloat16 `exp_avg` / `exp_avg_sq` (rounded to nearest) and get the new weight rounded by
+    bfloat16 `exp_avg` / `exp_avg_sq` and get the new weight and moments rounded by
     `stochastic_round_bf16`; float32 parameters keep float32 moments and a float32 update. `seed`
-    keys the rounding: parameter `i` (in group order) at step `t` uses `hash(seed, t, i)`.
+    keys the rounding: parameter `i` (in group order) at step `t` draws from `hash(seed, t, i)` for
+    its weight and each moment.
     """
 
     def __init__(
@@ -184,15 +190,19 @@ class BF16AdamW(torch.optim.Optimizer):
                 w.mul_(1.0 - lr * decay)
                 m32 = m.float().lerp_(g32, 1.0 - beta1)
                 v32 = v.float().mul_(beta2).addcmul_(g32, g32, value=1.0 - beta2)
-                m.copy_(m32)
-                v.copy_(v32)
                 bias1, bias2 = 1.0 - beta1**step, 1.0 - beta2**step
                 denom = (v32.sqrt() / math.sqrt(bias2)).add_(eps)
                 w.addcdiv_(m32, denom, value=-lr / bias1)
                 if p.dtype == torch.bfloat16:
-                    key = (self.seed * 1_000_003 + step) * 1_000_033 + index
-                    p.copy_(stochastic_round_bf16(w, key, _global_offset(param)))
+                    # One draw per tensor and step: the weight and each moment from keys of their own.
+                    key = ((self.seed * 1_000_003 + step) * 1_000_033 + index) * 3
+                    offset = _global_offset(param)
+                    p.copy_(stochastic_round_bf16(w, key, offset))
+                    m.copy_(stochastic_round_bf16(m32, key + 1, offset))
+                    v.copy_(stochastic_round_bf16(v32, key + 2, offset))
                 else:
+                    m.copy_(m32)
+                    v.copy_(v32)
                     p.copy_(w)
         return loss
 

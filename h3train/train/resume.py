@@ -83,8 +83,8 @@ def check_same_optimizer(saved: dict[str, Any], cfg: Config, path: Path) -> None
     if name != cfg.optim.name:
         raise CheckpointError(
             f"checkpoint '{path}' holds {name} optimizer states and this run sets optim.name={cfg.optim.name}: "
-            f"resume with optim.name={name}, or start a new run from its weights "
-            "(h3train export, then model.pretrained)"
+            f"resume with optim.name={name}, or start a new run from its weights (h3train export, then "
+            "model.pretrained for a full fine-tune, lora.init_from for adapters)"
         )
 
 
