@@ -49,6 +49,8 @@ pytestmark = pytest.mark.slow
 TOLERANCE = 0.10
 WORLD = 2
 KINDS = {"full": TINY_FL2VA, "lora": ROOT / "configs" / "tiny_lora.yaml"}
+# The other adapters and the quantized base, on tiny_lora: (config key overrides) per kind.
+VARIANTS = {"dora": ["lora.use_dora=true"], "lokr": ["lora.kind=lokr"], "lora_int8": ["lora.base_quant=int8"]}
 # Two widths of the tiny configs' architecture (4 heads, 2 blocks, 1 refiner block).
 WIDTHS = {
     "h128": {"hidden_size": 128, "attention_head_dim": 32, "ffn_dim": 384},
@@ -72,6 +74,10 @@ ACTIVATION_CASES = [
     for ckpt in ("none", "full")
     for sp in (1, 2)
 ] + [(kind, "h256", "bfloat16", ckpt, 2) for kind, ckpt in (("full", "none"), ("lora", "full"))]
+ACTIVATION_CASES += [
+    (kind, "h256", "float32", ckpt, sp) for kind in VARIANTS for ckpt, sp in (("none", 2), ("full", 1))
+]
+STATE_KINDS = ("full", "lora", "lora_int8")
 STATE_WIDTH = "h256"
 
 
@@ -82,7 +88,7 @@ def _case_id(case: tuple) -> str:
 
 def _config(kind: str, width: str, *overrides: str):
     model = [f"model.config.{k}={v}" for k, v in WIDTHS[width].items()]
-    return load_config(KINDS[kind], [*model, *overrides])
+    return load_config(KINDS.get(kind, KINDS["lora"]), [*model, *VARIANTS.get(kind, []), *overrides])
 
 
 def _local_bytes(tensors) -> int:
@@ -95,7 +101,7 @@ def _state(rank: int, world: int, log_dir: str) -> dict[str, dict[str, tuple[int
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     out = {}
-    for kind in KINDS:
+    for kind in STATE_KINDS:
         cfg = _config(kind, STATE_WIDTH, f"logging.dir={log_dir}/{kind}", "train.grad_accum=1")
         trainer = build_trainer(cfg)
         try:
@@ -135,7 +141,8 @@ def _as_computed(transformer: torch.nn.Module, dtype: str) -> None:
     the float32 islands float32, whatever they are stored in (a LoRA run's base is bfloat16)."""
     islands = tuple(f"{name}." for name in fp32_island_names(transformer))
     for name, param in transformer.named_parameters():
-        param.data = param.data.to(torch.float32 if name.startswith(islands) else getattr(torch, dtype))
+        if param.dtype.is_floating_point and param.element_size() > 1:  # a quantized base's codes stay codes
+            param.data = param.data.to(torch.float32 if name.startswith(islands) else getattr(torch, dtype))
 
 
 @functools.cache
@@ -188,7 +195,7 @@ def _within(planned: int, held: int) -> None:
     assert held > 0 and abs(planned / held - 1) <= TOLERANCE, f"planned {planned:,} B, measured {held:,} B"
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", STATE_KINDS)
 @pytest.mark.parametrize("term", ["weights", "gradients", "adamw"])
 def test_sharded_state_matches_the_trainers_tensors(measured: list[dict], kind: str, term: str) -> None:
     for rank in measured:
