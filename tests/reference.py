@@ -387,6 +387,13 @@ def lora_parity_run(config: Path, extra: list[str], run_dir: Path, nproc: int, d
     )
 
 
+@torch.no_grad()
+def forward_outputs(model, inputs: dict) -> torch.Tensor:
+    """A diffusers model's video and audio predictions for `inputs`, flattened into one float64 vector."""
+    video, audio = model(**inputs, return_dict=False)
+    return torch.cat([video.flatten(), audio.flatten()]).double()
+
+
 def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     denom = b.double().norm()
     return float((a.double() - b.double()).norm() / denom) if denom > 0 else float(a.double().norm())

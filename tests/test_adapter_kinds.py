@@ -48,6 +48,7 @@ from reference import (
     checkpoint_tensor_bytes,
     checkpoint_tensors,
     dump_dir,
+    forward_outputs,
     read_metrics,
     relative_l2,
     tiny_args,
@@ -224,16 +225,6 @@ def runs(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory.mktemp("adapter_kinds"))
 
 
-@torch.no_grad()
-def _forward(model, inputs) -> torch.Tensor:
-    video, audio = model(**inputs, return_dict=False)
-    return torch.cat([video.flatten(), audio.flatten()]).double()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 # -- the memory plan ---------------------------------------------------------------------------------
 
 
@@ -375,17 +366,17 @@ def test_diffusers_export_loads_with_diffusers_loaders(runs, kind: str, tmp_path
     assert all(k.startswith("transformer.") for k in keys)
     assert any(k.endswith({"dora": ".lora_magnitude_vector", "lokr": ".lokr_w1"}[kind]) for k in keys)
     assert meta["transformer.r"] == 4 and meta["transformer.peft_type"] == {"dora": "LORA", "lokr": "LOKR"}[kind]
-    want = _forward(r.trained_model, r.inputs)
+    want = forward_outputs(r.trained_model, r.inputs)
     base = r.base()
-    assert _rel(_forward(base, r.inputs), want) > 1e-4, "the adapters changed nothing"
+    assert relative_l2(forward_outputs(base, r.inputs), want) > 1e-4, "the adapters changed nothing"
     base.load_lora_adapter(str(out), weight_name=DIFFUSERS_WEIGHT_NAME, prefix="transformer")
-    assert _rel(_forward(base, r.inputs), want) <= 1e-6
+    assert relative_l2(forward_outputs(base, r.inputs), want) <= 1e-6
     if kind == "lokr":
         return  # the pipeline's `load_lora_weights` takes names holding 'lora' only; LoKr loads per model, above
     pipe = MiniMaxH3ModularPipeline()
     pipe.update_components(transformer=r.base())
     pipe.load_lora_weights(str(out), weight_name=DIFFUSERS_WEIGHT_NAME)
-    assert _rel(_forward(pipe.transformer, r.inputs), want) <= 1e-6
+    assert relative_l2(forward_outputs(pipe.transformer, r.inputs), want) <= 1e-6
 
 
 def _module_weights(model, merged: bool) -> dict[str, torch.Tensor]:
@@ -508,7 +499,7 @@ def test_merged_export_of_each_kind_forwards_like_the_trained_model(runs, kind: 
     r = runs[kind]
     out = r.export(tmp_path / "merged", "--merge")
     loaded = MiniMaxH3Transformer3DModel.from_pretrained(out, torch_dtype=torch.float32).eval()
-    assert _rel(_forward(loaded, r.inputs), _forward(r.trained_model, r.inputs)) <= 1e-6
+    assert relative_l2(forward_outputs(loaded, r.inputs), forward_outputs(r.trained_model, r.inputs)) <= 1e-6
 
 
 # -- lora.init_from and what a kind cannot do --------------------------------------------------------
@@ -546,7 +537,7 @@ def test_dora_init_from_a_plain_lora_file_starts_as_that_lora(tmp_path) -> None:
     from h3train.objective import micro_batch_inputs
 
     inputs = micro_batch_inputs(cfg, build_source(cfg, 16)[3], step=1, slot=0).model_inputs
-    assert _rel(_forward(dora.float(), inputs), _forward(lora, inputs)) <= 1e-6
+    assert relative_l2(forward_outputs(dora.float(), inputs), forward_outputs(lora, inputs)) <= 1e-6
     magnitudes = [p for n, p in dora.named_parameters() if "lora_magnitude_vector" in n]
     assert magnitudes and all(p.requires_grad and p.dim() == 1 for p in magnitudes)
 

@@ -38,8 +38,10 @@ from reference import (
     checkpoint_dir,
     checkpoint_tensor_bytes,
     dump_dir,
+    forward_outputs,
     read_metrics,
     reference_model_from_dump,
+    relative_l2,
     run_forked,
     tiny_args,
 )
@@ -133,16 +135,6 @@ class LoraRuns:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> LoraRuns:
     return LoraRuns(tmp_path_factory.mktemp("lora_runs"))
-
-
-@torch.no_grad()
-def _forward(model, inputs) -> torch.Tensor:
-    video, audio = model(**inputs, return_dict=False)
-    return torch.cat([video.flatten(), audio.flatten()]).double()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def _base(runs: LoraRuns) -> MiniMaxH3Transformer3DModel:
@@ -363,15 +355,15 @@ def test_diffusers_export_loads_onto_the_base_and_forwards_like_the_trained_mode
         assert all(k.startswith("transformer.") for k in f.keys())  # noqa: SIM118 - not iterable
         meta = json.loads(f.metadata()["lora_adapter_metadata"])
     assert meta["transformer.r"] == 4 and meta["transformer.lora_alpha"] == 8
-    want = _forward(runs.trained_model, runs.inputs)
+    want = forward_outputs(runs.trained_model, runs.inputs)
     base = _base(runs)
-    assert _rel(_forward(base, runs.inputs), want) > 1e-4, "the adapters changed nothing"
+    assert relative_l2(forward_outputs(base, runs.inputs), want) > 1e-4, "the adapters changed nothing"
     base.load_lora_adapter(str(out), weight_name=DIFFUSERS_WEIGHT_NAME, prefix="transformer")
-    assert _rel(_forward(base, runs.inputs), want) <= 1e-6
+    assert relative_l2(forward_outputs(base, runs.inputs), want) <= 1e-6
     pipe = MiniMaxH3ModularPipeline()
     pipe.update_components(transformer=_base(runs))
     pipe.load_lora_weights(str(out), weight_name=DIFFUSERS_WEIGHT_NAME)
-    assert _rel(_forward(pipe.transformer, runs.inputs), want) <= 1e-6
+    assert relative_l2(forward_outputs(pipe.transformer, runs.inputs), want) <= 1e-6
 
 
 def test_comfyui_export_reads_back_through_diffusers_converter(runs, tmp_path) -> None:
@@ -382,13 +374,13 @@ def test_comfyui_export_reads_back_through_diffusers_converter(runs, tmp_path) -
     converted = MiniMaxH3LoraLoaderMixin.lora_state_dict(str(file))
     base = _base(runs)
     base.load_lora_adapter(converted, prefix="transformer")
-    assert _rel(_forward(base, runs.inputs), _forward(runs.trained_model, runs.inputs)) <= 1e-6
+    assert relative_l2(forward_outputs(base, runs.inputs), forward_outputs(runs.trained_model, runs.inputs)) <= 1e-6
 
 
 def test_merged_export_loads_with_from_pretrained(runs, tmp_path) -> None:
     out = runs.export(tmp_path / "merged", "--merge")
     loaded = MiniMaxH3Transformer3DModel.from_pretrained(out, torch_dtype=torch.float32).eval()
-    assert _rel(_forward(loaded, runs.inputs), _forward(runs.trained_model, runs.inputs)) <= 1e-6
+    assert relative_l2(forward_outputs(loaded, runs.inputs), forward_outputs(runs.trained_model, runs.inputs)) <= 1e-6
     bf16 = runs.export(tmp_path / "merged_bf16", "--merge", "--dtype", "bfloat16")
     weights = load_file(bf16 / "diffusion_pytorch_model.safetensors")
     assert weights["transformer_blocks.0.attn.to_q.weight"].dtype == torch.bfloat16
@@ -411,7 +403,7 @@ def test_merged_export_reads_a_pretrained_base_shard_by_shard(tmp_path, capsys) 
     trained = reference_model_from_dump(dump_dir(run, 2)).eval()
     inputs = {k: v for k, v in load_file(dump_dir(run, 2) / "inputs.safetensors").items()}
     inputs = {name: inputs[f"m0.{name}"] for name in FORWARD_ARGS}
-    assert _rel(_forward(loaded, inputs), _forward(trained, inputs)) <= 1e-6
+    assert relative_l2(forward_outputs(loaded, inputs), forward_outputs(trained, inputs)) <= 1e-6
 
 
 def test_lora_export_errors_are_one_line(runs, tmp_path, capsys) -> None:
@@ -517,5 +509,5 @@ def test_init_from_an_export_continues_exactly_where_it_was_saved(runs, tmp_path
             # ComfyUI stores alpha beside the factors; the converter folds it in, init_from unfolds it.
             torch.testing.assert_close(started[key], value, rtol=1e-6, atol=1e-7)
     model = reference_model_from_dump(dump_dir(run, 1)).eval()
-    assert _rel(_forward(model, runs.inputs), _forward(runs.trained_model, runs.inputs)) <= 1e-6
+    assert relative_l2(forward_outputs(model, runs.inputs), forward_outputs(runs.trained_model, runs.inputs)) <= 1e-6
     assert math.isfinite(_rows(run)[0]["loss"])
