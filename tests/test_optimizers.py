@@ -217,7 +217,7 @@ def test_adamw8bit_resumes_bitwise_and_under_another_sharding(quantized, tmp_pat
     assert [m["loss"] for m in read_metrics(other)][-1] == pytest.approx(read_metrics(quantized)[-1]["loss"], rel=1e-3)
 
 
-def test_adamw4bit_steps_as_adamw8bit_does_and_a_changed_kind_is_refused(quantized, tmp_path) -> None:
+def test_adamw4bit_steps_as_adamw8bit_does_resumes_bitwise_and_a_changed_kind_is_refused(quantized, tmp_path) -> None:
     four = tmp_path / "adamw4bit"
     run_forked(tiny_args(four, "train.steps=2", "checkpoint.every=1", "optim.name=adamw4bit"), timeout=600)
     m8, m4 = read_metrics(quantized), read_metrics(four)
@@ -226,9 +226,15 @@ def test_adamw4bit_steps_as_adamw8bit_does_and_a_changed_kind_is_refused(quantiz
     for key in ("loss", "grad_norm"):
         assert m4[0][key] == pytest.approx(m8[0][key], rel=1e-5, abs=1e-6), key
     assert m4[1]["loss"] == pytest.approx(m8[1]["loss"], rel=1e-4)
-    moved = _weights(four, 1)
-    update4 = {k: (moved[k] - _weights(four, 2)[k]).abs().max() for k in moved}
-    assert all(u > 0 for u in update4.values()), "a 4-bit step left a tensor unchanged"
+    moved, second = _weights(four, 1), _weights(four, 2)
+    assert all((moved[k] - second[k]).abs().max() > 0 for k in moved), "a 4-bit step left a tensor unchanged"
+    # The 4-bit moments resume bitwise.
+    again = tmp_path / "adamw4bit_resumed"
+    shutil.copytree(four, again)
+    args = tiny_args(again, "train.steps=2", "checkpoint.every=1", "optim.name=adamw4bit")
+    run_forked([*args, f"checkpoint.resume={_ckpt(again, 1)}"], timeout=600)
+    resumed = _weights(again, 2)
+    assert all(torch.equal(second[k], resumed[k]) for k in second), "a resumed 4-bit step differs"
     proc = run_forked(
         _run(quantized, "optim.name=adamw", "parallel.sp=2", "train.steps=4"), nproc=2, check=False, timeout=300
     )
