@@ -694,7 +694,7 @@ def run_bench(
 
     def planned(step_dims: dict[str, Any], ckpt: bool) -> int:
         return state_bytes * _parameter_count(step_dims) + plan.activation_bytes(
-            step_dims, rows.seq_len, dtype_name, ckpt
+            step_dims, rows.seq_len, dtype_name, ckpt, text_rows=clip.text_len
         )
 
     if gradient_checkpointing == "auto":
