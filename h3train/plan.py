@@ -490,11 +490,8 @@ def plan_memory(
     activations = activation_bytes(
         dims, local_rows, dtype, gradient_checkpointing, sp, checkpointed_layers, text_rows=text_rows, lora=lora
     )
-    low = optimizer == "adamw_bf16"
     if lora is None:
         trainable, block_params, block_grads = per_rank, counts.block, counts.block
-        # adamw_bf16 keeps the islands in float32: their weights, gradients and moments.
-        islands = -(-counts.fp32_islands // shard) if low else 0
         frozen_base = 0
     else:
         frozen = counts.total - lora.train_modules
@@ -502,7 +499,7 @@ def plan_memory(
         if base_quant != "none":
             # The matrices outside the islands: everything frozen there but the vectors.
             base -= max(frozen - lora.frozen_fp32 - counts.vectors, 0) * (2 - base_bytes_per_weight(base_quant))
-        trainable, islands, frozen_base = -(-lora.trainable // shard), 0, -(-base // shard)
+        trainable, frozen_base = -(-lora.trainable // shard), -(-base // shard)
         block_params, block_grads = counts.block + lora.block_adapters, lora.block_trainable
         # Each adapted Linear keeps what its kind needs beyond the base's input, already counted: per
         # row (LoRA its lora_A output, DoRA also its norms' rows) or once (LoKr / LoHa: the delta
@@ -511,11 +508,7 @@ def plan_memory(
         done = (layers if gradient_checkpointing else 0) if checkpointed_layers is None else checkpointed_layers
         blocks = layers - done + (1 if done else 0)
         activations += blocks * (local_rows * lora.block_row_values + lora.block_delta_values) * b
-    weight_bytes = 2 if low else _FP32
-    trainable_bytes = (trainable - islands) * weight_bytes + islands * _FP32
-    # torchao keeps a shard under 4,096 values in float32: every 1-D parameter's, at any width.
-    plain = islands + (-(-counts.vectors // shard) if lora is None and optimizer in QUANT_BLOCK else 0)
-    moment_bytes = math.ceil((trainable - plain) * state_bytes_per_value(optimizer)) + plain * 2 * _FP32
+    trainable_bytes, moment_bytes = trainable_state_bytes(counts, trainable, optimizer, lora is None, shard)
     return MemoryPlan(
         dp_replicate=dp_replicate,
         dp_shard=dp_shard,
@@ -546,6 +539,22 @@ def plan_memory(
         text_rows=text_rows,
         refiner_activation_bytes=refiner_activation_bytes(dims, text_rows, dtype, gradient_checkpointing, lora),
     )
+
+
+def trainable_state_bytes(
+    counts: ParameterCounts, trainable: int, optimizer: str, full: bool, shard: int = 1
+) -> tuple[int, int]:
+    """(weight bytes, AdamW moment bytes) of `trainable` parameters under `optim.name = optimizer`,
+    the gradients taking the weights' bytes. `full`: a full fine-tune, whose float32 islands keep
+    float32 under `adamw_bf16` and whose vectors keep float32 moments under torchao's quantized
+    kinds (a shard under 4,096 values is not quantized: every 1-D parameter's, at any width); a
+    LoRA's trainables are counted all alike. `shard`: the ways each count is divided (per rank).
+    """
+    islands = -(-counts.fp32_islands // shard) if full and optimizer == "adamw_bf16" else 0
+    weights = (trainable - islands) * (2 if optimizer == "adamw_bf16" else _FP32) + islands * _FP32
+    plain = islands + (-(-counts.vectors // shard) if full and optimizer in QUANT_BLOCK else 0)
+    moments = math.ceil((trainable - plain) * state_bytes_per_value(optimizer)) + plain * 2 * _FP32
+    return weights, moments
 
 
 def longest_fit_rows(dims: Mapping[str, Any], **kwargs: Any) -> int:
@@ -787,11 +796,7 @@ def checkpoint_bytes(dims: Mapping[str, Any], cfg: Config, lora: AdapterCounts |
         lora = adapter_counts(dims, cfg)
     counts = parameter_counts(dims)
     trainable = counts.total if lora is None else lora.trainable
-    name = cfg.optim.name
-    islands = counts.fp32_islands if lora is None and name == "adamw_bf16" else 0
-    weights = (trainable - islands) * (2 if name == "adamw_bf16" else _FP32) + islands * _FP32
-    plain = islands + (counts.vectors if lora is None and name in QUANT_BLOCK else 0)
-    moments = math.ceil((trainable - plain) * state_bytes_per_value(name)) + plain * 2 * _FP32
+    weights, moments = trainable_state_bytes(counts, trainable, cfg.optim.name, lora is None)
     return weights + moments + (trainable * _FP32 if cfg.train.ema.decay > 0 else 0)
 
 

@@ -387,6 +387,14 @@ def lora_parity_run(config: Path, extra: list[str], run_dir: Path, nproc: int, d
     )
 
 
+def dump_forward_inputs(dump: Path) -> dict[str, torch.Tensor]:
+    """The forward arguments of a dump's first micro-batch (`m0.<arg>`), under the argument names."""
+    from h3train.model.sp_forward import FORWARD_ARGS
+
+    tensors = load_file(dump / "inputs.safetensors")
+    return {name: tensors[f"m0.{name}"] for name in FORWARD_ARGS}
+
+
 @torch.no_grad()
 def forward_outputs(model, inputs: dict) -> torch.Tensor:
     """A diffusers model's video and audio predictions for `inputs`, flattened into one float64 vector."""

@@ -37,7 +37,6 @@ from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME, comf
 from h3train.lora.names import export_name
 from h3train.model.build import build_model
 from h3train.model.dims import model_dims
-from h3train.model.sp_forward import FORWARD_ARGS
 from h3train.plan import checkpoint_bytes
 
 from reference import (
@@ -48,6 +47,7 @@ from reference import (
     checkpoint_tensor_bytes,
     checkpoint_tensors,
     dump_dir,
+    dump_forward_inputs,
     forward_outputs,
     read_metrics,
     relative_l2,
@@ -187,8 +187,7 @@ class KindRuns:
 
     @cached_property
     def inputs(self) -> dict[str, torch.Tensor]:
-        tensors = load_file(dump_dir(self.sp1, 3) / "inputs.safetensors")
-        return {name: tensors[f"m0.{name}"] for name in FORWARD_ARGS}
+        return dump_forward_inputs(dump_dir(self.sp1, 3))
 
     def base(self) -> MiniMaxH3Transformer3DModel:
         """A plain diffusers model holding the run's base (what a user loads the adapter onto)."""

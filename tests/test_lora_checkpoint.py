@@ -29,7 +29,6 @@ from h3train.cli import main
 from h3train.config import load_config
 from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
 from h3train.model.dims import model_dims
-from h3train.model.sp_forward import FORWARD_ARGS
 from h3train.plan import checkpoint_bytes
 from h3train.train.checkpoint import read_trainer_state
 
@@ -38,6 +37,7 @@ from reference import (
     checkpoint_dir,
     checkpoint_tensor_bytes,
     dump_dir,
+    dump_forward_inputs,
     forward_outputs,
     read_metrics,
     reference_model_from_dump,
@@ -124,8 +124,7 @@ class LoraRuns:
 
     @cached_property
     def inputs(self) -> dict[str, torch.Tensor]:
-        tensors = load_file(dump_dir(self.sp1, 4) / "inputs.safetensors")
-        return {name: tensors[f"m0.{name}"] for name in FORWARD_ARGS}
+        return dump_forward_inputs(dump_dir(self.sp1, 4))
 
     def export(self, out: Path, *extra: str, step: int = 3) -> Path:
         assert main(["export", str(_ckpt(self.sp1, step)), "--out", str(out), *extra]) == 0
@@ -401,8 +400,7 @@ def test_merged_export_reads_a_pretrained_base_shard_by_shard(tmp_path, capsys) 
     assert len(list(out.glob("diffusion_pytorch_model-*.safetensors"))) > 1
     loaded = MiniMaxH3Transformer3DModel.from_pretrained(out, torch_dtype=torch.float32).eval()
     trained = reference_model_from_dump(dump_dir(run, 2)).eval()
-    inputs = {k: v for k, v in load_file(dump_dir(run, 2) / "inputs.safetensors").items()}
-    inputs = {name: inputs[f"m0.{name}"] for name in FORWARD_ARGS}
+    inputs = dump_forward_inputs(dump_dir(run, 2))
     assert relative_l2(forward_outputs(loaded, inputs), forward_outputs(trained, inputs)) <= 1e-6
 
 

@@ -118,7 +118,6 @@ def check_kind(lora: LoraConfig) -> None:
 
 def peft_config(lora: LoraConfig, targets: list[str]) -> PeftLoraConfig | LoKrConfig | LoHaConfig:
     """peft's config for `lora` on the resolved full module paths `targets` (the kinds: module docstring)."""
-    check_kind(lora)
     alpha = lora.alpha if lora.alpha is not None else lora.rank
     kind = adapter_kind(lora)
     if kind in _LYCORIS:

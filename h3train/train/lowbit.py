@@ -120,17 +120,27 @@ def _global_offset(param: torch.Tensor) -> int:
     return offset[0] * (param.numel() // max(param.shape[0], 1)) if param.ndim else 0
 
 
-def stochastic_round_bf16(value: torch.Tensor, key: int, offset: int) -> torch.Tensor:
+def element_hashes(numel: int, offset: int, device: torch.device) -> torch.Tensor:
+    """A 32-bit hash of each element's index in the full tensor (`offset + i`), int64 [numel]."""
+    index = torch.arange(offset, offset + numel, device=device, dtype=torch.int64)
+    return _mix32(index & 0xFFFFFFFF)
+
+
+def stochastic_round_bf16(
+    value: torch.Tensor, key: int, offset: int, hashes: torch.Tensor | None = None
+) -> torch.Tensor:
     """`value` (float32) rounded to bfloat16, up or down with probability by the discarded 16 bits.
 
     The 16 random bits of element `i` are a hash of (`key`, `offset + i`): the same element of the
-    full tensor draws the same bits whatever the shard it lies in.
+    full tensor draws the same bits whatever the shard it lies in. `hashes`: `element_hashes` of
+    `value`'s elements, when several roundings of one shard share them.
     """
     mask = 0xFFFFFFFF
     flat = value.reshape(-1)
-    index = torch.arange(offset, offset + flat.numel(), device=flat.device, dtype=torch.int64)
+    if hashes is None:
+        hashes = element_hashes(flat.numel(), offset, flat.device)
     salt = int(_mix32(torch.tensor(key & mask)).item()) ^ (key >> 32 & mask)
-    noise = _mix32((_mix32(index & mask) + salt) & mask) & 0xFFFF
+    noise = _mix32((hashes + salt) & mask) & 0xFFFF
     # On the unsigned float32 pattern: the sum carries into the upper half exactly when the draw
     # is under the discarded fraction of the last bfloat16 bit; the upper half is then the result.
     bits = (flat.view(torch.int32).to(torch.int64) & mask) + noise
@@ -197,9 +207,10 @@ class BF16AdamW(torch.optim.Optimizer):
                     # One draw per tensor and step: the weight and each moment from keys of their own.
                     key = ((self.seed * 1_000_003 + step) * 1_000_033 + index) * 3
                     offset = _global_offset(param)
-                    p.copy_(stochastic_round_bf16(w, key, offset))
-                    m.copy_(stochastic_round_bf16(m32, key + 1, offset))
-                    v.copy_(stochastic_round_bf16(v32, key + 2, offset))
+                    hashes = element_hashes(w.numel(), offset, w.device)
+                    p.copy_(stochastic_round_bf16(w, key, offset, hashes))
+                    m.copy_(stochastic_round_bf16(m32, key + 1, offset, hashes))
+                    v.copy_(stochastic_round_bf16(v32, key + 2, offset, hashes))
                 else:
                     m.copy_(m32)
                     v.copy_(v32)
