@@ -33,6 +33,27 @@ PRELOAD = ["torch", "diffusers", "h3train.cli", "h3train.preflight", "h3train.tr
 # How long the other ranks get to stop after one failed, before they are killed.
 _GRACE_S = 10.0
 
+# Set to 1 in a run's environment: its ranks' collectives sum where asked to average, as torch 2.8's
+# gloo reduce-scatter does (`h3train/parallel/averaging.py`).
+SUMS_AVERAGE = "H3TRAIN_TEST_SUMS_AVERAGE"
+
+
+def _sum_when_averaging() -> None:
+    """Make this process's reduce-scatters and all-reduces sum when they are asked to average."""
+    import torch.distributed as dist
+
+    def summing(collective):
+        def call(*args, **kwargs):
+            if kwargs.get("op") == dist.ReduceOp.AVG:
+                kwargs["op"] = dist.ReduceOp.SUM
+            return collective(*args, **kwargs)
+
+        return call
+
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single", "all_reduce"):
+        if hasattr(dist, name):
+            setattr(dist, name, summing(getattr(dist, name)))
+
 
 def _context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
@@ -64,6 +85,8 @@ def _rank_main(args: list[str], env: dict[str, str], cwd: str, out: str, err: st
 
     # The server imported torch before OMP_NUM_THREADS was set for this rank.
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    if env.get(SUMS_AVERAGE) == "1":
+        _sum_when_averaging()
     sys.argv = ["h3train", *args]
     from h3train.cli import run
 

@@ -145,16 +145,17 @@ def run_forked(
     return proc
 
 
-def train(args: list[str], nproc: int = 1) -> None:
+def train(args: list[str], nproc: int = 1, env: dict[str, str] | None = None) -> str:
     """`h3train ARGS` to completion: one process in this one (`h3train.cli.main`, no interpreter to start,
-    no imports to repeat), more as forked ranks (`run_forked`). A run that signals itself
-    (`debug.fault=[sigterm@...]`, `kill...`) must use `run_forked`."""
+    no imports to repeat), more as forked ranks (`run_forked`, in `env`). A run that signals itself
+    (`debug.fault=[sigterm@...]`, `kill...`) must use `run_forked`. Returns the forked ranks' stdout
+    (empty for a run in this process)."""
     if nproc > 1:
-        run_forked(args, nproc=nproc)
-        return
+        return run_forked(args, nproc=nproc, env=env).stdout
     from h3train.cli import main
 
     assert main(args) == 0, f"h3train {' '.join(args)} failed"
+    return ""
 
 
 def run_process_group(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
@@ -346,22 +347,37 @@ class Parity:
     ref_norm: float
     grads: dict[str, torch.Tensor]
     ref_grads: dict[str, torch.Tensor]
+    output: str = ""  # what the run printed (forked ranks only)
 
     def worst(self) -> tuple[float, str]:
         """The largest per-parameter relative L2 gradient error, and its parameter."""
         return max((relative_l2(self.grads[n], g), n) for n, g in self.ref_grads.items() if g.abs().sum() > 0)
 
 
-def parity_step(config: Path, extra: list[str], run_dir: Path, nproc: int, dp: int, steps: int = 1) -> Parity:
-    """Train `steps` steps of `config` on `nproc` ranks with a debug dump of step 1, then recompute step 1
-    unsharded (its loss, gradients and norm do not depend on the steps after it)."""
+def parity_step(
+    config: Path,
+    extra: list[str],
+    run_dir: Path,
+    nproc: int,
+    dp: int,
+    steps: int = 1,
+    env: dict[str, str] | None = None,
+) -> Parity:
+    """Train `steps` steps of `config` on `nproc` ranks (in `env`) with a debug dump of step 1, then
+    recompute step 1 unsharded (its loss, gradients and norm do not depend on the steps after it)."""
     overrides = [f"train.steps={steps}", "debug.dump_step=1", f"data.path={run_dir / 'data'}", *extra]
-    train(tiny_args(run_dir, *overrides, config=config), nproc=nproc)
+    output = train(tiny_args(run_dir, *overrides, config=config), nproc=nproc, env=env)
     dump = dump_dir(run_dir, 1)
     ref_loss, ref_grads, ref_norm = reference_step(config, overrides, dump, dp=dp)
     metrics = read_metrics(run_dir)[0]
     return Parity(
-        metrics["loss"], ref_loss, metrics["grad_norm"], ref_norm, load_file(dump / "grads.safetensors"), ref_grads
+        metrics["loss"],
+        ref_loss,
+        metrics["grad_norm"],
+        ref_norm,
+        load_file(dump / "grads.safetensors"),
+        ref_grads,
+        output,
     )
 
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from ranks import SUMS_AVERAGE
 
-from reference import ROOT, TINY_FL2VA, Parity, parity_step, read_metrics, tiny_args, train
+from reference import ROOT, TINY_FL2VA, Parity, parity_step, read_metrics, run_env, tiny_args, train
 
 TOL = 1e-5
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
@@ -86,6 +87,23 @@ def test_gradients_match_unsharded_reference(case: str, tmp_path, shared) -> Non
     for name, g in result.ref_grads.items():
         if g.abs().sum() == 0:
             assert torch.count_nonzero(result.grads[name]) == 0, name
+    assert result.loss == pytest.approx(result.ref_loss, rel=TOL)
+    assert result.grad_norm == pytest.approx(result.ref_norm, rel=TOL)
+
+
+@pytest.mark.slow
+def test_backend_that_sums_when_asked_to_average_trains_the_reference_gradients(tmp_path) -> None:
+    """Collectives that sum when asked to average (torch 2.8's gloo reduce-scatter does) on an HSDP x SP
+    run: found at start-up on both groups, FSDP2 reduces by SUM and divides by 4 itself, and every
+    gradient, the loss and grad_norm equal the unsharded reference's."""
+    extra = ["parallel.dp_replicate=2", "parallel.sp=2"]
+    env = run_env(**{SUMS_AVERAGE: "1"})
+    result = parity_step(TINY_FL2VA, extra, tmp_path / "run", nproc=4, dp=2, env=env)
+    assert "gloo's reduce-scatter over dp_shard_sp (2 ranks)" in result.output, result.output
+    assert "gloo's all-reduce over dp_replicate (2 ranks)" in result.output
+    assert "FSDP2 reduces by SUM and divides by 4 itself" in result.output
+    worst, name = result.worst()
+    assert worst <= TOL, f"gradient of {name} off by relative L2 {worst:.3e}"
     assert result.loss == pytest.approx(result.ref_loss, rel=TOL)
     assert result.grad_norm == pytest.approx(result.ref_norm, rel=TOL)
 

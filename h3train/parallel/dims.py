@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..config import ParallelConfig
 from ..errors import ConfigError, UsageError
+from .averaging import Averaging, check_averaging
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,11 @@ class ParallelContext:
         self.dp_rank = self.dp_mesh.get_local_rank()
         self.sp_rank = self.mesh["sp"].get_local_rank()
         self.rank = dist.get_rank()
+        # What FSDP2's gradient average really does on these groups (`parallel/averaging.py`).
+        groups = {"dp_shard_sp": shard.get_group()}
+        if dims.dp_replicate > 1:
+            groups["dp_replicate"] = self.mesh["dp_replicate"].get_group()
+        self.averaging: Averaging = check_averaging(groups, device)
 
     @property
     def is_main(self) -> bool:

@@ -42,7 +42,9 @@ The gradient contract: every trainable parameter, full model or adapter, lives i
 units, so FSDP2 reduce-scatters its gradient as the average over `dp_shard x sp` (all-reduced over
 `dp_replicate` under HSDP), and the gathered output's `sp` scale (`parallel/ulysses.py`) makes that
 average the full gradient. `apply_fsdp` checks that no trainable parameter is left unsharded, where
-it would be reduced by nothing and keep only its own rank's share.
+it would be reduced by nothing and keep only its own rank's share. Where the backend sums what it is
+asked to average (`ctx.averaging`, probed on these groups at start-up), every unit reduces by SUM
+and divides by the data-parallel size itself: the same average.
 """
 
 from __future__ import annotations
@@ -112,6 +114,10 @@ def apply_fsdp(
     # reshards after forward: backward needs those parameters straight away.
     fully_shard(model, mp_policy=block_policy, reshard_after_forward=False, **common)
     model.register_forward_hook(_reshard_after_inference)
+    if ctx.averaging.force_sum:
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_force_sum_reduction_for_comms(True)
     unsharded = [n for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
     if unsharded:
         raise RuntimeError(

@@ -176,6 +176,8 @@ def _assemble(
 
     _, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
     ctx = ParallelContext(dims, device)
+    if ctx.is_main and ctx.averaging.force_sum:
+        print(ctx.averaging.describe(dims.world_size), flush=True)
     _warn_cross_node_sp(ctx)
     transforms = list(model_transforms(cfg) if transforms is None else transforms)
     adapter = next((t for t in transforms if isinstance(t, ModelAdapter)), None)
