@@ -91,8 +91,10 @@ def _check_lora(cfg: Config) -> None:
     if lora.rank == 0:
         return
     from .lora.adapters import check_kind
+    from .lora.quant import check_base_quant
 
     check_kind(lora)
+    check_base_quant(lora.base_quant)
     if lora.init_from is not None and not Path(lora.init_from).is_file():
         raise ConfigError(f"config key 'lora.init_from': file '{lora.init_from}' does not exist")
     model = meta_model(cfg)

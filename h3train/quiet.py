@@ -11,7 +11,7 @@ code (or a new notice from the same call) still shows.
   `AutoencoderKLMiniMaxH3Audio` still builds its convolutions with it, to keep the checkpoint's
   `weight_g` / `weight_v` names; nothing in h3train calls it directly.
 
-Three notices come from importing torchao, which diffusers, transformers and peft do at their own
+Four notices come from importing torchao, which diffusers, transformers and peft do at their own
 import wherever it is installed (h3train uses it for `optim.name: adamw8bit | adamw4bit`). They
 are raised once per process, at an import h3train cannot wrap, so `drop_import_notices()` (called
 when the package loads) filters them on their loggers for the process:
@@ -19,6 +19,9 @@ when the package loads) filters them on their loggers for the process:
 - torchao "Failed to load <its _C*.so>", only on a torch build without CUDA: those libraries are
   CUDA kernels (the quantized optimizers compile their own step and do not use them). On a CUDA
   build the notice stays, since there it means a torch / torchao mismatch.
+- torchao "Skipping import of cpp extensions due to incompatible torch version", where torchao is
+  newer than torch (the Docker image's torch 2.8 with torchao 0.16, the oldest release peft accepts):
+  the skipped libraries are the same kernels, and the quantized optimizers do not use them.
 - torch's `_pytree` "... is an Enum subclass and is now natively supported by torch.compile ...":
   torchao registers its enums with a call newer torch deprecates.
 - diffusers' "Unable to import `torchao` Tensor objects": its torchao quantizer lists classes newer
@@ -43,6 +46,7 @@ _WARNINGS = ((FutureWarning, r"`torch\.nn\.utils\.weight_norm` is deprecated"),)
 
 # (logger name, message prefix or None, substring) of the notices raised while torchao is imported.
 _IMPORT_NOTICES = (
+    ("torchao", "Skipping import of cpp extensions due to incompatible torch version", None),
     ("torch.utils._pytree", None, "is an Enum subclass and is now natively supported by torch.compile"),
     ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao` Tensor objects", None),
 )

@@ -80,6 +80,7 @@ sys.path.insert(0, str(ROOT))
 
 from h3train.bench import REDUCED_CLIP, REDUCED_DIMS, model_dims, trainer_config  # noqa: E402
 from h3train.config import load_config, validate  # noqa: E402
+from h3train.lora.quant import INTEGER_CODES_SHARD  # noqa: E402
 from h3train.model.dims import planned_model_dims  # noqa: E402
 from h3train.parallel.dims import ParallelDims  # noqa: E402
 from h3train.plan import estimate  # noqa: E402
@@ -90,6 +91,8 @@ KINDS = ("adamw", "adamw8bit", "adamw4bit", "adamw_bf16")
 REFERENCE = "adamw"
 # LoRA's frozen base (`lora.base_quant`), timed with adapters of this rank.
 BASES = ("none", "int8", "float8")
+# The bases this torch's FSDP2 can train on (torch 2.8 cannot shard int8 codes; the plan still counts them).
+TRAINABLE_BASES = tuple(kind for kind in BASES if kind != "int8" or INTEGER_CODES_SHARD)
 LORA_RANK = 8
 GIB = 1024**3
 HEAD_DIM = int(REDUCED_DIMS["attention_head_dim"])
@@ -184,11 +187,11 @@ def measure(
 ) -> list[dict[str, Any]]:
     """One row per kind (`KINDS`): bytes, median step times and their ratios to `adamw`, last loss.
 
-    `bases`: one row per LoRA base (`BASES`, rank `LORA_RANK` with fused AdamW) instead, the ratios
+    `bases`: one row per LoRA base (`TRAINABLE_BASES`, rank `LORA_RANK` with fused AdamW) instead, the ratios
     to the bfloat16 base's, with the frozen base's bytes (`base_bytes`).
     """
     dims = bench_dims(width, layers)
-    labels, reference = (BASES, "none") if bases else (KINDS, REFERENCE)
+    labels, reference = (TRAINABLE_BASES, "none") if bases else (KINDS, REFERENCE)
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="h3train-bench-optim-") as tmp, eager_torchao() if eager else nullcontext():
         trainers = {}

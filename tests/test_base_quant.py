@@ -15,13 +15,17 @@ from safetensors.torch import load_file
 
 from h3train.cli import main
 from h3train.config import load_config
-from h3train.lora.quant import QuantizedLinear, dequantize, quantize_base, quantize_rows
+from h3train.lora.quant import INTEGER_CODES_SHARD, QuantizedLinear, dequantize, quantize_base, quantize_rows
 from h3train.model.build import build_model, fp32_island_names
 
 from reference import ROOT, checkpoint_tensors, dump_dir, lora_parity_run, tiny_args
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 TOL = 1e-5
+# torch 2.8's FSDP2 cannot shard integer parameters: int8 is refused there (tested below), float8 runs.
+needs_int8 = pytest.mark.skipif(not INTEGER_CODES_SHARD, reason=f"int8 codes do not shard on torch {torch.__version__}")
+# A quantized base this torch trains, and another one a resume must refuse.
+QUANT, OTHER_QUANT = ("int8", "float8") if INTEGER_CODES_SHARD else ("float8", "none")
 
 
 def _ckpt(run: Path, step: int) -> Path:
@@ -114,7 +118,11 @@ def test_plan_counts_the_base_the_model_holds(kind: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "nproc", "extra"),
-    [("int8", 1, []), ("int8", 2, ["parallel.sp=2"]), ("float8", 2, ["parallel.sp=2", "cfg.scale=2"])],
+    [
+        pytest.param("int8", 1, [], marks=needs_int8),
+        pytest.param("int8", 2, ["parallel.sp=2"], marks=needs_int8),
+        ("float8", 2, ["parallel.sp=2", "cfg.scale=2"]),
+    ],
 )
 def test_adapter_gradients_match_peft_on_the_same_quantized_base(kind, nproc, extra, tmp_path) -> None:
     result = lora_parity_run(TINY_LORA, [f"lora.base_quant={kind}", *extra], tmp_path / "run", nproc, 1)
@@ -137,14 +145,16 @@ def test_adapter_gradients_match_peft_on_the_same_quantized_base(kind, nproc, ex
 def test_quantized_base_resumes_merges_unquantized_and_refuses_another_quant(tmp_path, capsys) -> None:
     run = tmp_path / "run"
     common = ["train.steps=3", "checkpoint.every=1", "checkpoint.keep_last=0", "optim.lr=2e-2"]
-    assert main(tiny_args(run, *common, "lora.base_quant=int8", config=TINY_LORA)) == 0
+    assert main(tiny_args(run, *common, f"lora.base_quant={QUANT}", config=TINY_LORA)) == 0
     state = json.loads((run / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
-    assert state["lora_base"]["quant"] == "int8"
+    assert state["lora_base"]["quant"] == QUANT
     # A resume rebuilds and re-quantizes the base: step 3 again is bitwise the same.
     resumed = tmp_path / "resumed"
     assert (
         main(
-            tiny_args(resumed, *common, "lora.base_quant=int8", f"checkpoint.resume={_ckpt(run, 2)}", config=TINY_LORA)
+            tiny_args(
+                resumed, *common, f"lora.base_quant={QUANT}", f"checkpoint.resume={_ckpt(run, 2)}", config=TINY_LORA
+            )
         )
         == 0
     )
@@ -167,9 +177,20 @@ def test_quantized_base_resumes_merges_unquantized_and_refuses_another_quant(tmp
     torch.testing.assert_close(merged["transformer_blocks.0.attn.to_q.weight"].float(), expected, rtol=1e-5, atol=1e-6)
     capsys.readouterr()
     # Another quantization of the base is another base: refused in one line.
-    assert main(tiny_args(run, *common, "train.steps=4", "lora.base_quant=float8", config=TINY_LORA)) == 2
+    assert main(tiny_args(run, *common, "train.steps=4", f"lora.base_quant={OTHER_QUANT}", config=TINY_LORA)) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "lora.base_quant=int8" in err, err
+    assert len(err.splitlines()) == 1 and f"lora.base_quant={QUANT}" in err, err
+
+
+def test_int8_base_is_refused_in_one_line_where_fsdp2_cannot_shard_it(capsys) -> None:
+    """On torch 2.8 `lora.base_quant=int8` stops before any model, naming the key and float8; elsewhere it checks."""
+    code = main(["check", str(TINY_LORA), "lora.base_quant=int8"])
+    err = capsys.readouterr().err.strip()
+    if INTEGER_CODES_SHARD:
+        assert code == 0, err
+    else:
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert "lora.base_quant" in err and "float8" in err and torch.__version__ in err
 
 
 def test_base_quant_config_errors(capsys) -> None:

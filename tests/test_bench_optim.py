@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from h3train.lora.quant import INTEGER_CODES_SHARD
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_optim.py"
 
 
@@ -91,10 +93,11 @@ def test_the_printed_table_and_the_released_models_plan(report) -> None:
 def test_each_lora_base_has_a_row_with_its_bytes_against_bfloat16(report) -> None:
     _, data = report
     rows = {r["kind"]: r for r in data["bases"]}
-    assert list(rows) == ["none", "int8", "float8"]
+    # torch 2.8's FSDP2 cannot shard int8 codes: that lane measures float8 only (int8 is refused there).
+    assert list(rows) == ["none", "int8", "float8"] if INTEGER_CODES_SHARD else ["none", "float8"]
     assert rows["none"]["base_bytes_ratio"] == 1.0
     # The matrices at 1 byte instead of 2; vectors, islands and row scales keep the rest.
-    for kind in ("int8", "float8"):
+    for kind in set(rows) - {"none"}:
         assert 0.5 < rows[kind]["base_bytes_ratio"] < 0.7, rows[kind]["base_bytes_ratio"]
         assert rows[kind]["train_step_s"] > 0 and rows[kind]["loss"] == pytest.approx(rows["none"]["loss"], rel=1e-2)
     plans = {(p["setup"], p["kind"]): p["total_bytes"] for p in data["base_plan"]}

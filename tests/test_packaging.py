@@ -20,6 +20,7 @@ from reference import default_signals, signal_after_steps, start_in_session, tin
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
+IMAGE_VERSIONS = ROOT / "docker" / "versions.txt"
 SCRIPTS = sorted([*ROOT.glob("scripts/*.sh"), *ROOT.glob("scripts/*.sbatch")])
 
 
@@ -52,6 +53,18 @@ def _dockerfile_args() -> dict[str, str]:
     for key, value in args.items():
         args[key] = re.sub(r"\$\{(\w+)\}", lambda r: args[r[1]], value)
     return args
+
+
+def _image_pins() -> dict[str, str]:
+    """docker/versions.txt as `name -> version`; every line that is not a comment pins one exact version."""
+    pins = {}
+    for line in IMAGE_VERSIONS.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", line
+            pins[req.name] = spec.version
+    return pins
 
 
 def _flash_attn_wheel(args: dict[str, str]) -> str:
@@ -118,12 +131,61 @@ def test_dockerfile_runtime_stage() -> None:
     assert 'ENTRYPOINT ["h3train"]' in final
     assert re.search(r"^USER (?!root|0\b)\S+", final, re.MULTILINE), "the final stage must not run as root"
     assert "[flash,lowbit]" in final  # h3train is installed with its flash and low-bit optimizer extras
-    # torchao is pinned to the release made for the image's torch (2.8 -> 0.13), and checked after install.
-    assert re.search(r"^ARG TORCHAO_VERSION=0\.13\.\d+$", final, re.MULTILINE) and "TORCH_VERSION=2.8." in text
-    assert '"torchao==${TORCHAO_VERSION}"' in final and "m.version('torchao')" in final
+    # Every package installs under docker/versions.txt, and no version is named twice.
+    assert "--mount=type=bind,source=docker/versions.txt,target=/tmp/versions.txt" in final
+    assert "--constraint /tmp/versions.txt" in final and "got == pins" in final
+    assert not re.search(r"\b[\w-]+==", final), "versions belong in docker/versions.txt"
     # Every pip call leaves no cache behind in a layer.
     assert text.count("--no-cache-dir") == len(re.findall(r"pip (?:install|wheel|download)", text))
     assert not re.search(r"apt-get install|build-essential|nvcc", text), "no build tools in the image"
+
+
+def test_dockerfile_pins_equal_the_image_versions_file() -> None:
+    """The build arguments that name a version again equal docker/versions.txt, the file the image
+    installs from and the image test environment is built from."""
+    args, pins = _dockerfile_args(), _image_pins()
+    assert args["TORCH_VERSION"] == pins["torch"]
+    assert args["FLASH_ATTN_VERSION"] == pins["flash-attn"]
+    # torchaudio is released in lockstep with torch: the pipeline resamples off-rate references with it.
+    assert pins["torchaudio"] == pins["torch"]
+    assert not {"TORCHAUDIO_VERSION", "TORCHAO_VERSION"} & set(args), "pinned in docker/versions.txt"
+
+
+def test_image_versions_satisfy_the_package() -> None:
+    """Every pin satisfies pyproject.toml, whose oldest torch is the image's (the oldest a test lane runs)."""
+    project = _pyproject()["project"]
+    reqs = [*project["dependencies"], *project["optional-dependencies"]["lowbit"]]
+    pins = _image_pins()
+    for name, version in pins.items():
+        for req in (r for r in map(Requirement, reqs) if r.name == name):
+            assert req.specifier.contains(Version(version)), f"{name}=={version} against {req}"
+    torch_floor = {s.version for s in _requirement(project["dependencies"], "torch").specifier if s.operator == ">="}
+    assert torch_floor == {".".join(pins["torch"].split(".")[:2])}
+
+
+def test_makefile_builds_the_image_lane_from_the_versions_file() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    assert "IMAGE_VERSIONS := docker/versions.txt" in makefile
+    assert makefile.count("--constraint $(IMAGE_VERSIONS)") == 2  # torch first, then the package
+
+
+def test_image_lane_runs_the_pinned_versions() -> None:
+    """In the image test environment (`make test` sets H3TRAIN_TEST_LANE=image), every pinned package
+    that installs on a CPU machine is at its pin."""
+    if os.environ.get("H3TRAIN_TEST_LANE") != "image":
+        pytest.skip("not the image test environment (make test runs it second, H3TRAIN_TEST_LANE=image)")
+    from importlib.metadata import PackageNotFoundError, version
+
+    got = {}
+    for name in _image_pins():
+        try:
+            got[name] = version(name).split("+")[0]
+        except PackageNotFoundError:
+            got[name] = None
+    # flash-attn has no wheel for a CPU machine: the image only.
+    assert {n: v for n, v in got.items() if n != "flash-attn"} == {
+        n: v for n, v in _image_pins().items() if n != "flash-attn"
+    }
 
 
 def test_dockerignore_admits_what_the_build_copies() -> None:

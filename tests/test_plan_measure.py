@@ -30,6 +30,7 @@ import torch.distributed as dist
 from h3train.bench_memory import run_ranks, saved_activation_bytes
 from h3train.config import load_config
 from h3train.data.source import build_source
+from h3train.lora.quant import INTEGER_CODES_SHARD
 from h3train.model.build import build_model, fp32_island_names
 from h3train.model.dims import model_dims
 from h3train.model.sp_forward import SequenceParallelH3
@@ -50,7 +51,9 @@ TOLERANCE = 0.10
 WORLD = 2
 KINDS = {"full": TINY_FL2VA, "lora": ROOT / "configs" / "tiny_lora.yaml"}
 # The other adapters and the quantized base, on tiny_lora: (config key overrides) per kind.
-VARIANTS = {"dora": ["lora.use_dora=true"], "lokr": ["lora.kind=lokr"], "lora_int8": ["lora.base_quant=int8"]}
+# The quantized base is int8 where this torch's FSDP2 shards integer codes, else float8 (1 byte as well).
+QUANT = "int8" if INTEGER_CODES_SHARD else "float8"
+VARIANTS = {"dora": ["lora.use_dora=true"], "lokr": ["lora.kind=lokr"], f"lora_{QUANT}": [f"lora.base_quant={QUANT}"]}
 # Two widths of the tiny configs' architecture (4 heads, 2 blocks, 1 refiner block).
 WIDTHS = {
     "h128": {"hidden_size": 128, "attention_head_dim": 32, "ffn_dim": 384},
@@ -77,7 +80,7 @@ ACTIVATION_CASES = [
 ACTIVATION_CASES += [
     (kind, "h256", "float32", ckpt, sp) for kind in VARIANTS for ckpt, sp in (("none", 2), ("full", 1))
 ]
-STATE_KINDS = ("full", "lora", "lora_int8")
+STATE_KINDS = ("full", "lora", f"lora_{QUANT}")
 STATE_WIDTH = "h256"
 
 

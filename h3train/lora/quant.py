@@ -28,9 +28,24 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..errors import ConfigError
+
 # Code dtype and the largest code of each kind.
 CODES = {"int8": (torch.int8, 127.0), "float8": (torch.float8_e4m3fn, 448.0)}
 SCALE_DTYPE = torch.bfloat16
+# torch 2.8's FSDP2 makes each sharded parameter with `requires_grad=True` before it sets the
+# parameter's own flag, which an integer tensor refuses ("only Tensors of floating point dtype can
+# require gradients"); later releases pass the flag at creation. float8 codes are floating point.
+INTEGER_CODES_SHARD = torch.__version__ >= "2.9"
+
+
+def check_base_quant(kind: str) -> None:
+    """Refuse, in one line naming the key, a quantized base this torch cannot shard; before any model."""
+    if kind == "int8" and not INTEGER_CODES_SHARD:
+        raise ConfigError(
+            f"config key 'lora.base_quant' is int8, which FSDP2 cannot shard on torch {torch.__version__} "
+            "(integer parameters need torch 2.9 or later); set lora.base_quant=float8 (also 1 byte per weight) or none"
+        )
 
 
 def quantize_rows(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
