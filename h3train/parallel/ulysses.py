@@ -19,11 +19,29 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed._functional_collectives import all_to_all_single, wait_tensor
 
 
 def padded_length(seq_len: int, sp: int) -> int:
     return -(-seq_len // sp) * sp
+
+
+class _AllToAll(torch.autograd.Function):
+    """An even all-to-all of dim-0 chunks, waited in forward and in backward (its own inverse).
+
+    torch's `all_to_all_single_autograd` lost the backward's exchange inside a compiled block on
+    torch 2.8 (every gradient upstream of attention came back wrong); this function issues each
+    exchange, forward and backward, as a functional collective followed by its wait.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return wait_tensor(all_to_all_single(x, None, None, group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return wait_tensor(all_to_all_single(grad.contiguous(), None, None, ctx.group)), None
 
 
 class _GatherRows(torch.autograd.Function):
@@ -113,7 +131,7 @@ class SequenceParallel:
         g, sp = len(xs), self.size
         # [sp, B, S/sp, G, H/sp, D]: chunk j of every tensor's heads goes to rank j.
         send = torch.stack(xs, dim=2).reshape(b, s_local, g, sp, h // sp, d).permute(3, 0, 1, 2, 4, 5).contiguous()
-        recv = wait_tensor(all_to_all_single_autograd(send.flatten(0, 1).flatten(1), None, None, self.group))
+        recv = _AllToAll.apply(send.flatten(0, 1).flatten(1), self.group)
         recv = recv.view(sp, b, s_local, g, h // sp, d)
         # Received chunk i holds source rank i's rows, so concatenating by source restores row order.
         full = recv.permute(1, 0, 2, 3, 4, 5).reshape(b, sp * s_local, g, h // sp, d)
@@ -127,7 +145,7 @@ class SequenceParallel:
         s_local = s // self.size
         # [sp, B, S/sp, H/sp, D]: row chunk j goes back to rank j.
         send = x.reshape(b, self.size, s_local, h_local, d).permute(1, 0, 2, 3, 4).contiguous()
-        recv = wait_tensor(all_to_all_single_autograd(send.flatten(0, 1).flatten(1), None, None, self.group))
+        recv = _AllToAll.apply(send.flatten(0, 1).flatten(1), self.group)
         recv = recv.view(self.size, b, s_local, h_local, d)
         # Received chunk i holds head block i of this rank's rows.
         return recv.permute(1, 2, 0, 3, 4).reshape(b, s_local, self.size * h_local, d)
