@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .lora.quant import base_bytes_per_weight
+from .lora.quant import CODES, base_bytes_per_weight
 from .model.adapter import AdapterCounts
 from .train.lowbit import QUANT_BLOCK, state_bytes_per_value
 
@@ -132,6 +132,9 @@ class MemoryPlan:
     # `activation_bytes` (`refiner_activation_bytes`), for the printout.
     text_rows: int = 0
     refiner_activation_bytes: int = 0
+    # Of `grads_bytes`, what is resident at the backward's activation peak (`backward_grads_bytes`);
+    # None: all of it (gradients accumulate over micro-batches).
+    peak_grads_bytes: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -154,8 +157,10 @@ class MemoryPlan:
     @property
     def total_bytes(self) -> int:
         """Device memory per rank."""
+        apart = 0 if self.peak_grads_bytes is None or self.cpu_offload else self.grads_bytes - self.peak_grads_bytes
         return (
             self.sharded_state_bytes
+            - apart
             - self.host_bytes
             + self.unsharded_params_bytes
             + self.unsharded_grads_bytes
@@ -459,6 +464,7 @@ def plan_memory(
     text_rows: int = 0,
     optimizer: str = "adamw",
     base_quant: str = "none",
+    grad_accum: int | None = None,
 ) -> MemoryPlan:
     """Per-rank memory of an AdamW fine-tune on a resolved `(dp_replicate, dp_shard, sp)` mesh.
 
@@ -475,6 +481,8 @@ def plan_memory(
     and each kind its moments at `state_bytes_per_value` bytes (8 for float32 AdamW). `base_quant`:
     `lora.base_quant`, the frozen base's matrices at 1 byte per weight (the row scales, 2 bytes per
     row of thousands of inputs, are left out), its vectors in bfloat16 and islands in float32.
+    `grad_accum`: `train.grad_accum`; at 1 the gradients count beside the activations only as far as
+    `backward_grads_bytes` says they coexist; None (or more) counts all of them beside the activations.
     """
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
@@ -509,6 +517,14 @@ def plan_memory(
         blocks = layers - done + (1 if done else 0)
         activations += blocks * (local_rows * lora.block_row_values + lora.block_delta_values) * b
     trainable_bytes, moment_bytes = trainable_state_bytes(counts, trainable, optimizer, lora is None, shard)
+    peak_grads = None
+    if grad_accum == 1:
+        layers = _dim(dims, "num_layers")
+        done = (layers if gradient_checkpointing else 0) if checkpointed_layers is None else checkpointed_layers
+        block = block_activation_row_bytes(dims, dtype, sp, frozen_base=_frozen_parts(dims, lora)[0])
+        # What the blocks keep for the backward, given up block by block as it proceeds.
+        freed = local_rows * (done * _dim(dims, "hidden_size") * b + (layers - done) * block)
+        peak_grads = backward_grads_bytes(trainable_bytes, freed)
     return MemoryPlan(
         dp_replicate=dp_replicate,
         dp_shard=dp_shard,
@@ -527,7 +543,7 @@ def plan_memory(
         base_quant=base_quant,
         # Counted at every mesh size: the compute-dtype copy of a unit exists even unsharded, and a
         # one-rank mesh is not a layout the 33 B model fits in anyway.
-        unsharded_params_bytes=2 * block_params * b,
+        unsharded_params_bytes=2 * _unsharded_block_bytes(dims, counts, block_params, b, lora, base_quant),
         unsharded_grads_bytes=block_grads * _FP32,
         activation_bytes=activations,
         reserve_bytes=int(reserve_gib * GIB),
@@ -538,7 +554,36 @@ def plan_memory(
         checkpointed_layers=checkpointed_layers,
         text_rows=text_rows,
         refiner_activation_bytes=refiner_activation_bytes(dims, text_rows, dtype, gradient_checkpointing, lora),
+        peak_grads_bytes=peak_grads,
     )
+
+
+def _unsharded_block_bytes(
+    dims: Mapping[str, Any], counts: ParameterCounts, block_params: int, b: int, lora: AdapterCounts | None, quant: str
+) -> int:
+    """Bytes of one all-gathered block: every parameter in the compute dtype (`b` bytes), except an int8
+    base's matrices, which FSDP2 all-gathers as they are stored (integer codes are not cast)."""
+    if lora is None or quant == "none" or CODES[quant][0].is_floating_point:
+        # float8 codes are floating point: FSDP2 casts them to the compute dtype like any parameter.
+        return block_params * b
+    h = _dim(dims, "hidden_size")
+    vectors = 2 * h + 2 * _dim(dims, "attention_head_dim") + _ADALN_VECTORS * _MODALITIES * h
+    matrices = counts.block - vectors
+    return matrices * base_bytes_per_weight(quant) + (block_params - matrices) * b
+
+
+def backward_grads_bytes(grads: int, freed: int) -> int:
+    """Gradient bytes beside the activations at the backward's peak when no gradient is resident as it
+    starts (`train.grad_accum = 1`: the step zeroes them, `set_to_none`, before its one micro-batch).
+
+    The backward walks the blocks from the last: each gives up what it kept for the backward (`freed`
+    in all) and gains its gradient shard (`grads` in all), so memory moves in a straight line from the
+    start (the activations' peak, no gradient) to the end. The peak is the larger end: no gradient
+    when the blocks keep more than their gradients weigh, else the difference. After the backward the
+    activations are gone, and the gradients alone are less. The units outside the block stack reduce
+    last and weigh little next to a block: left out.
+    """
+    return max(0, grads - freed)
 
 
 def trainable_state_bytes(
@@ -613,6 +658,7 @@ def lora_fit_lines(dims: Mapping[str, Any], plan: MemoryPlan) -> tuple[str, ...]
         "text_rows": plan.text_rows,
         "optimizer": plan.optimizer,
         "base_quant": plan.base_quant,
+        "grad_accum": 1 if plan.peak_grads_bytes is not None else None,
     }
     setups = [("this mesh", plan.dp_replicate, plan.dp_shard, plan.sp)]
     for label, ranks, sp in LORA_REFERENCE_SETUPS:
@@ -742,6 +788,7 @@ def estimate(
         text_rows=text_rows,
         optimizer=cfg.optim.name,
         base_quant=cfg.lora.base_quant,
+        grad_accum=cfg.train.grad_accum,
     )
     plan = replace(plan, checkpoint_bytes=checkpoint_bytes(dims, cfg, lora))
     if lora is not None:
@@ -841,6 +888,13 @@ def _refiner_note(plan: MemoryPlan) -> str:
     )
 
 
+def _grads_note(plan: MemoryPlan) -> str:
+    """The gradient line's note when the total counts only part of them (`backward_grads_bytes`)."""
+    if plan.peak_grads_bytes is None or plan.cpu_offload:
+        return ""
+    return f"  (grad_accum 1: {_gib(plan.peak_grads_bytes).strip()} of them in the total, beside the backward's peak)"
+
+
 def format_plan(plan: MemoryPlan) -> str:
     """A readable multi-line table of `plan`, one memory line per term, ending in the verdict."""
     p = plan.params
@@ -871,7 +925,7 @@ def format_plan(plan: MemoryPlan) -> str:
         lines += [
             "memory per rank",
             f"  master weights {wdt}           {_gib(plan.master_weights_bytes)}{isl}{where}",
-            f"  gradients {wdt}                {_gib(plan.grads_bytes)}{isl}{where}",
+            f"  gradients {wdt}                {_gib(plan.grads_bytes)}{isl}{where}{_grads_note(plan)}",
             f"  AdamW moments {moments:<5}           {_gib(plan.optimizer_bytes)}  ({plan.optimizer}){where}",
         ]
     else:
@@ -883,7 +937,7 @@ def format_plan(plan: MemoryPlan) -> str:
             f"  frozen base {base:<18}{_gib(plan.master_weights_bytes - trainable_weights)}  "
             f"({per_weight}, {lora.frozen_fp32:,} island params 4 B){where}",
             f"  trainable weights {wdt}        {_gib(trainable_weights)}  (adapters + train_modules){where}",
-            f"  trainable gradients {wdt}      {_gib(plan.grads_bytes)}{where}",
+            f"  trainable gradients {wdt}      {_gib(plan.grads_bytes)}{where}{_grads_note(plan)}",
             f"  AdamW of the trainable        {_gib(plan.optimizer_bytes)}  ({plan.optimizer}, {moments}){where}",
         ]
     if plan.ema_bytes:

@@ -76,7 +76,9 @@ def test_the_printed_table_and_the_released_models_plan(report) -> None:
     total = {(p["setup"], p["kind"]): p["total_bytes"] for p in plans}
     for setup in setups:
         adamw, q8, q4, b16 = (total[(setup, k)] for k in bench.KINDS)
-        assert adamw > q8 > q4 > b16 > 0, setup
+        # bfloat16 weights and moments (6 B a parameter) against float32 weights and 4-bit moments
+        # (5 B): adamw_bf16 is below adamw4bit only where the gradients count in the peak (4 B against 2).
+        assert adamw > q8 > q4 > 0 and adamw > b16 > 0, setup
     # A full fine-tune's moments are most of the difference; a LoRA's adapters are a few hundred MiB.
     assert total[("full, 8 x A100", "adamw")] - total[("full, 8 x A100", "adamw4bit")] > 20 * 1024**3
     assert total[("LoRA, 8 GPUs", "adamw")] - total[("LoRA, 8 GPUs", "adamw4bit")] < 1024**3
@@ -102,4 +104,5 @@ def test_each_lora_base_has_a_row_with_its_bytes_against_bfloat16(report) -> Non
         assert rows[kind]["train_step_s"] > 0 and rows[kind]["loss"] == pytest.approx(rows["none"]["loss"], rel=1e-2)
     plans = {(p["setup"], p["kind"]): p["total_bytes"] for p in data["base_plan"]}
     for setup in {s for s, _ in plans}:
-        assert plans[(setup, "int8")] == plans[(setup, "float8")] < plans[(setup, "none")]
+        # The same bytes at rest; FSDP2 all-gathers int8 codes as stored, float8 ones cast to bfloat16.
+        assert plans[(setup, "int8")] < plans[(setup, "float8")] < plans[(setup, "none")]

@@ -261,6 +261,23 @@ def build_sharded_model(
     pretrained = pretrained_folder(cfg) if cfg.model.pretrained else None
     restores_all = resumed and not trainable_only
     from_meta = pretrained is not None or restores_all
+    model = wrap_and_shard(cfg, ctx, transforms, from_meta)
+    if restores_all:
+        materialize(model, device)
+    elif pretrained:
+        load_pretrained_shards(model, pretrained, device)
+    if not resumed:
+        after_load(transforms, model)
+    return model
+
+
+def wrap_and_shard(
+    cfg: Config, ctx: ParallelContext, transforms: Sequence[ModelTransform], from_meta: bool
+) -> SequenceParallelH3:
+    """`build_sharded_model` up to its values: the transformer (on `meta` when `from_meta`, else seeded)
+    with its transforms, wrapped for sequence parallelism and sharded by FSDP2. A model from `meta`
+    holds no values until `materialize` or `load_pretrained_shards` gives them."""
+    device = ctx.device
     transformer = build_meta_model(cfg) if from_meta else build_model(cfg, cfg.train.seed)
     with known_notices():
         transformer.set_attention_backend(
@@ -283,12 +300,6 @@ def build_sharded_model(
     else:
         # fully_shard moves the (CPU-initialised) shards to the mesh's device.
         apply_fsdp(model, ctx, cfg.model.dtype, cpu_offload=cfg.parallel.cpu_offload)
-    if restores_all:
-        materialize(model, device)
-    elif pretrained:
-        load_pretrained_shards(model, pretrained, device)
-    if not resumed:
-        after_load(transforms, model)
     return model
 
 

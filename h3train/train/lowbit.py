@@ -75,6 +75,16 @@ def quantized_adamw(name: str, groups: list[dict[str, Any]], **hyper: Any) -> to
 
     class QuantizedAdamW(base):  # type: ignore[misc, valid-type]
         @torch.no_grad()
+        def init_state(self, param: torch.Tensor) -> None:
+            """The state torchao's first `step` gives `param`: a step count and the two quantized moments
+            (`_new_buffer`: codes, block scales and code book, or float32 for a small shard), no update."""
+            state = self.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = self._new_buffer(param, True)
+                state["exp_avg_sq"] = self._new_buffer(param, False)
+
+        @torch.no_grad()
         def step(self, closure: Any = None) -> Any:
             floats = []
             for group in self.param_groups:
@@ -172,6 +182,15 @@ class BF16AdamW(torch.optim.Optimizer):
         self.seed = int(seed)
 
     @torch.no_grad()
+    def init_state(self, param: torch.Tensor) -> None:
+        """The state the first `step` gives `param`: a step count and two moments in its own dtype."""
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
@@ -185,11 +204,8 @@ class BF16AdamW(torch.optim.Optimizer):
                 index += 1
                 if param.grad is None:
                     continue
+                self.init_state(param)
                 state = self.state[param]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["step"] += 1
                 step = int(state["step"].item())
                 p = param.to_local() if isinstance(param, DTensor) else param

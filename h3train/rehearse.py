@@ -1,0 +1,804 @@
+"""A run's build and one optimizer step at its configured world size, in one CPU process: `h3train check --rehearse`.
+
+No GPU, no weights, no memory: a fake process group of N ranks (this process is rank 0) and torch's
+`FakeTensorMode`, whose tensors have shapes, dtypes and storages of the real sizes but no data.
+What runs is the trainer's own code, on rank 0's share of the work:
+
+- the model as `assemble.build_sharded_model` builds it from a pretrained folder: the transformer on
+  `meta` with its transforms (adapters, quantized base), the Ulysses wrapper with its checkpointing,
+  FSDP2's plan (`wrap_and_shard`), then `materialize`, the allocation `load_pretrained_shards`
+  makes before it reads (no file is read), and the transforms' `after_load`. The architecture is
+  the pretrained folder's `config.json`, or away from it the released one (`planned_model_dims`);
+- the optimizer `optim.name` builds, the LR schedule, and the EMA (`EmaHook`) when configured;
+- the step as `Trainer.forward_backward` and `Trainer.update` run it, in the state of every step
+  after the first (optimizer state and EMA resident): `min(grad_accum, 2)` micro-batches of the
+  longest planned sample, each `objective.compute_loss` (with the CFG forward) and its backward,
+  then the grad norm and clip (`Trainer._grad_norm`, `_clip_coefficient`), the optimizer step, the
+  schedule step and the EMA update. Micro-batches after the second repeat its memory exactly
+  (the same sample, gradients already accumulated), so they are not run;
+- the checkpoint: the trainer's components (`ModelState`, `OptimizerState`, the schedule, the step
+  counters, the EMA) through DCP's own `DefaultSavePlanner`, nothing written (`SavePlanSummary`).
+
+Memory is counted by `memtrack.StorageTracker` from the moment the model is built: per category
+(`CATEGORIES`), each category's peak over the step and the split at the step's overall peak, set
+beside the rows of `plan.estimate` (`compare`). `rehearse_resume` plans DCP's load of a checkpoint
+saved at one world size into a run at another.
+
+What fake tensors cannot run is done another way and named in `Rehearsal.notes`; nothing is
+skipped silently. Run it in a process of its own (the CLI does): it creates and destroys the
+default process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import time
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor
+
+from .bench import Clip, bench_sample
+from .config import Config
+from .errors import UsageError
+from .memtrack import TRANSIENT, StorageTracker
+from .parallel.dims import ParallelContext, ParallelDims
+from .parallel.fsdp import local_tensor
+from .plan import GIB, RELEASED_MAX_ROWS, RELEASED_TEXT_ROWS, MemoryPlan, config_sample_rows, estimate
+
+# The longest released FL2VA clip the plan falls back to away from the data (`plan.RELEASED_MAX_ROWS`):
+# 15 s (362 frames) at 768x1344, first and last keyframes, a 2,048-row prefix half vision tokens.
+RELEASED_CLIP = Clip(frames=362, height=768, width=1344, text_len=RELEASED_TEXT_ROWS, vision_tokens=1024)
+
+# What the tracker counts, in the order printed, with the plan's row(s) each stands beside.
+WEIGHTS, GRADS, OPTIM, EMA, UNSHARDED, BATCH, OTHER = (
+    "weights",
+    "gradients",
+    "optimizer state",
+    "EMA",
+    "unsharded params",
+    "micro-batch",
+    "buffers",
+)
+CATEGORIES = (WEIGHTS, GRADS, OPTIM, EMA, UNSHARDED, TRANSIENT, BATCH, OTHER)
+_PLAN_ROW = {
+    WEIGHTS: "master weights (LoRA: frozen base + trainable)",
+    GRADS: "gradients",
+    OPTIM: "AdamW moments",
+    EMA: "EMA shadows",
+    UNSHARDED: "2 unsharded blocks",
+    TRANSIENT: "activations + unsharded block grad",
+    BATCH: "(not planned)",
+    OTHER: "(not planned)",
+}
+# The plan and the rehearsal agree when the plan's total (reserve aside) is within this of the peak.
+TOLERANCE = 0.10
+# Micro-batches rehearsed at most: the second shows the accumulated gradients' peak, later ones repeat it.
+MICRO_BATCHES = 2
+
+
+@dataclass
+class SavePlanSummary:
+    """DCP's save plan of one checkpoint across every rank: after `DefaultSavePlanner`'s de-duplication
+    of replicated items, each rank's items and tensor bytes, and the files FileSystemWriter writes."""
+
+    world_size: int
+    items_per_rank: list[int]
+    bytes_per_rank: list[int]
+    metadata: Metadata
+    # Tensors the checkpoint keys (flattened FQNs) and non-tensor entries (pickled by DCP).
+    tensors: int = 0
+    objects: int = 0
+    # (FQN, chunk offsets) -> the rank whose file holds it (`__<rank>_0.distcp`).
+    writers: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)
+
+    @property
+    def files(self) -> int:
+        """`.distcp` files: FileSystemWriter opens one per rank (single_file_per_rank), data or not."""
+        return self.world_size
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_per_rank)
+
+
+@dataclass
+class Rehearsal:
+    """What one rehearsal found, beside the plan of the same configuration (byte counts per rank)."""
+
+    world_size: int
+    mesh: ParallelDims
+    num_layers: int
+    rows: int
+    text_rows: int
+    rows_source: str
+    micro_batches: int
+    grad_accum: int
+    plan: MemoryPlan
+    category_peaks: dict[str, int]
+    at_peak: dict[str, int]
+    peak_bytes: int
+    peak_phase: str
+    # Live bytes per category once the step is done: the state every step starts from.
+    after_step: dict[str, int]
+    save: SavePlanSummary | None
+    notes: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def planned_bytes(self) -> int:
+        """The plan's device total without its fixed reserve: what the rehearsal can see."""
+        return self.plan.total_bytes - self.plan.reserve_bytes
+
+    @property
+    def device_peak_bytes(self) -> int:
+        """The step's peak on the device: with `cpu_offload` the sharded state lives in host memory."""
+        if not self.plan.cpu_offload:
+            return self.peak_bytes
+        return self.peak_bytes - sum(self.at_peak.get(c, 0) for c in (WEIGHTS, GRADS, OPTIM, EMA))
+
+    @property
+    def plan_error(self) -> float:
+        """(plan - rehearsed) / rehearsed, of the device totals without the reserve."""
+        return self.planned_bytes / self.device_peak_bytes - 1.0
+
+    @property
+    def agrees(self) -> bool:
+        return abs(self.plan_error) <= TOLERANCE
+
+    @property
+    def wall_s(self) -> float:
+        return sum(self.seconds.values())
+
+
+def plan_rows(plan: MemoryPlan) -> dict[str, int]:
+    """The plan's bytes for each tracked category (`CATEGORIES`)."""
+    return {
+        WEIGHTS: plan.master_weights_bytes,
+        GRADS: plan.grads_bytes,
+        OPTIM: plan.optimizer_bytes,
+        EMA: plan.ema_bytes,
+        UNSHARDED: plan.unsharded_params_bytes,
+        TRANSIENT: plan.activation_bytes + plan.unsharded_grads_bytes,
+        BATCH: 0,
+        OTHER: 0,
+    }
+
+
+# -- the process group and the sample --------------------------------------------------------------
+
+
+@contextmanager
+def fake_process_group(world_size: int) -> Iterator[list[str]]:
+    """The default process group as a fake one of `world_size` ranks, this process rank 0; yields notes.
+
+    torch releases without meta kernels for the c10d collectives (2.8) get them from
+    `torch.distributed._tools.fake_collectives`, which registers them when imported.
+    """
+    if dist.is_initialized():
+        raise UsageError("a rehearsal needs a process of its own: a process group already exists here")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    notes = []
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("c10d::_allgather_base_", "Meta"):
+        importlib.import_module("torch.distributed._tools.fake_collectives")  # registers the meta kernels
+
+        notes.append(
+            "c10d collectives: no meta kernels in this torch; torch.distributed._tools.fake_collectives registers them"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield notes
+    finally:
+        dist.destroy_process_group()
+        # torch 2.8 keeps flattened meshes by their layout across process groups: a later rehearsal
+        # of the same layout would find the groups destroyed here.
+        from torch.distributed import device_mesh
+
+        env = getattr(device_mesh, "_mesh_resources", None)
+        for name in ("root_to_flatten_mapping", "flatten_name_to_root_dims", "child_to_root_mapping"):
+            cache = getattr(env, name, None)
+            if isinstance(cache, dict):
+                cache.clear()
+
+
+def planned_sample(cfg: Config, text_dim: int) -> tuple[Any, int, str]:
+    """(sample, text rows, where it comes from): the sample `plan.config_sample_rows` plans for.
+
+    Synthetic data: its first sample. A readable cached dataset: its longest sample. Away from the
+    data: the released 15 s FL2VA clip (`RELEASED_CLIP`), synthetic latents of its geometry.
+    """
+    from .data.source import build_source
+
+    rows, text_rows, source = config_sample_rows(cfg)
+    if cfg.data.source == "synthetic":
+        sample = build_source(cfg, text_dim)[0]
+    elif rows == RELEASED_MAX_ROWS and source.startswith("longest released clip"):
+        sample = bench_sample(RELEASED_CLIP, text_dim, cfg.train.seed)
+        source = "longest released clip (15 s 768x1344 FL2VA, synthetic latents); data.path is not readable here"
+    else:
+        found = build_source(cfg, text_dim)
+        lengths = found.lengths
+        sample = found[max(range(len(lengths)), key=lengths.__getitem__)]
+    if sample.layout.seq_len != rows:
+        raise RuntimeError(f"the rehearsed sample packs {sample.layout.seq_len} rows, the plan {rows}")
+    return sample, text_rows, source
+
+
+def rehearsal_config(cfg: Config, dims: dict[str, Any]) -> Config:
+    """`cfg` with the architecture `dims` stated (`model.config`) and no pretrained folder to read."""
+    model = dataclasses.replace(cfg.model, pretrained=None, config={k: v for k, v in dims.items() if k[:1] != "_"})
+    return dataclasses.replace(cfg, model=model)
+
+
+def _warm_code_books() -> None:
+    # torchao computes its quantization code books from values (cached once per process): on the
+    # host, before any fake mode, where reading values works.
+    from torchao.optim import subclass_4bit, subclass_8bit
+
+    for module in (subclass_8bit, subclass_4bit):
+        module.get_qmap_signed()
+        module.get_qmap_unsigned()
+
+
+# -- building -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Built:
+    model: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    ema: Any
+    trainable_only: bool
+
+
+def _build(cfg: Config, ctx: Any, tracker: StorageTracker | None, notes: list[str], mode: Any) -> _Built:
+    """The run's parts on `ctx`'s fake group, their values fake tensors of `mode`, the optimizer state allocated.
+
+    The transformer is built, transformed and sharded on `meta` outside the fake mode (module dtype
+    conversions swap tensors, which fake tensors refuse), then materialized inside it.
+    """
+    from .train.assemble import wrap_and_shard
+    from .train.transforms import model_transforms
+
+    transforms = model_transforms(cfg)
+    model = wrap_and_shard(cfg, ctx, transforms, from_meta=True)
+    with mode, tracker if tracker is not None else _nothing():
+        return _materialized(cfg, model, transforms, tracker, notes)
+
+
+def _materialized(
+    cfg: Config, model: Any, transforms: list, tracker: StorageTracker | None, notes: list[str]
+) -> _Built:
+    """`_build` inside the fake mode: values, the tracker's categories, optimizer (state) and EMA."""
+    from .model.build import materialize
+    from .train.ema import EmaHook
+    from .train.optim import build_optimizer, build_scheduler
+
+    materialize(model, torch.device("cpu"))
+    if any(callable(getattr(t, "after_load", None)) for t in transforms):
+        # Values only: each rank's offsets come from its mesh coordinate, read from a tensor.
+        notes.append(
+            "adapter init (the transforms' after_load) reads this rank's mesh coordinate from a tensor: not run; "
+            "it gives values only (its seeded full adapter tensors live on the host while it runs)"
+        )
+    adapter = next((t for t in transforms if getattr(t, "trainable_only", False)), None)
+    if tracker is not None:
+        tracker.adopt((local_tensor(p) for p in model.parameters()), WEIGHTS)
+        tracker.adopt((local_tensor(b) for b in model.buffers()), OTHER)
+    optimizer = build_optimizer(model, cfg.optim, cfg.train.seed)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    with tracker.attributing(OPTIM) if tracker is not None else _nothing():
+        _allocate_optimizer_state(model, optimizer, cfg.optim.name, notes)
+    ema = None
+    if cfg.train.ema.decay > 0:
+        ema = EmaHook(cfg.train.ema.decay)
+        with tracker.attributing(EMA) if tracker is not None else _nothing():
+            ema.on_attach(types.SimpleNamespace(model=model))
+    return _Built(model, optimizer, scheduler, ema, adapter is not None)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def _allocate_optimizer_state(model: Any, optimizer: torch.optim.Optimizer, name: str, notes: list[str]) -> None:
+    """Give every trainable parameter the state a step after the first finds.
+
+    `adamw` runs its first update over zero gradients (the state as torch allocates it). The other
+    kinds read values on the host in their update (`adamw_bf16`: its step count and hash salts;
+    torchao's kinds: a `torch.compile`d update), which fake tensors cannot give, so their own
+    `init_state` allocates the state and `_optimizer_step` leaves the update out.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "adamw":
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for p in params:
+        optimizer.init_state(p)
+    what = {
+        "adamw_bf16": "BF16AdamW's update reads its step count and rounding salts on the host (.item())",
+        "adamw8bit": "torchao's AdamW8bit update is a torch.compile'd function, which does not run on fake tensors",
+        "adamw4bit": "torchao's AdamW4bit update is a torch.compile'd function, which does not run on fake tensors",
+    }[name]
+    notes.append(
+        f"optimizer update: {what}; its state is allocated by its own init_state (as its first step does, "
+        "exact) and the update arithmetic is not run: its temporaries (one parameter shard's float32 values "
+        "at a time) are not counted"
+    )
+
+
+# -- the step -------------------------------------------------------------------------------------
+
+
+def _rehearse_step(cfg: Config, built: _Built, ti: Any, tracker: StorageTracker, micro_batches: int) -> None:
+    """`Trainer.forward_backward` and `Trainer.update` of one step, as far as fake tensors go."""
+    from .objective import compute_loss
+    from .train.trainer import Trainer
+
+    model, optimizer = built.model, built.optimizer
+    accum = cfg.train.grad_accum
+    trainer = types.SimpleNamespace(model=model, cfg=cfg, skipped_steps=0)
+    optimizer.zero_grad(set_to_none=True)
+    micro = 0
+
+    def label(module: Any, args: Any, kwargs: Any) -> None:
+        what = "forward" if torch.is_grad_enabled() else "forward of the CFG negative (no grad)"
+        tracker.phase = f"{what}, micro-batch {micro + 1}"
+
+    handle = model.register_forward_pre_hook(label, with_kwargs=True)
+    try:
+        for micro in range(micro_batches):
+            if cfg.parallel.dp_replicate > 1:
+                # HSDP: the replicas all-reduce on the step's last micro-batch only.
+                model.set_requires_all_reduce(micro == micro_batches - 1)
+            parts = compute_loss(model, ti)
+            tracker.phase = f"backward, micro-batch {micro + 1}"
+            (parts.loss / accum).backward()
+            del parts
+            tracker.refresh()
+    finally:
+        handle.remove()
+    tracker.phase = "grad norm and clip"
+    grads, norm = Trainer._grad_norm(trainer)
+    coef = Trainer._clip_coefficient(trainer, norm)
+    # The trainer multiplies only when the coefficient is under 1, a value the host reads; in place either way.
+    torch._foreach_mul_([local_tensor(g) for g in grads], coef)
+    del grads, norm, coef
+    tracker.phase = "optimizer step"
+    if cfg.optim.name == "adamw":
+        optimizer.step()
+    built.scheduler.step()
+    if built.ema is not None:
+        tracker.phase = "EMA update"
+        built.ema.after_step(trainer, 1, {})
+    tracker.phase = "after the step"
+    tracker.refresh()
+
+
+def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_plan: bool = True) -> Rehearsal:
+    """Rehearse `cfg`'s build and one step at `world_size` ranks (module docstring).
+
+    `num_layers`: rehearse (and plan) that many transformer blocks instead of the architecture's; every
+    block is the same FSDP unit with the same rows, so per block the memory is the same.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .model.dims import planned_model_dims
+    from .objective import micro_batch_inputs
+    from .quiet import known_notices
+
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    mesh = ParallelDims.from_config(cfg.parallel, world_size)
+    dims, _ = planned_model_dims(cfg)
+    if num_layers is not None:
+        dims = {**dims, "num_layers": num_layers}
+    run_cfg = rehearsal_config(cfg, dims)
+    plan = estimate(dims, mesh, cfg)
+    notes = [
+        "values: the model is built on meta and materialized as the pretrained load allocates it; no weight is read",
+        "micro-batch: built on the host before the fake mode (the layout builders call nonzero), real tensors",
+        "step all-reduce and its copy to the host (Trainer._reduce_step) read values: not run; the clip is "
+        "applied unconditionally (in place: the same memory)",
+    ]
+    if cfg.optim.name in ("adamw8bit", "adamw4bit"):
+        _warm_code_books()
+    sample, text_rows, rows_source = planned_sample(cfg, int(dims["text_dim"]))
+    ti = micro_batch_inputs(run_cfg, sample, step=1, slot=0)
+    micro_batches = min(cfg.train.grad_accum, MICRO_BATCHES)
+    seconds["sample"] = time.perf_counter() - start
+
+    with fake_process_group(world_size) as pg_notes, known_notices():
+        notes[:0] = pg_notes
+        # The mesh computes its coordinates with nonzero: before the fake mode.
+        ctx = ParallelContext(mesh, torch.device("cpu"))
+        built: _Built | None = None
+        fsdp_params: list[Any] = []
+        tracker = StorageTracker(reclassify=lambda: _owned(built, fsdp_params))
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        t = time.perf_counter()
+        built = _build(run_cfg, ctx, tracker, notes, mode)
+        fsdp_params = _fsdp_params(built.model)
+        seconds["build"] = time.perf_counter() - t
+        t = time.perf_counter()
+        with mode, tracker:
+            tracker.adopt(_tensors(ti), BATCH)
+            tracker.reset_peaks()
+            _rehearse_step(run_cfg, built, ti, tracker, micro_batches)
+            seconds["step"] = time.perf_counter() - t
+        summary = None
+        if save_plan:
+            t = time.perf_counter()
+            with mode:
+                state = _checkpoint_state(built)
+            summary = plan_save(state, cfg.optim.name)
+            notes.append(
+                "checkpoint: the sampler's position (a few numbers) is left out of the save plan; other ranks' "
+                "chunks from DTensor placement arithmetic, checked by DCP's global-plan validation"
+            )
+            seconds["save plan"] = time.perf_counter() - t
+    return Rehearsal(
+        world_size=world_size,
+        mesh=mesh,
+        num_layers=int(dims["num_layers"]),
+        rows=sample.layout.seq_len,
+        text_rows=text_rows,
+        rows_source=rows_source,
+        micro_batches=micro_batches,
+        grad_accum=cfg.train.grad_accum,
+        plan=plan,
+        category_peaks={c: tracker.category_peaks.get(c, 0) for c in CATEGORIES},
+        at_peak={c: tracker.peak.by_category.get(c, 0) for c in CATEGORIES},
+        peak_bytes=tracker.peak.total,
+        after_step={c: tracker.live.get(c, 0) for c in CATEGORIES},
+        peak_phase=tracker.peak.phase,
+        save=summary,
+        notes=notes,
+        seconds=seconds,
+    )
+
+
+def _checkpoint_state(built: _Built) -> dict[str, Any]:
+    """The state a checkpoint of the run saves (`Trainer.checkpoint_state`), the sampler's position aside."""
+    from .train.checkpoint import ModelState, OptimizerState, ScheduleState
+
+    state = {
+        "model": ModelState(built.model, trainable_only=built.trainable_only).state_dict(),
+        "optim": OptimizerState(built.model, built.optimizer).state_dict(),
+        "schedule": ScheduleState(built.scheduler).state_dict(),
+        "progress": {"step": 1, "skipped_steps": 0},
+    }
+    if built.ema is not None:
+        state["ema"] = built.ema.state_dict()
+    return state
+
+
+def _built_state(cfg: Config, world_size: int, num_layers: int | None, use: Any) -> Any:
+    """`use(state)` of the checkpoint state of `cfg`'s run built at `world_size` ranks (no step taken)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .model.dims import planned_model_dims
+    from .quiet import known_notices
+
+    mesh = ParallelDims.from_config(cfg.parallel, world_size)
+    dims, _ = planned_model_dims(cfg)
+    if num_layers is not None:
+        dims = {**dims, "num_layers": num_layers}
+    if cfg.optim.name in ("adamw8bit", "adamw4bit"):
+        _warm_code_books()
+    with fake_process_group(world_size), known_notices():
+        ctx = ParallelContext(mesh, torch.device("cpu"))
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        built = _build(rehearsal_config(cfg, dims), ctx, None, [], mode)
+        with mode:
+            state = _checkpoint_state(built)
+        return use(state)
+
+
+def rehearse_resume(
+    saved: Config, saved_world: int, loading: Config, world_size: int, num_layers: int | None = None
+) -> LoadPlanSummary:
+    """DCP's load plan of a checkpoint of `saved`'s run at `saved_world` ranks into `loading`'s at `world_size`.
+
+    The checkpoint's metadata is the one `plan_save` makes at `saved_world`; the loading run's state
+    is built at `world_size` and every rank's reads planned against it (`plan_load`).
+    """
+    save = _built_state(saved, saved_world, num_layers, lambda state: plan_save(state, saved.optim.name))
+    load = _built_state(
+        loading,
+        world_size,
+        num_layers,
+        lambda state: plan_load(state, save, loading.optim.name),
+    )
+    return dataclasses.replace(load, saved_bytes=save.total_bytes)
+
+
+def _tensors(ti: Any) -> list[torch.Tensor]:
+    values = [getattr(ti, f.name) for f in dataclasses.fields(ti)]
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, dict):
+            out.extend(t for t in v.values() if isinstance(t, torch.Tensor))
+    return out
+
+
+def _fsdp_params(model: Any) -> list[Any]:
+    """Every `FSDPParam` of `model`'s FSDP2 units (FSDP2's own bookkeeping of each sharded parameter)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                found.extend(group.fsdp_params)
+    return found
+
+
+def _owned(built: _Built | None, fsdp_params: list[Any]) -> dict[str, list[torch.Tensor]]:
+    """What belongs to a category by its owner now: each parameter's gradient (FSDP2 sets it after its
+    reduce-scatter) and each unit's all-gathered parameters (FSDP2's `all_gather_outputs`)."""
+    if built is None:
+        return {}
+    return {
+        GRADS: [p.grad for p in built.model.parameters() if p.grad is not None],
+        UNSHARDED: [t for fp in fsdp_params for t in getattr(fp, "all_gather_outputs", None) or ()],
+    }
+
+
+# -- the checkpoint's plans -----------------------------------------------------------------------
+
+
+_COORDINATES: dict[int, tuple[Any, dict[int, tuple[int, ...]]]] = {}
+
+
+def _coordinates(mesh: Any) -> dict[int, tuple[int, ...]]:
+    """Rank -> its coordinate in `mesh` (a DeviceMesh; its rank layout is a real tensor)."""
+    cached = _COORDINATES.get(id(mesh))
+    if cached is not None and cached[0] is mesh:
+        return cached[1]
+    layout = mesh.mesh.tolist()
+    out: dict[int, tuple[int, ...]] = {}
+
+    def walk(node: Any, coord: tuple[int, ...]) -> None:
+        if isinstance(node, list):
+            for i, child in enumerate(node):
+                walk(child, (*coord, i))
+        else:
+            out[int(node)] = coord
+
+    walk(layout, ())
+    _COORDINATES[id(mesh)] = (mesh, out)
+    return out
+
+
+def _chunk(shape: torch.Size, mesh_shape: tuple[int, ...], coord: tuple[int, ...], placements: Any) -> tuple:
+    """(offsets, sizes) of the DTensor chunk at mesh coordinate `coord`: `torch.chunk` along each Shard dim."""
+    sizes, offsets = list(shape), [0] * len(shape)
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_shard():
+            d, n = placement.dim, mesh_shape[mesh_dim]
+            step = -(-sizes[d] // n)
+            begin = min(coord[mesh_dim] * step, sizes[d])
+            size = max(0, min(sizes[d], begin + step) - begin)
+            offsets[d] += begin
+            sizes[d] = size
+    return tuple(offsets), tuple(sizes)
+
+
+def _value_bytes(value: Any, numel: int, optimizer: str) -> int:
+    """Bytes DCP writes for `numel` values of `value`'s kind: torchao's quantized states by `lowbit.state_bytes`."""
+    from .train.lowbit import QUANT_BLOCK, state_bytes
+
+    # The inner tensor itself: `to_local` would dispatch an op per call.
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    if optimizer in QUANT_BLOCK and type(local).__name__.startswith("OptimState"):
+        return state_bytes(optimizer, numel) // 2
+    return numel * local.dtype.itemsize
+
+
+def _rank_plans(planner: DefaultSavePlanner, local: SavePlan, world: int) -> list[SavePlan]:
+    """Every rank's local plan from rank 0's: a DTensor's chunk moved to each rank's coordinate."""
+    flat = planner.state_dict
+    plans = []
+    for rank in range(world):
+        items = []
+        for item in local.items:
+            value = flat.get(item.index.fqn)
+            if rank == 0 or item.type != WriteItemType.SHARD or not isinstance(value, DTensor):
+                items.append(item)
+                continue
+            coord = _coordinates(value.device_mesh)[rank]
+            offsets, sizes = _chunk(value.shape, tuple(value.device_mesh.shape), coord, value.placements)
+            data = TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                properties=item.tensor_data.properties,
+                size=item.tensor_data.size,
+            )
+            items.append(WriteItem(index=MetadataIndex(item.index.fqn, offsets), type=item.type, tensor_data=data))
+        plans.append(dataclasses.replace(local, items=items))
+    return plans
+
+
+def plan_save(state: dict[str, Any], optimizer: str) -> SavePlanSummary:
+    """DCP's save plan of `state` on every rank of the default group (no file written).
+
+    Rank 0's local plan is DCP's own (`DefaultSavePlanner.create_local_plan`); the others' are its items
+    with each DTensor chunk at that rank's mesh coordinate; `create_global_plan` then de-duplicates
+    the replicated items and validates that the chunks tile every tensor, as a real save does.
+    """
+    world = dist.get_world_size()
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, storage_meta=None, is_coordinator=True)
+    local = planner.create_local_plan()
+    # Rank 0's arithmetic must reproduce DCP's own chunk for it.
+    for item in local.items:
+        value = planner.state_dict.get(item.index.fqn)
+        if item.type == WriteItemType.SHARD and isinstance(value, DTensor):
+            coord = _coordinates(value.device_mesh)[0]
+            offsets, sizes = _chunk(value.shape, tuple(value.device_mesh.shape), coord, value.placements)
+            if tuple(item.tensor_data.chunk.sizes) != sizes or tuple(item.tensor_data.chunk.offsets) != offsets:
+                raise RuntimeError(f"chunk arithmetic disagrees with DCP for {item.index.fqn}")
+    global_plans, metadata = planner.create_global_plan(_rank_plans(planner, local, world))
+    items, nbytes, writers = [], [], {}
+    for rank, plan in enumerate(global_plans):
+        items.append(len(plan.items))
+        total = 0
+        for item in plan.items:
+            writers[(item.index.fqn, tuple(item.index.offset or ()))] = rank
+            if item.tensor_data is not None:
+                numel = math.prod(item.tensor_data.chunk.sizes)
+                total += _value_bytes(planner.state_dict[item.index.fqn], numel, optimizer)
+        nbytes.append(total)
+    tensors = sum(1 for v in planner.state_dict.values() if isinstance(v, torch.Tensor))
+    return SavePlanSummary(world, items, nbytes, metadata, tensors, len(planner.state_dict) - tensors, writers)
+
+
+@dataclass
+class LoadPlanSummary:
+    """DCP's load plan on every rank of a run resuming a checkpoint saved at another world size."""
+
+    saved_world_size: int
+    world_size: int
+    reads_per_rank: list[int]
+    bytes_per_rank: list[int]
+    files_per_rank: list[int]
+    # Keys of the loading run's state found in the checkpoint, and those missing from it.
+    keys: int
+    missing: list[str]
+    # Tensor bytes the checkpoint holds (its save plan's, all ranks together).
+    saved_bytes: int = 0
+
+
+def format_load_plan(p: LoadPlanSummary) -> str:
+    """One line per fact of a resume's load plan."""
+    return "\n".join(
+        [
+            f"resume        a checkpoint saved by {p.saved_world_size} ranks ({p.saved_bytes / GIB:.2f} GiB), "
+            f"loaded by {p.world_size}: {p.keys:,} keys found, {len(p.missing)} missing",
+            f"              per rank {min(p.reads_per_rank):,}-{max(p.reads_per_rank):,} reads from "
+            f"{min(p.files_per_rank)}-{max(p.files_per_rank)} files, {min(p.bytes_per_rank) / GIB:.2f}-"
+            f"{max(p.bytes_per_rank) / GIB:.2f} GiB; {sum(p.bytes_per_rank) / GIB:.2f} GiB in all",
+        ]
+    )
+
+
+def plan_load(state: dict[str, Any], save: SavePlanSummary, optimizer: str) -> LoadPlanSummary:
+    """DCP's load plan of `state` from the checkpoint `save` plans, on every rank of the default group.
+
+    Rank 0's plan is `DefaultLoadPlanner.create_local_plan`'s; each other rank's reads come from DCP's
+    `create_read_items_for_chunk_list` for its DTensor chunks. Every rank's chunk of every tensor
+    must be covered exactly by the saved chunks it reads (else `RuntimeError` naming the key). Files:
+    the saving ranks' whose chunks a rank reads.
+    """
+    world, metadata = dist.get_world_size(), save.metadata
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, metadata, is_coordinator=True)
+    planner.create_local_plan()  # DCP's own plan for rank 0: raises on a key the checkpoint lacks
+    flat = planner.state_dict
+    missing = sorted(k for k in flat if k not in metadata.state_dict_metadata)
+    reads, nbytes, files = [], [], []
+    for rank in range(world):
+        count = total = 0
+        touched: set[int] = set()
+        for fqn, value in flat.items():
+            md = metadata.state_dict_metadata.get(fqn)
+            if md is None or not isinstance(value, torch.Tensor):
+                if md is not None:
+                    count += 1
+                    touched.add(save.writers.get((fqn, ()), 0))
+                continue
+            if isinstance(value, DTensor):
+                coord = _coordinates(value.device_mesh)[rank]
+                offsets, sizes = _chunk(value.shape, tuple(value.device_mesh.shape), coord, value.placements)
+            else:
+                offsets, sizes = (0,) * value.dim(), tuple(value.shape)
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            items = create_read_items_for_chunk_list(fqn, md, [chunk]) if math.prod(sizes) else []
+            covered = sum(math.prod(item.lengths) for item in items)
+            if covered != math.prod(sizes):
+                raise RuntimeError(
+                    f"rank {rank}: the checkpoint covers {covered} of {math.prod(sizes)} values of {fqn}"
+                )
+            count += len(items)
+            total += _value_bytes(value, covered, optimizer)
+            for item in items:
+                index = item.storage_index
+                touched.add(save.writers[(index.fqn, tuple(index.offset or ()))])
+        reads.append(count)
+        nbytes.append(total)
+        files.append(len(touched))
+    return LoadPlanSummary(save.world_size, world, reads, nbytes, files, len(flat) - len(missing), missing)
+
+
+# -- printing -------------------------------------------------------------------------------------
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:9.2f} GiB"
+
+
+def format_rehearsal(r: Rehearsal) -> str:
+    """The rehearsal's table beside the plan's rows, its notes, its wall time and a one-line verdict."""
+    m = r.mesh
+    planned = plan_rows(r.plan)
+    lines = [
+        f"rehearsal     {r.world_size} ranks on a fake process group (rank 0's share), FakeTensorMode; "
+        f"mesh dp_replicate={m.dp_replicate} dp_shard={m.dp_shard} sp={m.sp}",
+        f"              {r.num_layers} blocks; {r.rows:,} rows ({r.text_rows:,} text; {r.rows_source}); "
+        f"{r.micro_batches} of the step's {r.grad_accum} micro-batches rehearsed",
+        "  per rank                                  plan   rehearsed peak    at the step's peak   plan row",
+    ]
+    for c in CATEGORIES:
+        if not (planned[c] or r.category_peaks[c] or r.at_peak[c]):
+            continue
+        lines.append(
+            f"  {c:<30} {_gib(planned[c])}     {_gib(r.category_peaks[c])}     {_gib(r.at_peak[c])}   {_PLAN_ROW[c]}"
+        )
+    lines.append(
+        f"  {'total (reserve aside)':<30} {_gib(r.planned_bytes)}     {_gib(r.device_peak_bytes)}"
+        f"{'':24}peak during: {r.peak_phase}"
+    )
+    if r.save is not None:
+        s = r.save
+        lines.append(
+            f"checkpoint    DCP save plan over {s.world_size} ranks (DefaultSavePlanner, nothing written): "
+            f"{s.files} .distcp files + .metadata; {s.tensors:,} tensors, {s.objects} other entries; per rank "
+            f"{min(s.items_per_rank):,}-{max(s.items_per_rank):,} items, {_gib(min(s.bytes_per_rank)).strip()}-"
+            f"{_gib(max(s.bytes_per_rank)).strip()}; {_gib(s.total_bytes).strip()} in all "
+            f"(plan {_gib(r.plan.checkpoint_bytes).strip()})"
+        )
+    lines += [f"not run as on a GPU: {note}" for note in r.notes]
+    lines.append(
+        f"rehearsal     {r.wall_s:.1f} s wall (" + ", ".join(f"{k} {v:.1f} s" for k, v in r.seconds.items()) + ")"
+    )
+    err = r.plan_error * 100
+    device = r.device_peak_bytes + r.plan.reserve_bytes
+    fits = device <= r.plan.device_bytes
+    lines.append(
+        f"verdict: {'fits' if fits else 'does NOT fit'}: the step peaks at {r.device_peak_bytes / GIB:.2f} GiB "
+        "per rank, "
+        f"{device / GIB:.2f} GiB with the {r.plan.reserve_bytes / GIB:.0f} GiB reserve, of "
+        f"{r.plan.device_bytes / GIB:.0f} GiB; the plan is {err:+.1f} % of it "
+        + ("(within 10 %)" if r.agrees else "(OFF by more than 10 %)")
+    )
+    return "\n".join(lines)
