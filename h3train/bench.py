@@ -855,8 +855,8 @@ def format_report(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
-def bench_command(args: argparse.Namespace) -> int:
-    """`h3train bench`: 0 when every backend ran without a sync and parity holds, 1 otherwise."""
+def report_from_args(args: argparse.Namespace) -> BenchReport:
+    """`run_bench` with the options of `h3train bench`."""
     base = REDUCED_CLIP if args.reduced or not torch.cuda.is_available() else FULL_CLIP
     text_len = args.text_len or base.text_len
     clip = Clip(
@@ -866,7 +866,7 @@ def bench_command(args: argparse.Namespace) -> int:
         text_len=text_len,
         vision_tokens=text_len // 2,
     )
-    report = run_bench(
+    return run_bench(
         reduced=args.reduced,
         layers=args.layers,
         backends=args.backends,
@@ -877,9 +877,18 @@ def bench_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         repeats=DEFAULT_REPEATS if args.repeats is None else args.repeats,
     )
+
+
+def write_json(out: Path, data: dict[str, Any]) -> None:
+    """`data` as the bench's JSON file at `out` (atomically), and the line that says where."""
+    atomic_write_text(out, json.dumps(data, indent=2, allow_nan=True) + "\n")
+    print(f"wrote {out}")
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    """`h3train bench`: 0 when every backend ran without a sync and parity holds, 1 otherwise."""
+    report = report_from_args(args)
     print(format_report(report), flush=True)
     if args.out:
-        out = Path(args.out)
-        atomic_write_text(out, json.dumps(report.to_json(), indent=2, allow_nan=True) + "\n")
-        print(f"wrote {out}")
+        write_json(Path(args.out), report.to_json())
     return 0 if report.ok else 1

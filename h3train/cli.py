@@ -104,7 +104,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
             print(source.describe())
     from .plan import estimate, format_plan
 
-    print(format_plan(estimate(planned_model_dims(cfg)[0], dims, cfg)))
+    print(format_plan(estimate(planned_model_dims(cfg)[0], dims, cfg)), flush=True)
+    if args.rehearse:
+        from .rehearse import format_rehearsal, rehearse
+
+        print(format_rehearsal(rehearse(cfg, world)))
     return 0
 
 
@@ -216,6 +220,10 @@ def _cmd_tiny_components(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.checks:
+        from .gpu_checks import bench_with_checks
+
+        return bench_with_checks(args)
     from .bench import bench_command
 
     return bench_command(args)
@@ -243,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--strict",
         action="store_true",
         help="also require what training needs here: the model folder and the dataset (launchers use it)",
+    )
+    p.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="also build the run and take one step at --world-size on a fake process group with fake tensors "
+        "(no GPU, no weights) and print its tracked memory beside the plan",
     )
     p.set_defaults(func=_cmd_check)
 
@@ -358,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=None, help="pixels, multiple of 32 (default 1344)")
     p.add_argument("--text-len", type=int, default=None, help="text prefix rows (default 2048)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--checks",
+        action="store_true",
+        help="then the trainer checks of h3train/gpu_checks.py (gradient averaging, low-bit optimizers, quantized "
+        "LoRA bases, async save, one block's memory against the rehearsal), in the same JSON (scripts/gpu_check.sh)",
+    )
     p.set_defaults(func=_cmd_bench)
     return parser
 

@@ -67,11 +67,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 
@@ -80,6 +79,7 @@ sys.path.insert(0, str(ROOT))
 
 from h3train.bench import REDUCED_CLIP, REDUCED_DIMS, model_dims, trainer_config  # noqa: E402
 from h3train.config import load_config, validate  # noqa: E402
+from h3train.gpu_checks import eager_torch_compile  # noqa: E402
 from h3train.lora.quant import INTEGER_CODES_SHARD  # noqa: E402
 from h3train.model.dims import planned_model_dims  # noqa: E402
 from h3train.parallel.dims import ParallelDims  # noqa: E402
@@ -157,20 +157,6 @@ class StepTimer:
         self.seconds.append(time.perf_counter() - self._start)
 
 
-@contextmanager
-def eager_torchao() -> Iterator[None]:
-    """torchao's step run as plain Python: `torch.compile` returns the function it is given.
-
-    Nothing else here compiles (`model.compile` is off in the bench's config).
-    """
-
-    def no_compile(fn: Any = None, **_: Any) -> Any:
-        return fn if fn is not None else (lambda f: f)
-
-    with mock.patch.object(torch, "compile", no_compile):
-        yield
-
-
 def _progress(message: str) -> None:
     print(f"bench_optim: {message}", file=sys.stderr, flush=True)
 
@@ -193,7 +179,8 @@ def measure(
     dims = bench_dims(width, layers)
     labels, reference = (TRAINABLE_BASES, "none") if bases else (KINDS, REFERENCE)
     rows: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="h3train-bench-optim-") as tmp, eager_torchao() if eager else nullcontext():
+    eager_step = eager_torch_compile() if eager else nullcontext()
+    with tempfile.TemporaryDirectory(prefix="h3train-bench-optim-") as tmp, eager_step:
         trainers = {}
         try:
             for kind in labels:

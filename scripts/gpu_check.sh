@@ -3,14 +3,32 @@
 #
 #   scripts/gpu_check.sh [--out PATH] [other `h3train bench` options]
 #
-# Runs `h3train bench` (h3train/bench.py): the full-width model (hidden 5376, 56 heads, 4 blocks) in
-# bfloat16 at the released 768x1344 x 124-frame layout (41,774 packed rows) with the flash, cuDNN and
-# native attention backends: one Trainer per backend, each backend's gradients against native's, and
-# the trainer's own step halves (`forward_backward`; `update`: FSDP2 norm, clip, AdamW, the step's
-# one all-reduce) under torch.cuda.set_sync_debug_mode, with step time, MFU and peak memory.
-# Writes one JSON (default gpu_check_<host>_<time>.json) and prints its path. Exit status: 0 when
-# every backend ran, held parity and made no sync beyond the step's one read-back; 1 otherwise.
-# Without CUDA it runs the reduced CPU model instead (seconds; what the test suite checks).
+# Runs `h3train bench --checks` (h3train/bench.py, then h3train/gpu_checks.py), in one process:
+#  - the bench: the full-width model (hidden 5376, 56 heads, 4 blocks) in bfloat16 at the released
+#    768x1344 x 124-frame layout (41,774 packed rows) with the flash, cuDNN and native attention
+#    backends: one Trainer per backend, each backend's gradients against native's, and the trainer's
+#    own step halves (`forward_backward`; `update`: FSDP2 norm, clip, AdamW, the step's one
+#    all-reduce) under torch.cuda.set_sync_debug_mode, with step time, MFU and peak memory;
+#  - the checks, each through the real trainer on a smaller model (hidden 1024, 2 blocks) but the last:
+#    averaging         ReduceOp.AVG on the run's own NCCL group: the start-up probe
+#                      (parallel/averaging.py), its collectives, a direct reduce-scatter and
+#                      all-reduce. One GPU is a world of 1; the multi-rank probe runs at every
+#                      training start;
+#    optim_adamw8bit   one step with optim.name=adamw8bit (torchao, compiled), optim_adamw_bf16 with
+#                      adamw_bf16: finite loss, weights changed, the promised state, timed;
+#    lora_int8         LoRA steps on the lora.base_quant=int8 frozen base, lora_float8 on float8
+#                      ("unsupported on this device" below compute capability 8.9, e.g. an A100);
+#    async_save        checkpoint.async_save: save, the next step at once, wait; the checkpoint
+#                      equals a blocking save of the same state; staged into pinned host buffers
+#                      (torch 2.8, without DCP's DefaultStager, copies on the training thread: said);
+#    block_memory_vs_rehearsal   one full-width block on the 41,774-row layout: the step's
+#                      torch.cuda.max_memory_allocated within 10 % of the fake-tensor rehearsal's
+#                      tracked peak (h3train/rehearse.py) for the same config.
+# Writes one JSON (default gpu_check_<host>_<time>.json; the checks under "checks") and prints its
+# path. Exit status: 0 when every backend ran, held parity and made no sync beyond the step's one
+# read-back, and no check that ran failed (a skipped one, with its reason, does not count); 1
+# otherwise. Without CUDA it runs the reduced CPU model, gloo and CPU checks instead (seconds; what
+# the test suite checks).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -39,7 +57,7 @@ fi
 
 start=$SECONDS
 status=0
-"$python" -m h3train bench "${args[@]}" --out "$out" || status=$?
+"$python" -m h3train bench --checks "${args[@]}" --out "$out" || status=$?
 echo "gpu_check: $((SECONDS - start)) s, exit $status"
 if [[ -f $out ]]; then
   echo "gpu_check: JSON $out"

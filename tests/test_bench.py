@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -14,9 +15,10 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from h3train import bench, plan
+from h3train import bench, gpu_checks, plan
 from h3train.cli import main
 from h3train.config import LossWeights, TimestepConfig
+from h3train.lora import quant
 from h3train.model.sp_forward import SequenceParallelH3
 from h3train.objective import compute_loss, make_training_inputs
 from h3train.parallel.ulysses import SequenceParallel
@@ -302,10 +304,100 @@ def test_gpu_check_script_runs_the_reduced_check_on_cpu_and_prints_its_json(tmp_
         assert step["status"] == "ok" and step["sync_check"] == "n/a"
         assert step["step_time_s"] > 0 and math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"])
 
+    # The trainer checks after the bench, in the same JSON: every one ran on CPU ranks over gloo and passed.
+    checks = report["checks"]
+    assert checks["ok"] is True and checks["device"] == "cpu" and checks["model"]["dtype"] == "float32"
+    results = {r["name"]: r for r in checks["results"]}
+    assert list(results) == [name for name, _, _ in gpu_checks.CHECKS]
+    # torch 2.8's FSDP2 cannot shard integer parameters: the trainer refuses an int8 base there, and the check says so.
+    refused = () if quant.INTEGER_CODES_SHARD else ("lora_int8",)
+    for name in refused:
+        assert results[name]["status"] == "skipped" and "torch 2.9" in results[name]["reason"]
+    ran = {name: r for name, r in results.items() if name not in (*refused, "block_memory_vs_rehearsal")}
+    assert all(r["status"] == "passed" and r["reason"] is None and r["seconds"] > 0 for r in ran.values()), ran
+    # No device allocator on the CPU: the rehearsal of the block runs, the comparison is skipped.
+    block = results["block_memory_vs_rehearsal"]
+    if importlib.util.find_spec("h3train.rehearse") is None:
+        assert block["status"] == "not run" and block["reason"].startswith("not yet")
+    else:
+        assert block["status"] == "skipped" and block["reason"].startswith("no CUDA"), block
+        assert block["numbers"]["rehearsed_peak_bytes"] > 0 and block["numbers"]["rows"] == report["layout"]["seq_len"]
+
+    averaging = results["averaging"]["numbers"]
+    assert averaging["backend"] == {"dp_shard_sp": "gloo"} and averaging["ranks"] == {"dp_shard_sp": 1}
+    assert averaging["probe_values"] == {"dp_shard_sp reduce-scatter": 1.0, "dp_shard_sp all-reduce": 1.0}
+    assert all(err == 0.0 for errs in averaging["direct_rel_l2"].values() for err in errs.values())
+    assert averaging["probe_summed"] == [] and "multi-rank probe runs at every training start" in averaging["coverage"]
+
+    stepped = [name for name in ran if name.startswith(("optim_", "lora_"))]
+    assert len(stepped) == 4 - len(refused)
+    for name in stepped:
+        n = results[name]["numbers"]
+        assert math.isfinite(n["loss"]) and math.isfinite(n["grad_norm"]) and n["skipped_steps"] == 0, name
+        assert 0 < n["changed_tensors"] <= n["trainable_tensors"] and n["max_abs_change"] > 0, name
+        assert n["step_s"] == pytest.approx(n["forward_backward_s"] + n["update_s"]) and n["update_s"] > 0, name
+        if name.startswith("lora_"):
+            codes = {"lora_int8": "int8", "lora_float8": "float8_e4m3fn"}[name]
+            assert n["quantized_layers"] > 0 and n["code_dtypes"] == [codes] and n["base_codes_changed"] == 0
+    assert results["optim_adamw8bit"]["numbers"]["moments"]["OptimState8bit"] > 0
+    assert results["optim_adamw_bf16"]["numbers"]["moments"]["bfloat16"] > 0
+
+    save = results["async_save"]["numbers"]
+    assert save["differing_from_blocking"] == 0 and save["tensors"] > 0 and save["changed_by_next_step"] > 0
+    assert save["save_call_s"] > 0 and save["step_after_save_s"] > 0
+    if save["staging"].startswith("background"):  # torch >= 2.9: DCP's DefaultStager, pinned only on CUDA
+        assert save["pinned_requested"] is False and save["staged_bytes"] >= save["bytes"]
+    else:
+        assert "synchronous copy" in save["staging"]
+    assert "checks: ok" in done.stdout and "result: ok" in done.stdout
+
+
+def test_a_check_that_raises_fails_the_checks_and_the_others_still_run(monkeypatch) -> None:
+    def broken(setup, res):
+        raise RuntimeError("NCCL error: unhandled system error\nmore detail")
+
+    def skipped(setup, res):
+        res.status, res.reason = gpu_checks.SKIPPED, "needs something absent here"
+
+    def passed(setup, res):
+        res.numbers["value"] = 1.5
+
+    table = (("broken", "raises", broken), ("skipped", "skips", skipped), ("fine", "passes", passed))
+    monkeypatch.setattr(gpu_checks, "CHECKS", table)
+    report = gpu_checks.run_checks(reduced=True, device=torch.device("cpu"))
+    statuses = {r.name: (r.status, r.reason) for r in report.results}
+    assert statuses == {
+        "broken": ("failed", "RuntimeError: NCCL error: unhandled system error"),
+        "skipped": ("skipped", "needs something absent here"),
+        "fine": ("passed", None),
+    }
+    assert report.ok is False and report.to_json()["ok"] is False
+    assert any("broken" in line for line in report.results[0].numbers["traceback"])
+    assert "checks: FAILED" in gpu_checks.format_checks(report)
+    # A skip is no failure.
+    monkeypatch.setattr(gpu_checks, "CHECKS", table[1:])
+    assert gpu_checks.run_checks(reduced=True, device=torch.device("cpu")).ok is True
+
+
+@pytest.mark.parametrize(
+    ("capability", "supported"), [((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)]
+)
+def test_float8_lora_is_skipped_below_compute_capability_8_9(monkeypatch, tmp_path, capability, supported) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    cuda = torch.device("cuda", 0)
+    why = gpu_checks.float8_unsupported(cuda)
+    assert (why is None) is supported and gpu_checks.float8_unsupported(torch.device("cpu")) is None
+    if not supported:
+        assert why.startswith("unsupported on this device") and f"{capability[0]}.{capability[1]}" in why
+        # Skipped before any trainer is built (none could be here: no CUDA).
+        setup = gpu_checks.check_setup(cuda, reduced=False, seed=0, root=tmp_path)
+        res = gpu_checks.CheckResult("lora_float8", "")
+        gpu_checks.check_lora("float8")(setup, res)
+        assert (res.status, res.reason) == ("skipped", why)
+
 
 def _step_report():
-    import importlib.util
-
     path = Path(__file__).resolve().parents[1] / "scripts" / "step_report.py"
     spec = importlib.util.spec_from_file_location("step_report", path)
     module = importlib.util.module_from_spec(spec)
