@@ -92,10 +92,11 @@ def _get(rehearsals: dict, name: str):
     return found
 
 
-# The plan leaves out what a LoRA block's recompute keeps for its float32 adapters (about 168 KB
-# per row at the released width): beside the int8 base's smaller all-gathers, that
-# puts the 2-block plan just past the tolerance.
-_LORA_QUANT = pytest.mark.xfail(strict=True, reason="plan under-counts a LoRA block's recompute activations")
+# Beside a LoRA's small gradients the plan misses a fixed part of the backward's peak (at 14,141 rows a
+# rank: about 2.3 GiB on the bfloat16 base, 1.2 GiB on int8), which at 2 blocks puts the int8 base's
+# plan 10.9 % under the peak; at the config's own 50 blocks it is 4.6 % under (`h3train check
+# configs/h3_fl2va_lora_a100.yaml --world-size 8 --rehearse lora.base_quant=int8`).
+_LORA_QUANT = pytest.mark.xfail(strict=True, reason="part of a LoRA peak is not planned: -10.9 % at 2 blocks")
 
 
 @pytest.mark.parametrize(
