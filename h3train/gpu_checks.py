@@ -11,7 +11,7 @@ seconds. A check that raises is `failed` with the error's first line; the others
 - `averaging` (`parallel/averaging.py`): FSDP2 reduces gradients with `ReduceOp.AVG` and the
   Ulysses gradient scale relies on it being the mean, so each run probes its own groups at
   start-up. Here, on the trainer's own sharding group (NCCL on a GPU, gloo on the CPU):
-  `check_averaging` itself, the probe's collectives (`_reduced`: a reduce-scatter and an
+  `check_averaging` itself, the probe's collectives (`averaged`: a reduce-scatter and an
   all-reduce of `rank + 1`, whose mean is `(n + 1) / 2`), and a direct
   `reduce_scatter_tensor` / `all_reduce` with AVG of non-trivial float32 and bfloat16 values. One
   GPU gives a world of 1 (NCCL refuses two ranks on one device), where the mean equals the sum:
@@ -241,7 +241,7 @@ def check_gradient_averaging(setup: CheckSetup, res: CheckResult) -> None:
         for name, group in groups.items():
             mean = (group.size() + 1) / 2
             for kind in ("reduce-scatter", "all-reduce"):
-                got = averaging._reduced(kind, group, ctx.device)
+                got = averaging.averaged(kind, group, ctx.device)
                 probe_values[f"{name} {kind}"] = got
                 if abs(got - mean) > 1e-6 * mean:
                     res.fail(f"{backends[name]}'s {kind} with AVG over {name} gave {got:g}, not the mean {mean:g}")

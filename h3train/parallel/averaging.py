@@ -44,7 +44,7 @@ class Averaging:
         )
 
 
-def _reduced(kind: str, group: dist.ProcessGroup, device: torch.device) -> float:
+def averaged(kind: str, group: dist.ProcessGroup, device: torch.device) -> float:
     """One `kind` collective with `ReduceOp.AVG` of the value `rank + 1` on `group`; the value returned."""
     n = group.size()
     value = float(dist.get_rank(group) + 1)
@@ -62,7 +62,7 @@ def _probe(kind: str, group: dist.ProcessGroup, name: str, device: torch.device)
     n = group.size()
     if n == 1:
         return None
-    got = _reduced(kind, group, device)
+    got = averaged(kind, group, device)
     mean, total = (n + 1) / 2, n * (n + 1) / 2
     if abs(got - mean) <= 1e-6 * mean:
         return None
