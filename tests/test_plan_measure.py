@@ -144,7 +144,8 @@ def _as_computed(transformer: torch.nn.Module, dtype: str) -> None:
     the float32 islands float32, whatever they are stored in (a LoRA run's base is bfloat16)."""
     islands = tuple(f"{name}." for name in fp32_island_names(transformer))
     for name, param in transformer.named_parameters():
-        if param.dtype.is_floating_point and param.element_size() > 1:  # a quantized base's codes stay codes
+        # FSDP2 casts every floating-point parameter, float8 codes too; int8 codes it gathers as stored.
+        if param.dtype.is_floating_point:
             param.data = param.data.to(torch.float32 if name.startswith(islands) else getattr(torch, dtype))
 
 

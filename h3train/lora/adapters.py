@@ -66,7 +66,7 @@ from ..model.build import fp32_island_names, meta_transformer, pretrained_folder
 from ..parallel.shards import fill_from_full
 from .base import BASE_DTYPE, BASE_KEY, base_record, check_same_base, read_record
 from .names import ADAPTER_NAME, MAGNITUDE, export_name, is_adapter_param, split_factor
-from .quant import check_base_quant, quantize_base
+from .quant import quantize_base
 from .targets import resolve_targets, resolve_train_modules
 
 ROOT_PREFIX = "transformer."
@@ -312,8 +312,7 @@ class LoraTransform:
     As the adapter it says what a checkpoint of the run records (`checkpoint_info`), that the
     checkpoint holds the trainable state only (`trainable_only`: the frozen base is rebuilt as on a
     fresh start) and which checkpoints a resume may continue (`check_checkpoint`: the same base, kind
-    and rank). Built from its config, it refuses what the kind cannot do (`check_kind`) and a base
-    this torch cannot shard (`quant.check_base_quant`) before any model.
+    and rank). Built from its config, it refuses what the kind cannot do (`check_kind`) before any model.
     """
 
     #: A checkpoint holds the parameters that train; the frozen base is rebuilt where a fresh start gets it.
@@ -321,7 +320,6 @@ class LoraTransform:
 
     def __init__(self, cfg: Config) -> None:
         check_kind(cfg.lora)
-        check_base_quant(cfg.lora.base_quant)
         self.cfg = cfg
         self._base: dict[str, Any] | None = None
 

@@ -26,6 +26,7 @@ from ..config import Config, dataset_specs
 from ..data.mixture import DatasetMixture
 from ..data.source import MicroBatchStream, SampleSource, build_sampler, build_source, load_shared_negative
 from ..diskspace import check_room
+from ..lora.quant import check_base_quant
 from ..model.adapter import ModelAdapter
 from ..model.build import (
     build_meta_model,
@@ -278,6 +279,9 @@ def wrap_and_shard(
     with its transforms, wrapped for sequence parallelism and sharded by FSDP2. A model from `meta`
     holds no values until `materialize` or `load_pretrained_shards` gives them."""
     device = ctx.device
+    if cfg.lora.rank:
+        # What preflight refuses for the command line, for a trainer built in code too.
+        check_base_quant(cfg.lora.base_quant)
     transformer = build_meta_model(cfg) if from_meta else build_model(cfg, cfg.train.seed)
     with known_notices():
         transformer.set_attention_backend(
