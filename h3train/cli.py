@@ -9,6 +9,7 @@ import argparse
 import atexit
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -30,7 +31,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     try:
         trainer = build_trainer(cfg, overwrite=args.overwrite)
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if not _INTERRUPTS.caused(exc):
+            raise
         print("h3train: interrupted during start-up; nothing was trained", file=sys.stderr)
         return 130
     try:
@@ -199,7 +202,9 @@ def _cmd_encode(args: argparse.Namespace) -> int:
             caption_prefix=args.caption_prefix,
             verbose=args.verbose,
         )
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if not _INTERRUPTS.caused(exc):
+            raise
         # The samples written so far are complete (atomic writes); a rerun skips them.
         if int(os.environ.get("RANK", "0")) == 0:
             print(
@@ -382,6 +387,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Interrupts:
+    """Ctrl-C raises `KeyboardInterrupt`, as Python's default handler does, and is remembered.
+
+    A library may turn the interrupt into another error: torch, building a tensor from a buffer
+    when the interrupt lands, raises `ValueError("could not determine the shape of object type
+    'torch.storage.UntypedStorage'")`, which a safetensors load then reports as an unreadable file.
+    An error that follows a Ctrl-C is the Ctrl-C's (`caused`), so the user sees the interrupt, not a
+    damaged components folder.
+    """
+
+    def __init__(self) -> None:
+        self.noted = False
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        self.noted = True
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Note Ctrl-C while the body runs, where Python's own handler is the one in place."""
+        self.noted = False
+        ours = threading.current_thread() is threading.main_thread() and (
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
+        previous = signal.signal(signal.SIGINT, self._handle) if ours else None
+        try:
+            yield self
+        finally:
+            if ours:
+                signal.signal(signal.SIGINT, previous)
+
+    def caused(self, exc: BaseException) -> bool:
+        """Whether `exc` is an interrupt, or an error raised after one (the interrupt, disguised)."""
+        return isinstance(exc, KeyboardInterrupt) or (self.noted and isinstance(exc, Exception))
+
+
+_INTERRUPTS = _Interrupts()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come after options (`check CONFIG --world-size 8 parallel.sp=4`): argparse leaves
@@ -392,8 +436,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     try:
-        check_args(args)
-        return args.func(args)
+        with _INTERRUPTS.watching():
+            check_args(args)
+            return args.func(args)
     except H3TrainError as exc:
         _report(exc)
         return exc.exit_code

@@ -528,6 +528,41 @@ def test_bad_manifest_exits_2_with_one_line(
     assert err.count("\n") == 1 and message in err and err.startswith("h3train: error: ")
 
 
+def _load_as_torch_does_under_ctrl_c(interrupt: bool):
+    """A safetensors load that fails the way torch 2.8 fails when Ctrl-C lands while it builds a tensor
+    from a buffer: the interrupt is swallowed and a ValueError comes out in its place."""
+
+    def load_file(*_args, **_kwargs):
+        try:
+            if interrupt:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # the handler raises before this ends
+        except KeyboardInterrupt:
+            pass
+        raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'")
+
+    return load_file
+
+
+@pytest.mark.parametrize("interrupt", [True, False])
+def test_an_error_that_follows_ctrl_c_is_the_interrupt(
+    interrupt: bool, media: Path, components: Path, tmp_path: Path, monkeypatch, capsys: pytest.CaptureFixture
+) -> None:
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "load_file", _load_as_torch_does_under_ctrl_c(interrupt))
+    out = tmp_path / "o"
+    args = ["encode", str(media / "manifest.jsonl"), "--components", str(components), "--out", str(out)]
+    code = main([*args, "--device", "cpu", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    if interrupt:
+        assert code == 130 and err[-1].startswith("h3train encode: interrupted"), err
+    else:  # the same error without a Ctrl-C is the folder's, named in one line
+        assert code == 2 and err[-1].startswith(f"h3train: error: components folder '{components}'"), err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+    assert not (out / LOCK_NAME).exists()
+
+
 def test_ctrl_c_is_one_line_and_exit_130(media: Path, components: Path, tmp_path: Path) -> None:
     out = tmp_path / "o"
     args = ["encode", str(media / "manifest.jsonl"), "--components", str(components), "--out", str(out)]
