@@ -7,11 +7,11 @@ printed as YAML with a trailing comment naming its source:
 - `# <the config file, as given>`: the YAML file sets it (also to the default's value);
 - `# override`: a `key=value` argument sets it (it wins over the file);
 - `# derived`: set by neither, but changed at load by another key (`model.gradient_checkpointing: true`
-  is the older spelling of `model.activation_checkpointing: full`, `config._normalise`).
+  is the older spelling of `model.activation_checkpointing: full`, `config.load._normalise`).
 
 The sources are read from the layers as given (the file's keys through `yaml.safe_load`, the overrides'
 through `config.parse_overrides`) and the values from the loaded `Config`, so nothing here repeats a
-rule of `config.py`. The printed text is itself a config: loaded again it gives the same `Config`.
+rule of `config/load.py`. The printed text is itself a config: loaded again it gives the same `Config`.
 
 `defaults_table` renders the schema's defaults as the markdown table of the README's config section, so
 the README and the schema have one source (`tests/test_config_cmd.py` holds them together).

@@ -367,9 +367,10 @@ def check_optimizer(kind: str) -> Callable[[CheckSetup, CheckResult], None]:
     """(b): one step with `optim.name=kind` through the real trainer."""
 
     def run(setup: CheckSetup, res: CheckResult) -> None:
-        from .train.lowbit import QUANT_BLOCK, torchao_missing
+        from .train.lowbit import QUANT_BLOCK
+        from .train.optim import optimizer_kind
 
-        missing = torchao_missing(kind)
+        missing = optimizer_kind(kind).missing()
         if missing:
             res.status, res.reason = SKIPPED, missing
             return

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .lora.quant import CODES, base_bytes_per_weight
 from .model.adapter import AdapterCounts
-from .train.lowbit import QUANT_BLOCK, state_bytes_per_value
+from .train.lowbit import QUANT_BLOCK
+from .train.optim import state_bytes_per_value
 
 if TYPE_CHECKING:
     from .config import Config

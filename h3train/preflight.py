@@ -5,7 +5,7 @@ Each failure is one line naming the key, file or sample and what to do (a `Confi
 
 `check_config` is the half of config checking that reads more than the values (`config.validate`
 does those): the task table, the model's constructor and module names, and the files the config
-names. It lives here, not in `config.py`, so that the config schema imports no other module.
+names. It lives here, not in the config package, so that the config schema imports no other module.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .render.requests import validate_samples
 from .tasks.partition import check_partition
 from .tasks.table import TRAINING_TASKS, training_task_for
 from .train.faults import parse_faults
-from .train.lowbit import torchao_missing
+from .train.optim import optimizer_kind
 
 
 def load_checked(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Config:
@@ -55,7 +55,7 @@ def check_config(cfg: Config) -> None:
             f"config key 'cfg.shared_negative_path': file '{negative.shared_negative_path}' does not exist"
         )
     parse_faults(cfg.debug.fault)
-    missing = torchao_missing(cfg.optim.name)
+    missing = optimizer_kind(cfg.optim.name).missing()
     if missing:
         raise ConfigError(missing)
     _check_model_shape(cfg)
@@ -90,10 +90,10 @@ def _check_lora(cfg: Config) -> None:
     lora = cfg.lora
     if lora.rank == 0:
         return
-    from .lora.adapters import check_kind
+    from .lora.kinds import config_kind
     from .lora.quant import check_base_quant
 
-    check_kind(lora)
+    config_kind(lora).check(lora)
     check_base_quant(lora.base_quant)
     if lora.init_from is not None and not Path(lora.init_from).is_file():
         raise ConfigError(f"config key 'lora.init_from': file '{lora.init_from}' does not exist")

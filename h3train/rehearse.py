@@ -56,6 +56,7 @@ from .memtrack import TRANSIENT, StorageTracker
 from .parallel.dims import ParallelContext, ParallelDims
 from .parallel.fsdp import local_tensor
 from .plan import GIB, RELEASED_MAX_ROWS, RELEASED_TEXT_ROWS, MemoryPlan, config_sample_rows, estimate
+from .train.optim import optimizer_kind
 
 # The longest released FL2VA clip the plan falls back to away from the data (`plan.RELEASED_MAX_ROWS`):
 # 15 s (362 frames) at 768x1344, first and last keyframes, a 2,048-row prefix half vision tokens.
@@ -242,16 +243,6 @@ def rehearsal_config(cfg: Config, dims: dict[str, Any]) -> Config:
     return dataclasses.replace(cfg, model=model)
 
 
-def _warm_code_books() -> None:
-    # torchao computes its quantization code books from values (cached once per process): on the
-    # host, before any fake mode, where reading values works.
-    from torchao.optim import subclass_4bit, subclass_8bit
-
-    for module in (subclass_8bit, subclass_4bit):
-        module.get_qmap_signed()
-        module.get_qmap_unsigned()
-
-
 # -- building -------------------------------------------------------------------------------------
 
 
@@ -318,13 +309,13 @@ def _nothing() -> Iterator[None]:
 def _allocate_optimizer_state(model: Any, optimizer: torch.optim.Optimizer, name: str, notes: list[str]) -> None:
     """Give every trainable parameter the state a step after the first finds.
 
-    `adamw` runs its first update over zero gradients (the state as torch allocates it). The other
-    kinds read values on the host in their update (`adamw_bf16`: its step count and hash salts;
-    torchao's kinds: a `torch.compile`d update), which fake tensors cannot give, so their own
-    `init_state` allocates the state and `_optimizer_step` leaves the update out.
+    A kind whose update runs on fake tensors runs its first update over zero gradients (the state as
+    torch allocates it). The others read values on the host in their update (`OptimizerKind.fake_update`
+    says how), so their own `init_state` allocates the state and `_optimizer_step` leaves the update out.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    if name == "adamw":
+    what = optimizer_kind(name).fake_update
+    if what is None:
         for p in params:
             p.grad = torch.zeros_like(p)
         optimizer.step()
@@ -332,11 +323,6 @@ def _allocate_optimizer_state(model: Any, optimizer: torch.optim.Optimizer, name
         return
     for p in params:
         optimizer.init_state(p)
-    what = {
-        "adamw_bf16": "BF16AdamW's update reads its step count and rounding salts on the host (.item())",
-        "adamw8bit": "torchao's AdamW8bit update is a torch.compile'd function, which does not run on fake tensors",
-        "adamw4bit": "torchao's AdamW4bit update is a torch.compile'd function, which does not run on fake tensors",
-    }[name]
     notes.append(
         f"optimizer update: {what}; its state is allocated by its own init_state (as its first step does, "
         "exact) and the update arithmetic is not run: its temporaries (one parameter shard's float32 values "
@@ -382,7 +368,7 @@ def _rehearse_step(cfg: Config, built: _Built, ti: Any, tracker: StorageTracker,
     torch._foreach_mul_([local_tensor(g) for g in grads], coef)
     del grads, norm, coef
     tracker.phase = "optimizer step"
-    if cfg.optim.name == "adamw":
+    if optimizer_kind(cfg.optim.name).fake_update is None:
         optimizer.step()
     built.scheduler.step()
     if built.ema is not None:
@@ -418,8 +404,7 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
         "step all-reduce and its copy to the host (Trainer._reduce_step) read values: not run; the clip is "
         "applied unconditionally (in place: the same memory)",
     ]
-    if cfg.optim.name in ("adamw8bit", "adamw4bit"):
-        _warm_code_books()
+    optimizer_kind(cfg.optim.name).before_rehearsal()
     sample, text_rows, rows_source = planned_sample(cfg, int(dims["text_dim"]))
     ti = micro_batch_inputs(run_cfg, sample, step=1, slot=0)
     micro_batches = min(cfg.train.grad_accum, MICRO_BATCHES)
@@ -501,8 +486,7 @@ def _built_state(cfg: Config, world_size: int, num_layers: int | None, use: Any)
     dims, _ = planned_model_dims(cfg)
     if num_layers is not None:
         dims = {**dims, "num_layers": num_layers}
-    if cfg.optim.name in ("adamw8bit", "adamw4bit"):
-        _warm_code_books()
+    optimizer_kind(cfg.optim.name).before_rehearsal()
     with fake_process_group(world_size), known_notices():
         ctx = ParallelContext(mesh, torch.device("cpu"))
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -606,13 +590,12 @@ def _chunk(shape: torch.Size, mesh_shape: tuple[int, ...], coord: tuple[int, ...
 
 
 def _value_bytes(value: Any, numel: int, optimizer: str) -> int:
-    """Bytes DCP writes for `numel` values of `value`'s kind: torchao's quantized states by `lowbit.state_bytes`."""
-    from .train.lowbit import QUANT_BLOCK, state_bytes
-
+    """Bytes DCP writes for `numel` values of `value`'s kind: torchao's quantized states (`OptimState*`,
+    one moment) by the optimizer kind's `state_bytes`, which counts both."""
     # The inner tensor itself: `to_local` would dispatch an op per call.
     local = value._local_tensor if isinstance(value, DTensor) else value
-    if optimizer in QUANT_BLOCK and type(local).__name__.startswith("OptimState"):
-        return state_bytes(optimizer, numel) // 2
+    if type(local).__name__.startswith("OptimState"):
+        return optimizer_kind(optimizer).state_bytes(numel) // 2
     return numel * local.dtype.itemsize
 
 

@@ -85,7 +85,7 @@ from h3train.model.dims import planned_model_dims  # noqa: E402
 from h3train.parallel.dims import ParallelDims  # noqa: E402
 from h3train.plan import estimate  # noqa: E402
 from h3train.train.assemble import build_trainer  # noqa: E402
-from h3train.train.lowbit import state_bytes, state_bytes_per_value  # noqa: E402
+from h3train.train.optim import state_bytes, state_bytes_per_value  # noqa: E402
 
 KINDS = ("adamw", "adamw8bit", "adamw4bit", "adamw_bf16")
 REFERENCE = "adamw"

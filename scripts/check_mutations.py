@@ -92,7 +92,7 @@ MUTATIONS = (
     ),
     Mutation(
         "video/audio shifts swapped (config defaults)",
-        "config.py",
+        "config/schema.py",
         "    video_shift: float = 12.0\n    audio_shift: float = 3.0\n",
         "    video_shift: float = 3.0\n    audio_shift: float = 12.0\n",
         (CONVENTIONS, CFG),

@@ -145,8 +145,8 @@ def test_half_precision_kernels_need_bf16(monkeypatch) -> None:
 
 
 def test_config_choices_are_the_tables() -> None:
-    # config.py imports nothing from h3train but errors: its value check keeps a copy of the table's names.
-    assert config._CHOICES["model.attention_backend"] == attention.CONFIG_CHOICES
+    # The config package imports nothing from h3train but errors: its value check keeps a copy of the table's names.
+    assert config.choices("model.attention_backend") == attention.CONFIG_CHOICES
     trained = tuple(name for name, b in attention.ATTENTION_BACKENDS.items() if b.trains)
     assert attention.CONFIG_CHOICES[0] == "auto" and attention.CONFIG_CHOICES[1:] == trained
 

@@ -164,6 +164,6 @@ def test_readme_table_of_defaults_matches_the_schema() -> None:
         if readme.get(key, schema[key]) != schema[key]
     ]
     assert not (missing or unknown or wrong), (
-        f"README.md's table of config defaults disagrees with h3train/config.py (missing {missing}, "
+        f"README.md's table of config defaults disagrees with h3train/config/schema.py (missing {missing}, "
         f"not in the schema {unknown}, different {wrong}); regenerate it with {REGENERATE}"
     )

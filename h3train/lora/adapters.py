@@ -3,14 +3,14 @@
 `LoraTransform` is the model transform `model_transforms(cfg)` returns when `lora.rank > 0`. On the
 bare transformer, before the sequence-parallel wrapper and FSDP2, it:
 
-1. adds one peft adapter (`ADAPTER_NAME`) of the configured kind (`KINDS`) on the Linear layers
+1. adds one peft adapter (`ADAPTER_NAME`) of the configured kind (`kinds.ADAPTER_KINDS`) on the Linear layers
    `lora.target_modules` selects; peft freezes every other parameter;
 2. unfreezes the `lora.train_modules` (trained in full, float32 master weights);
 3. stores the frozen base in bfloat16 except the `_keep_in_fp32_modules` islands, which stay float32
    as in the released checkpoint; adapters are float32. A frozen parameter has no gradient and no
    optimizer state, so no float32 copy of it exists anywhere;
 4. gives every adapter its seeded initial value (`adapter_init`): the factors peft starts at zero
-   (`ZERO_FACTORS`: lora_B, lokr_w1, hada_w2_b) zero, so the adapted model starts as its base, every
+   (each kind's `zero_factors`: lora_B, lokr_w1, hada_w2_b) zero, so the adapted model starts as its base, every
    other factor as peft's default (Kaiming-uniform, a = sqrt(5)), drawn from a generator seeded by
    `train.seed` and the parameter's name, so every rank and every build (random, pretrained, meta)
    gets the same values; a DoRA magnitude is the row norm of its layer's weight as held (`magnitude`),
@@ -28,7 +28,7 @@ The kinds (`lora.kind`, `lora.use_dora`), all with `lora.rank` r and the output 
   near their square roots (`decompose_factor=-1`); w1 (`lokr_w1`, out_l x in_m) is a full matrix
   (`decompose_both=False`), w2 is `lokr_w2_a @ lokr_w2_b` (out_k x r, r x in_n) when r is under half of
   max(out_k, in_n), else a full `lokr_w2`. peft's rank and module dropouts draw one mask per forward,
-  which sequence-parallel ranks would not share, so `lora.dropout` must be 0 (`check_kind`).
+  which sequence-parallel ranks would not share, so `lora.dropout` must be 0 (`AdapterKind.check`).
 - `loha`: peft's `LoHaConfig`: `W + s (hada_w1_a @ hada_w1_b) * (hada_w2_a @ hada_w2_b)` (Hadamard
   product; the `_a` factors out x r, the `_b` ones r x in); `lora.dropout` must be 0, as for LoKr.
 
@@ -53,87 +53,27 @@ from typing import Any
 
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
-from peft import LoHaConfig, LoKrConfig
-from peft import LoraConfig as PeftLoraConfig
-from peft.tuners.lokr.layer import factorization
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import Config, LoraConfig
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError
 from ..model.adapter import AdapterCounts
 from ..model.build import fp32_island_names, meta_transformer, pretrained_folder
 from ..parallel.shards import fill_from_full
 from .base import BASE_DTYPE, BASE_KEY, base_record, check_same_base, read_record
+from .kinds import config_kind, record_kind, zero_factors
 from .names import ADAPTER_NAME, MAGNITUDE, export_name, is_adapter_param, split_factor
 from .quant import quantize_base
 from .targets import resolve_targets, resolve_train_modules
 
 ROOT_PREFIX = "transformer."
 
-#: Adapter kind -> its peft config class and `peft_type` (as a checkpoint's record names it).
-KINDS: dict[str, tuple[type, str]] = {
-    "lora": (PeftLoraConfig, "LORA"),
-    "dora": (PeftLoraConfig, "LORA"),
-    "lokr": (LoKrConfig, "LOKR"),
-    "loha": (LoHaConfig, "LOHA"),
-}
-#: The factors peft starts at zero, so that the adapted layer starts as its base.
-ZERO_FACTORS = ("lora_B.weight", "lokr_w1", "lokr_w1_a", "hada_w2_b")
-# The LyCORIS kinds name their scale's numerator `alpha`; the record also carries it as `lora_alpha`.
-_LYCORIS = ("lokr", "loha")
 
-
-def adapter_kind(lora: LoraConfig) -> str:
-    """`lora`, `dora`, `lokr` or `loha`: the kind `lora.kind` and `lora.use_dora` ask for."""
-    return "dora" if lora.use_dora else lora.kind
-
-
-def kind_setting(kind: str) -> str:
-    """The config setting that asks for `kind`, as messages name it."""
-    return "lora.use_dora=true" if kind == "dora" else f"lora.kind={kind}"
-
-
-def check_kind(lora: LoraConfig) -> None:
-    """What the configured kind cannot do, as a one-line `ConfigError` naming the key; before any model."""
-    kind = adapter_kind(lora)
-    if kind in _LYCORIS and lora.dropout:
-        raise ConfigError(
-            f"config key 'lora.dropout' is {lora.dropout}, and {kind_setting(kind)} has no input dropout (peft's "
-            "rank and module dropouts draw one mask per forward, which sequence-parallel ranks would not share); "
-            "set lora.dropout=0"
-        )
-    if kind != "lora" and lora.base_quant != "none":
-        # DoRA reads its magnitudes, LoKr / LoHa their delta's shape, from the base layer's whole weight.
-        raise ConfigError(
-            f"config key 'lora.base_quant' is {lora.base_quant}, which takes plain LoRA adapters, not "
-            f"{kind_setting(kind)}: set lora.base_quant=none, or train LoRA on the quantized base"
-        )
-    if kind in _LYCORIS and lora.init_from:
-        raise ConfigError(
-            f"config key 'lora.init_from' reads LoRA and DoRA files, not {kind_setting(kind)} adapters; drop "
-            "lora.init_from (a run of this kind continues with checkpoint.resume)"
-        )
-
-
-def peft_config(lora: LoraConfig, targets: list[str]) -> PeftLoraConfig | LoKrConfig | LoHaConfig:
+def peft_config(lora: LoraConfig, targets: list[str]) -> Any:
     """peft's config for `lora` on the resolved full module paths `targets` (the kinds: module docstring)."""
     alpha = lora.alpha if lora.alpha is not None else lora.rank
-    kind = adapter_kind(lora)
-    if kind in _LYCORIS:
-        common = dict(r=lora.rank, alpha=alpha, rank_dropout=0.0, module_dropout=0.0, init_weights=True)
-        if kind == "lokr":
-            return LoKrConfig(**common, target_modules=list(targets), decompose_both=False, decompose_factor=-1)
-        return LoHaConfig(**common, target_modules=list(targets))
-    return PeftLoraConfig(
-        r=lora.rank,
-        lora_alpha=alpha,
-        lora_dropout=lora.dropout,
-        target_modules=list(targets),
-        init_lora_weights=True,
-        bias="none",
-        use_dora=lora.use_dora,
-    )
+    return config_kind(lora).peft_config(lora, targets, alpha)
 
 
 def is_adapted(transformer: nn.Module) -> bool:
@@ -171,27 +111,16 @@ def adapter_config(transformer: nn.Module) -> dict | None:
     return out
 
 
-def record_kind(record: Mapping[str, Any]) -> str:
-    """The adapter kind of a recorded peft config (`adapter_config`); a record without a type is LoRA."""
-    peft_type = str(record.get("peft_type") or "LORA")
-    if peft_type == "LORA":
-        return "dora" if record.get("use_dora") else "lora"
-    kinds = [k for k, (_, t) in KINDS.items() if t == peft_type]
-    if not kinds:
-        raise ValueError(f"peft_type {peft_type!r} is not one of the adapter kinds h3train trains ({', '.join(KINDS)})")
-    return kinds[0]
-
-
-def peft_config_from_record(record: Mapping[str, Any], **changes: Any) -> PeftLoraConfig | LoKrConfig | LoHaConfig:
+def peft_config_from_record(record: Mapping[str, Any], **changes: Any) -> Any:
     """The peft config object of a recorded one (`adapter_config`), with `changes` applied."""
-    cls = KINDS[record_kind(record)][0]
+    cls = record_kind(record).peft_class
     names = {f.name for f in fields(cls)} - {"peft_type", "task_type", "peft_version", "auto_mapping"}
     return cls(**{k: v for k, v in {**record, **changes}.items() if k in names})
 
 
 def peft_metadata(record: Mapping[str, Any]) -> dict[str, Any]:
     """The recorded config as a file's adapter metadata: the keys the kind's peft config takes."""
-    cls = KINDS[record_kind(record)][0]
+    cls = record_kind(record).peft_class
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in record.items() if k in names}
 
@@ -209,7 +138,7 @@ def adapter_init(name: str, shape: torch.Size | tuple[int, ...], seed: int) -> t
     if is_magnitude(name):
         raise ValueError(f"'{name}' is a DoRA magnitude, the row norms of its layer's weight (adapters.magnitude)")
     split = split_factor(name)
-    if split is not None and split[1] in ZERO_FACTORS:
+    if split is not None and split[1] in zero_factors():
         return torch.zeros(shape, dtype=torch.float32)
     gen = torch.Generator().manual_seed(_param_seed(seed, name))
     value = torch.empty(shape, dtype=torch.float32)
@@ -285,7 +214,7 @@ def init_adapters(model: nn.Module, cfg: Config) -> None:
 def add_adapters(transformer: MiniMaxH3Transformer3DModel, cfg: Config) -> None:
     """Steps 1-4 of the module docstring, on the bare transformer (real or on meta)."""
     lora = cfg.lora
-    check_kind(lora)
+    config_kind(lora).check(lora)
     targets = resolve_targets(transformer, lora.target_modules)
     train_modules = resolve_train_modules(transformer, lora.train_modules, targets)
     # peft initialises with the default RNG; fork it, so adding adapters never shifts other draws.
@@ -312,14 +241,14 @@ class LoraTransform:
     As the adapter it says what a checkpoint of the run records (`checkpoint_info`), that the
     checkpoint holds the trainable state only (`trainable_only`: the frozen base is rebuilt as on a
     fresh start) and which checkpoints a resume may continue (`check_checkpoint`: the same base, kind
-    and rank). Built from its config, it refuses what the kind cannot do (`check_kind`) before any model.
+    and rank). Built from its config, it refuses what the kind cannot do (`AdapterKind.check`) before any model.
     """
 
     #: A checkpoint holds the parameters that train; the frozen base is rebuilt where a fresh start gets it.
     trainable_only = True
 
     def __init__(self, cfg: Config) -> None:
-        check_kind(cfg.lora)
+        config_kind(cfg.lora).check(cfg.lora)
         self.cfg = cfg
         self._base: dict[str, Any] | None = None
 
@@ -340,11 +269,11 @@ class LoraTransform:
         rank (`CheckpointError` naming what changed and the ways out otherwise)."""
         check_same_base(read_record(saved), self.base, path)
         record = saved.get("lora") or {}
-        old, new = record_kind(record), adapter_kind(self.cfg.lora)
-        if record and old != new:
+        old, new = record_kind(record), config_kind(self.cfg.lora)
+        if record and old is not new:
             raise CheckpointError(
-                f"checkpoint '{path}' holds adapters of another kind: {kind_setting(old)} -> {kind_setting(new)}; "
-                f"resume it with {kind_setting(old)}, or start afresh in a new logging.dir (or checkpoint.resume=none)"
+                f"checkpoint '{path}' holds adapters of another kind: {old.setting} -> {new.setting}; "
+                f"resume it with {old.setting}, or start afresh in a new logging.dir (or checkpoint.resume=none)"
             )
         old = record.get("r")
         if old is not None and int(old) != self.cfg.lora.rank:
@@ -380,31 +309,10 @@ def trainable_state_dict(model: nn.Module, adapters_only: bool = False) -> dict[
     return out
 
 
-def layer_counts(kind: str, rank: int, in_features: int, out_features: int) -> tuple[int, int, int]:
-    """(parameters, values kept per row for the backward, values kept per forward) an adapted Linear adds.
-
-    The parameters mirror peft's shapes (module docstring). Kept per row: LoRA its rank-r lora_A
-    output; DoRA that and, for the magnitude's gradient, the lora_B output and the base output (out
-    each). LoKr and LoHa keep nothing per row: their input is the base layer's, already counted, and
-    the backward keeps the materialised delta weight (out x in) instead.
-    """
-    if kind in ("lora", "dora"):
-        params = rank * (in_features + out_features)
-        if kind == "dora":
-            return params + out_features, rank + 2 * out_features, 0
-        return params, rank, 0
-    if kind == "loha":
-        return 2 * rank * (in_features + out_features), 0, in_features * out_features
-    out_l, out_k = factorization(out_features, -1)
-    in_m, in_n = factorization(in_features, -1)
-    w2 = rank * (out_k + in_n) if rank < max(out_k, in_n) / 2 else out_k * in_n
-    return out_l * in_m + w2, 0, in_features * out_features
-
-
 def lora_counts(dims: Mapping[str, Any], lora: Any) -> AdapterCounts:
     """Count a `LoraConfig`'s adapters on the architecture `dims`, built on the meta device (no memory).
 
-    Each adapted Linear gains the parameters of `layer_counts` (LoRA: `rank x (in + out)`, lora_A and
+    Each adapted Linear gains the parameters of its kind's `layer_counts` (LoRA: `rank x (in + out)`, lora_A and
     lora_B) and keeps what it says for the backward (`AdapterCounts.block_row_values`, `block_delta_values`).
     """
     model = meta_transformer(dict(dims))
@@ -412,11 +320,11 @@ def lora_counts(dims: Mapping[str, Any], lora: Any) -> AdapterCounts:
     trained = resolve_train_modules(model, lora.train_modules, targets)
     modules = dict(model.named_modules())
     rank = int(lora.rank)
-    kind = adapter_kind(lora)
+    kind = config_kind(lora)
 
     def adapter(name: str) -> tuple[int, int, int]:
         layer = modules[name]
-        return layer_counts(kind, rank, layer.in_features, layer.out_features)
+        return kind.layer_counts(rank, layer.in_features, layer.out_features)
 
     trained_params = {n: p.numel() for m in trained for n, p in modules[m].named_parameters(prefix=m)}
     islands = tuple(f"{n}." for n in fp32_island_names(model))
@@ -437,5 +345,5 @@ def lora_counts(dims: Mapping[str, Any], lora: Any) -> AdapterCounts:
         block_adapted_layers=len(block),
         block_row_values=sum(c[1] for c in block),
         block_delta_values=sum(c[2] for c in block),
-        kind={"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}[adapter_kind(lora)],
+        kind=kind.label,
     )

@@ -41,9 +41,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError, UsageError
 from ..tasks.table import PARTITIONS, TRAINING_TASKS
-from .adapters import kind_setting, record_kind
 from .base import as_trained, folder_digest, island_prefixes, random_base_state, read_record
 from .export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME, save_comfyui_lora, save_diffusers_lora
+from .kinds import record_kind
 from .names import export_name, split_factor
 
 # `--format` -> what its export is, as `h3train export` reports it.
@@ -127,7 +127,7 @@ def write_lora_export(
             save_diffusers_lora(out, adapters, lora_config, partition=trained_partition(state), weight_name=name)
     except ValueError as exc:  # what the adapter's kind or modules cannot be in this format: one line
         raise UsageError(
-            f"checkpoint '{checkpoint}' ({kind_setting(record_kind(lora_config))}) has no {FORMATS[fmt]}: {exc}"
+            f"checkpoint '{checkpoint}' ({record_kind(lora_config).setting}) has no {FORMATS[fmt]}: {exc}"
         ) from None
     return name
 

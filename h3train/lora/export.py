@@ -4,7 +4,8 @@ Every function takes the adapter as a state dict under the names `peft.get_peft_
 gives (`transformer_blocks.0.attn.to_q.lora_A.weight`, `....lokr_w1`; `adapters.trainable_state_dict`
 returns it) and the adapter's recorded peft config as a dict (`adapters.adapter_config`), so it works
 the same on a live model and on a checkpoint's contents. The adapter's output is scaled by
-`lora_alpha / rank`. What each kind (`adapters.KINDS`) is written as:
+`lora_alpha / rank`. What each kind is written as (its `kinds.ADAPTER_KINDS` entry's `file_parts`,
+`fc1_rows`, `fuse_qkv`):
 
 | kind | diffusers format (`transformer.` + peft names)    | ComfyUI format (`diffusion_model.` + original names)    |
 | ---- | ------------------------------------------------- | ------------------------------------------------------- |
@@ -57,8 +58,9 @@ from torch import nn
 
 from ..atomic import atomic_save_file
 from ..tasks.table import PARTITIONS, SAMPLE_TASKS, TRAINING_TASKS
-from .adapters import peft_config_from_record, peft_metadata, record_kind
-from .names import MAGNITUDE, export_name, is_adapter_param, split_factor
+from .adapters import peft_config_from_record, peft_metadata
+from .kinds import record_kind
+from .names import export_name, is_adapter_param, split_factor
 
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 COMFYUI_WEIGHT_NAME = "lora_comfyui.safetensors"
@@ -97,22 +99,6 @@ def adapter_groups(adapters: dict[str, torch.Tensor]) -> dict[str, dict[str, tor
     return out
 
 
-def _lora_pair(module: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lora_A, lora_B) of a LoRA / DoRA module's parts; a missing one is an error."""
-    for have, need in (("lora_A.weight", "lora_B.weight"), ("lora_B.weight", "lora_A.weight")):
-        if need not in parts:
-            raise ValueError(f"'{module}.{have}' has no '{module}.{need}'")
-    return parts["lora_A.weight"], parts["lora_B.weight"]
-
-
-def lora_scale(lora_config: dict, rank: int) -> float:
-    """The adapter output scale of a module of rank `rank` (peft's `lora_alpha / r`, rsLoRA aside)."""
-    if lora_config.get("rank_pattern") or lora_config.get("alpha_pattern"):
-        raise ValueError("per-module rank or alpha patterns are not supported by these exports")
-    alpha = float(lora_config["lora_alpha"])
-    return alpha / (rank**0.5) if lora_config.get("use_rslora") else alpha / rank
-
-
 def save_diffusers_lora(
     out_dir: str | os.PathLike,
     adapters: dict[str, torch.Tensor],
@@ -134,11 +120,8 @@ def save_diffusers_lora(
     from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
 
     kind = record_kind(lora_config)
-    if kind == "loha":
-        raise ValueError(
-            "diffusers' LoRA loader reads LoRA, DoRA and LoKr adapters, not LoHa; export the ComfyUI format "
-            "(LyCORIS hada_ keys) or merge instead"
-        )
+    if kind.no_diffusers_file:
+        raise ValueError(kind.no_diffusers_file)
     if partition is None:
         spec = TRAINING_TASKS.get(task) or SAMPLE_TASKS.get(task)
         partition = spec.partition if spec is not None else None
@@ -147,9 +130,8 @@ def save_diffusers_lora(
     if partition not in PARTITIONS:
         raise ValueError(f"partition '{partition}' is not one of {list(PARTITIONS)}")
     groups = adapter_groups(adapters)
-    if kind in ("lora", "dora"):
-        for module, parts in groups.items():
-            _lora_pair(module, parts)
+    for module, parts in groups.items():
+        kind.check_parts(module, parts)
     layers = {k: v.detach().cpu().contiguous() for k, v in adapters.items()}
     # The config the kind's peft class takes (diffusers builds `LoraConfig` / `LoKrConfig(**metadata)`).
     metadata = json.loads(json.dumps(peft_metadata(lora_config)))
@@ -181,84 +163,14 @@ def _original_name(module: str) -> tuple[str, str]:
     )
 
 
-def _file_parts(kind: str, module: str, parts: dict[str, torch.Tensor], lora_config: dict) -> dict[str, torch.Tensor]:
-    """One module's adapter as the ComfyUI file names it (before renaming and fusing), float32.
-
-    LoRA / DoRA: `lora_down.weight`, `lora_up.weight`, `alpha` (`scale * rank`), DoRA's `dora_scale`
-    (out x 1). LoKr / LoHa: their LyCORIS names with the scale folded into the first factor.
-    """
-    parts = {k: v.detach().float().cpu() for k, v in parts.items()}
-    if kind in ("lora", "dora"):
-        a, b = _lora_pair(module, parts)
-        out = {"lora_down.weight": a, "lora_up.weight": b, "alpha": lora_scale(lora_config, a.shape[0]) * a.shape[0]}
-        if kind == "dora":
-            out["dora_scale"] = parts[MAGNITUDE].reshape(-1, 1)
-        return out
-    rank = int(lora_config["r"])
-    first = "hada_w1_a" if kind == "loha" else ("lokr_w1" if "lokr_w1" in parts else "lokr_w1_a")
-    return {k: v * lora_scale(lora_config, rank) if k == first else v for k, v in parts.items()}
-
-
-def _swap_fc1(kind: str, module: str, parts: dict) -> dict:
-    """`parts` of the SwiGLU input projection with its output halves swapped (module docstring)."""
+def _swap_fc1(rows: tuple[str, ...], parts: dict) -> dict:
+    """`parts` with the output halves of the parts named `rows` swapped (the SwiGLU order, module docstring)."""
 
     def swap(t: torch.Tensor) -> torch.Tensor:
         first, second = t.chunk(2, dim=0)
         return torch.cat([second, first], dim=0)
 
-    if kind in ("lora", "dora"):
-        rows = ("lora_up.weight", "dora_scale")
-    elif kind == "loha":
-        rows = ("hada_w1_a", "hada_w2_a")
-    else:
-        # kron(w1, w2): output row i = a * out_k + b. Halves swap as w1's rows do when out_l is even.
-        out_l = (parts.get("lokr_w1") if "lokr_w1" in parts else parts["lokr_w1_a"]).shape[0]
-        if out_l % 2 == 0:
-            rows = ("lokr_w1", "lokr_w1_a")
-        elif out_l == 1:
-            rows = ("lokr_w2", "lokr_w2_a")
-        else:
-            raise ValueError(f"'{module}': a LoKr of {out_l} x ... Kronecker rows cannot swap the SwiGLU halves")
     return {k: swap(v) if k in rows else v for k, v in parts.items()}
-
-
-def _fuse_qkv(kind: str, name: str, thirds: dict[int, dict]) -> dict:
-    """The file parts of `attn.qkv_proj` from those of to_q / to_k / to_v (index 0, 1, 2; module docstring)."""
-    if kind == "lokr":
-        raise ValueError(
-            f"'{name}': the original layout fuses to_q, to_k and to_v into one Linear, and LoKr's Kronecker "
-            "products do not fuse; export the diffusers format or merge, or leave to_q / to_k / to_v out of "
-            "lora.target_modules"
-        )
-    if kind == "dora" and len(thirds) != 3:
-        raise ValueError(
-            f"'{name}': a DoRA magnitude covers the fused projection's every row, so to_q, to_k and to_v must "
-            "all be adapted; export the diffusers format or merge instead"
-        )
-    # (stacked, block-diagonal) factor pairs: each pair's product is the projection's own per third.
-    lycoris = (("hada_w1_b", "hada_w1_a"), ("hada_w2_b", "hada_w2_a"))
-    pairs = lycoris if kind == "loha" else (("lora_down.weight", "lora_up.weight"),)
-    if kind != "loha":
-        scales = {p["alpha"] / p["lora_down.weight"].shape[0] for p in thirds.values()}
-        if len(scales) != 1:
-            raise ValueError(f"'{name}': q, k and v adapters of different scales cannot share one fused alpha")
-    out: dict[str, torch.Tensor | float] = {}
-    for down_key, up_key in pairs:
-        out_rows = {p[up_key].shape[0] for p in thirds.values()}.pop()
-        rank = sum(p[down_key].shape[0] for p in thirds.values())
-        out[down_key] = torch.cat([thirds[i][down_key] for i in sorted(thirds)], dim=0)
-        up = torch.zeros(3 * out_rows, rank)
-        col = 0
-        for i in sorted(thirds):
-            block = thirds[i][up_key]
-            up[i * out_rows : (i + 1) * out_rows, col : col + block.shape[1]] = block
-            col += block.shape[1]
-        out[up_key] = up
-    if kind != "loha":
-        out["alpha"] = scales.pop() * out["lora_down.weight"].shape[0]
-    if kind == "dora":
-        out["dora_scale"] = torch.cat([thirds[i]["dora_scale"] for i in range(3)], dim=0)
-    return out
 
 
 def comfyui_state_dict(
@@ -271,28 +183,24 @@ def comfyui_state_dict(
     fused: dict[str, dict[int, dict]] = {}
     for module, parts in groups.items():
         name, where = _original_name(module)
-        parts = _file_parts(kind, module, parts, lora_config)
+        parts = kind.file_parts(module, {k: v.detach().float().cpu() for k, v in parts.items()}, lora_config)
         if where.startswith("qkv:"):
             fused.setdefault(name, {})[int(where[4:])] = parts
             continue
-        _put(tensors, name, _swap_fc1(kind, module, parts) if where == "fc1" else parts)
+        _put(tensors, name, _swap_fc1(kind.fc1_rows(module, parts), parts) if where == "fc1" else parts)
     for name, thirds in fused.items():
-        _put(tensors, name, _fuse_qkv(kind, name, thirds))
+        _put(tensors, name, kind.fuse_qkv(name, thirds))
     metadata = {
         "format": "pt",
         "h3train_lora_format": "comfyui",
-        "adapter_kind": kind,
-        "rank": str(lora_config["r"]) if kind in ("lokr", "loha") else _ranks(groups),
+        "adapter_kind": kind.name,
+        "rank": kind.comfyui_rank(lora_config, groups),
         "lora_alpha": str(lora_config["lora_alpha"]),
         "target_modules": json.dumps(sorted(groups)),
         "swiglu_fc1_halves": SWIGLU_FC1_HALVES,
         "qkv_rows": "q,k,v",
     }
     return tensors, metadata
-
-
-def _ranks(groups: dict[str, dict[str, torch.Tensor]]) -> str:
-    return ",".join(str(r) for r in sorted({parts["lora_A.weight"].shape[0] for parts in groups.values()}))
 
 
 def _put(tensors: dict[str, torch.Tensor], name: str, parts: dict) -> None:

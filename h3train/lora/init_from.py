@@ -16,7 +16,7 @@ A DoRA run (`lora.use_dora`) takes the magnitudes a DoRA file holds (`<module>.l
 the diffusers format h3train writes) as they are; from a plain LoRA file its magnitudes are the row
 norms of `W + s B A` (`adapters.adapter_values`), so it starts computing what the LoRA did. A plain
 LoRA run refuses a DoRA file (it would drop the magnitudes). The LyCORIS kinds (`lora.kind` lokr,
-loha) take no file (`adapters.check_kind`).
+loha) take no file (their `AdapterKind.reads_init_from`).
 """
 
 from __future__ import annotations

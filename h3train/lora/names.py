@@ -11,31 +11,15 @@ its own in the live model, is `<module>.lora_magnitude_vector`), which are also 
 diffusers LoRA file after its `transformer.` prefix.
 
 Which parameters are an adapter's goes by the adapter's name, not by any one adapter kind's
-parameter names, so every peft adapter kind is named the same way; `FACTORS` lists the parameter
-names of the kinds h3train trains (`adapters.KINDS`), for the readers that take a file name apart.
+parameter names, so every peft adapter kind is named the same way; the readers that take a file name
+apart (`split_factor`) know the parameter names of every registered kind (`kinds.adapter_factors`).
 """
 
 from __future__ import annotations
 
+from .kinds import MAGNITUDE, adapter_factors
+
 ADAPTER_NAME = "default"
-# peft's state-dict name of a DoRA magnitude: its live `<module>.lora_magnitude_vector.<adapter>.weight`.
-MAGNITUDE = "lora_magnitude_vector"
-# File-name suffix of each adapter parameter, after `<module>.`: LoRA (DoRA adds the magnitude), LoKr, LoHa.
-FACTORS = (
-    "lora_A.weight",
-    "lora_B.weight",
-    MAGNITUDE,
-    "lokr_w1",
-    "lokr_w1_a",
-    "lokr_w1_b",
-    "lokr_w2",
-    "lokr_w2_a",
-    "lokr_w2_b",
-    "hada_w1_a",
-    "hada_w1_b",
-    "hada_w2_a",
-    "hada_w2_b",
-)
 
 
 def is_adapter_param(name: str) -> bool:
@@ -50,8 +34,8 @@ def export_name(name: str, adapter: str = ADAPTER_NAME) -> str:
 
 
 def split_factor(name: str) -> tuple[str, str] | None:
-    """A file name of an adapter parameter -> (module path, factor: one of `FACTORS`); None otherwise."""
-    for factor in FACTORS:
+    """A file name of an adapter parameter -> (module path, factor: a kind's `factors`); None otherwise."""
+    for factor in adapter_factors():
         if name.endswith(f".{factor}"):
             return name.removesuffix(f".{factor}"), factor
     return None

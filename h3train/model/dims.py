@@ -2,7 +2,7 @@
 
 The plan, preflight, the LoRA checks and the model builder all read the architecture through these,
 so a key the constructor does not take, or a size of the wrong sign, is one `ConfigError` naming the
-key wherever it is first read. Kept out of `config.py`: they import diffusers and the task table,
+key wherever it is first read. Kept out of the config package: they import diffusers and the task table,
 and the config schema stays a leaf every module can import.
 """
 

@@ -3,7 +3,7 @@
 `model.attention_backend` (resolved by `resolve_attention_backend` when the trainer is built and in
 `preflight`) and `h3train bench --backends` both read `ATTENTION_BACKENDS`, so a kernel's name, its
 diffusers `dispatch_attention_fn` backend and its requirements (a CUDA device, bf16 compute, the
-flash-attn package) are written here only. `config.py` imports nothing from h3train but `errors`,
+flash-attn package) are written here only. The config package imports nothing from h3train but `errors`,
 so its value check keeps its own tuple of choices; a test holds it equal to `CONFIG_CHOICES`.
 """
 

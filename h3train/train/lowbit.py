@@ -238,26 +238,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def state_bytes(name: str, numel: int) -> int:
-    """Bytes of `optim.name`'s two moments for one parameter shard of `numel` values in its own dtype.
+def quantized_state_bytes(name: str, numel: int) -> int:
+    """Bytes of torchao's two moments (`adamw8bit` / `adamw4bit`) for one parameter shard of `numel` values.
 
-    `adamw` and float32 shards of `adamw_bf16`: 8 per value; bfloat16 shards of `adamw_bf16`: 4
-    (call with the shard's dtype folded into `name`: `adamw_bf16` means a bfloat16 shard). The
-    quantized kinds: codes plus one float32 scale per block and a code book per moment, or float32
-    where torchao keeps a shard unquantized. The step counter (one float32 per parameter tensor) is not counted.
+    Codes plus one float32 scale per block and a code book per moment, or float32 where torchao keeps
+    a shard unquantized. The step counter (one float32 per parameter tensor) is not counted.
     """
-    if name == "adamw":
-        return 8 * numel
-    if name == "adamw_bf16":
-        return 4 * numel
     block = QUANT_BLOCK[name]
     if numel < QUANT_MIN_NUMEL or numel % block:
         return 8 * numel
     return 2 * (numel * QUANT_CODE_BITS[name] // 8 + 4 * (numel // block) + QUANT_CODE_BOOK[name])
 
 
-def state_bytes_per_value(name: str) -> float:
-    """Bytes of the two moments per trainable value at scale (every shard quantized), for the plan."""
-    if name in QUANT_BLOCK:
-        return 2 * (QUANT_CODE_BITS[name] / 8 + 4 / QUANT_BLOCK[name])
-    return {"adamw": 8.0, "adamw_bf16": 4.0}[name]
+def quantized_bytes_per_value(name: str) -> float:
+    """Bytes of torchao's two moments per trainable value at scale (every shard quantized), for the plan."""
+    return 2 * (QUANT_CODE_BITS[name] / 8 + 4 / QUANT_BLOCK[name])
+
+
+def warm_code_books() -> None:
+    """Compute torchao's quantization code books (cached once per process) while values can be read:
+    on the host, before a fake-tensor mode."""
+    from torchao.optim import subclass_4bit, subclass_8bit
+
+    for module in (subclass_8bit, subclass_4bit):
+        module.get_qmap_signed()
+        module.get_qmap_unsigned()

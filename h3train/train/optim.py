@@ -1,18 +1,148 @@
-"""AdamW with decoupled weight decay off norms and biases, and warmup + constant/cosine/linear LR.
+"""The optimizer kinds (`OPTIMIZER_KINDS`, chosen by `optim.name`), their param groups, and the LR schedule.
 
-`optim.name` chooses what the optimizer stores between steps (`lowbit.py` for the kinds below
-float32); the param groups, the LR schedule, clipping and the checkpoint's layout are the same for all.
+Every kind is AdamW with decoupled weight decay off norms and biases; a kind says what it stores
+between steps: how it is built, the dtype the trainable weights are kept in, its state's bytes
+(exact per shard, and per value at scale for the plan), what it needs installed, and whether its
+update runs on fake tensors (`h3train check --rehearse`). `register_optimizer_kind` adds one and makes
+it a choice of `optim.name`. The param groups, the LR schedule, clipping and the checkpoint's layout
+are the same for all (a kind's state is whatever its `state_dict` holds; DCP saves and reshards it).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from ..config import OptimConfig
-from .lowbit import BF16AdamW, quantized_adamw
+from ..config import OptimConfig, register_choice
+from ..errors import ConfigError
+from .lowbit import (
+    QUANT_BLOCK,
+    BF16AdamW,
+    quantized_adamw,
+    quantized_bytes_per_value,
+    quantized_state_bytes,
+    torchao_missing,
+    warm_code_books,
+)
+
+
+class OptimizerKind:
+    """One `optim.name`. Subclass, set `name`, override what differs, register an instance."""
+
+    name: ClassVar[str]
+    #: dtype the trainable parameters are stored in, outside the float32 islands.
+    weights_dtype: ClassVar[torch.dtype] = torch.float32
+    #: Why its update cannot run on fake tensors (its state then comes from `init_state`); None: it can.
+    fake_update: ClassVar[str | None] = None
+
+    def missing(self) -> str | None:
+        """The one-line reason it cannot run here (a package not installed), or None."""
+        return None
+
+    def build(self, groups: list[dict[str, Any]], hyper: dict[str, Any], cfg: OptimConfig, seed: int) -> Any:
+        """The optimizer over `groups`, with `hyper` (lr, betas, eps); `seed` keys any randomness."""
+        raise NotImplementedError
+
+    def state_bytes(self, numel: int) -> int:
+        """Bytes of its state for one parameter shard of `numel` values, step counter aside."""
+        return int(self.state_bytes_per_value() * numel)
+
+    def state_bytes_per_value(self) -> float:
+        """Bytes of its state per trainable value at scale, as the memory plan counts it."""
+        return 8.0
+
+    def before_rehearsal(self) -> None:
+        """What must run on the host before a fake-tensor mode builds it."""
+
+
+class AdamWKind(OptimizerKind):
+    """`torch.optim.AdamW`, float32 moments, with the kernel `optim.implementation` names."""
+
+    name = "adamw"
+
+    def build(self, groups: list[dict[str, Any]], hyper: dict[str, Any], cfg: OptimConfig, seed: int) -> Any:
+        kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+        return torch.optim.AdamW(groups, **hyper, **kernel[cfg.implementation])
+
+
+class QuantizedAdamWKind(OptimizerKind):
+    """torchao's block-quantized moments (`lowbit.quantized_adamw`)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name  # type: ignore[misc]
+        bits = name.removeprefix("adamw").removesuffix("bit")
+        self.fake_update = (
+            f"torchao's AdamW{bits}bit update is a torch.compile'd function, which does not run on fake tensors"
+        )
+
+    def missing(self) -> str | None:
+        return torchao_missing(self.name)
+
+    def build(self, groups: list[dict[str, Any]], hyper: dict[str, Any], cfg: OptimConfig, seed: int) -> Any:
+        return quantized_adamw(self.name, groups, **hyper)
+
+    def state_bytes(self, numel: int) -> int:
+        return quantized_state_bytes(self.name, numel)
+
+    def state_bytes_per_value(self) -> float:
+        return quantized_bytes_per_value(self.name)
+
+    def before_rehearsal(self) -> None:
+        warm_code_books()
+
+
+class BF16AdamWKind(OptimizerKind):
+    """bfloat16 weights and moments, stochastically rounded (`lowbit.BF16AdamW`); float32 islands stay float32.
+
+    Its state bytes are those of a bfloat16 shard; a float32 one keeps float32 moments (`AdamWKind`'s).
+    """
+
+    name = "adamw_bf16"
+    weights_dtype = torch.bfloat16
+    fake_update = "BF16AdamW's update reads its step count and rounding salts on the host (.item())"
+
+    def build(self, groups: list[dict[str, Any]], hyper: dict[str, Any], cfg: OptimConfig, seed: int) -> Any:
+        return BF16AdamW(groups, seed=seed, **hyper)
+
+    def state_bytes_per_value(self) -> float:
+        return 4.0
+
+
+#: `optim.name` -> its kind, in registration order.
+OPTIMIZER_KINDS: dict[str, OptimizerKind] = {}
+
+
+def register_optimizer_kind(kind: OptimizerKind) -> OptimizerKind:
+    """Add `kind` to the table and make its name a choice of `optim.name`."""
+    if kind.name in OPTIMIZER_KINDS:
+        raise ValueError(f"optimizer kind {kind.name!r} is already registered")
+    OPTIMIZER_KINDS[kind.name] = kind
+    register_choice("optim.name", kind.name)
+    return kind
+
+
+for _kind in (AdamWKind(), *(QuantizedAdamWKind(n) for n in QUANT_BLOCK), BF16AdamWKind()):
+    register_optimizer_kind(_kind)
+
+
+def optimizer_kind(name: str) -> OptimizerKind:
+    """The registered kind `optim.name` names."""
+    if name not in OPTIMIZER_KINDS:
+        raise ConfigError(f"config key 'optim.name' is {name!r}; choose one of {', '.join(OPTIMIZER_KINDS)}")
+    return OPTIMIZER_KINDS[name]
+
+
+def state_bytes(name: str, numel: int) -> int:
+    """`optimizer_kind(name).state_bytes(numel)`: `adamw_bf16` means a bfloat16 shard."""
+    return optimizer_kind(name).state_bytes(numel)
+
+
+def state_bytes_per_value(name: str) -> float:
+    """`optimizer_kind(name).state_bytes_per_value()`."""
+    return optimizer_kind(name).state_bytes_per_value()
 
 
 def no_decay(name: str, param: torch.Tensor) -> bool:
@@ -22,17 +152,16 @@ def no_decay(name: str, param: torch.Tensor) -> bool:
 
 
 def weights_dtype(cfg: OptimConfig) -> torch.dtype:
-    """dtype the trainable parameters are stored in (outside the float32 islands): bfloat16 for
-    `adamw_bf16`, whose update is rounded onto bfloat16 weights, float32 master weights otherwise."""
-    return torch.bfloat16 if cfg.name == "adamw_bf16" else torch.float32
+    """dtype the trainable parameters are stored in (outside the float32 islands): the kind's."""
+    return optimizer_kind(cfg.name).weights_dtype
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, seed: int = 0) -> torch.optim.Optimizer:
-    """The `optim.name` AdamW over the trainable parameters; `adamw` with the kernel `optim.implementation` names.
+    """The `optim.name` kind over the trainable parameters, weight decay off norms and biases.
 
-    `fused` is the default: one kernel per device and dtype, no host sync on a GPU, and over
-    FSDP2's DTensors it dispatches once instead of once per parameter and operation. `seed` keys
-    `adamw_bf16`'s stochastic rounding (`train.seed`).
+    `adamw`'s default kernel is `fused`: one kernel per device and dtype, no host sync on a GPU, and
+    over FSDP2's DTensors it dispatches once instead of once per parameter and operation. `seed`
+    keys `adamw_bf16`'s stochastic rounding (`train.seed`).
     """
     decay, plain = [], []
     for name, param in model.named_parameters():
@@ -43,12 +172,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, seed: int = 0) -> torch.
         {"params": plain, "weight_decay": 0.0},
     ]
     hyper = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
-    if cfg.name == "adamw_bf16":
-        return BF16AdamW(groups, seed=seed, **hyper)
-    if cfg.name != "adamw":
-        return quantized_adamw(cfg.name, groups, **hyper)
-    kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
-    return torch.optim.AdamW(groups, **hyper, **kernel[cfg.implementation])
+    return optimizer_kind(cfg.name).build(groups, hyper, cfg, seed)
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -1,0 +1,425 @@
+"""The run configuration's schema: one dataclass per section, and the choices of each enumerated key."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    # Diffusers folder holding the transformer (local path; nothing is downloaded).
+    pretrained: str | None = None
+    # Subfolder inside `pretrained`; default `transformer` (fl2va) or `transformer_ref` (ref2va).
+    subfolder: str | None = None
+    # Constructor kwargs of `MiniMaxH3Transformer3DModel` for a randomly initialised model.
+    config: dict[str, Any] = field(default_factory=dict)
+    # Compute dtype. Master weights stay float32; bfloat16 computes the blocks in bf16 and keeps
+    # the `_keep_in_fp32_modules` islands in float32.
+    dtype: str = "float32"
+    # Older spelling of `activation_checkpointing: full` (true turns `none` into `full`).
+    gradient_checkpointing: bool = False
+    # Recompute blocks in backward: none | full (every refiner and transformer block) | selective
+    # (every `checkpoint_every`-th transformer block: 0, N, 2N, ...).
+    activation_checkpointing: str = "none"
+    checkpoint_every: int = 2
+    attention_backend: str = "native"
+    # Regional torch.compile of each transformer block, with `compile_backend` (inductor, aot_eager, ...).
+    compile: bool = False
+    compile_backend: str = "inductor"
+
+
+@dataclass
+class TaskConfig:
+    # A training task of `h3train/tasks/table.py` (`TRAINING_TASKS`), checked by `preflight.check_config`.
+    name: str = "fl2va"
+
+
+@dataclass
+class SyntheticDataConfig:
+    """Random latents and text embeddings of a real FL2VA geometry (no files needed)."""
+
+    num_samples: int = 64
+    text_len: int = 12
+    # Positions in the prompt tagged as vision tokens (0) instead of text (1).
+    vision_tokens: int = 4
+    num_latent_frames: int = 2
+    latent_height: int = 4
+    latent_width: int = 4
+    num_audio_latents: int = 6
+    keyframe_anchors: list[str] = field(default_factory=lambda: ["first"])
+    has_audio: bool = True
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"
+    # A cached dataset folder, or a list of them, each a folder or {path, weight} / {path, repeats}:
+    # see `dataset_specs`.
+    path: Any = None
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+    # Samples loaded ahead in a background thread.
+    prefetch: int = 2
+    # Sort windows of this many samples by packed length (0: off), so DP ranks step together.
+    bucket_size: int = 0
+    # raise: stop on a corrupt sample, naming the file and field; skip: log it and take the next.
+    on_error: str = "raise"
+    # Tiny configs and demos: when `path` holds no dataset yet, write a synthetic one of
+    # `synthetic.num_samples` samples of `task.name` there first.
+    create_synthetic: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    sp: int = 1
+    # gloo on CPU, nccl on CUDA.
+    backend: str = "auto"
+    timeout_s: int = 600
+    # FSDP2 CPUOffloadPolicy: sharded parameters, gradients and the optimizer step live in host
+    # memory; each unit is copied to the device for its forward and backward.
+    cpu_offload: bool = False
+
+
+@dataclass
+class LossWeights:
+    video: float = 1.0
+    audio: float = 1.0
+
+
+@dataclass
+class TimestepConfig:
+    # Base sigma distribution; uniform matches H3's inference grid (uniform base index, then shift).
+    sampling: str = "uniform"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    video_shift: float = 12.0
+    audio_shift: float = 3.0
+    # Per-sample loss weighting as a function of the base sigma: none | cosmap.
+    weighting: str = "none"
+
+
+@dataclass
+class EmaConfig:
+    # `ema <- decay * ema + (1 - decay) * param` after every taken update (0: no EMA).
+    decay: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 10
+    # Micro-batches (one packed sequence each) per optimizer step on each DP rank.
+    grad_accum: int = 1
+    seed: int = 0
+    max_grad_norm: float = 1.0
+    # A step with a non-finite loss or gradient on any rank is skipped by every rank; this many in a
+    # row stop the run, naming the step and the samples.
+    max_consecutive_skips: int = 5
+    # Loss-spike report: a micro-batch loss above `spike_factor` x the running median of the last
+    # `spike_window` step losses is logged with its sample id to <logging.dir>/loss_spikes.jsonl (0: off).
+    spike_factor: float = 0.0
+    spike_window: int = 50
+    loss_weights: LossWeights = field(default_factory=LossWeights)
+    timestep: TimestepConfig = field(default_factory=TimestepConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    # Floor of cosine / linear decay, as a fraction of `lr`.
+    min_lr_ratio: float = 0.0
+    # What AdamW keeps per trainable parameter (`train/optim.py`): `adamw` float32 weights and moments
+    # (16 B with the gradient); `adamw8bit` / `adamw4bit` torchao's block-wise quantized moments
+    # (about 10 / 9 B); `adamw_bf16` bfloat16 weights, gradients and moments, the update stochastically
+    # rounded onto the weights (8 B). The float32 islands keep float32 weights under every choice.
+    name: str = "adamw"
+    # Kernel of `adamw`: `fused` (one kernel over all parameters of a device and dtype), `foreach`
+    # (batched ops) or `for-loop` (one parameter at a time). All three compute the same update.
+    implementation: str = "fused"
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "h3train"
+    run_name: str | None = None
+    mode: str = "offline"
+    init_timeout_s: float = 60.0
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = "runs/default"
+    progress: bool = True
+    # Also write metrics.jsonl's numbers and the rendered samples to TensorBoard, in <dir>/tensorboard.
+    tensorboard: bool = False
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class CfgConfig:
+    """CFG-calibrated target: train the conditional prediction toward `u + s (v - u)`.
+
+    Per modality `L = s^(2-k) * MSE((p + (s-1) u) / s, v)`, `u` the no-grad prediction under the
+    negative prompt. `scale = 1` is plain flow matching with a single forward.
+    """
+
+    scale: float = 1.0
+    # Per-modality overrides of `scale`.
+    video_scale: float | None = None
+    audio_scale: float | None = None
+    # constant, or sigma: `1 + (s - 1) * sigma_m` with the modality's own (shifted) sigma.
+    schedule: str = "constant"
+    curvature_power: float = 0.0
+    # per_sample: the cached sample's negative embeddings; shared: one file for the whole dataset.
+    negative: str = "per_sample"
+    shared_negative_path: str | None = None
+    # keep: the negative presentation keeps the keyframe / reference vision blocks; drop: plain text.
+    negative_visual: str = "keep"
+    # Fraction of samples whose prompt is replaced by the negative one (classic condition dropout).
+    text_dropout: float = 0.0
+
+
+@dataclass
+class CheckpointConfig:
+    # Default: `<logging.dir>/checkpoints`.
+    dir: str | None = None
+    # Save every N optimizer steps and at the last step (0: only on preemption).
+    every: int = 0
+    # Complete checkpoints kept; older ones are deleted after each commit (0: keep all).
+    keep_last: int = 2
+    # auto: newest complete checkpoint in `dir` (a fresh start when there is none); none; or a path.
+    resume: str = "auto"
+    # Write in the background (`torch.distributed.checkpoint.async_save`): the step waits only for
+    # the copy to host memory; the commit follows when every rank's write is done.
+    async_save: bool = False
+    # A validation metric (`val/loss`, `val/guidance_cos_video`, ...): a validation that improves it
+    # saves a checkpoint, kept as the best (never pruned by keep_last) until a better one commits.
+    keep_best: str | None = None
+    # min: lower is better; max: higher is better.
+    keep_best_mode: str = "min"
+
+
+@dataclass
+class DebugConfig:
+    dump_step: int | None = None
+    # Fault injection for tests: `nan_loss@STEP`, `nan_grad@STEP:RANK`, `kill@STEP:RANK`,
+    # `sigterm@STEP`, `kill_in_save@STEP`, `corrupt_sample@ID`.
+    fault: list[str] = field(default_factory=list)
+    # `[first, last]`: a torch.profiler trace of steps first..last per rank under <logging.dir>/profile.
+    profile_steps: list[int] = field(default_factory=list)
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (peft LoRA) on a frozen base; `rank: 0` is full fine-tuning.
+
+    `target_modules` and `train_modules` entries each select modules by their diffusers path: the
+    full path (`transformer_blocks.0.attn.to_q`), a dotted suffix of it (`to_q`: every attention's
+    query, refiner included), or a regular expression matched against the full path. A single
+    string is a one-item list. The base is stored in bfloat16 except the float32 islands.
+    """
+
+    rank: int = 0
+    # Scale of the adapters' output is alpha / rank; default: rank (scale 1).
+    alpha: float | None = None
+    dropout: float = 0.0
+    # Module paths, suffixes or expressions, or a preset: video_and_audio (the default: every block's
+    # attention projections and feed-forward, which read all rows), video_only / audio_only (the one
+    # output projection that moves only that modality's prediction; `lora/targets.py` PRESETS).
+    target_modules: list[str] = field(default_factory=lambda: ["video_and_audio"])
+    # A LoRA file in any format diffusers' H3 loader reads, to continue from.
+    init_from: str | None = None
+    # Modules trained in full (float32) beside the adapters, e.g. norms.
+    train_modules: list[str] = field(default_factory=list)
+    # Adapter kind (peft): `lora` (B A), `lokr` (a Kronecker product of two factors), `loha` (the
+    # Hadamard product of two low-rank products).
+    kind: str = "lora"
+    # DoRA: a LoRA whose update is split into a learned per-output magnitude and a direction.
+    use_dora: bool = False
+    # The frozen base's Linear weights: `none` (bfloat16), `int8` (A100) or `float8` (e4m3, H100/H200),
+    # weight-only with one scale per output row (`lora/quant.py`); 1 byte per weight instead of 2.
+    base_quant: str = "none"
+
+
+@dataclass
+class SampleRequestConfig:
+    """One rendered sample: a request in the encoder manifest's schema (`h3train/data/manifest.py`), no clip.
+
+    Media paths (keyframe images, references) that are relative are taken relative to the folder of the
+    config file that names them (the working directory for command-line overrides), as a manifest's are
+    relative to the manifest's folder; they are stored absolute, so the run folder's `config.yaml` and a
+    resume read the same files.
+    """
+
+    # Names the file `<logging.dir>/samples/step_N/<id>.mp4`; default `sample_<i>` (position in the list).
+    id: str = ""
+    prompt: str = ""
+    # t2va | fl2va | ref2va, served by the partition the run trains (`h3train/tasks/partition.py`).
+    task: str = "t2va"
+    # fl2va: anchor -> keyframe image, e.g. {first: stills/a.png, last: stills/b.png}.
+    keyframes: dict[str, str] = field(default_factory=dict)
+    # ref2va: [{kind: image | video | audio, path: ...}], in the order the model reads them.
+    references: list[dict[str, str]] = field(default_factory=list)
+    # Pixel frames at 24 fps, `17 n + 5` with n >= 1 (the video VAE decodes at least 7 latent frames).
+    frames: int = 124
+    # WIDTHxHEIGHT in pixels, both multiples of 32.
+    resolution: str = "1344x768"
+    # Seeds the request's generator: the same request and seed draw the same noise at every step.
+    seed: int = 0
+
+
+@dataclass
+class GuardConfig:
+    """Thresholds on each modality's retention metrics (null: not checked), checked after every validation
+    from step 1 on; `action`: `warn` (one line) or `stop` (save a checkpoint, then exit with status 3)."""
+
+    min_guidance_ratio: float | None = None
+    min_guidance_cos: float | None = None
+    max_drift: float | None = None
+    action: str = "warn"
+
+
+@dataclass
+class ValidationConfig:
+    """Held-out loss at fixed base sigmas with fixed noise, comparable from step to step and run to run,
+    and rendered samples (`samples`) through diffusers' H3 pipeline with the live model."""
+
+    # Every N optimizer steps (0: off); `at_start` also measures the step-0 baseline.
+    every: int = 0
+    at_start: bool = False
+    # A cached dataset in the training format (e.g. clips held out of training), of the run's task.
+    dataset: str | None = None
+    # The first N samples of that dataset (0: all of them).
+    num_samples: int = 0
+    # Base sigmas; each modality sees its own shift of each (video 12, audio 3 by default).
+    sigmas: list[float] = field(default_factory=lambda: [0.06, 0.19, 0.31, 0.44, 0.56, 0.69, 0.81, 0.94])
+    # Seed of the fixed noise of each (sample, sigma) pair.
+    seed: int = 0
+    # Evaluate with the EMA weights (needs train.ema.decay > 0); rendered samples too.
+    use_ema: bool = False
+    # Rendered samples (`h3train/render/`): every `sample_every` steps (0: off) and at start with `at_start`.
+    samples: list[SampleRequestConfig] = field(default_factory=list)
+    sample_every: int = 0
+    # The encoder's components folder (`h3train encode --components`): vae, audio_vae, text_encoder, ...
+    components: str | None = None
+    # Sigma grid points of diffusers' H3 scheduler, terminal 0 included: num_inference_steps - 1 forwards.
+    num_inference_steps: int = 50
+    # Short edge image references are encoded at (`h3train encode --reference-short-edge`).
+    reference_short_edge: int = 2048
+    # Also write the generated latents beside each mp4 (`<id>.latents.safetensors`).
+    save_latents: bool = False
+    # Drift and guidance retention against the base, whose held-out predictions are computed before
+    # the first step and stored in `<logging.dir>/base_predictions/` (one more forward per pair).
+    retention: bool = True
+    # What to do when a validation finds the fine-tune has lost its base's guidance or moved too far.
+    guard: GuardConfig = field(default_factory=GuardConfig)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    cfg: CfgConfig = field(default_factory=CfgConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+
+
+# The values of each enumerated key. Those of an extension table (`lora.kind`: `lora/kinds.py`,
+# `optim.name`: `train/optim.py`, `model.attention_backend`: `ops/attention.py`) are listed here
+# so the config validates alone; each table registers its kinds (`register_choice`), so a kind added
+# from outside the package is a valid choice, and a test holds the built-in lists equal to the tables.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": ("float32", "bfloat16"),
+    "model.attention_backend": ("auto", "native", "flash", "cudnn"),
+    "model.activation_checkpointing": ("none", "full", "selective"),
+    "data.source": ("synthetic", "cached"),
+    "data.on_error": ("raise", "skip"),
+    "parallel.backend": ("auto", "gloo", "nccl"),
+    "train.timestep.sampling": ("uniform", "logit_normal"),
+    "train.timestep.weighting": ("none", "cosmap"),
+    "optim.schedule": ("constant", "cosine", "linear"),
+    "optim.name": ("adamw", "adamw8bit", "adamw4bit", "adamw_bf16"),
+    "optim.implementation": ("fused", "foreach", "for-loop"),
+    "lora.kind": ("lora", "lokr", "loha"),
+    "lora.base_quant": ("none", "int8", "float8"),
+    "logging.wandb.mode": ("offline", "online", "disabled"),
+    "cfg.schedule": ("constant", "sigma"),
+    "cfg.negative": ("per_sample", "shared"),
+    "cfg.negative_visual": ("keep", "drop"),
+    "validation.guard.action": ("warn", "stop"),
+    "checkpoint.keep_best_mode": ("min", "max"),
+}
+
+
+def register_choice(key: str, value: str) -> None:
+    """Make `value` a valid choice of the enumerated config key `key` (an extension table's new kind)."""
+    if key not in _CHOICES:
+        raise KeyError(f"config key '{key}' takes no enumerated choices")
+    if value not in _CHOICES[key]:
+        _CHOICES[key] = (*_CHOICES[key], value)
+
+
+def choices(key: str) -> tuple[str, ...]:
+    """The values the enumerated config key `key` takes."""
+    return _CHOICES[key]
+
+
+def get_key(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@functools.cache
+def leaf_types() -> dict[str, Any]:
+    """Every value key of the schema (`train.seed`) -> its annotation with `None` dropped (`int`, `list[float]`).
+
+    Sections are walked, not listed; `model.config` (free-form constructor kwargs) and the fields of
+    `validation.samples` items are not keys of their own here.
+    """
+
+    def walk(cls: type, prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+                hint = next(a for a in typing.get_args(hint) if a is not type(None))
+            if dataclasses.is_dataclass(hint):
+                out.update(walk(hint, f"{prefix}{f.name}."))
+            else:
+                out[f"{prefix}{f.name}"] = hint
+        return out
+
+    return walk(Config, "")
+
+
+# `validation.samples`: requests in the encoder manifest's schema (`h3train/render/requests.py` checks
+# their values). Their shape and media paths are settled here, per layer, before the layers merge.
+SAMPLES_KEY = "validation.samples"
+SAMPLE_FIELDS = ("id", "prompt", "task", "keyframes", "references", "frames", "resolution", "seed")
+
+
+def sample_key(i: int, name: str | None = None) -> str:
+    """`config key 'validation.samples[i].name'`, the prefix of every message about request `i`."""
+    return f"config key '{SAMPLES_KEY}[{i}]" + (f".{name}'" if name else "'")
