@@ -221,7 +221,7 @@ def _held_staging(monkeypatch, release: threading.Event, timeout: float = 1.0) -
     `DefaultStager` (torch 2.8) the copy is taken on the calling thread inside `save()`: there is no
     background copy to hold, and the tests using this hold that fallback to the same checkpoint.
     """
-    from h3train.train import checkpoint
+    from h3train.train.checkpoint import writer as checkpoint
 
     DefaultStager = checkpoint.DefaultStager
     if DefaultStager is None:
@@ -309,7 +309,7 @@ def test_async_save_holds_the_weights_not_the_ema_swapped_in_before_the_next_upd
 
 def test_async_save_without_a_background_stager_holds_the_state_at_the_save(tmp_path, monkeypatch) -> None:
     """Without DefaultStager (torch 2.8) `dcp.async_save` copies on the calling thread: the same checkpoint."""
-    import h3train.train.checkpoint as checkpoint
+    from h3train.train.checkpoint import writer as checkpoint
 
     monkeypatch.setattr(checkpoint, "DefaultStager", None)
     trainer = _in_process_trainer(tmp_path / "run", hooks=[])

@@ -19,6 +19,7 @@ collective read ends in an all-reduce of its outcome, so a file that fails on an
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,15 +37,16 @@ from ..lora.base import read_record
 from ..model.adapter import ModelAdapter
 from ..parallel.dims import ParallelContext
 from .checkpoint import (
+    METADATA_FILE,
+    STATE_FILE,
+    STEP_DIR,
     Checkpointer,
     CorruptCheckpoint,
     check_components,
-    check_same_model,
+    committed_checkpoints,
     is_complete,
     read_components,
     read_trainer_state,
-    resume_candidates,
-    schedule_changes,
     step_of,
     validate_checkpoint,
     verify_file_digests,
@@ -300,3 +302,63 @@ class Resume:
                 f"config at update {sched.last_epoch} (next lr {sched.get_last_lr()[0]:.3e})",
                 flush=True,
             )
+
+
+# -- which checkpoints, and what may change across a resume ----------------------------------------
+def resume_candidates(root: Path, resume: str) -> list[Path]:
+    """The checkpoints a resume tries, newest first: `auto` all committed ones, `none` none, or a path.
+
+    An explicit path must be a committed checkpoint folder (ConfigError otherwise); whether its
+    files are readable is checked later, by rank 0, with `validate_checkpoint`.
+    """
+    if resume == "none":
+        return []
+    if resume == "auto":
+        return list(reversed(committed_checkpoints(root)))
+    path = Path(resume)
+    if not (path.is_dir() and STEP_DIR.match(path.name)):
+        raise ConfigError(
+            f"config key 'checkpoint.resume': '{resume}' is not a checkpoint folder "
+            f"(expected step_NNNNNNNN with {STATE_FILE} and {METADATA_FILE}); use auto, none or such a folder"
+        )
+    return [path]
+
+
+def check_same_model(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """A checkpoint resumes only into the architecture it was saved from (JSON-normalised compare)."""
+
+    def norm(d: dict[str, Any]) -> dict[str, Any]:
+        return json.loads(json.dumps({k: v for k, v in d.items() if not k.startswith("_")}))
+
+    a, b = norm(saved), norm(current)
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            raise ConfigError(
+                f"config key 'model.config.{key}' is {b.get(key)!r} but checkpoint '{path}' was saved with "
+                f"{a.get(key)!r}; resume with the same model or set checkpoint.resume=none"
+            )
+
+
+# What the LR schedule is made of: changed on resume, the schedule is rebuilt from the new values.
+SCHEDULE_KEYS = (
+    ("optim", "lr"),
+    ("optim", "schedule"),
+    ("optim", "warmup_steps"),
+    ("optim", "min_lr_ratio"),
+    ("train", "steps"),
+)
+
+
+def schedule_changes(saved_yaml: str, cfg: Any) -> list[str]:
+    """`['optim.lr 0.001 -> 0.01', ...]`: the schedule settings of `cfg` that differ from a saved config."""
+    try:
+        saved = yaml.safe_load(saved_yaml) or {}
+    except yaml.YAMLError:
+        return []
+    changes = []
+    for section, key in SCHEDULE_KEYS:
+        old = (saved.get(section) or {}).get(key) if isinstance(saved, dict) else None
+        new = getattr(getattr(cfg, section), key)
+        if old is not None and old != new:
+            changes.append(f"{section}.{key} {old} -> {new}")
+    return changes

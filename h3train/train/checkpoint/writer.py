@@ -1,0 +1,402 @@
+"""Writing checkpoints: DCP saves (background or blocking), committed by a rename, pruned by `keep_last`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+try:  # torch >= 2.9: DCP can stage on a thread of its own
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+except ImportError:  # torch 2.8: `dcp.async_save` copies to host memory on the calling thread
+    DefaultStager = StagingOptions = None
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ...atomic import apply_file_mode, atomic_write_text, fsync_path, set_aside
+from ...digest import ALGORITHM, digest_file
+from ...diskspace import free_bytes, human_bytes, no_space
+from ...errors import DiskFullError
+from ...runlock import OWNER_NAME, mark_owned, owned_by_another
+from .layout import DIGESTS_FIELD, STATE_FILE, _commit_key, committed_checkpoints, size_on_disk, step_dir_name, step_of
+from .verify import complete_checkpoints
+
+# A failed save that leaves less than this free (and less than a checkpoint) ran out of space.
+_FULL_BELOW = 64 * 1024**2
+
+
+def room_needed(planned: int, root: Path) -> int:
+    """Bytes the next checkpoint in `root` needs: `planned`, or the newest complete one's size if larger
+    (DCP's framing included)."""
+    return max([planned, *(size_on_disk(p) for p in complete_checkpoints(root)[-1:])])
+
+
+# -- writing checkpoints --------------------------------------------------------------------------
+
+
+@dataclass
+class _PendingSave:
+    """A background save in flight."""
+
+    staged: Future  # the snapshot of the state is taken (host copy done)
+    committed: Future  # rank 0: written and renamed into place; the other ranks: written
+    final: Path
+
+
+def staging_options(device: torch.device) -> StagingOptions:
+    """DCP's staging for `device`: in the background; pinned buffers and non-blocking copies on CUDA.
+
+    Shared memory is for a staging process; the writes here run on a thread of this process.
+    """
+    cuda = device.type == "cuda"
+    return StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+    )
+
+
+class HeldStager(DefaultStager or object):
+    """DCP's `DefaultStager`, whose copy starts when `release()` is called and after queued device work.
+
+    Held: the copy is Python-heavy (a deep copy of the state dicts) and, started at once, would take
+    the GIL from the training thread while `dcp.async_save` still sets up its writer thread; the
+    checkpointer releases it as `save()` returns. Ordered: DefaultStager copies on a stream of its
+    own, which does not wait for the training thread's stream, where the step's optimizer and EMA
+    updates may still run when the save starts; the copy stream now waits for that work.
+    """
+
+    def __init__(self, options: StagingOptions) -> None:
+        super().__init__(options)
+        self._non_blocking = options.use_non_blocking_copy
+        self._released = threading.Event()
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        """On the training thread (inside `dcp.async_save`): queue the copy, held until `release()`."""
+        self._released.clear()
+        if self._non_blocking:
+            # DefaultStager's copy stream (it has one whenever its copies are non-blocking); a
+            # version without it gets a plain device sync, once per save.
+            stream = getattr(self, "_staging_stream", None)
+            if stream is not None:
+                stream.wait_stream(torch.accelerator.current_stream())
+            else:
+                torch.accelerator.synchronize()
+        return super().stage(state_dict, **kwargs)
+
+    def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        self._released.wait()
+        return super()._stage(state_dict, **kwargs)
+
+    def release(self) -> None:
+        self._released.set()
+
+    def close(self) -> None:
+        self.release()
+        super().close()
+
+
+class Checkpointer:
+    """Saves commit by rename; prunes only what this run's lineage holds (see `_prune`).
+
+    With `async_save` a save runs in three parts: on the training thread, each component's
+    `state_dict()` (plain values such as the step counters, the sampler and schedule positions are
+    read here, so they are already a snapshot) and rank 0's creation of the temporary folder; on a
+    staging thread, started as `save()` returns, the copy of every tensor to host memory
+    (`HeldStager`); on a writer thread, DCP's planning (over this checkpointer's own gloo group)
+    and the writes. Rank 0 commits on the writer thread as soon as the writes are complete
+    (`_commit_when_written`); `wait()` waits for all of it and lines the ranks up after it.
+
+    The invariant the caller keeps: until `wait_staged()` has returned, nothing changes a tensor of
+    the checkpoint state in place, or the checkpoint would hold part of a later state. The trainer
+    calls it right before `optimizer.step()`, the first write after a save (weights, AdamW moments;
+    the LR schedule, the EMA shadows and LoRA weights change after that point), and `EmaHook.swapped_in`
+    calls it before writing the EMA into the parameters (validation or rendering after a step that
+    was skipped runs before the next update). The next step's forward and backward normally outlast
+    the copy, so the wait is over before it starts (`scripts/step_report.py` measures it).
+
+    One stager serves every save of a checkpointer: it owns the staging thread and the host buffers
+    (pinned on CUDA; one copy of this rank's shard of the state, kept between saves), which the next
+    save copies into again; that is safe because a save first waits for the previous one's writes.
+    `close()` releases them.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        keep_last: int,
+        is_main: bool,
+        async_save: bool = False,
+        device: torch.device | None = None,
+        owner: str = "",
+        planned_bytes: int = 0,
+    ) -> None:
+        self.root = root
+        # One checkpoint's planned size (`assemble.planned_checkpoint_bytes`), for a disk-full message.
+        self.planned_bytes = planned_bytes
+        # The token of the run lock this writer holds (`runlock.py`): its temporary folders carry it.
+        self.owner = owner
+        self.keep_last = keep_last
+        self.is_main = is_main
+        self.async_save = async_save
+        self._pending: _PendingSave | None = None
+        # Background writes plan over a gloo group of their own, so their collectives never
+        # interleave with the training loop's on the default group (and work beside NCCL).
+        self._group = dist.new_group(backend="gloo") if async_save else None
+        background_copy = async_save and DefaultStager is not None
+        self._stager = HeldStager(staging_options(device or torch.device("cpu"))) if background_copy else None
+        # Checkpoints newer than the resume point that this run did not write are never pruned.
+        # Resuming sets such later ones aside under another name, so this is a second guard.
+        self.protected_after: int | None = None
+        self.written: set[str] = set()
+        # The step of the best checkpoint so far (`checkpoint.keep_best`), never pruned; None: none.
+        self.best_step: Callable[[], int | None] = lambda: None
+
+    def clean_incomplete(self) -> None:
+        """Remove the `.tmp-*` leftovers of saves that never committed (rank 0; others wait).
+
+        Only folders that carry an h3train writer's marker, of a writer other than this one, go:
+        this run holds the folder's lock, so that writer has stopped. Anything else stays.
+        """
+        if self.is_main and self.root.is_dir():
+            for path in self.root.iterdir():
+                if path.name.startswith(".tmp-") and path.is_dir() and owned_by_another(path, self.owner):
+                    shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+
+    def _next_commit(self) -> int:
+        commits = [_commit_key(p)[0] for p in committed_checkpoints(self.root)]
+        finite = [int(c) for c in commits if c != float("inf")]
+        return max(finite, default=0) + 1
+
+    def save(
+        self,
+        components: dict[str, Stateful],
+        info: dict[str, Any],
+        step: int,
+        before_commit: Callable[[], None] | None = None,
+    ) -> Path:
+        """Write every rank's shards to a temporary folder, then commit it by an atomic rename.
+
+        `info` goes to `trainer_state.json` with the step and the commit number. With `async_save`
+        the call returns once the components' `state_dict()` are taken; the copy to host memory and
+        the writes run in the background (see the class docstring for what must wait for the copy),
+        and rank 0 commits as soon as they are complete; `wait()` (the next save, the end of training,
+        a stop) waits for that. `before_commit` (fault injection) then runs while the background work
+        is in flight. Returns the checkpoint's final name (committed, or committed once written).
+        """
+        self.wait()
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f".tmp-{final.name}"
+        if self.is_main:
+            # A leftover of this name would mix its files into the new one: a marked one goes, one with
+            # files of someone else's (`clean_incomplete` kept it) is set aside. An empty one is another
+            # rank's DCP writer that created the folder first: it is used as it is.
+            if tmp.exists() and any(tmp.iterdir()):
+                if (tmp / OWNER_NAME).is_file():
+                    shutil.rmtree(tmp)
+                else:
+                    set_aside(tmp, "kept")
+            tmp.mkdir(parents=True, exist_ok=True)
+            mark_owned(tmp, self.owner)
+        # No barrier: DCP's writer creates the folder on every rank, and no rank writes a file before
+        # the plan exchange, which needs rank 0's plan, made after the lines above.
+        if self.async_save:
+            if self._stager is None:
+                # Staged before `async_save` returns: the snapshot is taken already.
+                written = dcp.async_save(dict(components), checkpoint_id=str(tmp), process_group=self._group)
+                staged: Future = Future()
+                staged.set_result(None)
+            else:
+                try:
+                    response = dcp.async_save(
+                        dict(components), checkpoint_id=str(tmp), process_group=self._group, async_stager=self._stager
+                    )
+                finally:
+                    self._stager.release()
+                staged, written = response.staging_completion, response.upload_completion
+            committed = self._commit_when_written(written, tmp, final, step, dict(info))
+            self._pending = _PendingSave(staged, committed, final)
+            if before_commit is not None:
+                before_commit()
+            return final
+        try:
+            dcp.save(dict(components), checkpoint_id=str(tmp))
+            self._commit(tmp, final, step, info, before_commit)
+        except BaseException as exc:
+            self._raise_if_full(exc, tmp, step)
+            raise
+        return final
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight has its snapshot of the state; after it, the state may change.
+
+        Cheap when there is no save in flight or its copy is done; raises what the copy raised.
+        """
+        pending = self._pending
+        if pending is not None:
+            pending.staged.result()
+
+    def wait(self) -> Path | None:
+        """Finish the background save in flight, if any, and commit it (collective). Returns its path."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        # The writes wait for the snapshot, so `committed` also raises what the copy raised.
+        try:
+            pending.committed.result()
+        except BaseException as exc:
+            self._raise_if_full(exc, pending.final.with_name(f".tmp-{pending.final.name}"), step_of(pending.final))
+            raise
+        self.written.add(pending.final.name)
+        # Every rank returns once rank 0 has committed.
+        dist.barrier()
+        return pending.final
+
+    def _raise_if_full(self, exc: BaseException, tmp: Path, step: int) -> None:
+        """A save that ran out of space becomes one `DiskFullError` line; other failures pass through.
+
+        Out of space: an ENOSPC / EDQUOT `OSError` behind `exc`, or a folder left with less free space
+        than the checkpoint needs and than `_FULL_BELOW` (torch's zip writer turns a short write into a
+        RuntimeError that does not name the errno). Rank 0 then removes the partial save (its own
+        marked temporary folder: no rank writes to it once DCP has raised), so the space is free
+        again, and names what is needed and free; earlier checkpoints stay as they are. DCP raises a
+        failure on every rank alike, so rank 0 alone reports it; a failure of rank 0's commit is its own.
+        """
+        kept = complete_checkpoints(self.root)
+        needed = room_needed(self.planned_bytes, self.root)
+        full = no_space(exc)
+        free = free_bytes(self.root)
+        if full is None and (free is None or free >= min(needed, _FULL_BELOW)):
+            return
+        if self.is_main and (tmp / OWNER_NAME).is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = free_bytes(self.root)
+        what = "with the partial save removed" if self.is_main else "before rank 0 removes the partial save"
+        error = DiskFullError(
+            f"checkpoint folder '{self.root}' is full: the checkpoint of step {step} needs about "
+            f"{human_bytes(needed)} and {human_bytes(free) if free is not None else 'an unknown amount'} is free "
+            f"({what}); "
+            + (f"{kept[-1].name} is kept. " if kept else "no checkpoint was saved. ")
+            + "Free space there or set checkpoint.dir to a disk with room, then resume with checkpoint.resume=auto"
+        )
+        error.agreed = isinstance(exc, CheckpointException)
+        raise error from exc
+
+    def _commit_when_written(self, written: Future, tmp: Path, final: Path, step: int, info: dict[str, Any]) -> Future:
+        """Rank 0 commits a background save as soon as it is written, on the writer thread.
+
+        DCP's future completes on every rank only after the coordinator (rank 0 of the group) has
+        gathered every rank's write results and written the metadata, so rank 0's completion means
+        the whole checkpoint is on disk and no collective is needed. Committing then, not at the next
+        save, means a crash any time after the write finds this checkpoint.
+        """
+        if not self.is_main:
+            return written
+        committed: Future = Future()
+
+        def commit(done: Future) -> None:
+            try:
+                done.result()
+                self._rename_into_place(tmp, final, step, info)
+                committed.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the training thread
+                committed.set_exception(exc)
+
+        written.add_done_callback(commit)
+        return committed
+
+    def close(self) -> None:
+        """Release the stager (its thread, its host buffers); no collective, so also after a failure.
+
+        A save still in flight commits on its own once written (rank 0's writer thread); `wait()`
+        waits for that.
+        """
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def _commit(
+        self, tmp: Path, final: Path, step: int, info: dict[str, Any], before_commit: Callable[[], None] | None
+    ) -> None:
+        """Every rank's shards are in `tmp` once all ranks have gathered their digests: rank 0 commits it.
+
+        Each rank digests the shard files it wrote itself (`__<rank>_*.distcp`), in parallel.
+        """
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = {p.name: digest_file(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+        gathered: list[dict[str, str]] = [{} for _ in range(world)]
+        dist.all_gather_object(gathered, mine)
+        if before_commit is not None:
+            before_commit()
+        if self.is_main:
+            self._rename_into_place(tmp, final, step, info, {k: v for part in gathered for k, v in part.items()})
+        self.written.add(final.name)
+        dist.barrier()
+
+    def _rename_into_place(
+        self, tmp: Path, final: Path, step: int, info: dict[str, Any], digests: dict[str, str] | None = None
+    ) -> None:
+        """Rank 0, no collective: write the record into the complete `tmp`, rename it to `final`, prune.
+
+        The record holds a digest of every file (`digests` gives those the ranks computed; rank 0
+        reads the rest, all of them for a background save, on the writer thread).
+        """
+        files = dict(digests or {})
+        for file in sorted(tmp.iterdir()):
+            if file.is_file() and file.name not in files and file.name not in (STATE_FILE, OWNER_NAME):
+                files[file.name] = digest_file(file)
+        record = {
+            "step": step,
+            "commit": self._next_commit(),
+            **info,
+            DIGESTS_FIELD: {"algorithm": ALGORITHM, "files": files},
+        }
+        atomic_write_text(tmp / STATE_FILE, json.dumps(record, indent=2, default=str))
+        for file in tmp.iterdir():
+            apply_file_mode(file)
+        if final.exists():
+            # Only a checkpoint of this very lineage can be here (later ones were set aside at
+            # resume); it is still kept, under another name, rather than deleted.
+            set_aside(final, "replaced")
+        os.replace(tmp, final)
+        fsync_path(self.root)
+        self._prune(keep=final)
+
+    def _prune(self, keep: Path) -> None:
+        """Retire all but the newest `keep_last` checkpoints and the best; delete them in the background.
+
+        A checkpoint newer than the resume point that this run did not write is never retired. A
+        retired checkpoint is first renamed to `.tmp-*` (atomic), so an interrupted deletion never
+        leaves a half checkpoint under a valid name; deleting hundreds of GB must not hold up training.
+        """
+        if self.keep_last <= 0:
+            return
+        retired = []
+        best = self.best_step()
+        for old in complete_checkpoints(self.root)[: -self.keep_last]:
+            foreign_later = (
+                self.protected_after is not None
+                and step_of(old) > self.protected_after
+                and old.name not in self.written
+            )
+            if old == keep or foreign_later or step_of(old) == best:
+                continue
+            target = old.with_name(f".tmp-retired-{old.name}")
+            mark_owned(old, self.owner)  # before the rename: a retired folder always carries it
+            os.replace(old, target)
+            retired.append(target)
+        if retired:
+            threading.Thread(
+                target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in retired],
+                name="checkpoint-prune",
+                daemon=False,
+            ).start()
