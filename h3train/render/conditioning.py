@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from ..atomic import atomic_save_file
 from ..data.components import reads_videos
-from ..data.encode import ENCODER_VERSION, EncodeSettings, EncodingPipeline, _fl2va, _prompts, _ref2va
+from ..data.encode.clip import ENCODER_VERSION, EncodeSettings, EncodingPipeline, _fl2va, _prompts, _ref2va
 from ..data.format import ReferenceLatents
 from ..data.media import MediaError
 from ..tasks.table import SAMPLE_TASKS

@@ -1,0 +1,384 @@
+"""A whole manifest -> a dataset folder: skipping what is up to date, the held-out split, the table, errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import gather_object
+from tqdm import tqdm
+
+from ...atomic import atomic_write_text, is_temporary, set_aside
+from ...diskspace import no_space
+from ...errors import ConfigError
+from ...runlock import RunLock
+from ..components import check_components_folder, components_fingerprint, load_components
+from ..format import INDEX_NAME, SAMPLE_SUFFIX, verify_sample, write_index, write_sample
+from ..manifest import ManifestEntry, read_clip_folder, read_manifest
+from ..media import (
+    FPS,
+    ClipTooShort,
+    MediaError,
+    aligned_frame_count,
+    shortest_kept,
+)
+from .clip import ENCODER_VERSION, EncodeSettings, EncodingPipeline, build_pipeline, encode_entry
+
+ERRORS_NAME = "errors.jsonl"
+INPUTS_SUFFIX = ".inputs.json"
+# One line per clip: what its file held and what became of it (`ClipRow`).
+TABLE_NAME = "clips.tsv"
+# The held-out split (`--heldout`): a dataset of its own inside the output folder.
+HELDOUT_NAME = "heldout"
+
+
+# --------------------------------------------------------------------------------------------------
+# A whole manifest.
+
+
+@dataclass(frozen=True)
+class ClipRow:
+    """One line of the encode table (`clips.tsv`): what a clip's file held and what became of it.
+
+    `source` as `Source.describe` gives it; `canvas` width x height; `frames` / `seconds` of the sample at
+    24 fps; `audio` `yes` or `none`; `outcome` `encoded`, `up to date`, or `failed: <kind>` (the reason
+    is in `errors.jsonl`). Fields of a clip that failed before it was read are empty.
+    """
+
+    sample_id: str
+    source: str = ""
+    canvas: str = ""
+    frames: int | None = None
+    seconds: float | None = None
+    audio: str = ""
+    outcome: str = ""
+
+    COLUMNS = ("id", "source", "canvas", "frames", "seconds", "audio", "outcome")
+
+    def cells(self) -> tuple[str, ...]:
+        seconds = "" if self.seconds is None else f"{self.seconds:.2f}"
+        frames = "" if self.frames is None else str(self.frames)
+        return (self.sample_id, self.source, self.canvas, frames, seconds, self.audio, self.outcome)
+
+    def describe(self) -> str:
+        """The console line of `--verbose`.
+
+        `id: 640x360 25 fps 5.00 s -> 512x288, 107 frames (4.46 s), audio yes: encoded`.
+        """
+        if not self.canvas:
+            return f"{self.sample_id}: {self.source + ' -> ' if self.source else ''}{self.outcome}"
+        return (
+            f"{self.sample_id}: {self.source} -> {self.canvas}, {self.frames} frames ({self.seconds:.2f} s), "
+            f"audio {self.audio}: {self.outcome}"
+        )
+
+
+def write_table(folder: Path, rows: list[ClipRow]) -> Path:
+    """`folder/clips.tsv`: a header and one tab-separated line per clip, in id order."""
+    lines = ["\t".join(ClipRow.COLUMNS)] + ["\t".join(r.cells()) for r in sorted(rows, key=lambda r: r.sample_id)]
+    path = folder / TABLE_NAME
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return path
+
+
+@dataclass
+class EncodeSummary:
+    """Counts over all ranks: samples written now, already up to date, and clips that failed (by kind).
+
+    `heldout`: clips of the held-out split (`--heldout`, in `out/heldout`), counted in the others too.
+    """
+
+    encoded: int
+    skipped: int
+    failed: int
+    out: Path
+    failures: dict[str, int] = field(default_factory=dict)
+    heldout: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """At least one sample of the manifest is in the dataset."""
+        return self.encoded + self.skipped > 0
+
+    def describe(self) -> str:
+        kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(self.failures.items(), key=lambda kv: -kv[1]))
+        line = f"encoded {self.encoded}, up to date {self.skipped}, failed {self.failed}"
+        line += f" ({kinds}; reasons in {ERRORS_NAME})" if self.failed else ""
+        line += f" -> {self.out}"
+        if self.heldout:
+            line += f", {self.heldout} of them held out in {self.out / HELDOUT_NAME}"
+        return line + f"; one line per clip in {self.out / TABLE_NAME}"
+
+
+def input_digest(entry: ManifestEntry, settings: EncodeSettings, components_id: str, text_dtype: torch.dtype) -> str:
+    """Digest of everything a sample's content depends on, but the clip's length: the entry and its media
+    files, the canvas and reference settings, components, recipe.
+
+    `min_seconds` / `max_seconds` only choose the frame count, which `inputs.json` records with the
+    clip's length, so changing them re-encodes only the clips whose frame count they change (`_up_to_date`).
+    """
+    geometry = {k: v for k, v in asdict(settings).items() if k not in ("min_seconds", "max_seconds")}
+    payload = {
+        "encoder_version": ENCODER_VERSION,
+        "entry": entry.fingerprint(),
+        "settings": geometry,
+        "components": components_id,
+        "text_encoder_dtype": str(text_dtype),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def split_heldout(
+    entries: list[ManifestEntry], count: int, seed: int = 0
+) -> tuple[list[ManifestEntry], list[ManifestEntry]]:
+    """`(training, heldout)`: `count` clips held out by a seeded rule that depends on each clip's id alone.
+
+    The clips with the smallest `sha256(f"{seed}:{id}")` are held out, so the split is the same on
+    every rank and every rerun of the same clips.
+    """
+    if count <= 0:
+        return entries, []
+    if count >= len(entries):
+        raise ConfigError(f"--heldout {count} leaves no clip to train on ({len(entries)} clips); hold out fewer")
+    rank = sorted(entries, key=lambda e: hashlib.sha256(f"{seed}:{e.sample_id}".encode()).hexdigest())
+    held = {e.sample_id for e in rank[:count]}
+    return [e for e in entries if e.sample_id not in held], [e for e in entries if e.sample_id in held]
+
+
+def default_device() -> torch.device:
+    """`cuda:LOCAL_RANK` where there is a GPU, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def encode_manifest(
+    manifest: str | os.PathLike,
+    components: str | os.PathLike,
+    out: str | os.PathLike,
+    settings: EncodeSettings | None = None,
+    device: str | torch.device | None = None,
+    text_encoder_dtype: torch.dtype | None = None,
+    progress: bool = True,
+    heldout: int = 0,
+    caption_prefix: str = "",
+    verbose: bool = False,
+) -> EncodeSummary:
+    """Encode every clip of `manifest` into the dataset folder `out`, alone or as one rank of torchrun.
+
+    `manifest`: a manifest file, or a folder of clips with same-named `.txt` captions
+    (`read_clip_folder`). `heldout`: clips held out into the dataset `out/heldout` (`split_heldout`);
+    `caption_prefix`: text put before every prompt (a trigger word); `verbose`: each clip's table line
+    on the console too. Raises `ConfigError` for a bad manifest, settings or components folder (before
+    any process group); a failing clip is recorded in `errors.jsonl` and does not stop the run.
+    `text_encoder_dtype` defaults to bfloat16 on a GPU and float32 on the CPU.
+    """
+    settings = settings or EncodeSettings()
+    settings.validate()
+    entries = read_clip_folder(manifest) if Path(manifest).is_dir() else read_manifest(manifest)
+    if caption_prefix.strip():
+        entries = [replace(e, prompt=f"{caption_prefix.strip()} {e.prompt}".strip()) for e in entries]
+    training, held = split_heldout(entries, heldout)
+    check_components_folder(components)
+    device = torch.device(device) if device is not None else default_device()
+    text_dtype = text_encoder_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output '{out}' exists and is not a folder")
+
+    # The first rank locks the folder before the process group exists: a second encode into it stops.
+    lock = RunLock([(out, f"--out '{out}'")]) if int(os.environ.get("RANK", "0")) == 0 else None
+    try:
+        for note in lock.acquire() if lock is not None else []:
+            print(note, file=sys.stderr, flush=True)
+        # A held-out split from an earlier run stays a group (empty now) so its samples move back.
+        keep_split = held or (out / HELDOUT_NAME / INDEX_NAME).is_file()
+        groups = [(out, training)] + ([(out / HELDOUT_NAME, held)] if keep_split else [])
+        return _encode(groups, components, out, settings, device, text_dtype, progress, verbose)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _encode(
+    groups: list[tuple[Path, list[ManifestEntry]]],
+    components: str | os.PathLike,
+    out: Path,
+    settings: EncodeSettings,
+    device: torch.device,
+    text_dtype: torch.dtype,
+    progress: bool,
+    verbose: bool,
+) -> EncodeSummary:
+    # Alone: a single-process state. Under torchrun: one process group (gloo for a CPU encode, NCCL on
+    # the GPUs), each rank a contiguous share of the clips.
+    state = PartialState(cpu=device.type == "cpu")
+    if state.is_main_process:
+        for folder, _ in groups:
+            _prepare_output(folder)
+        _move_between_splits(groups)
+    state.wait_for_everyone()
+    pipe = build_pipeline(load_components(components, device, text_dtype), settings)
+    components_id = components_fingerprint(components)
+    jobs = [(folder, entry) for folder, group in groups for entry in group]
+    rows: list[tuple[str, ClipRow]] = []
+    with state.split_between_processes(jobs) as mine:
+        bar = tqdm(
+            mine,
+            desc=f"encode (rank {state.process_index})",
+            unit="clip",
+            disable=not progress or not state.is_main_process,
+        )
+        for folder, entry in bar:
+            digest = input_digest(entry, settings, components_id, text_dtype)
+            row = _encode_to_folder(pipe, entry, settings, folder, digest, bar)
+            rows.append((str(folder), row))
+            if verbose:
+                bar.write(f"h3train encode: {row.describe()}", file=sys.stderr)
+    every = [row for part in gather_object([rows]) for row in part]
+    if state.is_main_process:
+        # The held-out dataset first: `write_index` leaves out a subfolder that has an index of its own.
+        for folder, _ in reversed(groups):
+            write_index(folder)
+            write_table(folder, [row for where, row in every if where == str(folder)])
+    state.wait_for_everyone()
+    if state.use_distributed:
+        state.destroy_process_group()
+    outcomes = [row.outcome for _, row in every]
+    failures = Counter(o.removeprefix("failed: ") for o in outcomes if o.startswith("failed: "))
+    return EncodeSummary(
+        encoded=outcomes.count("encoded"),
+        skipped=outcomes.count("up to date"),
+        failed=sum(failures.values()),
+        out=out,
+        failures=dict(failures),
+        heldout=sum(len(group) for folder, group in groups if folder != out),
+    )
+
+
+def _encode_to_folder(
+    pipe: EncodingPipeline, entry: ManifestEntry, settings: EncodeSettings, out: Path, digest: str, bar: tqdm
+) -> ClipRow:
+    """Encode and write one entry unless it is up to date; its table row says which it was."""
+    sample_path = out / f"{entry.sample_id}{SAMPLE_SUFFIX}"
+    inputs_path = out / f"{entry.sample_id}{INPUTS_SUFFIX}"
+    recorded = _up_to_date(sample_path, inputs_path, digest, settings)
+    if recorded is not None:
+        return replace(recorded, outcome="up to date")
+    try:
+        sample, clip = encode_entry(pipe, entry, settings)
+        write_sample(sample_path, sample)
+    except Exception as exc:  # noqa: BLE001 - one bad clip must not stop the run; the reason is recorded
+        if no_space(exc) is not None:
+            # A full disk is no clip's fault: every later clip would fail alike. Stop, naming the file.
+            raise
+        # A sample left from older inputs no longer matches the manifest.
+        sample_path.unlink(missing_ok=True)
+        inputs_path.unlink(missing_ok=True)
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0] + _way_out(exc, settings)
+        kind = exc.kind if isinstance(exc, MediaError) else type(exc).__name__
+        _append_error(out, entry, reason, kind)
+        bar.write(f"h3train encode: {entry.sample_id} (manifest line {entry.line}): {reason}", file=sys.stderr)
+        return ClipRow(entry.sample_id, outcome=f"failed: {kind}")
+    source = clip.source
+    assert source is not None, "load_clip describes the source of every clip"
+    height, width = clip.frames.shape[1:3]
+    row = ClipRow(
+        entry.sample_id,
+        source=source.describe(),
+        canvas=f"{width}x{height}",
+        frames=sample.num_frames,
+        seconds=sample.num_frames / FPS,
+        audio="yes" if sample.has_audio else "none",
+        outcome="encoded",
+    )
+    # Written after the sample: a run killed in between re-encodes the clip rather than trusting it.
+    record = {
+        "digest": digest,
+        "inputs": entry.fingerprint(),
+        "length": {"slots": source.slots, "complete": source.complete, "frames": sample.num_frames},
+        "row": asdict(row),
+    }
+    atomic_write_text(inputs_path, json.dumps(record, indent=1) + "\n")
+    return row
+
+
+def _way_out(exc: Exception, settings: EncodeSettings) -> str:
+    """The flag that would keep a clip a setting rejected, as the end of its reason ('' if none)."""
+    if isinstance(exc, ClipTooShort):
+        if exc.shortest > shortest_kept(0):
+            return f"; lower --min-seconds (now {settings.min_seconds:g}) to keep it"
+        return f"; no setting keeps a clip under {shortest_kept(0)} frames at {FPS} fps"
+    return ""
+
+
+def _up_to_date(sample_path: Path, inputs_path: Path, digest: str, settings: EncodeSettings) -> ClipRow | None:
+    """The recorded row of a sample encoded from these inputs, whose length the current `min_seconds` /
+    `max_seconds` would choose again, and whose bytes are still those written; else None.
+
+    The recorded length is the clip's 24 fps frame count (`slots`; all of it when `complete`, else
+    decoding stopped at the then `max_seconds`): the current frame count follows from it without
+    decoding, except for a clip cut short before whose cap is now raised.
+    """
+    try:
+        recorded = json.loads(inputs_path.read_text())
+        if recorded.get("digest") != digest:
+            return None
+        length = recorded["length"]
+        slots, frames = int(length["slots"]), int(length["frames"])
+        if not length["complete"] and settings.max_frames > slots:
+            return None
+        # The rule that chose the length, on the recorded slots (too short now raises, a ValueError).
+        if aligned_frame_count(slots, settings.min_frames, settings.max_frames) != frames:
+            return None
+        verify_sample(sample_path)
+        return ClipRow(**recorded["row"])
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def _prepare_output(out: Path) -> None:
+    """Create the folder, drop the temporary files of an interrupted encode, start a fresh `errors.jsonl`.
+
+    Only files named as h3train's atomic writes name their temporaries go (this encode holds the
+    folder's lock, so their writer has stopped); the earlier `errors.jsonl` is kept as
+    `errors.jsonl.previous` (numbered after the first).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(".*.tmp"):
+        if stale.is_file() and is_temporary(stale):
+            stale.unlink(missing_ok=True)
+    errors = out / ERRORS_NAME
+    if errors.is_file() and errors.stat().st_size > 0:
+        set_aside(errors, "previous")
+    errors.write_text("")
+
+
+def _move_between_splits(groups: list[tuple[Path, list[ManifestEntry]]]) -> None:
+    """Move a sample this encoder wrote into the split its clip now belongs to (a changed `--heldout`),
+    with its `inputs.json`, so that no clip sits in both datasets and none is encoded twice."""
+    for folder, group in groups:
+        for entry in group:
+            target = folder / f"{entry.sample_id}{SAMPLE_SUFFIX}"
+            for other, _ in groups:
+                found = other / f"{entry.sample_id}{SAMPLE_SUFFIX}"
+                inputs = other / f"{entry.sample_id}{INPUTS_SUFFIX}"
+                if other == folder or not (found.is_file() and inputs.is_file()) or target.exists():
+                    continue
+                # The sample first: one stopped between the two is re-encoded, never trusted without its record.
+                os.replace(found, target)
+                os.replace(inputs, folder / inputs.name)
+
+
+def _append_error(out: Path, entry: ManifestEntry, reason: str, kind: str) -> None:
+    record = {"id": entry.sample_id, "line": entry.line, "video": entry.video.relative, "kind": kind, "error": reason}
+    # One write per line in append mode: ranks appending at once do not interleave within a line.
+    with open(out / ERRORS_NAME, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
