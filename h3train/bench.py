@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import inspect
 import json
 import math
 import statistics
@@ -72,9 +71,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +84,8 @@ from .atomic import atomic_write_text
 from .config import Config, LossWeights, SyntheticDataConfig, TimestepConfig, validate
 from .data.format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
 from .errors import ConfigError
+from .host_syncs import cuda_syncs, is_sync
+from .model.dims import model_kwargs
 from .objective import TrainingInputs, make_training_inputs
 from .ops.attention import ATTENTION_BACKENDS, unavailable
 from .parallel.fsdp import local_tensor
@@ -145,14 +143,6 @@ class Clip:
 
 FULL_CLIP = Clip(frames=124, height=768, width=1344, text_len=2048, vision_tokens=1024)
 REDUCED_CLIP = Clip(frames=22, height=128, width=192, text_len=32, vision_tokens=16)
-
-
-def model_dims(overrides: dict[str, Any]) -> dict[str, Any]:
-    """Constructor kwargs of `MiniMaxH3Transformer3DModel`: the diffusers defaults, then `overrides`."""
-    sig = inspect.signature(MiniMaxH3Transformer3DModel.__init__)
-    dims = {name: p.default for name, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
-    dims.update(overrides)
-    return dims
 
 
 def clip_data(clip: Clip, num_samples: int = 1) -> SyntheticDataConfig:
@@ -403,37 +393,9 @@ class TimedStep:
     read_back_syncs: int | None = None
 
 
-def _is_sync(message: object) -> bool:
-    return "synchroniz" in str(message).lower()
-
-
 def _sync_frames(exc: BaseException) -> list[str]:
     frames = traceback.extract_tb(exc.__traceback__)
     return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-6:]]
-
-
-@contextmanager
-def _counted_syncs(active: bool) -> Iterator[list[str]]:
-    """Inside the step's "error" check: "warn" instead, and every sync recorded as the Python `file:line` that made it.
-
-    The list yielded is filled on exit. Warnings other than syncs are shown as usual afterwards.
-    """
-    where: list[str] = []
-    if not active:
-        yield where
-        return
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield where
-    finally:
-        torch.cuda.set_sync_debug_mode("error")
-    for w in caught:
-        if _is_sync(w.message):
-            where.append(f"{Path(w.filename).name}:{w.lineno}")
-        else:
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def timed_step(trainer: Any, step: int, clock: Clock, sync_check: bool) -> TimedStep:
@@ -452,11 +414,11 @@ def timed_step(trainer: Any, step: int, clock: Clock, sync_check: bool) -> Timed
         clock.mark()
         grads = trainer.forward_backward(step)
         clock.mark()
-        with _counted_syncs(sync_check) as syncs:
+        with cuda_syncs(sync_check) as syncs:
             stats = trainer.update(step, grads)
         clock.mark()
     except RuntimeError as exc:
-        if not _is_sync(exc):
+        if not is_sync(exc):
             raise
         # Only strings leave this block: the traceback holds the step's frames and with them its
         # activations, which must be freed before the next step runs.
@@ -554,14 +516,13 @@ def trainer_config(
     A kernel that is not a `model.attention_backend` choice (`math`) is built as `native` and set by
     `run_case` once the trainer is built.
     """
-    defaults = model_dims({})
+    defaults = model_kwargs({})
     changed = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dims.items() if defaults.get(k) != v}
     cfg = Config()
     cfg.model = dataclasses.replace(
         cfg.model,
         config={**changed, "num_layers": int(dims["num_layers"])},
         dtype=dtype,
-        gradient_checkpointing=checkpointing,
         activation_checkpointing="full" if checkpointing else "none",
         attention_backend=backend if ATTENTION_BACKENDS[backend].trains else "native",
     )
@@ -682,7 +643,7 @@ def run_bench(
         raise ConfigError(f"bench --repeats {repeats}: must be at least 1")
     clip = clip or (REDUCED_CLIP if reduced else FULL_CLIP)
     _check_clip(clip)
-    dims = model_dims({**(REDUCED_DIMS if reduced else {}), "num_layers": layers or (2 if reduced else 4)})
+    dims = model_kwargs({**(REDUCED_DIMS if reduced else {}), "num_layers": layers or (2 if reduced else 4)})
     tolerance = parity_tolerance if parity_tolerance is not None else PARITY_TOLERANCE[dtype]
 
     sample = bench_sample(clip, int(dims["text_dim"]), seed)
@@ -694,7 +655,7 @@ def run_bench(
 
     def planned(step_dims: dict[str, Any], ckpt: bool) -> int:
         return state_bytes * _parameter_count(step_dims) + plan.activation_bytes(
-            step_dims, rows.seq_len, dtype_name, ckpt, text_rows=clip.text_len
+            step_dims, rows.seq_len, dtype_name, "full" if ckpt else "none", text_rows=clip.text_len
         )
 
     if gradient_checkpointing == "auto":

@@ -1,8 +1,8 @@
 """Activation memory, checkpointing trade and collective counts of one step, on CPU ranks over gloo.
 
-The figures of the step-efficiency table are measured on one model and one sample: `ISSUE_DIMS`
-(a 256-wide, 2-block `MiniMaxH3Transformer3DModel`) and `ISSUE_CLIP` (an FL2VA sample packing
-2,058 rows), built by `issue_inputs`.
+The figures are measured on one model and one sample, those of `scripts/step_report.py`:
+`MEMORY_DIMS` (a 256-wide, 2-block `MiniMaxH3Transformer3DModel`) and `MEMORY_CLIP` (an FL2VA
+sample packing 2,058 rows), built by `memory_model` and `memory_inputs`.
 
 `saved_activation_bytes(model, inputs)` is the memory one forward leaves behind for its backward:
 every storage created during the forward (an op's output, a collective's buffer) that is still
@@ -35,8 +35,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .bench import REDUCED_DIMS, Clip, bench_sample, build_bench_model, model_dims
+from .bench import REDUCED_DIMS, Clip, bench_sample, build_bench_model
 from .config import LossWeights, TimestepConfig
+from .model.dims import model_kwargs
 from .model.sp_forward import SequenceParallelH3
 from .objective import TrainingInputs, compute_loss, make_training_inputs
 from .parallel.collectives import CollectiveCounts
@@ -44,7 +45,7 @@ from .parallel.dims import free_port
 from .parallel.fsdp import local_tensor
 from .parallel.ulysses import SequenceParallel
 
-ISSUE_DIMS: dict[str, Any] = model_dims(
+MEMORY_DIMS: dict[str, Any] = model_kwargs(
     {
         **REDUCED_DIMS,
         "hidden_size": 256,
@@ -59,19 +60,19 @@ ISSUE_DIMS: dict[str, Any] = model_dims(
 )
 # 352 text rows (the first 176 tagged as vision tokens), 1,520 video rows (160 of them keyframe
 # conditioning) and 186 audio rows: 2,058 rows.
-ISSUE_CLIP = Clip(frames=56, height=256, width=320, text_len=352, vision_tokens=176)
+MEMORY_CLIP = Clip(frames=56, height=256, width=320, text_len=352, vision_tokens=176)
 
 
-def issue_inputs(seed: int = 0, clip: Clip = ISSUE_CLIP, dims: dict[str, Any] | None = None) -> TrainingInputs:
-    """The table's sample as training inputs (noised rows, targets, masks), float32 on the CPU."""
-    dims = dims or ISSUE_DIMS
+def memory_inputs(seed: int = 0, clip: Clip = MEMORY_CLIP, dims: dict[str, Any] | None = None) -> TrainingInputs:
+    """The measured sample as training inputs (noised rows, targets, masks), float32 on the CPU."""
+    dims = dims or MEMORY_DIMS
     sample = bench_sample(clip, int(dims["text_dim"]), seed)
     return make_training_inputs(sample, torch.Generator().manual_seed(seed), TimestepConfig(), LossWeights())
 
 
-def issue_model(seed: int = 0, dims: dict[str, Any] | None = None):
-    """The table's model, float32 on the CPU, seeded."""
-    return build_bench_model(dims or ISSUE_DIMS, torch.device("cpu"), torch.float32, seed)
+def memory_model(seed: int = 0, dims: dict[str, Any] | None = None):
+    """The measured model, float32 on the CPU, seeded."""
+    return build_bench_model(dims or MEMORY_DIMS, torch.device("cpu"), torch.float32, seed)
 
 
 class _Created(TorchDispatchMode):
@@ -158,10 +159,10 @@ def _activation_worker(rank: int, world: int, modes: list[tuple[str, int]], time
     """Saved activation bytes (and step seconds when `timed`) of each checkpointing mode at sp = world."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     group = dist.group.WORLD if world > 1 else None
-    ti = issue_inputs()
+    ti = memory_inputs()
     results: dict[str, Any] = {}
     for mode, every in modes:
-        model = issue_model()
+        model = memory_model()
         forward = SequenceParallelH3(
             model, SequenceParallel(group), activation_checkpointing=mode, checkpoint_every=every
         )
@@ -188,7 +189,7 @@ def _one_rank(fn: Callable, *args: Any) -> Any:
 
 
 def activation_memory_ratios(sp: int = 2) -> dict[str, float]:
-    """Saved activations per rank at `sp` over sp = 1 on the table's model and sample, without
+    """Saved activations per rank at `sp` over sp = 1 on the measured model and sample, without
     checkpointing (`none`) and with full checkpointing (`full`)."""
     modes = [("none", 1), ("full", 1)]
     one = _one_rank(_activation_worker, modes, False)
@@ -198,7 +199,7 @@ def activation_memory_ratios(sp: int = 2) -> dict[str, float]:
 
 def checkpointing_trade(sp: int = 1, every: int = 2) -> dict[str, dict[str, float]]:
     """Per checkpointing mode: saved activation bytes and one forward+backward's seconds, and both
-    relative to `none`, on the table's model and sample at `sp` (rank 0's figures)."""
+    relative to `none`, on the measured model and sample at `sp` (rank 0's figures)."""
     modes = [("none", 1), ("full", 1), ("selective", every)]
     res = _one_rank(_activation_worker, modes, True) if sp == 1 else run_ranks(_activation_worker, sp, modes, True)[0]
     base = res["none"]

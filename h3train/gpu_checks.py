@@ -71,6 +71,7 @@ import torch.distributed as dist
 
 from . import bench
 from .config import Config, validate
+from .model.dims import model_kwargs
 from .parallel import averaging
 from .parallel.fsdp import local_tensor
 
@@ -139,7 +140,7 @@ def check_setup(device: torch.device, reduced: bool, seed: int, root: Path) -> C
     """The checks' model and clip: `CHECK_DIMS` / `CHECK_CLIP` in bfloat16 on CUDA, else the bench's reduced ones."""
     small = reduced or device.type != "cuda"
     # One reduced block: on the CPU the low-bit optimizers' time is Python per parameter.
-    dims = bench.model_dims({**bench.REDUCED_DIMS, "num_layers": 1} if small else CHECK_DIMS)
+    dims = model_kwargs({**bench.REDUCED_DIMS, "num_layers": 1} if small else CHECK_DIMS)
     clip = bench.REDUCED_CLIP if small else CHECK_CLIP
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     return CheckSetup(device, small, dims, clip, dtype, seed, root)
@@ -576,7 +577,7 @@ def check_block_memory_vs_rehearsal(setup: CheckSetup, res: CheckResult) -> None
         return
     # Measured only at full width: a reduced block's peak is mostly kernel workspaces no rehearsal tracks.
     full = setup.cuda and not setup.reduced
-    dims = bench.model_dims({"num_layers": 1}) if full else {**setup.dims, "num_layers": 1}
+    dims = model_kwargs({"num_layers": 1}) if full else {**setup.dims, "num_layers": 1}
     clip = bench.FULL_CLIP if full else setup.clip
     # In bfloat16 on the CPU too: the rehearsal stands in for a GPU run, FSDP2 and its casts included.
     cfg = check_config(dataclasses.replace(setup, dtype="bfloat16"), res.name, {}, dims=dims, clip=clip)

@@ -93,7 +93,8 @@ class MemoryPlan:
     dp_shard: int
     sp: int
     dtype: str
-    gradient_checkpointing: bool
+    # `model.activation_checkpointing`: none, full or selective.
+    activation_checkpointing: str
     rows: int
     local_rows: int
     params: ParameterCounts
@@ -119,7 +120,7 @@ class MemoryPlan:
     # `parallel.cpu_offload`: the sharded state (weights, gradients, AdamW) lives in host memory.
     cpu_offload: bool = False
     # Transformer blocks recomputed in backward (`model.activation_checkpointing`); None: all of them
-    # when `gradient_checkpointing`, else none.
+    # when `full`, else none.
     checkpointed_layers: int | None = None
     # Tensor bytes of one checkpoint on disk, all ranks together (`checkpoint_bytes`); 0: not planned.
     checkpoint_bytes: int = 0
@@ -378,7 +379,7 @@ def refiner_activation_bytes(
     dims: Mapping[str, Any],
     text_rows: int,
     dtype: str,
-    gradient_checkpointing: bool,
+    activation_checkpointing: str,
     lora: AdapterCounts | None = None,
 ) -> int:
     """Bytes the text refiner keeps for the backward on each rank: it runs over all `text_rows` text
@@ -386,7 +387,7 @@ def refiner_activation_bytes(
 
     Per text row: the context embedder's input cast to the compute dtype (b * text_dim; none in
     float32, where the float32 prompt is read as it is), each refiner block's
-    `refiner_block_row_bytes` (with `gradient_checkpointing` only its input, bh) and `final_norm`
+    `refiner_block_row_bytes` (with `full` checkpointing only its input, bh) and `final_norm`
     (8h + 4). A LoRA run (`lora`) whose trainable parameters all sit in the block stack keeps
     nothing here: no gradient reaches the refiner.
     """
@@ -395,7 +396,7 @@ def refiner_activation_bytes(
     b = _DTYPE_BYTES[dtype]
     h = _dim(dims, "hidden_size")
     cast = 0 if b == _FP32 else b * _dim(dims, "text_dim")
-    block = b * h if gradient_checkpointing else refiner_block_row_bytes(dims, dtype)
+    block = b * h if activation_checkpointing == "full" else refiner_block_row_bytes(dims, dtype)
     return text_rows * (cast + _dim(dims, "num_refiner_layers") * block + _norm_row_bytes(h))
 
 
@@ -403,7 +404,7 @@ def activation_bytes(
     dims: Mapping[str, Any],
     local_rows: int,
     dtype: str,
-    gradient_checkpointing: bool,
+    activation_checkpointing: str,
     sp: int = 1,
     checkpointed_layers: int | None = None,
     *,
@@ -419,7 +420,7 @@ def activation_bytes(
     their inputs, the others everything, plus one recomputed block at a time.
 
     `text_rows`: the sample's text rows, which the refiner runs over (`refiner_activation_bytes`;
-    0: not counted). Full checkpointing (`gradient_checkpointing`) recomputes its blocks too, after
+    0: not counted). Full checkpointing (`activation_checkpointing="full"`) recomputes its blocks too, after
     the stack's backward, so the recompute peak is the larger of one block over the local rows and
     one refiner block over the text rows.
 
@@ -433,16 +434,17 @@ def activation_bytes(
     layers = _dim(dims, "num_layers")
     block_frozen, outside_frozen = _frozen_parts(dims, lora)
     block = block_activation_row_bytes(dims, dtype, sp, frozen_base=block_frozen)
-    done = (layers if gradient_checkpointing else 0) if checkpointed_layers is None else checkpointed_layers
+    full = activation_checkpointing == "full"
+    done = (layers if full else 0) if checkpointed_layers is None else checkpointed_layers
     per_row = done * h * b + (layers - done) * block + outside_stack_row_bytes(dims, dtype, outside_frozen)
     if block_frozen and outside_frozen and not done:
         per_row -= _norm_row_bytes(h, frozen=True) + b * h
-    refiner_recompute = gradient_checkpointing and text_rows > 0 and not outside_frozen
+    refiner_recompute = full and text_rows > 0 and not outside_frozen
     recompute = max(
         local_rows * block if done else 0,
         text_rows * refiner_block_row_bytes(dims, dtype) if refiner_recompute else 0,
     )
-    refiner = refiner_activation_bytes(dims, text_rows, dtype, gradient_checkpointing, lora)
+    refiner = refiner_activation_bytes(dims, text_rows, dtype, activation_checkpointing, lora)
     return local_rows * per_row + refiner + recompute
 
 
@@ -453,7 +455,7 @@ def plan_memory(
     dp_shard: int,
     sp: int,
     dtype: str,
-    gradient_checkpointing: bool,
+    activation_checkpointing: str,
     rows: int,
     device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
     reserve_gib: float = DEFAULT_RESERVE_GIB,
@@ -470,7 +472,8 @@ def plan_memory(
     """Per-rank memory of an AdamW fine-tune on a resolved `(dp_replicate, dp_shard, sp)` mesh.
 
     `dims` are the constructor kwargs with defaults filled in (`h3train.model.dims.model_dims`);
-    `dtype` is the compute dtype (`model.dtype`); `rows` is the packed sequence length of the
+    `dtype` is the compute dtype (`model.dtype`); `activation_checkpointing` is
+    `model.activation_checkpointing` (none, full or selective); `rows` is the packed sequence length of the
     longest sample, padded to a multiple of `sp` as the SP forward does. `lora`: a LoRA run
     (`lora_counts`), whose base is frozen in bfloat16; None: a full fine-tune. `cpu_offload`: the
     sharded state is counted in host memory, not on the device. `checkpointed_layers`: selective
@@ -497,8 +500,9 @@ def plan_memory(
     b = _DTYPE_BYTES[dtype]
     text_rows = min(max(text_rows, 0), rows)
     activations = activation_bytes(
-        dims, local_rows, dtype, gradient_checkpointing, sp, checkpointed_layers, text_rows=text_rows, lora=lora
+        dims, local_rows, dtype, activation_checkpointing, sp, checkpointed_layers, text_rows=text_rows, lora=lora
     )
+    full = activation_checkpointing == "full"
     if lora is None:
         trainable, block_params, block_grads = per_rank, counts.block, counts.block
         frozen_base = 0
@@ -514,14 +518,14 @@ def plan_memory(
         # row (LoRA its lora_A output, DoRA also its norms' rows) or once (LoKr / LoHa: the delta
         # weight). Checkpointing holds one block's worth at a time.
         layers = _dim(dims, "num_layers")
-        done = (layers if gradient_checkpointing else 0) if checkpointed_layers is None else checkpointed_layers
+        done = (layers if full else 0) if checkpointed_layers is None else checkpointed_layers
         blocks = layers - done + (1 if done else 0)
         activations += blocks * (local_rows * lora.block_row_values + lora.block_delta_values) * b
     trainable_bytes, moment_bytes = trainable_state_bytes(counts, trainable, optimizer, lora is None, shard)
     peak_grads = None
     if grad_accum == 1:
         layers = _dim(dims, "num_layers")
-        done = (layers if gradient_checkpointing else 0) if checkpointed_layers is None else checkpointed_layers
+        done = (layers if full else 0) if checkpointed_layers is None else checkpointed_layers
         block = block_activation_row_bytes(dims, dtype, sp, frozen_base=_frozen_parts(dims, lora)[0])
         # What the blocks keep for the backward, given up block by block as it proceeds.
         freed = local_rows * (done * _dim(dims, "hidden_size") * b + (layers - done) * block)
@@ -531,7 +535,7 @@ def plan_memory(
         dp_shard=dp_shard,
         sp=sp,
         dtype=dtype,
-        gradient_checkpointing=gradient_checkpointing,
+        activation_checkpointing=activation_checkpointing,
         rows=rows,
         local_rows=local_rows,
         params=counts,
@@ -554,7 +558,7 @@ def plan_memory(
         cpu_offload=cpu_offload,
         checkpointed_layers=checkpointed_layers,
         text_rows=text_rows,
-        refiner_activation_bytes=refiner_activation_bytes(dims, text_rows, dtype, gradient_checkpointing, lora),
+        refiner_activation_bytes=refiner_activation_bytes(dims, text_rows, dtype, activation_checkpointing, lora),
         peak_grads_bytes=peak_grads,
     )
 
@@ -649,7 +653,7 @@ def lora_fit_lines(dims: Mapping[str, Any], plan: MemoryPlan) -> tuple[str, ...]
     heads = _dim(dims, "num_attention_heads")
     common = {
         "dtype": plan.dtype,
-        "gradient_checkpointing": plan.gradient_checkpointing,
+        "activation_checkpointing": plan.activation_checkpointing,
         "device_memory_gib": plan.device_bytes / GIB,
         "reserve_gib": plan.reserve_bytes / GIB,
         "lora": plan.lora,
@@ -778,7 +782,7 @@ def estimate(
         dp_shard=mesh.dp_shard,
         sp=mesh.sp,
         dtype=cfg.model.dtype,
-        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        activation_checkpointing=cfg.model.activation_checkpointing,
         rows=rows,
         device_memory_gib=device_memory_gib,
         rows_source=rows_source,
@@ -900,7 +904,7 @@ def format_plan(plan: MemoryPlan) -> str:
     """A readable multi-line table of `plan`, one memory line per term, ending in the verdict."""
     p = plan.params
     shard = plan.shard_size
-    ckpt = "on" if plan.gradient_checkpointing else "off"
+    ckpt = "on" if plan.activation_checkpointing == "full" else "off"
     if plan.checkpointed_layers is not None and 0 < plan.checkpointed_layers < p.num_layers:
         ckpt = f"selective ({plan.checkpointed_layers} of {p.num_layers} blocks)"
     elif plan.checkpointed_layers is not None:

@@ -77,11 +77,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from h3train.bench import REDUCED_CLIP, REDUCED_DIMS, model_dims, trainer_config  # noqa: E402
+from h3train.bench import REDUCED_CLIP, REDUCED_DIMS, trainer_config  # noqa: E402
 from h3train.config import load_config, validate  # noqa: E402
 from h3train.gpu_checks import eager_torch_compile  # noqa: E402
 from h3train.lora.quant import INTEGER_CODES_SHARD  # noqa: E402
-from h3train.model.dims import planned_model_dims  # noqa: E402
+from h3train.model.dims import model_kwargs, planned_model_dims  # noqa: E402
 from h3train.parallel.dims import ParallelDims  # noqa: E402
 from h3train.plan import estimate  # noqa: E402
 from h3train.train.assemble import build_trainer  # noqa: E402
@@ -115,7 +115,7 @@ def bench_dims(width: int, layers: int) -> dict[str, Any]:
         "ffn_dim": 2 * width,
         "num_layers": layers,
     }
-    return model_dims(over)
+    return model_kwargs(over)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Check that the test suite catches each convention mutation of issue 11, section 3.
+"""Check that the test suite catches each convention mutation in `MUTATIONS`.
 
 For every mutation: copy `h3train/` into a temporary folder, patch one piece of its source text,
 and run the tests that guard it with that copy first on `PYTHONPATH`. The package is installed

@@ -12,7 +12,7 @@ fails takes the others down with it.
 Tests about the launcher itself (signals sent from outside, restarts, what a node prints, the launch
 scripts) keep launching torchrun (`reference.run_h3train`).
 
-This module imports only the standard library: the server unpickles `_rank_main` from it.
+At its top this module imports only the standard library: the server unpickles `_rank_main` from it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,12 +60,6 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
     """One rank: the environment and streams of a torchrun worker, then `h3train.cli.run` (never returns)."""
     for path, fd in ((out, 1), (err, 2)):
@@ -93,7 +86,7 @@ def _rank_main(args: list[str], env: dict[str, str], cwd: str, out: str, err: st
     run()
 
 
-def run_ranks(
+def fork_ranks(
     args: list[str], nproc: int, env: dict[str, str], cwd: Path, timeout: float
 ) -> subprocess.CompletedProcess:
     """`h3train ARGS` on `nproc` forked ranks of one node (one: a process alone); stdout and stderr are
@@ -102,8 +95,11 @@ def run_ranks(
     The return code is the first failed rank's (0 when all succeed). On a timeout every rank is
     killed and `subprocess.TimeoutExpired` raised.
     """
+    # Imported here, in the test process: the server loads this module for `_rank_main` alone.
+    from h3train.parallel.dims import free_port
+
     ctx = _context()
-    port = str(_free_port())
+    port = str(free_port())
     with tempfile.TemporaryDirectory(prefix="h3train-ranks-") as tmp:
         procs = []
         for rank in range(nproc):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
-from ranks import run_ranks
+from ranks import fork_ranks
 from safetensors.torch import load_file
 
 from h3train.config import load_config
@@ -139,7 +139,7 @@ def run_forked(
     one as `python -m h3train` runs, more as torchrun's workers of one node run. For what a run
     computes and writes; tests of the launch itself (signals sent from outside, restarts, what a node
     prints, scripts) use `run_h3train`."""
-    proc = run_ranks(args, nproc, env or run_env(), ROOT, timeout)
+    proc = fork_ranks(args, nproc, env or run_env(), ROOT, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"h3train {' '.join(args)} exited {proc.returncode}\n{proc.stderr[-4000:]}")
     return proc

@@ -19,6 +19,7 @@ from h3train import bench, gpu_checks, plan
 from h3train.cli import main
 from h3train.config import LossWeights, TimestepConfig
 from h3train.lora import quant
+from h3train.model.dims import model_kwargs
 from h3train.model.sp_forward import SequenceParallelH3
 from h3train.objective import compute_loss, make_training_inputs
 from h3train.parallel.ulysses import SequenceParallel
@@ -77,7 +78,7 @@ def test_unavailable_backend_exits_2_with_one_line(capsys) -> None:
 
 
 def test_step_flops_match_torch_flop_counter_on_the_reduced_model() -> None:
-    dims = bench.model_dims({**bench.REDUCED_DIMS, "num_layers": 2})
+    dims = model_kwargs({**bench.REDUCED_DIMS, "num_layers": 2})
     ti = _training_inputs(bench.REDUCED_CLIP, dims)
     model = bench.build_bench_model(dims, torch.device("cpu"), torch.float32, seed=0)
     # The math kernel decomposes into matmuls the counter sees, forward and backward.
@@ -88,7 +89,7 @@ def test_step_flops_match_torch_flop_counter_on_the_reduced_model() -> None:
 
 
 def test_full_bench_layout_is_the_released_5s_clip_and_its_flops() -> None:
-    dims = bench.model_dims({"num_layers": 4})
+    dims = model_kwargs({"num_layers": 4})
     assert (dims["hidden_size"], dims["num_attention_heads"], dims["attention_head_dim"]) == (5376, 56, 128)
     assert (dims["ffn_dim"], dims["text_dim"]) == (14336, 5120)
     rows = bench.rows_of(_training_inputs(bench.FULL_CLIP, dims))
@@ -405,11 +406,12 @@ def _step_report():
     return module
 
 
-def test_step_report_counts_host_reads_of_the_training_thread_once() -> None:
+def test_sync_counter_counts_host_reads_of_the_training_thread_once() -> None:
     import threading
 
-    report = _step_report()
-    counter = report.SyncCounter()
+    from h3train.host_syncs import SyncCounter
+
+    counter = SyncCounter()
     try:
         counter.active = True
         t = torch.arange(3.0)
@@ -428,7 +430,7 @@ def test_step_report_counts_host_reads_of_the_training_thread_once() -> None:
     assert torch.Tensor.item is counter._originals["item"]
 
 
-def test_step_report_prints_every_row_of_the_issue_table() -> None:
+def test_step_report_prints_every_row_of_its_table() -> None:
     report = _step_report()
     sp1 = {"rows": 2058, "step_s": 1.0, "bare_step_s": 0.98, "step_ratio": 1.02, "step_ratio_fused_bare": 1.01,
            "activation_bytes": 200,

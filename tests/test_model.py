@@ -36,7 +36,8 @@ def test_sp1_forward_with_checkpointing_gives_same_gradients() -> None:
     grads = []
     for ckpt in (False, True):
         model = build_model(cfg, seed=0)
-        out = SequenceParallelH3(model, SequenceParallel(None), gradient_checkpointing=ckpt)(**ti.model_inputs)
+        mode = "full" if ckpt else "none"
+        out = SequenceParallelH3(model, SequenceParallel(None), activation_checkpointing=mode)(**ti.model_inputs)
         (out[0].square().mean() + out[1].square().mean()).backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.equal(grads[0], grads[1])

@@ -70,7 +70,7 @@ def _meta_count(dims: dict) -> int:
 
 
 def _plan(dims: dict, **kw):
-    args = dict(dp_replicate=1, dp_shard=1, sp=1, dtype="bfloat16", gradient_checkpointing=True, rows=40_000)
+    args = dict(dp_replicate=1, dp_shard=1, sp=1, dtype="bfloat16", activation_checkpointing="full", rows=40_000)
     args.update(kw)
     return plan_memory(dims, **args)
 
@@ -126,8 +126,8 @@ def test_activations_split_over_sp(full_dims: dict) -> None:
 
 
 def test_checkpointing_reduces_activations(full_dims: dict) -> None:
-    on = _plan(full_dims, gradient_checkpointing=True)
-    off = _plan(full_dims, gradient_checkpointing=False)
+    on = _plan(full_dims, activation_checkpointing="full")
+    off = _plan(full_dims, activation_checkpointing="none")
     assert on.activation_bytes < off.activation_bytes / 10
     assert on.total_bytes < off.total_bytes
 
@@ -362,7 +362,7 @@ def test_lora_longest_fit_is_the_edge_of_the_plan(full_dims: dict) -> None:
     from h3train.plan import longest_fit_rows
 
     counts = lora_counts(full_dims, LoraConfig(rank=32))
-    args = dict(dp_replicate=1, dtype="bfloat16", gradient_checkpointing=True, lora=counts)
+    args = dict(dp_replicate=1, dtype="bfloat16", activation_checkpointing="full", lora=counts)
     for dp_shard, sp in ((1, 8), (1, 1)):
         rows = longest_fit_rows(full_dims, dp_shard=dp_shard, sp=sp, **args)
         assert rows > 0 and rows % sp == 0

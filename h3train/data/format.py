@@ -54,6 +54,7 @@ from ..tasks.layout import (
     build_layout,
     video_latents_to_rows,
 )
+from ..tasks.synthetic import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 from ..tasks.table import (
     FRAME_RULE,
     SAMPLE_TASKS,
@@ -72,8 +73,6 @@ DIGESTS_KEY = "digests"
 _MAX_HEADER = 100 * 1024 * 1024
 INDEX_NAME = "index.jsonl"
 SAMPLE_SUFFIX = ".safetensors"
-VIDEO_LATENT_CHANNELS = 24
-AUDIO_LATENT_CHANNELS = 32
 ANCHORS = ("first", "last")
 REFERENCE_KINDS = ("image", "video", "audio")
 

@@ -10,7 +10,9 @@ follow the pipeline's rules too: video references are at most as long as the tar
 and audio references are truncated to the target duration. Text token tags mimic the prompt
 presentations (labels as text, vision blocks tagged 0).
 
-Sample `i` is a pure function of `(seed, i)`.
+Sample `i` is a pure function of `(seed, i)`. Written to disk and read back as any cached dataset
+(`h3train synth`, `data.create_synthetic`); `tasks/synthetic.py` is the in-memory source of one
+fixed geometry (`data.source=synthetic`).
 """
 
 from __future__ import annotations
@@ -25,14 +27,13 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     video_latent_num_frames,
 )
 
+from ..tasks.synthetic import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 from ..tasks.table import SAMPLE_TASKS, TRAINING_TASKS, sample_task_of
 from .format import (
-    AUDIO_LATENT_CHANNELS,
     INDEX_NAME,
     SAMPLE_SUFFIX,
     VAE_FRAMES_PER_CHUNK,
     VAE_LATENTS_PER_CHUNK,
-    VIDEO_LATENT_CHANNELS,
     CachedSample,
     DatasetError,
     ReferenceLatents,

@@ -26,6 +26,11 @@ def model_defaults() -> dict[str, Any]:
     return {name: p.default for name, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
 
 
+def model_kwargs(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Constructor kwargs of `MiniMaxH3Transformer3DModel`: the diffusers defaults, then `overrides`."""
+    return {**model_defaults(), **overrides}
+
+
 # Constructor arguments that may be 0 (every other integer is a size or a count that must be > 0).
 _MAY_BE_ZERO = frozenset({"num_refiner_layers"})
 
@@ -124,7 +129,7 @@ def model_config_dict(cfg: Config) -> dict[str, Any]:
 
 def model_dims(cfg: Config) -> dict[str, Any]:
     """The architecture numbers the plan needs, with the diffusers defaults filled in."""
-    return {**model_defaults(), **model_config_dict(cfg)}
+    return model_kwargs(model_config_dict(cfg))
 
 
 def planned_model_dims(cfg: Config) -> tuple[dict[str, Any], str | None]:

@@ -138,14 +138,12 @@ class SequenceParallelH3(nn.Module):
         self,
         transformer: MiniMaxH3Transformer3DModel,
         sp: SequenceParallel,
-        gradient_checkpointing: bool = False,
         *,
         activation_checkpointing: str = "none",
         checkpoint_every: int = 1,
         compile_blocks: bool = False,
         compile_backend: str = "inductor",
     ) -> None:
-        """`gradient_checkpointing=True` is the older spelling of `activation_checkpointing="full"`."""
         super().__init__()
         if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(
@@ -153,8 +151,6 @@ class SequenceParallelH3(nn.Module):
             )
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
-        if gradient_checkpointing and activation_checkpointing == "none":
-            activation_checkpointing = "full"
         self.transformer = transformer
         self.sp = sp
         self.activation_checkpointing = activation_checkpointing
@@ -174,11 +170,6 @@ class SequenceParallelH3(nn.Module):
             # export) stay those of the plain model, and the module hooks run eagerly around it.
             for block in transformer.transformer_blocks:
                 block.forward = torch.compile(block.forward, backend=compile_backend, fullgraph=True)
-
-    @property
-    def gradient_checkpointing(self) -> bool:
-        """Whether any block is recomputed in backward."""
-        return self.activation_checkpointing != "none"
 
     def checkpointed(self, index: int, refiner: bool = False) -> bool:
         """Whether transformer block `index` (or refiner block `index`) is recomputed in backward."""

@@ -110,6 +110,7 @@ class ParallelContext:
 
 
 def free_port() -> int:
+    """A TCP port of 127.0.0.1 that no process holds at the time of the call."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

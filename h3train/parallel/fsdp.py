@@ -1,42 +1,20 @@
-"""FSDP2 plan: one unit per transformer block and per refiner block, ONE unit for all float32 islands, and the root.
+"""FSDP2 plan: one unit per refiner and transformer block, ONE unit for all float32 islands, and the root.
 
-Trained parameters have float32 master weights. With `model.dtype = bfloat16` the units compute in
-bf16 (`param_dtype`) and reduce gradients in float32, except the `_keep_in_fp32_modules` islands
-(`proj_in`, `audio_proj_in`, `time_embedder`, `proj_out`, `audio_proj_out`), which share one unit
-with a float32 policy: a mixed-precision policy applies to a whole unit, and the islands must
-compute in float32. They are tiny, so one unit (one all-gather, one reduce-scatter) serves all five;
-it unshards at the first island's forward (the input projections) and, not resharding after
-forward, stays unsharded through the output heads into backward.
-`cast_forward_inputs=False` everywhere: FSDP's input cast would turn float64 positions and float32
-timesteps into bf16 (0.999 becomes 1.0).
+Master weights are float32. Blocks compute in `model.dtype` and reduce gradients in float32; the
+`_keep_in_fp32_modules` islands (`proj_in`, `audio_proj_in`, `time_embedder`, `proj_out`,
+`audio_proj_out`) must compute in float32, and a mixed-precision policy covers a whole unit, so
+they share one float32 unit. `cast_forward_inputs=False` everywhere: the input cast would round
+float64 positions and float32 timesteps to bf16 (0.999 becomes 1.0).
 
-What reshards after forward: every refiner and transformer block except the last one, whose
-backward starts right after the forward ends (resharding it would only all-gather it again); the
-islands and the root (what is left: context_embedder, refiner final norm, norm_out) keep their
-parameters too. Per step with N blocks and R refiner blocks: N + R + 2 all-gathers in forward,
-N + R - 1 in backward, N + R + 2 reduce-scatters (`collectives.fsdp_collectives_per_step`).
+Every block but the last reshards after forward (on one rank none does: backward would gather it
+again); the last block, the islands and the root (what is left) stay unsharded into backward,
+which needs them at once. Collectives per step: `collectives.fsdp_collectives_per_step`.
 
-One rank (world size 1): FSDP2 shards nothing there, and on a one-rank group it still copies each
-unit into an unsharded twin every forward (the whole model twice in memory, since nothing reshards)
-and each gradient through its reduce-scatter buffers. So `shards_nothing` tells the trainer to skip
-it where it would do no other work: float32 compute over float32 parameters, no CPU offload. The
-model then trains as plain tensors, which every consumer takes as well as DTensors (DCP reshards
-between the two on resume, the clip, export, EMA and LoRA state read either). A one-rank run that
-casts (bf16 compute over float32 master weights, LoRA's bf16 base upcast to float32) or offloads
-keeps FSDP2 for that work: nothing reshards after forward there (the unsharded copy comes back for
-backward anyway), so each unit is copied once per step, not twice. After a forward without
-gradients every unit reshards (`_reshard_after_inference`), so that no unsharded copy outlives a
-change of the sharded values.
-
-`parallel.cpu_offload` (FSDP2 `CPUOffloadPolicy`): the sharded float32 parameters, their gradients
-and so the AdamW state and step stay in host memory (pinned on CUDA); each unit is copied to the
-device for its forward and backward. On a CPU-only run it moves nothing.
-
-A LoRA run (`lora/adapters.py`) holds two original dtypes in one unit: the frozen base in bf16 and
-the adapters (and `lora.train_modules`) in float32. FSDP2 shards each parameter in its own dtype
-and all-gathers every parameter of a unit in the unit's `param_dtype`, so the same plan serves it:
-with `model.dtype = float32` the base is upcast exactly for compute, with bfloat16 it is gathered
-as stored. Only the float32 parameters get gradients (reduced in float32) and optimizer state.
+On one rank FSDP2 shards nothing but still copies every unit, so where it has no other work
+(float32 compute over float32 parameters, no CPU offload) `shards_nothing` tells the trainer to
+skip it and train plain tensors. `parallel.cpu_offload` keeps the shards, their gradients and the
+AdamW state in host memory. A LoRA run's units hold a bf16 base and float32 adapters; each unit
+gathers in its `param_dtype`, and only the float32 parameters get gradients.
 
 The gradient contract: every trainable parameter, full model or adapter, lives in one of these
 units, so FSDP2 reduce-scatters its gradient as the average over `dp_shard x sp` (all-reduced over

@@ -3,6 +3,10 @@
 Which of the two a run gets is the training task's: keyframe samples (`data.synthetic.keyframe_anchors`)
 only when `task.name` trains fl2va samples, text-only ones otherwise. Sample `i` is a pure function of
 `(seed, i)`, so every rank that asks for it gets the same tensors.
+
+Made in memory, packed, all of the one geometry `data.synthetic` sets: a stand-in for a real run's
+shapes (bench, plan, step measurements). `data/synth.py` writes a cached dataset instead, whose
+samples vary in geometry and conditioning to exercise every layout and the file format.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from ..errors import ConfigError
 from .layout import Geometry, PackedSample, audio_latents_to_rows, video_latents_to_rows
 from .table import TRAINING_TASKS, sample_task_of
 
+# Latent channels of H3's VAEs: video latents are [24, F, H, W], audio latents [2 (stereo), 32, F_a].
 VIDEO_LATENT_CHANNELS = 24
 AUDIO_LATENT_CHANNELS = 32
 
