@@ -17,7 +17,7 @@ from torch import nn
 
 @dataclass(frozen=True)
 class AdapterCounts:
-    """What an adapter adds, as the memory plan (`plan.py`) counts it: what trains, what stays float32.
+    """What an adapter adds, as the memory plan (`h3train/plan/`) counts it: what trains, what stays float32.
 
     `rank`: the adapters' configured rank (`lora.rank`). For a plain LoRA it is also the values each
     adapted layer keeps per row for its backward (its rank-r lora_A output); `block_row_values` counts

@@ -1,6 +1,6 @@
 """Which model transforms a config asks for.
 
-The one choice of the composition root (`assemble.py`) that the memory plan (`plan.py`) needs as
+The one choice of the composition root (`assemble.py`) that the memory plan (`h3train/plan/`) needs as
 well, to count what an adapter adds and what a checkpoint holds; it lives below both of them.
 """
 

@@ -1,0 +1,100 @@
+"""Parameter and per-rank memory arithmetic for a full fine-tune, as `h3train check` prints it.
+
+Pure functions over the transformer's constructor kwargs (`h3train.model.dims.model_dims(cfg)`) and
+the mesh sizes: nothing here builds a model or touches a process group, so the plan can be
+printed on a laptop for a 64-GPU job.
+
+Memory model of one rank (FSDP2 over `dp_shard x sp`, replicated over `dp_replicate`):
+
+- Sharded, resident for the whole run (16 bytes per parameter, divided by `dp_shard * sp`):
+  float32 master weights (4), float32 gradients (4), AdamW `exp_avg` + `exp_avg_sq` (4 + 4).
+  `dp_replicate` does not divide them: HSDP replicas each hold a full sharded copy.
+- Unsharded, transient: the all-gathered parameters of the largest FSDP unit (one transformer
+  block) in the compute dtype, twice (the unit running and the one prefetched), plus that
+  unit's unsharded float32 gradient before the reduce-scatter.
+- Activations for the rank's `ceil(rows / sp)` rows (see `block_activation_row_bytes`), and the
+  text refiner's over every text row, on every SP rank (`refiner_activation_bytes`).
+- A fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation.
+
+A LoRA run (`lora.rank > 0`, `AdapterCounts`) changes the sharded state: the frozen base is 2 bytes per
+parameter in bfloat16 (4 in the float32 islands), with no gradient and no optimizer state; only the
+adapters and `lora.train_modules` take the 16 bytes. The all-gathered blocks carry their adapters,
+the unsharded gradient is that of a block's trainable parameters, the frozen base keeps less for the
+backward (nothing only a weight's gradient reads: `frozen_base`), and each adapted Linear keeps its
+rank-r `lora_A` output per row for the backward. `longest_fit_rows` solves the plan for the longest
+packed sequence that fits, which the printout turns into clip seconds (`rows_to_seconds`).
+"""
+
+from __future__ import annotations
+
+from .arithmetic import (
+    DEFAULT_DEVICE_MEMORY_GIB,
+    DEFAULT_RESERVE_GIB,
+    GIB,
+    LORA_REFERENCE_SETUPS,
+    RELEASED_5S_ROWS,
+    RELEASED_MAX_ROWS,
+    RELEASED_TEXT_ROWS,
+    SHORTEST_CLIP_S,
+    MemoryPlan,
+    MeshSizes,
+    ParameterCounts,
+    activation_bytes,
+    backward_grads_bytes,
+    block_activation_row_bytes,
+    longest_fit_rows,
+    lora_fit_lines,
+    outside_stack_row_bytes,
+    parameter_counts,
+    plan_memory,
+    refiner_activation_bytes,
+    refiner_block_row_bytes,
+    rows_to_seconds,
+    trainable_state_bytes,
+)
+from .inputs import (
+    adapter_counts,
+    base_predictions_line,
+    checkpoint_bytes,
+    checkpointed_layers,
+    config_rows,
+    config_sample_rows,
+    estimate,
+    render_components_line,
+)
+from .report import format_plan
+
+__all__ = [
+    "GIB",
+    "RELEASED_MAX_ROWS",
+    "RELEASED_5S_ROWS",
+    "RELEASED_TEXT_ROWS",
+    "DEFAULT_DEVICE_MEMORY_GIB",
+    "DEFAULT_RESERVE_GIB",
+    "ParameterCounts",
+    "MemoryPlan",
+    "parameter_counts",
+    "block_activation_row_bytes",
+    "refiner_block_row_bytes",
+    "outside_stack_row_bytes",
+    "refiner_activation_bytes",
+    "activation_bytes",
+    "plan_memory",
+    "backward_grads_bytes",
+    "trainable_state_bytes",
+    "longest_fit_rows",
+    "rows_to_seconds",
+    "SHORTEST_CLIP_S",
+    "LORA_REFERENCE_SETUPS",
+    "lora_fit_lines",
+    "MeshSizes",
+    "config_rows",
+    "config_sample_rows",
+    "checkpointed_layers",
+    "estimate",
+    "base_predictions_line",
+    "adapter_counts",
+    "checkpoint_bytes",
+    "render_components_line",
+    "format_plan",
+]

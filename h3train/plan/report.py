@@ -1,0 +1,115 @@
+"""The plan as `h3train check` prints it: one line per memory term, the verdict, and the notes that go with it."""
+
+from __future__ import annotations
+
+from .arithmetic import GIB, MemoryPlan
+
+
+def _gib(n: int) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size / 10:
+            return f"{n / size:8.2f} {unit}"
+    return f"{n:8d} B  "
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(n)
+
+
+def _refiner_note(plan: MemoryPlan) -> str:
+    """The activation line's note on the text refiner's share (`refiner_activation_bytes`)."""
+    if not plan.text_rows:
+        return ""
+    if not plan.refiner_activation_bytes:
+        return f"  (text refiner over {plan.text_rows:,} text rows: keeps nothing, no gradient reaches it)"
+    return (
+        f"  (text refiner {_gib(plan.refiner_activation_bytes).strip()} of it: {plan.text_rows:,} text rows "
+        "on every SP rank)"
+    )
+
+
+def _grads_note(plan: MemoryPlan) -> str:
+    """The gradient line's note when the total counts only part of them (`backward_grads_bytes`)."""
+    if plan.peak_grads_bytes is None or plan.cpu_offload:
+        return ""
+    return f"  (grad_accum 1: {_gib(plan.peak_grads_bytes).strip()} of them in the total, beside the backward's peak)"
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """A readable multi-line table of `plan`, one memory line per term, ending in the verdict."""
+    p = plan.params
+    shard = plan.shard_size
+    ckpt = "on" if plan.activation_checkpointing == "full" else "off"
+    if plan.checkpointed_layers is not None and 0 < plan.checkpointed_layers < p.num_layers:
+        ckpt = f"selective ({plan.checkpointed_layers} of {p.num_layers} blocks)"
+    elif plan.checkpointed_layers is not None:
+        ckpt = "on" if plan.checkpointed_layers else "off"
+    where = "  (host: cpu_offload)" if plan.cpu_offload else ""
+    lines = [
+        f"mesh          dp_replicate={plan.dp_replicate} dp_shard={plan.dp_shard} sp={plan.sp} "
+        f"({plan.world_size} ranks, parameters sharded {shard}-way)",
+        f"parameters    {p.total:,} total ({_count(p.total)}); {plan.params_per_rank:,} per rank",
+        f"              {p.num_layers} blocks x {p.block:,} (AdaLN {p.block_adaln:,}), "
+        f"{p.num_refiner_layers} refiner x {p.refiner_block:,}, other {p.other:,}",
+        f"sequence      {plan.rows:,} rows{f' ({plan.rows_source})' if plan.rows_source else ''}, "
+        f"{plan.local_rows:,} per rank",
+        f"compute       {plan.dtype}, gradient checkpointing {ckpt}",
+    ]
+    lora = plan.lora
+    wdt = "bf16" if plan.optimizer == "adamw_bf16" else "fp32"
+    moments = {"adamw": "fp32", "adamw8bit": "8-bit", "adamw4bit": "4-bit", "adamw_bf16": "bf16"}[plan.optimizer]
+    base = "bf16 (fp32 isl.)" if plan.base_quant == "none" else f"{plan.base_quant} (fp32 isl.)"
+    per_weight = "2 B/param" if plan.base_quant == "none" else "matrices 1 B/param, vectors 2 B"
+    if lora is None:
+        isl = "  (fp32 islands 4 B)" if wdt == "bf16" else ""
+        lines += [
+            "memory per rank",
+            f"  master weights {wdt}           {_gib(plan.master_weights_bytes)}{isl}{where}",
+            f"  gradients {wdt}                {_gib(plan.grads_bytes)}{isl}{where}{_grads_note(plan)}",
+            f"  AdamW moments {moments:<5}           {_gib(plan.optimizer_bytes)}  ({plan.optimizer}){where}",
+        ]
+    else:
+        trainable_weights = plan.grads_bytes
+        lines += [
+            f"{lora.kind:<14}rank {lora.rank} on {lora.adapted_layers} Linear layers: {lora.adapters:,} adapter "
+            f"parameters ({_count(lora.adapters)}), {lora.train_modules:,} in train_modules; base frozen",
+            "memory per rank",
+            f"  frozen base {base:<18}{_gib(plan.master_weights_bytes - trainable_weights)}  "
+            f"({per_weight}, {lora.frozen_fp32:,} island params 4 B){where}",
+            f"  trainable weights {wdt}        {_gib(trainable_weights)}  (adapters + train_modules){where}",
+            f"  trainable gradients {wdt}      {_gib(plan.grads_bytes)}{where}{_grads_note(plan)}",
+            f"  AdamW of the trainable        {_gib(plan.optimizer_bytes)}  ({plan.optimizer}, {moments}){where}",
+        ]
+    if plan.ema_bytes:
+        lines.append(f"  EMA shadows fp32              {_gib(plan.ema_bytes)}{where}")
+    lines += [
+        f"  2 unsharded blocks {plan.dtype:<11}{_gib(plan.unsharded_params_bytes)}  (running + prefetched)",
+        f"  unsharded block grad fp32     {_gib(plan.unsharded_grads_bytes)}{'  (trainable only)' if lora else ''}",
+        f"  activations                   {_gib(plan.activation_bytes)}" + _refiner_note(plan),
+        f"  reserve (CUDA, NCCL, frag.)   {_gib(plan.reserve_bytes)}",
+        f"  total                         {_gib(plan.total_bytes)} of {plan.device_bytes / GIB:.0f} GiB"
+        + (f" on the device; {_gib(plan.host_bytes).strip()} in host memory" if plan.cpu_offload else ""),
+    ]
+    if plan.render_line:
+        lines.append(plan.render_line)
+    if plan.fits:
+        lines.append(f"fits: yes, {plan.headroom_bytes / GIB:.1f} GiB headroom")
+    else:
+        lines.append(
+            f"fits: NO, {-plan.headroom_bytes / GIB:.1f} GiB over: shard over more ranks (dp_shard), "
+            "raise sp, enable model.activation_checkpointing or parallel.cpu_offload, or shorten the clips"
+        )
+    if plan.checkpoint_bytes:
+        lines.append(
+            f"checkpoint    {_gib(plan.checkpoint_bytes).strip()} on disk each, all ranks together ({wdt} weights, "
+            f"{moments} AdamW moments, any EMA); checkpoint.dir holds keep_last + 1 while a save commits"
+        )
+    if plan.retention_line:
+        lines.append(plan.retention_line)
+    if plan.fit_lines:
+        lines.append(f"longest packed sequence that fits ({plan.device_bytes / GIB:.0f} GiB devices, this LoRA):")
+        lines.extend(plan.fit_lines)
+    return "\n".join(lines)
