@@ -1,0 +1,377 @@
+"""One trainer per attention backend: which backends run, each case's config, its steps, the report's data."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import plan
+from ..config import Config, LossWeights, TimestepConfig, validate
+from ..errors import ConfigError
+from ..model.dims import model_kwargs
+from ..objective import make_training_inputs
+from ..ops.attention import ATTENTION_BACKENDS, unavailable
+from .flops import peak_tflops_for, step_flops
+from .parity import PARITY_TOLERANCE, REFERENCE_BACKEND, Parity, _gradients, grad_parity
+from .sample import (
+    FULL_CLIP,
+    REDUCED_CLIP,
+    REDUCED_DIMS,
+    Clip,
+    _parameter_count,
+    bench_sample,
+    clip_data,
+    rows_of,
+    set_backend,
+)
+from .timing import Clock, SyncError, timed_step
+
+GIB = 1024**3
+DEFAULT_CUDA_BACKENDS = ("flash", "cudnn", "native")
+DEFAULT_CPU_BACKENDS = ("native", "math")
+DEFAULT_REPEATS = 3
+
+
+@dataclass
+class BackendResult:
+    """One attention backend's trainer step. Times are medians over the timed steps; `step_time_s`
+    is `forward_backward_s + update_s`; `loss` and `grad_norm` are step 1's (the same start for every backend)."""
+
+    name: str
+    backend: str
+    status: str = "ok"  # ok | error | skipped
+    error: str | None = None
+    step_time_s: float | None = None
+    forward_backward_s: float | None = None
+    update_s: float | None = None
+    tokens_per_s: float | None = None
+    achieved_tflops: float | None = None
+    mfu: float | None = None
+    peak_memory_bytes: int | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    # ok | sync (a sync outside the step's one read-back; timing from the steps after it) | n/a (CPU)
+    sync_check: str = "n/a"
+    sync_error: SyncError | None = None
+    # Syncs `update` made under the check: its one designed read-back is 1.
+    read_back_syncs: int | None = None
+
+
+@dataclass
+class BenchReport:
+    device: str
+    mode: str
+    dtype: str
+    precision: str
+    gradient_checkpointing: bool
+    model: dict[str, Any]
+    parameters: int
+    layout: dict[str, Any]
+    flops: dict[str, Any]
+    peak_tflops: float | None
+    peak_tflops_source: str
+    plan_memory_bytes: int
+    backends: list[BackendResult] = field(default_factory=list)
+    parity: list[Parity] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    # How the trainer's step was set up and timed.
+    step_setup: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        ran = [b for b in self.backends if b.status != "skipped"]
+        return (
+            bool(ran)
+            and all(b.status == "ok" and b.sync_check != "sync" and (b.read_back_syncs or 0) <= 1 for b in ran)
+            and all(p.ok for p in self.parity)
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        # `steps`: the same rows under the key the whole-step check wrote them (`scripts/gpu_check.sh` readers).
+        return {**data, "steps": data["backends"], "ok": self.ok}
+
+
+def select_backends(requested: str | None, device: torch.device, dtype: str) -> tuple[list[str], list[str]]:
+    """The backends to run and notes on skipped defaults. An explicit unavailable one is a `ConfigError`."""
+    if requested:
+        names = [n.strip() for n in requested.split(",") if n.strip()]
+        for n in names:
+            if n not in ATTENTION_BACKENDS:
+                raise ConfigError(
+                    f"bench --backends: unknown backend '{n}'; choose from {', '.join(ATTENTION_BACKENDS)}"
+                )
+            why = unavailable(n, device.type, dtype)
+            if why:
+                raise ConfigError(f"bench --backends: '{n}' cannot run here: {why}")
+        return list(dict.fromkeys(names)), []
+    defaults = DEFAULT_CUDA_BACKENDS if device.type == "cuda" else DEFAULT_CPU_BACKENDS
+    notes = [f"{n} skipped: {why}" for n in defaults if (why := unavailable(n, device.type, dtype))]
+    return [n for n in defaults if not unavailable(n, device.type, dtype)], notes
+
+
+def _check_clip(clip: Clip) -> None:
+    from ..tasks.table import FRAME_RULE, is_frame_count
+
+    if not is_frame_count(clip.frames):
+        raise ConfigError(f"bench --frames {clip.frames}: must be {FRAME_RULE} (22, 39, ..., 124, ..., 362)")
+    for flag, value in (("--height", clip.height), ("--width", clip.width)):
+        if value < 32 or value % 32:
+            raise ConfigError(f"bench {flag} {value}: must be a positive multiple of 32 (one row is 32x32 pixels)")
+    if clip.text_len < 1:
+        raise ConfigError(f"bench --text-len {clip.text_len}: must be at least 1")
+
+
+def trainer_config(
+    dims: dict[str, Any], clip: Clip, dtype: str, checkpointing: bool, backend: str, seed: int, log_dir: Path
+) -> Config:
+    """The `Config` of one bench case: `dims` trained on `clip`'s synthetic samples, one rank, sp = 1.
+
+    A kernel that is not a `model.attention_backend` choice (`math`) is built as `native` and set by
+    `run_case` once the trainer is built.
+    """
+    defaults = model_kwargs({})
+    changed = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dims.items() if defaults.get(k) != v}
+    cfg = Config()
+    cfg.model = dataclasses.replace(
+        cfg.model,
+        config={**changed, "num_layers": int(dims["num_layers"])},
+        dtype=dtype,
+        activation_checkpointing="full" if checkpointing else "none",
+        attention_backend=backend if ATTENTION_BACKENDS[backend].trains else "native",
+    )
+    cfg.task.name = "fl2va"
+    cfg.data = dataclasses.replace(cfg.data, source="synthetic", synthetic=clip_data(clip, num_samples=2))
+    cfg.parallel.sp = 1
+    cfg.train = dataclasses.replace(cfg.train, steps=1000, grad_accum=1, seed=seed)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=0, resume="none")
+    cfg.logging = dataclasses.replace(cfg.logging, dir=str(log_dir), progress=False)
+    validate(cfg)
+    return cfg
+
+
+def run_case(
+    cfg: Config,
+    res: BackendResult,
+    device: torch.device,
+    repeats: int,
+    seq_len: int,
+    total_flops: int,
+    peak_tflops: float | None,
+    reference: dict[str, torch.Tensor] | None,
+    tolerance: float,
+) -> tuple[dict[str, torch.Tensor] | None, Parity | None]:
+    """Build the case's trainer and run it into `res` (module docstring, "Steps" and "Sync check").
+
+    Returns the reference gradients (for `REFERENCE_BACKEND`) or this backend's parity against
+    `reference` (when there is one), read after step 1's `forward_backward`.
+    """
+    from ..train.assemble import build_trainer
+
+    trainer = build_trainer(cfg, hooks=[])
+    try:
+        if not ATTENTION_BACKENDS[res.name].trains:
+            set_backend(trainer.model.transformer, res.backend)
+        grads = trainer.forward_backward(1)
+        gradients, parity = None, None
+        if res.name == REFERENCE_BACKEND:
+            gradients = _gradients(trainer.model)
+        elif reference is not None:
+            parity = grad_parity(trainer.model, reference, res.name, tolerance)
+        stats = trainer.update(1, grads)
+        del grads
+        res.loss, res.grad_norm = float(stats["loss"]), float(stats["grad_norm"])
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        clock, halves, step, check = Clock(device), [], 1, cuda
+        while len(halves) < repeats:
+            step += 1
+            timed = timed_step(trainer, step, clock, sync_check=check)
+            if check:
+                res.sync_check, res.read_back_syncs = "ok", timed.read_back_syncs
+                if timed.sync is not None:
+                    res.sync_check, res.sync_error = "sync", timed.sync
+                check = False
+            if timed.stats is not None:
+                halves.append((timed.forward_backward_s, timed.update_s))
+        res.forward_backward_s = statistics.median(h[0] for h in halves)
+        res.update_s = statistics.median(h[1] for h in halves)
+        res.step_time_s = res.forward_backward_s + res.update_s
+        res.tokens_per_s = seq_len / res.step_time_s
+        res.achieved_tflops = total_flops / res.step_time_s / 1e12
+        res.mfu = res.achieved_tflops / peak_tflops if peak_tflops else None
+        if cuda:
+            res.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
+        return gradients, parity
+    finally:
+        trainer.close()
+
+
+def _clear_cuda(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _progress(message: str) -> None:
+    # stderr, so a run cut short by a time limit still shows how far it got.
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def run_bench(
+    *,
+    reduced: bool = False,
+    layers: int | None = None,
+    backends: str | None = None,
+    peak_tflops: float | None = None,
+    gradient_checkpointing: str = "auto",
+    parity_tolerance: float | None = None,
+    clip: Clip | None = None,
+    seed: int = 0,
+    device: torch.device | None = None,
+    repeats: int = DEFAULT_REPEATS,
+) -> BenchReport:
+    """Plan the model and layout once, then build and run one trainer per backend (`run_case`)."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    notes: list[str] = []
+    if not cuda and not reduced:
+        reduced = True
+        notes.append("no CUDA device: reduced mode")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype_name = "bfloat16" if cuda else "float32"
+    names, skipped = select_backends(backends, device, dtype_name)
+    notes += skipped
+    if layers is not None and layers < 1:
+        raise ConfigError(f"bench --layers {layers}: must be at least 1")
+    if repeats < 1:
+        raise ConfigError(f"bench --repeats {repeats}: must be at least 1")
+    clip = clip or (REDUCED_CLIP if reduced else FULL_CLIP)
+    _check_clip(clip)
+    dims = model_kwargs({**(REDUCED_DIMS if reduced else {}), "num_layers": layers or (2 if reduced else 4)})
+    tolerance = parity_tolerance if parity_tolerance is not None else PARITY_TOLERANCE[dtype]
+
+    sample = bench_sample(clip, int(dims["text_dim"]), seed)
+    rows = rows_of(make_training_inputs(sample, torch.Generator().manual_seed(seed), TimestepConfig(), LossWeights()))
+
+    total = torch.cuda.get_device_properties(device).total_memory if cuda else None
+    reserve = int(plan.DEFAULT_RESERVE_GIB * GIB)
+    state_bytes = 16 + (2 if cuda else 0)
+
+    def planned(step_dims: dict[str, Any], ckpt: bool) -> int:
+        return state_bytes * _parameter_count(step_dims) + plan.activation_bytes(
+            step_dims, rows.seq_len, dtype_name, "full" if ckpt else "none", text_rows=clip.text_len
+        )
+
+    if gradient_checkpointing == "auto":
+        ckpt = total is not None and planned(dims, False) + reserve > total
+        if ckpt:
+            notes.append(
+                f"gradient checkpointing on: the step without it plans {planned(dims, False) / GIB:.1f} GiB "
+                f"of {total / GIB:.1f} GiB"
+            )
+    else:
+        ckpt = gradient_checkpointing == "on"
+    blocks = int(dims["num_layers"])
+    if total is not None:
+        # An 80 GB card cannot hold the optimizer state of 4 full-width blocks: fewer blocks, same widths.
+        while blocks > 1 and planned({**dims, "num_layers": blocks}, ckpt) + reserve > total:
+            blocks -= 1
+    if blocks != dims["num_layers"]:
+        notes.append(
+            f"{blocks} of {dims['num_layers']} blocks, the most whose float32 master weights, gradients and "
+            f"AdamW moments fit in {total / GIB:.1f} GiB"
+        )
+        dims = {**dims, "num_layers": blocks}
+    flops = step_flops(dims, rows)
+
+    if cuda:
+        device_name = torch.cuda.get_device_name(device)
+        table_peak = peak_tflops_for(device_name)
+        peak, peak_source = (
+            (peak_tflops, "--peak-tflops")
+            if peak_tflops
+            else (
+                table_peak,
+                f"table entry for '{device_name}'" if table_peak else "unknown device: pass --peak-tflops",
+            )
+        )
+    else:
+        device_name, peak, peak_source = "cpu", peak_tflops, "--peak-tflops" if peak_tflops else "not applicable on CPU"
+
+    report = BenchReport(
+        device=device_name,
+        mode="reduced" if reduced else "full",
+        dtype=dtype_name,
+        precision=(
+            "float32 master weights; blocks compute in bfloat16 (FSDP2 policy), _keep_in_fp32_modules in float32"
+            if cuda
+            else "float32 weights, gradients and AdamW state (plain tensors)"
+        ),
+        gradient_checkpointing=ckpt,
+        model={k: (list(v) if isinstance(v, tuple) else v) for k, v in dims.items()},
+        parameters=_parameter_count(dims),
+        layout={
+            "task": "fl2va",
+            "keyframes": ["first", "last"],
+            **asdict(clip),
+            "latent_frames": sample.geometry.num_latent_frames,
+            "latent_height": sample.geometry.latent_height,
+            "latent_width": sample.geometry.latent_width,
+            "audio_latents": sample.geometry.num_audio_latents,
+            **asdict(rows),
+            "target_video": rows.video - rows.keyframe,
+        },
+        flops={**asdict(flops), "total": flops.total, "counted": "matmuls; fwd + bwd; recompute not counted"},
+        peak_tflops=peak,
+        peak_tflops_source=peak_source,
+        plan_memory_bytes=planned(dims, ckpt),
+        notes=notes,
+        step_setup={
+            "what": "Trainer.forward_backward + Trainer.update (build_trainer: one rank, sp = 1; "
+            f"{'FSDP2 on a one-rank mesh' if cuda else 'plain tensors'}, clip_grad_norm, fused AdamW, one all-reduce)",
+            "master_weights": "float32",
+            "repeats": repeats,
+            "timing": f"median over the timed steps ({repeats}) after one warm-up step; "
+            + ("CUDA events on the stream" if cuda else "time.perf_counter"),
+        },
+    )
+
+    results = {n: BackendResult(name=n, backend=ATTENTION_BACKENDS[n].diffusers) for n in names}
+    # The reference runs first so every other backend can be compared as soon as it has run.
+    order = sorted(names, key=lambda n: n != REFERENCE_BACKEND)
+    reference: dict[str, torch.Tensor] | None = None
+    with tempfile.TemporaryDirectory(prefix="h3train-bench-") as tmp:
+        for name in order:
+            res = results[name]
+            _progress(f"{name}: building the trainer ({dims['num_layers']} blocks, {rows.seq_len:,} rows, {device})")
+            cfg = trainer_config(dims, clip, dtype_name, ckpt, name, seed, Path(tmp) / name)
+            try:
+                gradients, parity = run_case(
+                    cfg, res, device, repeats, rows.seq_len, flops.total, peak, reference, tolerance
+                )
+            except torch.cuda.OutOfMemoryError as exc:
+                res.status, res.error = "error", f"out of memory: {str(exc).splitlines()[0]}"
+            except Exception as exc:  # a backend that cannot run this shape or build is reported, not fatal
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                res.status, res.error = "error", f"{type(exc).__name__}: {first}"
+            else:
+                reference = gradients if name == REFERENCE_BACKEND else reference
+                if parity is not None:
+                    report.parity.append(parity)
+            _clear_cuda(device)
+            _progress(f"{name}: {res.error or f'{res.step_time_s:.3f} s, sync check {res.sync_check}'}")
+    report.backends = [results[n] for n in names]
+    if reference is None and len(names) > 1:
+        report.notes.append(f"no gradient parity: the reference backend '{REFERENCE_BACKEND}' did not run")
+    return report

@@ -1,0 +1,127 @@
+"""The benchmarked model and sample: the reduced dimensions, a clip's geometry, its synthetic FL2VA samples and rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers import MiniMaxH3Transformer3DModel
+from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames, video_latent_num_frames
+
+from ..config import SyntheticDataConfig
+from ..data.format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
+from ..objective import TrainingInputs
+from ..tasks.layout import PackedSample
+from ..tasks.synthetic import SyntheticSource
+
+REDUCED_DIMS: dict[str, Any] = {
+    "num_attention_heads": 4,
+    "attention_head_dim": 16,  # >= 2 * 3 * rope_freq_dim rotated channels
+    "rope_freq_dim": 2,
+    "hidden_size": 64,
+    "num_refiner_layers": 1,
+    "ffn_dim": 128,
+    "text_dim": 32,
+    "freq_dim": 16,
+    "time_embed_hidden_dim": 64,
+    "time_embed_dim": 32,
+}
+
+
+@dataclass(frozen=True)
+class Clip:
+    """The benchmarked FL2VA sample in pixels: `frames` (17 n + 5) of `height` x `width` (multiples of 32).
+
+    `text_len` rows of text prefix, the first `vision_tokens` after the first token tagged video, as
+    the keyframes' vision blocks are; the split only decides which AdaLN rows are read.
+    """
+
+    frames: int
+    height: int
+    width: int
+    text_len: int
+    vision_tokens: int
+
+
+FULL_CLIP = Clip(frames=124, height=768, width=1344, text_len=2048, vision_tokens=1024)
+REDUCED_CLIP = Clip(frames=22, height=128, width=192, text_len=32, vision_tokens=16)
+
+
+def clip_data(clip: Clip, num_samples: int = 1) -> SyntheticDataConfig:
+    """Synthetic FL2VA samples of `clip`'s geometry (first + last keyframes, stereo audio).
+
+    The one description of the bench's data: `bench_sample` draws from it for the layout and FLOPs,
+    and the trainer of every case trains on it.
+    """
+    return SyntheticDataConfig(
+        num_samples=num_samples,
+        text_len=clip.text_len,
+        vision_tokens=clip.vision_tokens,
+        num_latent_frames=video_latent_num_frames(clip.frames, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK),
+        latent_height=clip.height // 16,
+        latent_width=clip.width // 16,
+        num_audio_latents=audio_latent_num_frames(clip.frames),
+        keyframe_anchors=["first", "last"],
+    )
+
+
+def bench_sample(clip: Clip, text_dim: int, seed: int) -> PackedSample:
+    """One random FL2VA sample (first + last keyframes, stereo audio) of `clip`'s geometry."""
+    return SyntheticSource(clip_data(clip), text_dim, seed)[0]
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Row counts of one packed sequence: `seq_len = text + video + audio`; video includes keyframes."""
+
+    seq_len: int
+    text: int
+    video: int
+    keyframe: int
+    audio: int
+    timesteps: int
+
+
+def rows_of(ti: TrainingInputs) -> Rows:
+    inputs = ti.model_inputs
+    return Rows(
+        seq_len=int(inputs["position_ids"].shape[0]),
+        text=int(inputs["text_indices"].numel()),
+        video=int(inputs["video_indices"].numel()),
+        keyframe=int((ti.loss_mask_video == 0).sum()),
+        audio=int(inputs["audio_indices"].numel()),
+        timesteps=int(inputs["timestep"].numel()),
+    )
+
+
+def build_bench_model(dims: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int):
+    """A seeded random model built on `device`, cast to `dtype` except the `_keep_in_fp32_modules`.
+
+    Not the bench's step (that is the trainer's): the FLOP-count test and `bench_memory`'s
+    activation measurements need the bare model without a trainer around it.
+    """
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.device(device):
+        torch.manual_seed(seed)
+        model = MiniMaxH3Transformer3DModel(**dims)
+    keep = model._keep_in_fp32_modules or []
+    for name, child in model.named_children():
+        # Substring match, as diffusers applies the list (`proj_in` also covers `audio_proj_in`).
+        child.to(torch.float32 if any(k in name for k in keep) else dtype)
+    return model
+
+
+def set_backend(model: MiniMaxH3Transformer3DModel, backend: str) -> None:
+    """`model.set_attention_backend` without diffusers' per-call "experimental feature" warning."""
+    from ..quiet import known_notices
+
+    with known_notices():
+        model.set_attention_backend(backend)
+
+
+def _parameter_count(dims: dict[str, Any]) -> int:
+    """Parameters of `MiniMaxH3Transformer3DModel(**dims)`, counted on the meta device (no memory)."""
+    from ..model.build import meta_transformer
+
+    return sum(p.numel() for p in meta_transformer(dims).parameters())
