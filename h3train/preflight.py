@@ -21,6 +21,7 @@ from .config import Config, dataset_specs, load_config, measures_held_out_loss
 from .data.dataset import index_entries
 from .data.format import INDEX_NAME, read_header, resolve_in_folder
 from .data.mixture import dataset_key, epoch_draws
+from .data.source import data_source
 from .errors import ConfigError, DatasetError
 from .lora.targets import meta_model, resolve_targets, resolve_train_modules
 from .model.dims import check_model_kwargs, model_dims, planned_model_dims, pretrained_config_file
@@ -131,7 +132,7 @@ def preflight(cfg: Config, planning: bool = False) -> list[str]:
     if not notes:
         _check_builds(cfg, dims)
     notes += _check_dataset(cfg, dims, required=not planning)
-    check_partition(cfg)
+    check_partition(cfg, data_source(cfg).sample_tasks)
     kind = device_type(cfg)
     resolve_attention_backend(cfg.model.attention_backend, kind, cfg.model.dtype)
     if cfg.model.dtype == "bfloat16" and kind == "cuda" and not torch.cuda.is_bf16_supported():
@@ -167,7 +168,7 @@ def _check_dataset(cfg: Config, dims: dict[str, Any], required: bool) -> list[st
     dataset come from one text encoder, so one header tells the width of all of them.
     """
     data = cfg.data
-    if data.source != "cached":
+    if not data_source(cfg).reads_folders:
         return []
     specs = dataset_specs(data)
     sizes, notes = [], []

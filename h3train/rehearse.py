@@ -217,21 +217,17 @@ def fake_process_group(world_size: int) -> Iterator[list[str]]:
 def planned_sample(cfg: Config, text_dim: int) -> tuple[Any, int, str]:
     """(sample, text rows, where it comes from): the sample `plan.config_sample_rows` plans for.
 
-    Synthetic data: its first sample. A readable cached dataset: its longest sample. Away from the
-    data: the released 15 s FL2VA clip (`RELEASED_CLIP`), synthetic latents of its geometry.
+    The data source's longest sample (`DataSource.longest_sample`); away from the data, the released
+    15 s FL2VA clip (`RELEASED_CLIP`), synthetic latents of its geometry.
     """
-    from .data.source import build_source
+    from .data.source import data_source
 
     rows, text_rows, source = config_sample_rows(cfg)
-    if cfg.data.source == "synthetic":
-        sample = build_source(cfg, text_dim)[0]
-    elif rows == RELEASED_MAX_ROWS and source.startswith("longest released clip"):
+    if rows == RELEASED_MAX_ROWS and source.startswith("longest released clip"):
         sample = bench_sample(RELEASED_CLIP, text_dim, cfg.train.seed)
         source = "longest released clip (15 s 768x1344 FL2VA, synthetic latents); data.path is not readable here"
     else:
-        found = build_source(cfg, text_dim)
-        lengths = found.lengths
-        sample = found[max(range(len(lengths)), key=lengths.__getitem__)]
+        sample = data_source(cfg).longest_sample(cfg, text_dim)
     if sample.layout.seq_len != rows:
         raise RuntimeError(f"the rehearsed sample packs {sample.layout.seq_len} rows, the plan {rows}")
     return sample, text_rows, source

@@ -273,11 +273,14 @@ def test_mixed_says_which_partition_it_trains(tmp_path, capsys: pytest.CaptureFi
 
 
 def test_mixed_on_a_config_built_model_trains_every_task(capsys: pytest.CaptureFixture) -> None:
+    from h3train.data.source import data_source
     from h3train.tasks.partition import check_partition
 
-    line = check_partition(load_config(TINY_FL2VA, ["task.name=mixed"]))
+    cfg = load_config(TINY_FL2VA, ["task.name=mixed"])
+    line = check_partition(cfg, data_source(cfg).sample_tasks)
     assert "model.config" in line and capsys.readouterr().out == line + "\n"
-    assert check_partition(load_config(TINY_FL2VA, [])) is None
+    cfg = load_config(TINY_FL2VA, [])
+    assert check_partition(cfg, data_source(cfg).sample_tasks) is None
 
 
 @pytest.mark.slow

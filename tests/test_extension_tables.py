@@ -1,4 +1,5 @@
-"""The extension tables: the config's choices are the tables', and a kind registered from outside the package
+"""The extension tables (adapter kinds, optimizer kinds, data sources, attention backends): the config's
+choices are the tables', and a kind registered from outside the package
 (a few lines here) trains, resumes and exports like a built-in one.
 
 The outside kinds: rsLoRA (an adapter kind: LoRA with peft's `use_rslora`, output scale `alpha / sqrt(r)`)
@@ -20,6 +21,7 @@ from test_adapter_kinds import peft_model_from_dump
 from h3train import config
 from h3train.cli import main
 from h3train.config import load_config, schema
+from h3train.data import source
 from h3train.errors import ConfigError
 from h3train.lora import kinds
 from h3train.lora.export import DIFFUSERS_WEIGHT_NAME
@@ -82,6 +84,7 @@ def test_config_choices_are_the_tables() -> None:
     assert config.choices("optim.name") == tuple(optim.OPTIMIZER_KINDS)
     assert set(kinds.ADAPTER_KINDS) == {"lora", "dora", "lokr", "loha"}
     assert config.choices("model.attention_backend") == attention.CONFIG_CHOICES
+    assert config.choices("data.source") == tuple(source.DATA_SOURCES) == ("synthetic", "cached")
 
 
 @pytest.fixture(scope="module")

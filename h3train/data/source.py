@@ -2,9 +2,11 @@
 
 A **sample source** is indexable: `len(source)`, `source[i]` -> `PackedSample`, and `lengths` (the
 packed length of every sample, for bucketing and planning, known without reading the samples).
-`build_source` makes the one `data.source` names (several `data.path` datasets are one
-`DatasetMixture`); the trainer, the planner, validation and preflight all take theirs from it, and
-`build_sampler` the sampler that draws from it.
+`DATA_SOURCES` holds the kinds `data.source` names, each saying how its samples are made, which sample
+tasks it holds (the partition check) and its longest sample (the memory plan, the rehearsal);
+`build_source` makes the configured one (several `data.path` datasets are one `DatasetMixture`). The
+trainer, the planner, validation and preflight all take theirs from it, and `build_sampler` the
+sampler that draws from it.
 
 The loop does not index a source itself: it asks a **micro-batch stream** for micro-batch `micro`
 of step `step` (`MicroBatchStream.next`). The indexable stream below draws indices from the
@@ -15,12 +17,14 @@ three methods (`next`, `state_dict` / `load_state_dict`, `close`) and the loop s
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
-from ..config import Config, dataset_specs
+from ..config import Config, dataset_specs, register_choice
 from ..errors import ConfigError
 from ..tasks.layout import PackedSample
 from .prefetch import MicroBatchPosition, Prefetcher, micro_batch_positions
@@ -47,10 +51,165 @@ class SampleSource(Protocol):
 # `(size, draws per epoch)`, which `build_sampler` hands to the sampler.
 
 
+OnSkip = Callable[[str, str], None]
+
+
+class DataSource:
+    """One `data.source`. Subclass, set `name`, override what differs, register an instance."""
+
+    name: ClassVar[str]
+    #: Whether its samples live in folders preflight reads before the run (`data.path`).
+    reads_folders: ClassVar[bool] = False
+
+    def build(self, cfg: Config, text_dim: int | None, on_skip: OnSkip | None) -> SampleSource:
+        """The run's samples; `text_dim` (the model's prompt width) sizes made-up prompts."""
+        raise NotImplementedError
+
+    def sample_tasks(self, cfg: Config) -> Counter[str] | None:
+        """How many samples of each sample task it holds; None when that cannot be known yet."""
+        raise NotImplementedError
+
+    def longest(self, cfg: Config) -> tuple[int, int, str] | None:
+        """(packed rows, text rows, where that comes from) of its longest sample; None when its data
+        cannot be read here (the plan then assumes the longest released clip)."""
+        raise NotImplementedError
+
+    def longest_sample(self, cfg: Config, text_dim: int) -> PackedSample:
+        """The sample `longest` describes."""
+        source = self.build(cfg, text_dim, None)
+        lengths = source.lengths
+        return source[max(range(len(lengths)), key=lengths.__getitem__)]
+
+
+class SyntheticData(DataSource):
+    """Random latents and prompts of one configured geometry (`tasks/synthetic.py`), made in memory."""
+
+    name = "synthetic"
+
+    def build(self, cfg: Config, text_dim: int | None, on_skip: OnSkip | None) -> SampleSource:
+        if text_dim is None:
+            raise ValueError("a synthetic source needs the model's text_dim")
+        from ..tasks.synthetic import SyntheticSource
+
+        return SyntheticSource(cfg.data.synthetic, text_dim, cfg.train.seed, cfg.task.name)
+
+    def sample_tasks(self, cfg: Config) -> Counter[str] | None:
+        from ..tasks.synthetic import synthetic_anchors
+        from ..tasks.table import sample_task_of
+
+        made = sample_task_of("keyframes" if synthetic_anchors(cfg.data.synthetic, cfg.task.name) else None)
+        return Counter({made: cfg.data.synthetic.num_samples})
+
+    def longest(self, cfg: Config) -> tuple[int, int, str] | None:
+        from ..tasks.layout import Geometry, build_layout
+        from ..tasks.synthetic import synthetic_anchors
+        from ..tasks.table import sample_task_of
+
+        syn = cfg.data.synthetic
+        geometry = Geometry(syn.num_latent_frames, syn.latent_height, syn.latent_width, syn.num_audio_latents)
+        # The anchors the run's samples carry: none for a task that trains no fl2va samples (t2va).
+        anchors = synthetic_anchors(syn, cfg.task.name)
+        task = sample_task_of("keyframes" if anchors else None)
+        tags = torch.ones(syn.text_len, dtype=torch.long)
+        return build_layout(task, tags, geometry, anchors).seq_len, syn.text_len, "synthetic geometry"
+
+    def longest_sample(self, cfg: Config, text_dim: int) -> PackedSample:
+        return self.build(cfg, text_dim, None)[0]  # every sample has the configured geometry
+
+
+class CachedData(DataSource):
+    """Encoded samples in one or more dataset folders (`data.path`, `data/format.py`)."""
+
+    name = "cached"
+    reads_folders = True
+
+    def build(self, cfg: Config, text_dim: int | None, on_skip: OnSkip | None) -> SampleSource:
+        from ..train.faults import FaultInjector
+        from .dataset import CachedDataset
+
+        corrupt = FaultInjector(cfg.debug.fault, rank=0).corrupt_samples()
+        specs = dataset_specs(cfg.data)
+        datasets = [
+            CachedDataset(
+                spec.path, cfg.task.name, on_error=cfg.data.on_error, on_skip=on_skip, injected_corrupt=corrupt
+            )
+            for spec in specs
+        ]
+        if isinstance(cfg.data.path, str):
+            return datasets[0]
+        from .mixture import DatasetMixture
+
+        return DatasetMixture(datasets, specs)
+
+    def sample_tasks(self, cfg: Config) -> Counter[str] | None:
+        from ..tasks.table import TRAINING_TASKS
+        from .format import INDEX_NAME, read_index
+
+        specs = dataset_specs(cfg.data)
+        if not specs:
+            return None
+        tasks: Counter[str] = Counter()
+        for spec in specs:
+            if not (Path(spec.path) / INDEX_NAME).is_file():
+                if not cfg.data.create_synthetic:
+                    return None
+                return Counter(dict.fromkeys(TRAINING_TASKS[cfg.task.name].sample_tasks, 1))
+            tasks.update(entry.task for entry in read_index(spec.path))
+        return tasks
+
+    def longest(self, cfg: Config) -> tuple[int, int, str] | None:
+        """The longest sample of the dataset indexes; its text rows from its header (one file read)."""
+        from ..errors import DatasetError, SampleError
+        from .format import read_header
+
+        specs = dataset_specs(cfg.data)
+        if not specs or not all(Path(spec.path).is_dir() for spec in specs):
+            return None
+        try:
+            source = self.build(cfg, None, None)
+            lengths = source.lengths
+        except DatasetError as exc:
+            raise ConfigError(f"config key 'data.path': {exc}") from None
+        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        if hasattr(source, "locate"):  # a mixture: the dataset, then the sample within it
+            part, index = source.locate(longest)
+            sample = source.datasets[part], index
+        else:
+            sample = source, longest
+        try:
+            text_rows = read_header(sample[0].path(sample[1])).specs["text_token_tags"].shape[0]
+        except SampleError:  # training skips or reports it (`data.on_error`); the plan assumes a released prefix
+            text_rows = None
+        found = "longest sample in the dataset index" + ("es" if len(specs) > 1 else "")
+        return lengths[longest], text_rows, found
+
+
+#: `data.source` -> its kind, in registration order.
+DATA_SOURCES: dict[str, DataSource] = {}
+
+
+def register_data_source(kind: DataSource) -> DataSource:
+    """Add `kind` to the table and make its name a choice of `data.source`."""
+    if kind.name in DATA_SOURCES:
+        raise ValueError(f"data source {kind.name!r} is already registered")
+    DATA_SOURCES[kind.name] = kind
+    register_choice("data.source", kind.name)
+    return kind
+
+
+for _kind in (SyntheticData(), CachedData()):
+    register_data_source(_kind)
+
+
+def data_source(cfg: Config) -> DataSource:
+    """The kind `data.source` names."""
+    return DATA_SOURCES[cfg.data.source]
+
+
 def build_source(
     cfg: Config,
     text_dim: int | None = None,
-    on_skip: Callable[[str, str], None] | None = None,
+    on_skip: OnSkip | None = None,
     path: str | None = None,
 ) -> SampleSource:
     """The source `data.source` names, or the cached dataset at `path` (validation's held-out set).
@@ -58,28 +217,11 @@ def build_source(
     `text_dim` (the model's prompt width) sizes synthetic prompts; `on_skip(sample_id, reason)` hears
     every sample `data.on_error=skip` passes over.
     """
-    if path is None and cfg.data.source == "synthetic":
-        if text_dim is None:
-            raise ValueError("a synthetic source needs the model's text_dim")
-        from ..tasks.synthetic import SyntheticSource
-
-        return SyntheticSource(cfg.data.synthetic, text_dim, cfg.train.seed, cfg.task.name)
-    from ..train.faults import FaultInjector
-    from .dataset import CachedDataset
-
     if path is not None:
-        return CachedDataset(path, cfg.task.name)
-    corrupt = FaultInjector(cfg.debug.fault, rank=0).corrupt_samples()
-    specs = dataset_specs(cfg.data)
-    datasets = [
-        CachedDataset(spec.path, cfg.task.name, on_error=cfg.data.on_error, on_skip=on_skip, injected_corrupt=corrupt)
-        for spec in specs
-    ]
-    if isinstance(cfg.data.path, str):
-        return datasets[0]
-    from .mixture import DatasetMixture
+        from .dataset import CachedDataset
 
-    return DatasetMixture(datasets, specs)
+        return CachedDataset(path, cfg.task.name)
+    return data_source(cfg).build(cfg, text_dim, on_skip)
 
 
 def build_sampler(source: SampleSource, cfg: Config, dp_rank: int, dp_size: int) -> DistributedSampler:

@@ -41,49 +41,16 @@ def config_rows(cfg: Config) -> tuple[int, str]:
 def config_sample_rows(cfg: Config) -> tuple[int, int, str]:
     """`config_rows`, with the text rows of that sample between: the rows the text refiner runs over.
 
-    Synthetic data: `data.synthetic.text_len`. Cached data: the prompt length in the longest
-    sample's header (one file read); away from the data, the released clips' `RELEASED_TEXT_ROWS`.
+    The data source's longest sample (`DataSource.longest`); away from the data, the longest released
+    clip and its `RELEASED_TEXT_ROWS`.
     """
-    import torch
+    from ..data.source import data_source
 
-    if cfg.data.source == "synthetic":
-        from ..tasks.layout import Geometry, build_layout
-        from ..tasks.synthetic import synthetic_anchors
-        from ..tasks.table import sample_task_of
-
-        syn = cfg.data.synthetic
-        geometry = Geometry(syn.num_latent_frames, syn.latent_height, syn.latent_width, syn.num_audio_latents)
-        # The anchors the run's samples carry: none for a task that trains no fl2va samples (t2va).
-        anchors = synthetic_anchors(syn, cfg.task.name)
-        task = sample_task_of("keyframes" if anchors else None)
-        tags = torch.ones(syn.text_len, dtype=torch.long)
-        return build_layout(task, tags, geometry, anchors).seq_len, syn.text_len, "synthetic geometry"
-    from ..config import dataset_specs
-
-    specs = dataset_specs(cfg.data)
-    if not specs or not all(Path(spec.path).is_dir() for spec in specs):
+    found = data_source(cfg).longest(cfg)
+    if found is None:
         return RELEASED_MAX_ROWS, RELEASED_TEXT_ROWS, "longest released clip; data.path is not readable here"
-    from ..data.format import read_header
-    from ..data.source import build_source
-    from ..errors import ConfigError, DatasetError, SampleError
-
-    try:
-        source = build_source(cfg)
-        lengths = source.lengths
-    except DatasetError as exc:
-        raise ConfigError(f"config key 'data.path': {exc}") from None
-    longest = max(range(len(lengths)), key=lengths.__getitem__)
-    if hasattr(source, "locate"):  # a mixture: the dataset, then the sample within it
-        part, index = source.locate(longest)
-        sample = source.datasets[part], index
-    else:
-        sample = source, longest
-    try:
-        text_rows = read_header(sample[0].path(sample[1])).specs["text_token_tags"].shape[0]
-    except SampleError:  # training skips or reports it (`data.on_error`); plan for a released prefix
-        text_rows = min(RELEASED_TEXT_ROWS, lengths[longest])
-    found = "longest sample in the dataset index" + ("es" if len(specs) > 1 else "")
-    return lengths[longest], text_rows, found
+    rows, text_rows, where = found
+    return rows, min(RELEASED_TEXT_ROWS, rows) if text_rows is None else text_rows, where
 
 
 def checkpointed_layers(cfg: Config, num_layers: int) -> int:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
-from ..config import Config, dataset_specs
+from ..config import Config
 from ..errors import ConfigError
-from .table import PARTITIONS, TRAINING_TASKS, partition_tasks, sample_task_of
+from .table import PARTITIONS, partition_tasks
 
 
 def mixed_subfolder(cfg: Config) -> str:
@@ -32,31 +33,11 @@ def mixed_subfolder(cfg: Config) -> str:
     )
 
 
-def _data_tasks(cfg: Config) -> Counter[str] | None:
-    """Sample tasks of the data the run reads (None when there is no index to read yet)."""
-    data = cfg.data
-    if data.source == "synthetic":
-        from .synthetic import synthetic_anchors
-
-        made = sample_task_of("keyframes" if synthetic_anchors(data.synthetic, cfg.task.name) else None)
-        return Counter({made: data.synthetic.num_samples})
-    from ..data.format import INDEX_NAME, read_index
-
-    specs = dataset_specs(data)
-    if not specs:
-        return None
-    tasks: Counter[str] = Counter()
-    for spec in specs:
-        if not (Path(spec.path) / INDEX_NAME).is_file():
-            if not data.create_synthetic:
-                return None
-            return Counter(dict.fromkeys(TRAINING_TASKS[cfg.task.name].sample_tasks, 1))
-        tasks.update(entry.task for entry in read_index(spec.path))
-    return tasks
-
-
-def check_partition(cfg: Config) -> str | None:
+def check_partition(cfg: Config, sample_tasks: Callable[[Config], Counter[str] | None]) -> str | None:
     """For `task.name=mixed`: refuse data that does not fit the partition, and say what is trained.
+
+    `sample_tasks(cfg)`: how many samples of each sample task the data holds (`DataSource.sample_tasks`;
+    None when that cannot be known yet), read only for a mixed run.
 
     Returns the line (printed on rank 0 here, so it is said once at start); None for other tasks.
     Raises `ConfigError` for a pretrained mixed run without `model.subfolder`, a subfolder that is
@@ -64,7 +45,7 @@ def check_partition(cfg: Config) -> str | None:
     """
     if cfg.task.name != "mixed":
         return None
-    tasks = _data_tasks(cfg)
+    tasks = sample_tasks(cfg)
     if cfg.model.config or not cfg.model.pretrained:
         line = (
             "task.name=mixed: training one model built from model.config on t2va, fl2va and ref2va samples "
