@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_check.sh [--out PATH] [other `h3train bench` options]
 #
-# Runs `h3train bench --checks` (h3train/bench.py, then h3train/gpu_checks.py), in one process:
+# Runs `h3train bench --checks` (h3train/bench/, then h3train/gpu_checks.py), in one process:
 #  - the bench: the full-width model (hidden 5376, 56 heads, 4 blocks) in bfloat16 at the released
 #    768x1344 x 124-frame layout (41,774 packed rows) with the flash, cuDNN and native attention
 #    backends: one Trainer per backend, each backend's gradients against native's, and the trainer's
