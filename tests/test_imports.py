@@ -182,3 +182,17 @@ def test_the_config_schema_imports_only_errors() -> None:
     assert {"h3train.config.schema", "h3train.config.load", "h3train.config.checks"} <= package
     assert set().union(*(graph[name] for name in package)) - package == {"h3train.errors"}
     assert graph["h3train.config.schema"] == set()
+
+
+def test_the_plan_arithmetic_reads_neither_a_config_nor_data() -> None:
+    """The memory arithmetic takes constructor kwargs and mesh sizes; what reads a config or a dataset is apart."""
+    graph = import_graph()
+    direct = graph["h3train.plan.arithmetic"]
+    assert not {name for name in direct if name.startswith(("h3train.config", "h3train.data"))}, direct
+    reached, todo = set(), ["h3train.plan.arithmetic"]
+    while todo:
+        for name in graph[todo.pop()] - reached:
+            reached.add(name)
+            todo.append(name)
+    assert not {name for name in reached if name.startswith("h3train.data")}
+    assert "h3train.plan.inputs" not in reached and "h3train.plan.report" not in reached
