@@ -2,10 +2,11 @@
 
 Every choice a config makes about *which* part to use is taken here and nowhere else: the model and
 its transforms (adapters; `transforms.py` names them, so that the memory plan can ask as well),
-the optimizer and schedule, the sample source and its micro-batch stream, the step hooks, the
-checkpointer and the resume decision. `build_trainer` runs them in the order the start-up needs
-(checks before any process group, the resume decision before the model is built, FSDP2 before the
-optimizer) and hands the parts to `Trainer`, which only wires them into the loop.
+the optimizer and schedule, the sample source and its micro-batch stream, the step hooks (the
+debug ones too: fault injection, the step dump), the metrics logger, the checkpointer and the
+resume decision. `build_trainer` runs them in the order the start-up needs (checks before any
+process group, the resume decision before the model is built, FSDP2 before the optimizer) and
+hands the parts to `Trainer`, which only wires them into the loop.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +49,12 @@ from ..preflight import preflight
 from ..quiet import known_notices
 from ..runlock import RunLock
 from .checkpoint import Checkpointer, checkpoint_root, room_needed
+from .dump import StepDump
 from .events import EventLog, Progress
-from .faults import FaultInjector
+from .faults import FaultHook, FaultInjector
 from .guard import ValidationWatch
 from .hooks import ModelTransform, TrainerHook
+from .metrics import MetricsLogger
 from .optim import build_optimizer, build_scheduler, weights_dtype
 from .resume import Resume
 from .rundir import probe_writable
@@ -66,7 +69,8 @@ class TrainingParts:
     `resume`); `adapter` is the transform that owns what checkpoints of an adapted model record
     (None in full fine-tuning); `batches` yields the micro-batches of `source`; `data_errors` and
     `spike_log` are this rank's event logs (written by SP rank 0 of each group only), `progress` the
-    step counters they and the trainer share; `lock` the run folders' lock (rank 0; `close` releases it).
+    step counters they and the trainer share; `metrics` the logger `Trainer.fit` opens at the step it
+    starts from; `lock` the run folders' lock (rank 0; `close` releases it).
     """
 
     cfg: Config
@@ -88,6 +92,7 @@ class TrainingParts:
     spike_log: EventLog
     progress: Progress
     watch: ValidationWatch
+    metrics: MetricsLogger
     lock: RunLock | None = None
 
 
@@ -221,6 +226,18 @@ def _assemble(
         planned_bytes=planned_bytes,
     )
     checkpointer.clean_incomplete()
+    faults = FaultInjector(cfg.debug.fault, ctx.rank)
+    if hooks is None:
+        hooks = step_hooks(cfg, ctx.rank, shared_negative=shared_negative)
+    metrics = MetricsLogger(
+        log_dir,
+        ctx.is_main,
+        cfg.logging.wandb,
+        asdict(cfg),
+        cfg.train.steps,
+        progress=cfg.logging.progress,
+        tensorboard=cfg.logging.tensorboard,
+    )
     parts = TrainingParts(
         cfg=cfg,
         ctx=ctx,
@@ -233,14 +250,15 @@ def _assemble(
         source=source,
         batches=batches,
         shared_negative=shared_negative,
-        hooks=list(step_hooks(cfg, ctx.rank, shared_negative=shared_negative) if hooks is None else hooks),
+        hooks=[*debug_hooks(cfg, faults, log_dir, model_config), *hooks],
         checkpointer=checkpointer,
         resume=resume,
-        faults=FaultInjector(cfg.debug.fault, ctx.rank),
+        faults=faults,
         data_errors=data_errors,
         spike_log=spike_log,
         progress=progress,
         watch=ValidationWatch(cfg.checkpoint.keep_best, cfg.checkpoint.keep_best_mode, cfg.validation.guard),
+        metrics=metrics,
         lock=lock,
     )
     return parts
@@ -345,6 +363,17 @@ def after_load(transforms: Sequence[ModelTransform], model: nn.Module) -> None:
         finish = getattr(transform, "after_load", None)
         if callable(finish):
             finish(model)
+
+
+def debug_hooks(cfg: Config, faults: FaultInjector, log_dir: Path, model_config: dict[str, Any]) -> list[TrainerHook]:
+    """The hooks of `debug`, which run before every other hook whatever hooks a caller gives:
+    fault injection (`debug.fault`), then the dump of `debug.dump_step` (it sees injected faults)."""
+    hooks: list[TrainerHook] = []
+    if faults.faults:
+        hooks.append(FaultHook(faults))
+    if cfg.debug.dump_step is not None:
+        hooks.append(StepDump(cfg.debug.dump_step, log_dir, model_config))
+    return hooks
 
 
 def step_hooks(

@@ -16,12 +16,15 @@
   and `lora`: the adapter's peft `LoraConfig` as a dict (null in full fine-tuning), so the step is
   rebuilt with diffusers and peft alone: `add_adapter(LoraConfig(**lora))`,
   `set_peft_model_state_dict`, the base loaded before the adapter is added.
+
+`StepDump` is the step hook that gathers and writes it (`debug.dump_step`).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,6 +34,7 @@ from ..atomic import atomic_save_file, atomic_write_text
 from ..lora.names import export_name
 from ..lora.quant import dequantize
 from ..objective import TrainingInputs
+from .hooks import MicroBatchEvent, TrainerHook, TrainerView
 
 ROOT_PREFIX = "transformer."
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -109,3 +113,43 @@ def write_dump(
     for name, tensors in (("inputs", inputs), ("weights", weights), ("grads", grads)):
         atomic_save_file(tensors, out_dir / f"{name}.safetensors", metadata={"format": "pt"})
     atomic_write_text(out_dir / "meta.json", json.dumps(meta, indent=2, default=str))
+
+
+class StepDump(TrainerHook):
+    """Dumps optimizer step `step` to `<log_dir>/dump/step_<step>/`: each micro-batch's inputs as it
+    runs, then the weights and the gradients once the backward is done, before the update.
+
+    `model_config` is the transformer's config as `meta.json` records it.
+    """
+
+    def __init__(self, step: int, log_dir: Path, model_config: dict[str, Any]) -> None:
+        self.step = step
+        self.log_dir = log_dir
+        self.model_config = model_config
+        self._inputs: dict[str, torch.Tensor] = {}
+        self._metas: list[dict] = []
+
+    def on_micro_batch(self, trainer: TrainerView, batch: MicroBatchEvent) -> None:
+        if batch.step == self.step:
+            self._inputs.update(micro_batch_tensors(batch.index, batch.inputs))
+            self._metas.append(batch.sample.meta())
+
+    def after_backward(self, trainer: TrainerView, step: int) -> None:
+        if step != self.step:
+            return
+        inputs, metas, self._inputs, self._metas = self._inputs, self._metas, {}, []
+        # Unsharding is collective: every rank gathers, rank 0 writes.
+        weights = diffusers_state(trainer.model, grads=False)
+        grads = diffusers_state(trainer.model, grads=True)
+        ctx = trainer.ctx
+        if ctx.is_main:
+            meta = {
+                "step": step,
+                "model_config": self.model_config,
+                "num_micro_batches": len(metas),
+                "dp_size": ctx.dims.dp,
+                "sp_size": ctx.dims.sp,
+                "micro_batches": metas,
+                "lora": lora_meta(trainer.model),
+            }
+            write_dump(self.log_dir / "dump" / f"step_{step}", inputs, weights, grads, meta)

@@ -1,6 +1,8 @@
 """Fault injection (`debug.fault`), so that every failure path has a test that really takes it.
 
 Each entry is `KIND@STEP[:RANK]` (or `corrupt_sample@ID`). Without a rank, every rank is hit.
+`FaultHook` takes the step faults in the loop; the checkpointer's commit and the data source ask
+the `FaultInjector` for theirs.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import signal
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..parallel.fsdp import local_tensor
+from .hooks import MicroBatchEvent, TrainerHook, TrainerView
 
 STEP_KINDS = ("nan_loss", "nan_grad", "kill", "sigterm", "kill_in_save")
 
@@ -65,3 +69,27 @@ class FaultInjector:
         """
         if self.active(kind, step) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
             os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGKILL)
+
+
+class FaultHook(TrainerHook):
+    """The step faults, at the points a real one strikes: `kill` / `sigterm` before the step,
+    `nan_loss` on every micro-batch's loss before its backward, `nan_grad` on a gradient after it.
+
+    Runs first among the hooks, so a fault before the step comes before any other hook's work.
+    """
+
+    def __init__(self, faults: FaultInjector) -> None:
+        self.faults = faults
+
+    def before_step(self, trainer: TrainerView, step: int) -> None:
+        self.faults.maybe_die("kill", step)
+        self.faults.maybe_die("sigterm", step)
+
+    def on_micro_batch(self, trainer: TrainerView, batch: MicroBatchEvent) -> None:
+        if self.faults.active("nan_loss", batch.step):
+            batch.loss = batch.loss * float("nan")
+
+    def after_backward(self, trainer: TrainerView, step: int) -> None:
+        if self.faults.active("nan_grad", step):
+            grad = next(p for p in trainer.model.parameters() if p.grad is not None).grad
+            local_tensor(grad).fill_(float("nan"))

@@ -17,6 +17,10 @@ collectives, since every rank calls them at the same points. A hook with state t
 resume also implements `state_dict()` / `load_state_dict()` (DCP's `Stateful`) and joins the
 checkpoint under its `name`: `Trainer.add_hook` registers it in `Trainer.checkpoint_state`.
 
+A hook may also follow each micro-batch: `on_micro_batch` sees its inputs and loss after the forward
+and may replace the loss before the backward (a debug fault), and `after_backward` runs once the
+step's gradients have accumulated, before the update reads them (a debug dump, a fault on them).
+
 A hook sees the trainer only as a `TrainerView`: the few attributes and services it may use. The
 trainer satisfies the protocol structurally, so no hook imports the trainer's module and a hook can
 be driven by any object with the same surface. A hook that offers something back to the trainer
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -38,7 +43,9 @@ from ..config import Config
 
 if TYPE_CHECKING:
     from ..model.sp_forward import SequenceParallelH3
+    from ..objective import TrainingInputs
     from ..parallel.dims import ParallelContext
+    from ..tasks.layout import PackedSample
 
 ModelTransform = Callable[[MiniMaxH3Transformer3DModel, Config], None]
 """`transform(transformer, cfg)`: edit the unsharded transformer in place before sharding."""
@@ -102,8 +109,25 @@ class EvaluationWeights(Protocol):
         """The parameters hold the evaluation weights inside the block and their own values after it."""
 
 
+@dataclass
+class MicroBatchEvent:
+    """One micro-batch of optimizer step `step` after its forward: what `on_micro_batch` sees.
+
+    `index` counts the step's micro-batches from 0; `inputs` are as the stream gave them, before the
+    forward moved them to the device. `loss` is what the backward runs on (divided by the
+    accumulation) and what the step sums; a hook may replace it.
+    """
+
+    step: int
+    index: int
+    sample: PackedSample
+    inputs: TrainingInputs
+    loss: torch.Tensor
+
+
 class TrainerHook:
-    """Called by `Trainer.fit` on every rank; each method does nothing unless overridden."""
+    """Called by `Trainer.fit` (the micro-batch methods by `Trainer.forward_backward`) on every rank;
+    each method does nothing unless overridden."""
 
     #: Key of this hook's state in the checkpoint, when it has `state_dict` / `load_state_dict`.
     name: str = ""
@@ -116,6 +140,12 @@ class TrainerHook:
 
     def before_step(self, trainer: TrainerView, step: int) -> None:
         """Before optimizer step `step` (1-based) starts loading its micro-batches."""
+
+    def on_micro_batch(self, trainer: TrainerView, batch: MicroBatchEvent) -> None:
+        """After the forward of each micro-batch, before its backward; may set `batch.loss`."""
+
+    def after_backward(self, trainer: TrainerView, step: int) -> None:
+        """After the backward of step `step`'s last micro-batch, before the update reads the gradients."""
 
     def after_step(self, trainer: TrainerView, step: int, stats: Mapping[str, float]) -> Mapping[str, float] | None:
         """After step `step` updated (or skipped); returned values join the step's logged metrics."""

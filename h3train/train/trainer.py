@@ -2,7 +2,8 @@
 
 `Trainer` receives its parts built (`assemble.py`) and wires them: a step is `forward_backward`
 (micro-batches, losses, gradients) then `update` (norm, clip, optimizer, schedule), and `fit` runs
-steps with the hooks, metrics and checkpoints around them.
+steps with the hooks, metrics and checkpoints around them. The step's sums travel in one all-reduce,
+named by `reduction.StepTotals`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,10 +30,9 @@ from ..errors import TrainingError
 from ..objective import cfg_enabled, compute_loss
 from ..parallel.fsdp import local_tensor
 from .checkpoint import AttributeState, ModelState, OptimizerState, ScheduleState, step_dir_name
-from .dump import diffusers_state, lora_meta, micro_batch_tensors, write_dump
 from .events import SpikeDetector
 from .guard import Verdict
-from .hooks import EvaluationWeights, TrainerHook
+from .hooks import EvaluationWeights, MicroBatchEvent, TrainerHook
 from .metrics import (
     MEMORY_KEY,
     MetricsLogger,
@@ -42,6 +42,7 @@ from .metrics import (
     write_resolved_config,
 )
 from .preemption import INTERRUPT, NONE, PREEMPT, Preemption
+from .reduction import StepTotals
 
 if TYPE_CHECKING:
     from .assemble import TrainingParts
@@ -54,15 +55,15 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 class StepGradients:
     """What `forward_backward` leaves for `update`: gradients on the parameters, and these sums.
 
-    `device_sums` `[5]` float64 on the device: loss, video, audio, video_fm, audio_fm summed over
-    micro-batches (audio terms of silent clips zeroed). `host_sums`: has_audio, rows,
-    cfg_scale_video, cfg_scale_audio summed on the host. `losses`: each micro-batch's loss on the
-    device (spike detection); `sample_ids` the micro-batches' samples.
+    `device_sums` float64 on the device: `StepTotals.loss_names` summed over micro-batches (audio
+    terms of silent clips zeroed). `host_sums`: the host's counts by their `StepTotals` names.
+    `losses`: each micro-batch's loss on the device (spike detection); `sample_ids` the
+    micro-batches' samples.
     """
 
     started: float
     device_sums: torch.Tensor
-    host_sums: list[float]
+    host_sums: dict[str, float] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     sample_ids: list[str] = field(default_factory=list)
 
@@ -79,6 +80,7 @@ class Trainer:
         self.source, self.batches = parts.source, parts.batches
         self.shared_negative = parts.shared_negative
         self.checkpointer, self.faults, self.progress = parts.checkpointer, parts.faults, parts.progress
+        self.metrics = parts.metrics
         self.data_errors, self.spike_log = parts.data_errors, parts.spike_log
         self.lock = parts.lock
         self.event_logs = [self.data_errors.path, self.spike_log.path]
@@ -90,6 +92,7 @@ class Trainer:
         self.stop_request = NONE
         self.preempt = Preemption()
         self.interrupted = False
+        # The logger while `fit` runs (opened at the step it starts from), else None.
         self._metrics: MetricsLogger | None = None
         self._pending_validation: list[tuple[int, dict[str, float]]] = []
         # What this step's validation rows ask for (`guard.py`); the reason a guard stopped the run.
@@ -224,24 +227,21 @@ class Trainer:
         counts join them once per step in `update`. The step's peak memory is measured from here
         (`metrics.peak_memory_gib`).
         """
-        cfg = self.cfg
         reset_peak_memory(self.device)
-        accum = cfg.train.grad_accum
-        dump = cfg.debug.dump_step == step
-        grads = StepGradients(
-            time.perf_counter(), torch.zeros(5, dtype=torch.float64, device=self.device), [0.0, 0.0, 0.0, 0.0]
-        )
+        accum = self.cfg.train.grad_accum
+        zero = torch.zeros(len(StepTotals.loss_names()), dtype=torch.float64, device=self.device)
+        grads = StepGradients(time.perf_counter(), zero)
         self.optimizer.zero_grad(set_to_none=True)
-        dumped, metas = {}, []
         for micro in range(accum):
             self.phase = f"loading micro-batch {micro} of step {step}"
             sample, ti = self.batches.next(step, micro)
             grads.sample_ids.append(sample.sample_id)
             self.phase = f"forward of step {step}"
             parts = compute_loss(self.model, ti.to(self.device))
-            loss = parts.loss
-            if self.faults.active("nan_loss", step):
-                loss = loss * float("nan")
+            event = MicroBatchEvent(step, micro, sample, ti, parts.loss)
+            for hook in self.hooks:
+                hook.on_micro_batch(self, event)
+            loss = event.loss
             self.phase = f"backward of step {step}"
             if self.ctx.dims.dp_replicate > 1:
                 # HSDP: reduce-scatter every micro-batch, all-reduce across replicas once per step.
@@ -249,27 +249,23 @@ class Trainer:
             (loss / accum).backward()
             grads.losses.append(loss.detach())
             has_audio = float(sample.has_audio)
-            grads.device_sums += torch.stack(
-                [
-                    loss.detach(),
-                    parts.video.detach(),
-                    parts.audio.detach() * has_audio,
-                    parts.video_fm,
-                    parts.audio_fm * has_audio,
-                ]
-            ).double()
-            for i, value in enumerate(
-                (has_audio, sample.layout.seq_len, ti.guidance.scale_video, ti.guidance.scale_audio)
-            ):
-                grads.host_sums[i] += value
-            if dump:
-                dumped.update(micro_batch_tensors(micro, ti))
-                metas.append(sample.meta())
-        if self.faults.active("nan_grad", step):
-            grad = next(p for p in self.model.parameters() if p.grad is not None).grad
-            local_tensor(grad).fill_(float("nan"))
-        if dump:
-            self._dump(step, dumped, metas)
+            grads.device_sums += StepTotals.loss_terms(
+                loss=loss.detach(),
+                loss_video=parts.video.detach(),
+                loss_audio=parts.audio.detach() * has_audio,
+                loss_video_fm=parts.video_fm,
+                loss_audio_fm=parts.audio_fm * has_audio,
+            )
+            counts = {
+                "audio_micro_batches": has_audio,
+                "rows": sample.layout.seq_len,
+                "cfg_scale_video": ti.guidance.scale_video,
+                "cfg_scale_audio": ti.guidance.scale_audio,
+            }
+            for name, value in counts.items():
+                grads.host_sums[name] = grads.host_sums.get(name, 0.0) + value
+        for hook in self.hooks:
+            hook.after_backward(self, step)
         return grads
 
     def update(self, step: int, grads: StepGradients) -> dict[str, float | None]:
@@ -285,11 +281,11 @@ class Trainer:
         params, norm = self._grad_norm()
         coef = self._clip_coefficient(norm)
         self.phase = f"step all-reduce of step {step}"
-        s, (grad_norm, clip), loss_values, self.stop_request = self._reduce_step(
+        totals, (grad_norm, clip), loss_values, self.stop_request = self._reduce_step(
             grads.device_sums, grads.host_sums, [norm, coef], grads.losses
         )
         lr = self.scheduler.get_last_lr()[0]
-        finite = math.isfinite(grad_norm) and math.isfinite(s[0])
+        finite = math.isfinite(grad_norm) and math.isfinite(totals.loss)
         if finite:
             if clip < 1.0:
                 # Only a step over `train.max_grad_norm` pays the pass over every gradient; below
@@ -310,27 +306,27 @@ class Trainer:
         dt = time.perf_counter() - grads.started
         n = cfg.train.grad_accum * self.ctx.dims.dp
         # A mean over no clip is no number: a step without sound logs null, not a loss of 0.
-        n_audio = s[5]
+        n_audio = totals.audio_micro_batches
         stats: dict[str, float | None] = {
-            "loss": s[0] / n,
-            "loss_video": s[1] / n,
-            "loss_audio": s[2] / n_audio if n_audio else None,
+            "loss": totals.loss / n,
+            "loss_video": totals.loss_video / n,
+            "loss_audio": totals.loss_audio / n_audio if n_audio else None,
             "grad_norm": grad_norm,
             "lr": lr,
-            "seq_len": s[6] / n,
-            "tokens_per_s": s[6] / dt,
+            "seq_len": totals.rows / n,
+            "tokens_per_s": totals.rows / dt,
             "step_time_s": dt,
             "skipped_steps": self.skipped_steps,
-            "data_errors": int(s[9]),
+            "data_errors": int(totals.data_errors),
             MEMORY_KEY: peak_memory_gib(self.device),
         }
         if self.cfg_enabled:
             stats.update(
                 {
-                    "loss_video_fm": s[3] / n,
-                    "loss_audio_fm": s[4] / n_audio if n_audio else None,
-                    "cfg_scale_video": s[7] / n,
-                    "cfg_scale_audio": s[8] / n,
+                    "loss_video_fm": totals.loss_video_fm / n,
+                    "loss_audio_fm": totals.loss_audio_fm / n_audio if n_audio else None,
+                    "cfg_scale_video": totals.cfg_scale_video / n,
+                    "cfg_scale_audio": totals.cfg_scale_audio / n,
                 }
             )
         self._report_spikes(step, grads.sample_ids, loss_values, stats["loss"])
@@ -339,37 +335,34 @@ class Trainer:
     def _reduce_step(
         self,
         device_sums: torch.Tensor,
-        host_sums: list[float],
+        host_sums: Mapping[str, float],
         scalars: list[torch.Tensor],
         losses: list[torch.Tensor],
-    ) -> tuple[list[float], list[float], list[float], int]:
+    ) -> tuple[StepTotals, list[float], list[float], int]:
         """The step's one all-reduce and its one device->host copy.
 
-        Reduced over every rank (SUM), in one float64 tensor: the loss sums `[loss, video, audio,
-        video_fm, audio_fm]`, the host counts `[has_audio, rows, cfg_scale_video, cfg_scale_audio,
-        data_errors]` (both from SP rank 0 of each group only: the other SP ranks hold the same
-        values, and adding zeros keeps the sum exact), and how many ranks were asked to stop by a
-        preemption signal and by Ctrl-C. Copied to the host with it, unreduced: `scalars` (the
+        Reduced over every rank (SUM), in one float64 tensor: the `StepTotals`, the loss sums and
+        counts from SP rank 0 of each group only (the other SP ranks hold the same values, and
+        adding zeros keeps the sum exact). Copied to the host with it, unreduced: `scalars` (the
         global grad norm, already reduced, and the clip coefficient) and this rank's micro-batch
-        losses (spike detection). Returns (sums, scalars, micro-batch losses, agreed stop request).
+        losses (spike detection). Returns (totals, scalars, micro-batch losses, agreed stop request).
         """
         lead = float(self.ctx.sp_rank == 0)
         flag = self.preempt.flag
-        host = [*(v * lead for v in (*host_sums, self.data_errors.count)), float(flag == PREEMPT)]
-        host.append(float(flag == INTERRUPT))
-        host_t = torch.tensor(host, dtype=torch.float64)
-        if self.device.type == "cuda":
-            # Pinned and non-blocking: a pageable copy would make the host wait for the backward.
-            host_t = host_t.pin_memory().to(self.device, non_blocking=True)
-        reduced = torch.cat([device_sums * lead, host_t])
+        counts = {name: value * lead for name, value in host_sums.items()}
+        counts["data_errors"] = self.data_errors.count * lead
+        counts["preempting"] = float(flag == PREEMPT)
+        counts["interrupting"] = float(flag == INTERRUPT)
+        reduced = StepTotals.pack(device_sums * lead, counts)
         dist.all_reduce(reduced)
         # The norm may live on the host (parameters offloaded to the CPU); the losses on the device.
         local = torch.stack([*(t.to(self.device, torch.float64) for t in scalars), *(loss.double() for loss in losses)])
         values = torch.cat([reduced, local]).tolist()
-        sums, stops = values[:10], values[10:12]
-        stop = INTERRUPT if stops[1] > 0 else PREEMPT if stops[0] > 0 else NONE
+        totals = StepTotals.unpack(values)
+        stop = INTERRUPT if totals.interrupting > 0 else PREEMPT if totals.preempting > 0 else NONE
+        rest = values[len(StepTotals.names()) :]
         n = len(scalars)
-        return sums, values[12 : 12 + n], values[12 + n :], stop
+        return totals, rest[:n], rest[n:], stop
 
     def _too_many_skips(self, step: int, sample_ids: list[str]) -> TrainingError:
         """The error that stops a run after too many skipped steps, naming every rank's samples of `step`.
@@ -414,22 +407,6 @@ class Trainer:
             return torch.ones_like(norm)
         return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
-    def _dump(self, step: int, inputs: dict, metas: list[dict]) -> None:
-        # Unsharding is collective: every rank gathers, rank 0 writes.
-        weights = diffusers_state(self.model, grads=False)
-        grads = diffusers_state(self.model, grads=True)
-        if self.ctx.is_main:
-            meta = {
-                "step": step,
-                "model_config": self.model_config,
-                "num_micro_batches": len(metas),
-                "dp_size": self.ctx.dims.dp,
-                "sp_size": self.ctx.dims.sp,
-                "micro_batches": metas,
-                "lora": lora_meta(self.model),
-            }
-            write_dump(self.log_dir / "dump" / f"step_{step}", inputs, weights, grads, meta)
-
     # -- the loop -------------------------------------------------------------------------------
 
     def fit(self) -> None:
@@ -438,19 +415,7 @@ class Trainer:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             write_resolved_config(self.log_dir, self._config_yaml())
         every = cfg.checkpoint.every
-        with (
-            self.preempt,
-            MetricsLogger(
-                self.log_dir,
-                self.ctx.is_main,
-                cfg.logging.wandb,
-                asdict(cfg),
-                cfg.train.steps,
-                start_step=self.step,
-                progress=cfg.logging.progress,
-                tensorboard=cfg.logging.tensorboard,
-            ) as metrics,
-        ):
+        with self.preempt, self.metrics.open(self.step) as metrics:
             self._metrics = metrics
             for hook in self.hooks:
                 hook.on_fit_start(self)
@@ -458,8 +423,6 @@ class Trainer:
             first_step = self.step
             metrics.start_clock()
             for step in range(self.step + 1, cfg.train.steps + 1):
-                self.faults.maybe_die("kill", step)
-                self.faults.maybe_die("sigterm", step)
                 for hook in self.hooks:
                     hook.before_step(self, step)
                 stats = self.train_step(step)

@@ -1,0 +1,130 @@
+"""The console's view of training: a tqdm bar on a TTY, else a plain line every few steps."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from tqdm import tqdm
+
+from .record import MEMORY_KEY, training_record
+from .sink import MetricSink
+
+# Without a TTY the bar is replaced by plain lines; this caps how many a run prints.
+_MAX_PLAIN_LINES = 50
+# Keys shown on the console, in this order, when present, and the name each is shown under.
+_CONSOLE_KEYS = {"loss": "loss", "grad_norm": "grad_norm", "lr": "lr", MEMORY_KEY: "peak_mem"}
+
+
+def format_duration(seconds: float) -> str:
+    """`H:MM:SS` (hours keep counting past 24), as the console shows elapsed time and ETA."""
+    whole = max(0, round(seconds))
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
+def _format_value(key: str, value: Any) -> str:
+    if value is None:
+        # Absent from the step (e.g. no clip with sound): not a number, so not shown as one.
+        return "n/a"
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return str(value)
+    if key == "lr":
+        return f"{value:.3e}"
+    if key == MEMORY_KEY:
+        return f"{value:.2f}GiB"
+    return f"{value:.4g}" if key == "grad_norm" else f"{value:.4f}"
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        # stderr may be replaced by an object without isatty, or already closed.
+        return False
+
+
+class ConsoleSink(MetricSink):
+    """The bar (a TTY and `progress`) or plain stderr lines, at most about 50 per run:
+    `step 20/40 loss=0.1234 grad_norm=0.8123 lr=1.000e-03 peak_mem=1.52GiB (0.31 s/step, elapsed
+    0:00:06, eta 0:00:06)`.
+
+    Elapsed time counts from `start_clock` (the first step of this process, so a resumed run times
+    its own steps) and the ETA extrapolates its mean time per step to `total_steps`. `show` prints
+    a step's line as soon as the step is done; `log` prints it when `show` did not.
+    """
+
+    def __init__(self, total_steps: int, progress: bool) -> None:
+        self.total_steps = total_steps
+        self.progress = progress
+        self.start_step = 0
+        self._bar: tqdm | None = None
+        self._plain_every = 1
+        self._plain_last_time = self._clock_start = time.monotonic()
+        self._plain_last_step = self._shown_step = 0
+
+    def open(self, start_step: int) -> None:
+        self.start_step = start_step
+        self._plain_every = max(1, math.ceil(max(1, self.total_steps - start_step) / _MAX_PLAIN_LINES))
+        self._plain_last_step = self._shown_step = start_step
+        # s/step should measure training, not the other sinks' start-up.
+        self.start_clock()
+        if self.progress and _stderr_is_tty():
+            self._bar = tqdm(
+                total=self.total_steps,
+                initial=start_step,
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+
+    def start_clock(self) -> None:
+        """Time training from now: elapsed time, ETA and s/step count from here."""
+        self._clock_start = self._plain_last_time = time.monotonic()
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds since `start_clock` (or since the sink was made, before it is called)."""
+        return time.monotonic() - self._clock_start
+
+    def show(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """The progress of optimizer step `step`: the bar, or a plain line every few steps (once per step)."""
+        if step <= self._shown_step:
+            return
+        self._shown_step = step
+        shown = [(k, metrics[k]) for k in _CONSOLE_KEYS if k in metrics]
+        if self._bar is not None:
+            postfix = " ".join(f"{_CONSOLE_KEYS[k]}={_format_value(k, v)}" for k, v in shown if k != "lr")
+            self._bar.set_postfix_str(postfix, refresh=False)
+            self._bar.update(max(0, step - self._bar.n))
+            return
+        done = step - self.start_step
+        if not (done == 1 or done % self._plain_every == 0 or step >= self.total_steps):
+            return
+        now = time.monotonic()
+        per_step = (now - self._plain_last_time) / max(1, step - self._plain_last_step)
+        self._plain_last_time, self._plain_last_step = now, step
+        elapsed = now - self._clock_start
+        eta = elapsed / max(1, done) * max(0, self.total_steps - step)
+        fields = " ".join(f"{_CONSOLE_KEYS[k]}={_format_value(k, v)}" for k, v in shown)
+        timing = f"{per_step:.2f} s/step, elapsed {format_duration(elapsed)}, eta {format_duration(eta)}"
+        print(f"step {step}/{self.total_steps} {fields} ({timing})", file=sys.stderr, flush=True)
+
+    def log(self, step: int, values: Mapping[str, Any]) -> None:
+        record = training_record(step, values)
+        self.show(record["step"], record)
+
+    def log_validation(self, step: int, values: Mapping[str, Any]) -> None:
+        shown = " ".join(f"{k}={v:.4f}" for k, v in values.items() if "@" not in k and isinstance(v, float))
+        message = f"validation after step {step}: {shown}"
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    def close(self, failed: bool = False) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -1,0 +1,79 @@
+"""The sums of one optimizer step that travel in its one all-reduce, named rather than placed.
+
+`StepTotals` says what each entry of the reduced tensor holds: `pack` lays the named values out in
+one flat float64 tensor, `unpack` reads them back by the same names, so no caller indexes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+
+import torch
+
+# Marks a field summed on the device; the others are counted on the host.
+_ON_DEVICE = {"device": True}
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """One step's sums over every rank (the all-reduce is a SUM).
+
+    The loss terms are summed over micro-batches on the device (the audio terms of silent clips
+    zeroed); the counts on the host. `preempting` / `interrupting` count the ranks asked to stop by a
+    preemption signal / by Ctrl-C: summed flags, so above 0 wherever any rank got the signal (their
+    MAX), and every rank agrees on the stop.
+    """
+
+    loss: float = field(metadata=_ON_DEVICE)
+    loss_video: float = field(metadata=_ON_DEVICE)
+    loss_audio: float = field(metadata=_ON_DEVICE)
+    loss_video_fm: float = field(metadata=_ON_DEVICE)
+    loss_audio_fm: float = field(metadata=_ON_DEVICE)
+    audio_micro_batches: float
+    rows: float
+    cfg_scale_video: float
+    cfg_scale_audio: float
+    data_errors: float
+    preempting: float
+    interrupting: float
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Every field, in the order of the packed tensor: the device's sums, then the host's counts."""
+        return (*cls.loss_names(), *cls.count_names())
+
+    @classmethod
+    def loss_names(cls) -> tuple[str, ...]:
+        """The fields summed on the device, in packed order."""
+        return tuple(f.name for f in fields(cls) if f.metadata.get("device"))
+
+    @classmethod
+    def count_names(cls) -> tuple[str, ...]:
+        """The fields counted on the host, in packed order (after the device's)."""
+        return tuple(f.name for f in fields(cls) if not f.metadata.get("device"))
+
+    @classmethod
+    def loss_terms(cls, **terms: torch.Tensor) -> torch.Tensor:
+        """The device terms named by `loss_names` as one float64 tensor, in packed order."""
+        return torch.stack([terms[name] for name in cls.loss_names()]).double()
+
+    @classmethod
+    def pack(cls, losses: torch.Tensor, counts: Mapping[str, float]) -> torch.Tensor:
+        """`losses` (from `loss_terms`, on the device) then `counts` by name: one flat float64 tensor.
+
+        On CUDA the counts go over pinned and non-blocking: a pageable copy would make the host wait
+        for the backward.
+        """
+        host = torch.tensor([float(counts[name]) for name in cls.count_names()], dtype=torch.float64)
+        if losses.device.type == "cuda":
+            host = host.pin_memory().to(losses.device, non_blocking=True)
+        return torch.cat([losses.to(torch.float64), host])
+
+    @classmethod
+    def unpack(cls, values: Sequence[float]) -> StepTotals:
+        """The totals from the first `len(names())` values of a packed tensor read back to the host."""
+        names = cls.names()
+        if len(values) < len(names):
+            raise ValueError(f"a packed step reduction has {len(names)} values, got {len(values)}")
+        return cls(**dict(zip(names, values)))
