@@ -28,7 +28,7 @@ seconds. A check that raises is `failed` with the error's first line; the others
   did not. float8 (e4m3) needs compute capability 8.9 (H100, H200, L40S): on an A100 it is
   skipped as unsupported on this device. int8 is skipped where the trainer refuses it
   (`check_base_quant`: torch 2.8's FSDP2 cannot shard integer parameters).
-- `async_save` (`train/checkpoint.py`): `checkpoint.async_save=true` stages on a background
+- `async_save` (`train/checkpoint/writer.py`): `checkpoint.async_save=true` stages on a background
   thread into host buffers, pinned on CUDA (`staging_options`). A step, a blocking save of the
   state (what the checkpoint must hold), the async save, the next step at once (its optimizer
   step waits for the copy), then the wait; passed when the async checkpoint equals the blocking
