@@ -190,3 +190,20 @@ def test_outside_adapter_kind_exports_what_it_trained(registered, trained: Path,
     assert main(["export", str(checkpoint_dir(trained, 2)), "--out", str(tmp_path / "merged"), "--merge"]) == 0
     merged = model.__class__.from_pretrained(str(tmp_path / "merged")).float().eval()
     assert relative_l2(forward_outputs(merged, inputs), want) <= 1e-5
+
+
+def test_every_conditioning_kind_has_its_task_encoder_and_request_field() -> None:
+    """The conditioning kinds, the sample tasks that take them, the encoder's recipes and the request fields agree."""
+    from h3train.config.schema import SAMPLE_FIELDS
+    from h3train.data.conditioning import CONDITIONING_KINDS
+    from h3train.data.encode.clip import CONDITIONING_ENCODERS
+    from h3train.data.manifest import ManifestEntry
+    from h3train.render.requests import SampleRequest
+    from h3train.tasks.table import SAMPLE_TASKS
+
+    taken = {t.conditioning for t in SAMPLE_TASKS.values()} - {None}
+    assert set(CONDITIONING_KINDS) == taken == set(CONDITIONING_ENCODERS)
+    assert set(CONDITIONING_KINDS) <= set(SAMPLE_FIELDS)
+    for name, kind in CONDITIONING_KINDS.items():
+        assert kind.field == name and SAMPLE_TASKS[kind.sample_task].conditioning == name
+        assert name in ManifestEntry.__dataclass_fields__ and name in SampleRequest.__dataclass_fields__

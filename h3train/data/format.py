@@ -33,6 +33,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,8 @@ from ..tasks.table import (
     VAE_FRAMES_PER_CHUNK,
     VAE_LATENTS_PER_CHUNK,
     is_frame_count,
-    sample_task_of,
 )
+from .conditioning import CONDITIONING_KINDS, ReferenceLatents, merged, reference_spec
 
 FORMAT_VERSION = 1
 METADATA_KEY = "h3train"
@@ -73,8 +74,6 @@ DIGESTS_KEY = "digests"
 _MAX_HEADER = 100 * 1024 * 1024
 INDEX_NAME = "index.jsonl"
 SAMPLE_SUFFIX = ".safetensors"
-ANCHORS = ("first", "last")
-REFERENCE_KINDS = ("image", "video", "audio")
 
 _LATENT_DTYPES = (torch.float32,)
 _EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -96,23 +95,6 @@ _NEGATIVE_VISUAL = ("negative_visual_prompt_embeds", "negative_visual_text_token
 
 def _fail(where: str, field_name: str, problem: str) -> SampleError:
     return SampleError(f"sample '{where}': field '{field_name}' {problem}")
-
-
-@dataclass
-class ReferenceLatents:
-    """One ref2va reference in request order.
-
-    `video` `[24, f, h, w]` for an image (`f = 1`) or a video; `audio` `[2, 32, n]` for an audio
-    reference or a video's soundtrack (None for a silent video).
-    """
-
-    kind: str
-    video: torch.Tensor | None = None
-    audio: torch.Tensor | None = None
-
-    @property
-    def has_audio(self) -> bool:
-        return self.kind == "audio" or (self.kind == "video" and self.audio is not None)
 
 
 @dataclass
@@ -154,13 +136,7 @@ class CachedSample:
             out["negative_visual_prompt_embeds"] = self.negative_visual_prompt_embeds
         if self.negative_visual_text_token_tags is not None:
             out["negative_visual_text_token_tags"] = self.negative_visual_text_token_tags
-        out.update({f"keyframe.{i}": k for i, k in enumerate(self.keyframes)})
-        for i, ref in enumerate(self.references):
-            if ref.video is not None:
-                out[f"ref.{i}.video"] = ref.video
-            if ref.audio is not None:
-                out[f"ref.{i}.audio"] = ref.audio
-        return out
+        return out | merged(lambda kind: kind.tensors(self))
 
     def metadata(self) -> dict[str, Any]:
         """The JSON header."""
@@ -171,8 +147,7 @@ class CachedSample:
             "task": self.task,
             "num_frames": int(self.num_frames),
             "has_audio": bool(self.has_audio),
-            "keyframe_anchors": list(self.keyframe_anchors),
-            "references": [{"kind": r.kind, "has_audio": r.has_audio} for r in self.references],
+            **merged(lambda kind: kind.header(self)),
             "geometry": _geometry_json(geo),
             "source": self.source,
         }
@@ -184,8 +159,9 @@ class CachedSample:
         audio rows: audio-bearing references (audio clips and video soundtracks) in request order, then
         the target.
         """
-        visual = [*self.keyframes, *(r.video for r in self.references if r.video is not None)]
-        sounds = [r.audio for r in self.references if r.audio is not None]
+        kinds = CONDITIONING_KINDS.values()
+        visual = [latents for kind in kinds for latents in kind.visual_latents(self)]
+        sounds = [latents for kind in kinds for latents in kind.sound_latents(self)]
         return PackedSample(
             sample_id=self.sample_id,
             task=self.task,
@@ -195,17 +171,12 @@ class CachedSample:
             prompt_embeds=self.prompt_embeds,
             text_token_tags=self.text_token_tags,
             has_audio=self.has_audio,
-            keyframe_anchors=tuple(self.keyframe_anchors),
-            references=tuple(_reference_spec(r.kind, _shape(r.video), _shape(r.audio)) for r in self.references),
+            **merged(lambda kind: kind.layout_fields(self)),
             negative_prompt_embeds=self.negative_prompt_embeds,
             negative_text_token_tags=self.negative_text_token_tags,
             negative_visual_prompt_embeds=self.negative_visual_prompt_embeds,
             negative_visual_text_token_tags=self.negative_visual_text_token_tags,
         )
-
-
-def _shape(t: torch.Tensor | None) -> tuple[int, ...] | None:
-    return None if t is None else tuple(t.shape)
 
 
 def _geometry(video_shape: tuple[int, ...], audio_shape: tuple[int, ...]) -> Geometry:
@@ -221,20 +192,6 @@ def _geometry_json(geo: Geometry) -> dict[str, int]:
         "latent_width": geo.latent_width,
         "num_audio_latents": geo.num_audio_latents,
     }
-
-
-def _reference_spec(
-    kind: str, video_shape: tuple[int, ...] | None, audio_shape: tuple[int, ...] | None
-) -> ReferenceSpec:
-    frames, height, width = video_shape[1:] if video_shape is not None else (0, 0, 0)
-    return ReferenceSpec(
-        kind=kind,
-        has_audio=audio_shape is not None,
-        latent_frames=frames,
-        latent_height=height,
-        latent_width=width,
-        num_audio_latents=audio_shape[-1] if audio_shape is not None else 0,
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,7 +222,7 @@ class SampleHeader:
             return None if spec is None else spec.shape
 
         return tuple(
-            _reference_spec(r["kind"], shape(f"ref.{i}.video"), shape(f"ref.{i}.audio"))
+            reference_spec(r["kind"], shape(f"ref.{i}.video"), shape(f"ref.{i}.audio"))
             for i, r in enumerate(self.meta["references"])
         )
 
@@ -340,45 +297,11 @@ def _check_task_metadata(where: str, meta: Mapping[str, Any]) -> None:
     if meta.get("source") is not None:
         _meta_value(where, meta, "source", str)
 
-    anchors = _meta_value(where, meta, "keyframe_anchors", list)
-    if any(a not in ANCHORS for a in anchors):
-        raise _fail(where, "metadata.keyframe_anchors", f"is {anchors}, expected entries 'first' or 'last'")
-    # A sample carries anchors / references exactly when its task takes that conditioning.
-    conditioning = SAMPLE_TASKS[task].conditioning
-    if (conditioning == "keyframes") != bool(anchors):
-        raise _fail(
-            where,
-            "metadata.keyframe_anchors",
-            f"is {anchors}: {sample_task_of('keyframes')} samples need at least one anchor, other tasks none",
-        )
-
-    references = _meta_value(where, meta, "references", list)
-    for i, ref in enumerate(references):
-        _check_reference_metadata(where, i, ref)
-    if (conditioning == "references") != bool(references):
-        raise _fail(
-            where,
-            "metadata.references",
-            f"must list the references of a {sample_task_of('references')} sample, and be empty for other tasks",
-        )
-    # As in diffusers' Ref2VA setup step: an audio reference must come with a visual one.
-    if references and all(r["kind"] == "audio" for r in references):
-        raise _fail(
-            where, "metadata.references", "holds only audio references; pair them with an image or video reference"
-        )
-
-
-def _check_reference_metadata(where: str, i: int, ref: Any) -> None:
-    name = f"metadata.references[{i}]"
-    if (
-        not isinstance(ref, dict)
-        or ref.get("kind") not in REFERENCE_KINDS
-        or not isinstance(ref.get("has_audio"), bool)
-    ):
-        raise _fail(where, name, f"is {ref!r}, expected {{'kind': image|video|audio, 'has_audio': bool}}")
-    fixed = {"image": False, "audio": True}.get(ref["kind"])
-    if fixed is not None and ref["has_audio"] != fixed:
-        raise _fail(where, name, f"is {ref!r}: an {ref['kind']} reference has has_audio={fixed}")
+    # A sample carries a kind's items exactly when its task takes that conditioning.
+    taken = SAMPLE_TASKS[task].conditioning
+    for kind in CONDITIONING_KINDS.values():
+        items = _meta_value(where, meta, kind.header_field, list)
+        kind.check_header(items, kind.field == taken, partial(_fail, where))
 
 
 def _expected_fields(meta: Mapping[str, Any], present: set[str]) -> set[str]:
@@ -393,13 +316,11 @@ def _expected_fields(meta: Mapping[str, Any], present: set[str]) -> set[str]:
     # The visual negative pair is optional, but only as a pair.
     if present & set(_NEGATIVE_VISUAL):
         fields |= set(_NEGATIVE_VISUAL)
-    fields |= {f"keyframe.{i}" for i in range(len(meta["keyframe_anchors"]))}
-    for i, ref in enumerate(meta["references"]):
-        if ref["kind"] in ("image", "video"):
-            fields.add(f"ref.{i}.video")
-        if ref["has_audio"]:
-            fields.add(f"ref.{i}.audio")
-    return fields
+    return fields | _conditioning_fields(meta)
+
+
+def _conditioning_fields(meta: Mapping[str, Any]) -> set[str]:
+    return {name for kind in CONDITIONING_KINDS.values() for name in kind.tensor_names(meta[kind.header_field])}
 
 
 def check_header(where: str, meta: Any, specs: dict[str, _TensorSpec]) -> SampleHeader:
@@ -430,33 +351,14 @@ def check_header(where: str, meta: Any, specs: dict[str, _TensorSpec]) -> Sample
             _check_dtype(where, tags, specs[tags], _TAG_DTYPES)
             if specs[tags].shape[0] < 1:
                 raise _fail(where, tags, "is empty; a prompt has at least one token")
-    for i in range(len(meta["keyframe_anchors"])):
-        shapes.check(f"keyframe.{i}", specs[f"keyframe.{i}"].shape, (VIDEO_LATENT_CHANNELS, 1, "H", "W"))
-    conditioning = [n for n in specs if n.startswith(("keyframe.", "ref."))]
-    for name in ("video_latents", "audio_latents", *conditioning):
+    for kind in CONDITIONING_KINDS.values():
+        kind.check_shapes(meta[kind.header_field], specs, shapes, lambda: _Shapes(where), partial(_fail, where))
+    for name in ("video_latents", "audio_latents", *sorted(_conditioning_fields(meta))):
         _check_dtype(where, name, specs[name], _LATENT_DTYPES)
-    for i, ref in enumerate(meta["references"]):
-        _check_reference_shapes(where, i, ref["kind"], specs)
 
     header = SampleHeader(meta=meta, specs=specs)
     _check_geometry(where, meta, header.geometry)
     return header
-
-
-def _check_reference_shapes(where: str, i: int, kind: str, specs: dict[str, _TensorSpec]) -> None:
-    video, audio = f"ref.{i}.video", f"ref.{i}.audio"
-    if video in specs:
-        frames = 1 if kind == "image" else "f"
-        _Shapes(where).check(video, specs[video].shape, (VIDEO_LATENT_CHANNELS, frames, "h", "w"))
-        _, f, h, w = specs[video].shape
-        if kind == "video" and f % VAE_LATENTS_PER_CHUNK != 2:
-            raise _fail(where, video, f"has {f} latent frames, expected 5 n + 2 (a {FRAME_RULE} frame clip)")
-        if h < 2 or w < 2 or h % 2 or w % 2:
-            raise _fail(where, video, f"has latent size {h}x{w}, expected even sizes (2x2 patches)")
-    if audio in specs:
-        _Shapes(where).check(audio, specs[audio].shape, (AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, "n"))
-        if specs[audio].shape[-1] < 1:
-            raise _fail(where, audio, "holds no audio latents")
 
 
 def _check_geometry(where: str, meta: Mapping[str, Any], geo: Geometry) -> None:
@@ -671,7 +573,6 @@ def read_cached_sample(path: str | os.PathLike) -> CachedSample:
     tensors = _tensors(where, raw, header, digests, data, start)
     check_values(where, tensors)
     meta = header.meta
-    anchors = tuple(meta["keyframe_anchors"])
     return CachedSample(
         sample_id=meta["sample_id"],
         task=meta["task"],
@@ -683,12 +584,11 @@ def read_cached_sample(path: str | os.PathLike) -> CachedSample:
         negative_prompt_embeds=tensors["negative_prompt_embeds"],
         negative_text_token_tags=tensors["negative_text_token_tags"],
         has_audio=meta["has_audio"],
-        keyframe_anchors=anchors,
-        keyframes=tuple(tensors[f"keyframe.{i}"] for i in range(len(anchors))),
-        references=tuple(
-            ReferenceLatents(r["kind"], tensors.get(f"ref.{i}.video"), tensors.get(f"ref.{i}.audio"))
-            for i, r in enumerate(meta["references"])
-        ),
+        **{
+            k: v
+            for kind in CONDITIONING_KINDS.values()
+            for k, v in kind.from_file(meta[kind.header_field], tensors).items()
+        },
         negative_visual_prompt_embeds=tensors.get(_NEGATIVE_VISUAL[0]),
         negative_visual_text_token_tags=tensors.get(_NEGATIVE_VISUAL[1]),
         source=meta.get("source"),

@@ -23,15 +23,16 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
 from ..tasks.table import SAMPLE_TASKS, sample_task_of
-from .format import ANCHORS, REFERENCE_KINDS
+from .conditioning import CONDITIONING_KINDS, Keyframe, Reference
 
 DEFAULT_NEGATIVE_PROMPT = " "
-_KEYS = {"video", "prompt", "task", "keyframes", "references", "negative_prompt", "id"}
+_KEYS = {"video", "prompt", "task", "negative_prompt", "id", *CONDITIONING_KINDS}
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 
@@ -53,22 +54,6 @@ class MediaPath:
         except OSError:
             return {"path": self.relative, "size": None, "mtime_ns": None}
         return {"path": self.relative, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-
-
-@dataclass(frozen=True)
-class Keyframe:
-    """One fl2va anchor (`first` / `last`); `image` None means the clip's own first or last frame."""
-
-    anchor: str
-    image: MediaPath | None = None
-
-
-@dataclass(frozen=True)
-class Reference:
-    """One ref2va reference: `kind` is `image | video | audio`."""
-
-    kind: str
-    media: MediaPath
 
 
 @dataclass(frozen=True)
@@ -243,18 +228,15 @@ def _parse_row(where: _Where, folder: Path, row: Any) -> ManifestEntry:
         raise where.error("prompt", f"is {prompt!r}: a {task} clip is conditioned on its prompt alone; write one")
     negative = _string(where, row, "negative_prompt", allow_empty=True) if "negative_prompt" in row else None
 
-    # The one conditioning field the task takes (`SampleTask.conditioning`); the other is refused.
-    conditioning = SAMPLE_TASKS[task].conditioning
-    keyframes: tuple[Keyframe, ...] = ()
-    references: tuple[Reference, ...] = ()
-    if conditioning == "keyframes":
-        keyframes = _keyframes(where, folder, row.get("keyframes"))
-    elif "keyframes" in row:
-        raise where.error("keyframes", f"is for {sample_task_of('keyframes')} clips, this one is {task}")
-    if conditioning == "references":
-        references = _references(where, folder, row.get("references"))
-    elif "references" in row:
-        raise where.error("references", f"are for {sample_task_of('references')} clips, this one is {task}")
+    # The one conditioning field the task takes (`SampleTask.conditioning`); the others are refused.
+    taken = SAMPLE_TASKS[task].conditioning
+    conditioning: dict[str, tuple] = {}
+    for name, kind in CONDITIONING_KINDS.items():
+        if name == taken:
+            media = partial(_media, where, folder)
+            conditioning[name] = kind.parse_manifest(row.get(name), media, where.error)
+        elif name in row:
+            raise where.error(name, f"are for {kind.sample_task} clips, this one is {task}")
 
     return ManifestEntry(
         line=where.line,
@@ -263,14 +245,13 @@ def _parse_row(where: _Where, folder: Path, row: Any) -> ManifestEntry:
         prompt=prompt,
         task=task,
         negative_prompt=DEFAULT_NEGATIVE_PROMPT if negative is None else negative,
-        keyframes=keyframes,
-        references=references,
+        **conditioning,
     )
 
 
 def _task_of(row: dict[str, Any]) -> str:
     """The task of a line without `task`: the one whose conditioning field it has, else plain text (t2va)."""
-    return sample_task_of(next((name for name in ("keyframes", "references") if name in row), None))
+    return sample_task_of(next((name for name in CONDITIONING_KINDS if name in row), None))
 
 
 def _string(where: _Where, row: dict[str, Any], key: str, allow_empty: bool = False) -> str:
@@ -311,40 +292,6 @@ def _media(where: _Where, folder: Path, field_name: str, relative: Any) -> Media
             "after links are resolved; copy the file in or put the manifest above the media",
         )
     return MediaPath(relative=rel.as_posix(), path=resolved)
-
-
-def _keyframes(where: _Where, folder: Path, value: Any) -> tuple[Keyframe, ...]:
-    expected = "expected 'first', 'last', 'both', a list of anchors or {anchor: image path or null}"
-    if value is None:
-        raise where.error("keyframes", f"is missing; an fl2va clip needs at least one ({expected})")
-    if value == "both":
-        value = list(ANCHORS)
-    if isinstance(value, str):
-        value = [value]
-    if isinstance(value, list):
-        value = {anchor: None for anchor in value} if all(isinstance(a, str) for a in value) else value
-    if not isinstance(value, dict) or not value or any(a not in ANCHORS for a in value):
-        raise where.error("keyframes", f"is {value!r}, {expected}")
-    # Packed order is first, then last, whatever order the manifest wrote them in.
-    return tuple(
-        Keyframe(anchor, None if value[anchor] is None else _media(where, folder, f"keyframes.{anchor}", value[anchor]))
-        for anchor in ANCHORS
-        if anchor in value
-    )
-
-
-def _references(where: _Where, folder: Path, value: Any) -> tuple[Reference, ...]:
-    if not isinstance(value, list) or not value:
-        raise where.error("references", f"is {value!r}, expected a non-empty list of {{kind, path}} objects")
-    refs = []
-    for i, ref in enumerate(value):
-        name = f"references[{i}]"
-        if not isinstance(ref, dict) or set(ref) != {"kind", "path"}:
-            raise where.error(name, f"is {ref!r}, expected {{'kind': image|video|audio, 'path': ...}}")
-        if ref["kind"] not in REFERENCE_KINDS:
-            raise where.error(f"{name}.kind", f"is {ref['kind']!r}, expected one of {', '.join(REFERENCE_KINDS)}")
-        refs.append(Reference(ref["kind"], _media(where, folder, f"{name}.path", ref["path"])))
-    return tuple(refs)
 
 
 def _sample_id(where: _Where, row: dict[str, Any], video: str) -> str:

@@ -29,6 +29,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
 
 from ..tasks.synthetic import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 from ..tasks.table import SAMPLE_TASKS, TRAINING_TASKS, sample_task_of
+from .conditioning import ReferenceLatents
 from .format import (
     INDEX_NAME,
     SAMPLE_SUFFIX,
@@ -36,7 +37,6 @@ from .format import (
     VAE_LATENTS_PER_CHUNK,
     CachedSample,
     DatasetError,
-    ReferenceLatents,
     write_index,
     write_sample,
 )

@@ -29,10 +29,9 @@ from safetensors import safe_open
 
 from ..atomic import atomic_save_file
 from ..data.components import reads_videos
-from ..data.encode.clip import ENCODER_VERSION, EncodeSettings, EncodingPipeline, _fl2va, _prompts, _ref2va
-from ..data.format import ReferenceLatents
+from ..data.conditioning import ReferenceLatents, conditioning_of, merged
+from ..data.encode.clip import ENCODER_VERSION, EncodeSettings, EncodingPipeline, encode_conditioning
 from ..data.media import MediaError
-from ..tasks.table import SAMPLE_TASKS
 from .requests import SampleRequest
 
 CACHE_KEY = "h3train_request"
@@ -52,7 +51,7 @@ class Conditioning:
     def pipeline_inputs(self, device: torch.device) -> dict[str, Any]:
         """What diffusers' encoder blocks hand to the task's core denoise blocks, on `device`."""
         r = self.request
-        conditioning = SAMPLE_TASKS[r.task].conditioning
+        kind = conditioning_of(r.task)
         inputs: dict[str, Any] = {
             "prompt_embeds": self.prompt_embeds[None].to(device),
             "text_token_tags": self.text_token_tags,
@@ -60,21 +59,8 @@ class Conditioning:
             "width": r.width,
             "num_frames": r.num_frames,
         }
-        if conditioning == "keyframes":
-            inputs["keyframe_anchors"] = tuple(self.keyframe_anchors)
-            inputs["condition_latents"] = [k[None].to(device) for k in self.keyframes]
-        if conditioning == "references":
-            # The layout reads only `kind` and `has_audio` of each normalized reference.
-            inputs["normalized_references"] = list(self.references)
-            inputs["condition_latents"] = [
-                ref.video[None].to(device) for ref in self.references if ref.video is not None
-            ]
-            # `MiniMaxH3Ref2VAReferenceEncoderStep` packs a `[2, 32, n]` soundtrack channel-major into `[2 n, 32]`.
-            inputs["audio_condition_latents"] = [
-                ref.audio.transpose(1, 2).reshape(-1, ref.audio.shape[1]).to(device)
-                for ref in self.references
-                if ref.audio is not None
-            ]
+        if kind is not None:
+            inputs.update(kind.pipeline_inputs(self, device))
         return inputs
 
 
@@ -112,32 +98,15 @@ def encode_request(pipe: EncodingPipeline, request: SampleRequest, settings: Enc
     blank = np.broadcast_to(
         np.zeros((1, 1, 1, 3), dtype=np.uint8), (request.num_frames, request.height, request.width, 3)
     )
-    conditioning = SAMPLE_TASKS[request.task].conditioning
-    if conditioning == "keyframes":
-        anchors, keyframes, prompts = _fl2va(pipe, entry, blank)
-        return Conditioning(request, prompts.embeds, prompts.tags, tuple(anchors), tuple(keyframes))
-    if conditioning == "references":
-        references, prompts = _ref2va(pipe, entry, settings, blank)
-        return Conditioning(request, prompts.embeds, prompts.tags, references=tuple(references))
-    prompts = _prompts(pipe, entry)
-    return Conditioning(request, prompts.embeds, prompts.tags)
+    conditioning, prompts = encode_conditioning(pipe, entry, settings, blank)
+    return Conditioning(request, prompts.embeds, prompts.tags, **conditioning)
 
 
 def save_conditioning(path: Path, cond: Conditioning, digest: str) -> None:
     """Write one request's conditioning atomically, its digest in the header."""
-    tensors = {"prompt_embeds": cond.prompt_embeds.contiguous(), "text_token_tags": cond.text_token_tags.contiguous()}
-    tensors.update({f"keyframe.{i}": k.contiguous() for i, k in enumerate(cond.keyframes)})
-    for i, ref in enumerate(cond.references):
-        if ref.video is not None:
-            tensors[f"ref.{i}.video"] = ref.video.contiguous()
-        if ref.audio is not None:
-            tensors[f"ref.{i}.audio"] = ref.audio.contiguous()
-    header = {
-        "digest": digest,
-        "id": cond.request.sample_id,
-        "anchors": list(cond.keyframe_anchors),
-        "references": [ref.kind for ref in cond.references],
-    }
+    tensors = {"prompt_embeds": cond.prompt_embeds, "text_token_tags": cond.text_token_tags}
+    tensors = {name: t.contiguous() for name, t in (tensors | merged(lambda kind: kind.tensors(cond))).items()}
+    header = {"digest": digest, "id": cond.request.sample_id, **merged(lambda kind: kind.header(cond))}
     atomic_save_file(tensors, path, metadata={CACHE_KEY: json.dumps(header)})
 
 
@@ -149,13 +118,7 @@ def load_conditioning(path: Path, request: SampleRequest, digest: str) -> Condit
             if header.get("digest") != digest:
                 return None
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - not a dict
+        conditioning = merged(lambda kind: kind.from_file(header[kind.header_field], tensors))
     except (OSError, ValueError, KeyError, RuntimeError):
         return None
-    references = tuple(
-        ReferenceLatents(kind, tensors.get(f"ref.{i}.video"), tensors.get(f"ref.{i}.audio"))
-        for i, kind in enumerate(header["references"])
-    )
-    keyframes = tuple(tensors[f"keyframe.{i}"] for i in range(len(header["anchors"])))
-    return Conditioning(
-        request, tensors["prompt_embeds"], tensors["text_token_tags"], tuple(header["anchors"]), keyframes, references
-    )
+    return Conditioning(request, tensors["prompt_embeds"], tensors["text_token_tags"], **conditioning)

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import SAMPLES_KEY as KEY
 from ..config import sample_key as _where
-from ..data.format import ANCHORS, REFERENCE_KINDS
-from ..data.manifest import Keyframe, ManifestEntry, MediaPath, Reference
+from ..data.conditioning import CONDITIONING_KINDS, Keyframe, Reference
+from ..data.manifest import ManifestEntry, MediaPath
 from ..errors import ConfigError
 from ..tasks.table import (
     FRAME_RULE,
@@ -30,7 +31,6 @@ from ..tasks.table import (
     frame_counts_around,
     is_frame_count,
     partition_tasks,
-    sample_task_of,
 )
 
 if TYPE_CHECKING:
@@ -53,12 +53,12 @@ class SampleRequest:
     sample_id: str
     prompt: str
     task: str
-    keyframes: tuple[Keyframe, ...]
-    references: tuple[Reference, ...]
     num_frames: int
     height: int
     width: int
     seed: int
+    keyframes: tuple[Keyframe, ...] = ()
+    references: tuple[Reference, ...] = ()
 
     def manifest_entry(self) -> ManifestEntry:
         """The request as a manifest entry, for the encoder's recipes; it has no target clip."""
@@ -113,6 +113,10 @@ def _media(i: int, name: str, value: Any) -> MediaPath:
     return MediaPath(relative=value, path=path)
 
 
+def _field_error(i: int, name: str, problem: str) -> ConfigError:
+    return ConfigError(f"{_where(i, name)} {problem}")
+
+
 def parse_request(i: int, item: SampleRequestConfig) -> SampleRequest:
     """Check one request's values (its paths are absolute by now) and return it."""
     sample_id = item.id or f"sample_{i}"
@@ -120,43 +124,15 @@ def parse_request(i: int, item: SampleRequestConfig) -> SampleRequest:
         raise ConfigError(f"{_where(i, 'id')} is {item.id!r}; use letters, digits, '.', '_' or '-' (it names the file)")
     if item.task not in SAMPLE_TASKS:
         raise ConfigError(f"{_where(i, 'task')} is {item.task!r}; choose one of {', '.join(SAMPLE_TASKS)}")
-    conditioning = SAMPLE_TASKS[item.task].conditioning
-    keyframes: tuple[Keyframe, ...] = ()
-    references: tuple[Reference, ...] = ()
-    if conditioning == "keyframes":
-        if not item.keyframes or any(anchor not in ANCHORS for anchor in item.keyframes):
-            raise ConfigError(
-                f"{_where(i, 'keyframes')} is {dict(item.keyframes)!r}; an fl2va request maps 'first' and/or "
-                "'last' to a keyframe image"
-            )
-        keyframes = tuple(
-            Keyframe(anchor, _media(i, f"keyframes.{anchor}", item.keyframes[anchor]))
-            for anchor in ANCHORS
-            if anchor in item.keyframes
-        )
-    elif item.keyframes:
-        raise ConfigError(
-            f"{_where(i, 'keyframes')} are for {sample_task_of('keyframes')} requests, this one is {item.task}"
-        )
-    if conditioning == "references":
-        if not item.references:
-            raise ConfigError(f"{_where(i, 'references')} is empty; a ref2va request needs at least one reference")
-        for j, ref in enumerate(item.references):
-            if ref["kind"] not in REFERENCE_KINDS:
-                raise ConfigError(
-                    f"{_where(i, f'references[{j}].kind')} is {ref['kind']!r}; choose one of "
-                    f"{', '.join(REFERENCE_KINDS)}"
-                )
-        references = tuple(
-            Reference(ref["kind"], _media(i, f"references[{j}].path", ref["path"]))
-            for j, ref in enumerate(item.references)
-        )
-        if all(ref.kind == "audio" for ref in references):
-            raise ConfigError(f"{_where(i, 'references')} are all audio; diffusers' H3 needs an image or video one too")
-    elif item.references:
-        raise ConfigError(
-            f"{_where(i, 'references')} are for {sample_task_of('references')} requests, this one is {item.task}"
-        )
+    # The one conditioning field the task takes (`SampleTask.conditioning`); the others are refused.
+    taken = SAMPLE_TASKS[item.task].conditioning
+    conditioning: dict[str, tuple] = {}
+    for name, kind in CONDITIONING_KINDS.items():
+        value = getattr(item, name)
+        if name == taken:
+            conditioning[name] = kind.parse_request(value, partial(_media, i), partial(_field_error, i))
+        elif value:
+            raise _field_error(i, name, f"are for {kind.sample_task} requests, this one is {item.task}")
     height, width = parse_resolution(i, item.resolution)
     if item.seed < 0:
         raise ConfigError(f"{_where(i, 'seed')} must be >= 0, got {item.seed}")
@@ -165,8 +141,7 @@ def parse_request(i: int, item: SampleRequestConfig) -> SampleRequest:
         sample_id=sample_id,
         prompt=item.prompt,
         task=item.task,
-        keyframes=keyframes,
-        references=references,
+        **conditioning,
         num_frames=_frames(i, item.frames),
         height=height,
         width=width,

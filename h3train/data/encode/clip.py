@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +32,11 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
 from PIL import Image
 
 from ...errors import ConfigError
+from ...tasks.table import SAMPLE_TASKS
 from ..components import Components, reads_videos
-from ..format import CachedSample, ReferenceLatents
-from ..manifest import ManifestEntry, Reference
+from ..conditioning import Reference, ReferenceLatents
+from ..format import CachedSample
+from ..manifest import ManifestEntry
 from ..media import (
     Clip,
     MediaError,
@@ -188,9 +191,9 @@ def _prompts(pipe: MiniMaxH3ModularPipeline, entry: ManifestEntry, visual_step: 
     return _Prompts(embeds, tags, *negative, *visual)
 
 
-def _fl2va(
-    pipe: MiniMaxH3ModularPipeline, entry: ManifestEntry, frames: np.ndarray
-) -> tuple[tuple[str, ...], tuple[torch.Tensor, ...], _Prompts]:
+def _keyframes(
+    pipe: MiniMaxH3ModularPipeline, entry: ManifestEntry, settings: EncodeSettings, frames: np.ndarray
+) -> tuple[dict[str, Any], _Prompts]:
     """Keyframes (the clip's own first / last frame, or an image) -> anchors, latents `[24, 1, h, w]`, prompts."""
     clip_frame = {"first": frames[0], "last": frames[-1]}
     images = {
@@ -209,7 +212,11 @@ def _fl2va(
     keyframes = resized.get("keyframes")
     latents = _run(MiniMaxH3KeyframeVaeEncoderStep(), pipe, keyframes=keyframes).get("condition_latents")
     prompts = _prompts(pipe, entry, MiniMaxH3FL2VATextEncoderStep(), keyframes=keyframes)
-    return tuple(resized.get("keyframe_anchors")), tuple(latent[0] for latent in latents), prompts
+    fields = {
+        "keyframe_anchors": tuple(resized.get("keyframe_anchors")),
+        "keyframes": tuple(latent[0] for latent in latents),
+    }
+    return fields, prompts
 
 
 def torchaudio_available() -> bool:
@@ -250,9 +257,9 @@ def _pipeline_reference(pipe: MiniMaxH3ModularPipeline, ref: Reference, seconds:
     return reference
 
 
-def _ref2va(
+def _references(
     pipe: MiniMaxH3ModularPipeline, entry: ManifestEntry, settings: EncodeSettings, frames: np.ndarray
-) -> tuple[tuple[ReferenceLatents, ...], _Prompts]:
+) -> tuple[dict[str, Any], _Prompts]:
     """References in request order -> their latents (visual `[24, f, h, w]`, audio `[2, 32, n]`) and prompts."""
     num_frames, height, width = frames.shape[:3]
     refs = [_pipeline_reference(pipe, ref, num_frames / pipe.fps) for ref in entry.references]
@@ -275,7 +282,25 @@ def _ref2va(
         for ref in normalized
     )
     step = MiniMaxH3Ref2VATextEncoderStep(video_sample_fps=settings.video_sample_fps)
-    return latents, _prompts(pipe, entry, step, normalized_references=normalized)
+    return {"references": latents}, _prompts(pipe, entry, step, normalized_references=normalized)
+
+
+# The encoder's recipe per conditioning kind (`data/conditioning.py`): `(pipe, entry, settings, frames
+# [N, H, W, 3] uint8) -> (the sample's attributes of the kind, the prompts)`.
+CONDITIONING_ENCODERS: dict[str, Callable[..., tuple[dict[str, Any], _Prompts]]] = {
+    "keyframes": _keyframes,
+    "references": _references,
+}
+
+
+def encode_conditioning(
+    pipe: MiniMaxH3ModularPipeline, entry: ManifestEntry, settings: EncodeSettings, frames: np.ndarray
+) -> tuple[dict[str, Any], _Prompts]:
+    """The entry's conditioning by its task's recipe, and its prompts (the prompt alone for t2va)."""
+    kind = SAMPLE_TASKS[entry.task].conditioning
+    if kind is None:
+        return {}, _prompts(pipe, entry)
+    return CONDITIONING_ENCODERS[kind](pipe, entry, settings, frames)
 
 
 def encode_entry(pipe: EncodingPipeline, entry: ManifestEntry, settings: EncodeSettings) -> tuple[CachedSample, Clip]:
@@ -300,13 +325,7 @@ def encode_entry(pipe: EncodingPipeline, entry: ManifestEntry, settings: EncodeS
     else:
         audio = encode_audio_latents(pipe, fit_audio(clip.audio, num_audio * pipe.audio_vae.hop_length))
 
-    anchors, keyframes, references = (), (), ()
-    if entry.task == "fl2va":
-        anchors, keyframes, prompts = _fl2va(pipe, entry, clip.frames)
-    elif entry.task == "ref2va":
-        references, prompts = _ref2va(pipe, entry, settings, clip.frames)
-    else:
-        prompts = _prompts(pipe, entry)
+    conditioning, prompts = encode_conditioning(pipe, entry, settings, clip.frames)
     sample = CachedSample(
         sample_id=entry.sample_id,
         task=entry.task,
@@ -318,9 +337,7 @@ def encode_entry(pipe: EncodingPipeline, entry: ManifestEntry, settings: EncodeS
         negative_prompt_embeds=prompts.negative_embeds,
         negative_text_token_tags=prompts.negative_tags,
         has_audio=clip.audio is not None,
-        keyframe_anchors=anchors,
-        keyframes=keyframes,
-        references=references,
+        **conditioning,
         negative_visual_prompt_embeds=prompts.negative_visual_embeds,
         negative_visual_text_token_tags=prompts.negative_visual_tags,
         source=entry.video.relative,
