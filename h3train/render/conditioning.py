@@ -27,11 +27,11 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from ..atomic import atomic_save_file
 from ..data.components import reads_videos
 from ..data.encode.clip import ENCODER_VERSION, EncodeSettings, EncodingPipeline, _fl2va, _prompts, _ref2va
 from ..data.format import ReferenceLatents
 from ..data.media import MediaError
+from ..infra.atomic import atomic_save_file
 from ..tasks.table import SAMPLE_TASKS
 from .requests import SampleRequest
 
