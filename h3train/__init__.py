@@ -1,5 +1,5 @@
 """h3train: the training application for MiniMax H3."""
 
-from .quiet import drop_import_notices
+from .infra.quiet import drop_import_notices
 
 drop_import_notices()

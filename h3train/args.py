@@ -1,7 +1,7 @@
 """Command-line values of every `h3train` command, checked once they are parsed, before any work.
 
 Each failure is one `ConfigError` line naming the flag, what it holds and what it takes (exit 2);
-the config's own keys are `config.validate`'s. Only the standard library, `config` and `diskspace` are imported:
+the config's own keys are `config.validate`'s. Only the standard library, `config` and `infra.diskspace` are imported:
 a bad flag costs no torch import.
 """
 
@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 
 from .config import SEED_MAX
-from .diskspace import nearest_existing
 from .errors import ConfigError
+from .infra.diskspace import nearest_existing
 
 # flag -> (smallest, largest) it takes; None: unbounded above. Only flags a command defines are read.
 _RANGES: dict[str, tuple[float, float | None]] = {

@@ -109,7 +109,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     print(format_plan(estimate(planned_model_dims(cfg)[0], dims, cfg)), flush=True)
     if args.rehearse:
-        from .rehearse import format_rehearsal, rehearse
+        from .tools.rehearse import format_rehearsal, rehearse
 
         print(format_rehearsal(rehearse(cfg, world)))
     return 0
@@ -117,7 +117,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _cmd_config(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .config_report import report
+    from .tools.config_report import report
 
     # The values' checks only (`check` also reads the files the config names and plans the model):
     # a config for another machine prints here as it resolves.
@@ -160,7 +160,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from .plot import plot_metrics
+    from .tools.plot import plot_metrics
 
     print(f"wrote {plot_metrics(args.metrics, args.out)}")
     return 0
@@ -226,10 +226,10 @@ def _cmd_tiny_components(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.checks:
-        from .gpu_checks import bench_with_checks
+        from .tools.gpu_checks import bench_with_checks
 
         return bench_with_checks(args)
-    from .bench import bench_command
+    from .tools.bench import bench_command
 
     return bench_command(args)
 
@@ -380,8 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checks",
         action="store_true",
-        help="then the trainer checks of h3train/gpu_checks.py (gradient averaging, low-bit optimizers, quantized "
-        "LoRA bases, async save, one block's memory against the rehearsal), in the same JSON (scripts/gpu_check.sh)",
+        help="then the trainer checks of h3train/tools/gpu_checks.py (gradient averaging, low-bit optimizers, "
+        "quantized LoRA bases, async save, one block's memory against the rehearsal), in the same JSON "
+        "(scripts/gpu_check.sh)",
     )
     p.set_defaults(func=_cmd_bench)
     return parser
@@ -445,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:
         # A write that ran out of space anywhere (a metrics line, an export shard, an encoded clip):
         # one line naming where, not a traceback. Checkpoint saves say more (`Checkpointer`).
-        from .diskspace import full_disk_line, no_space
+        from .infra.diskspace import full_disk_line, no_space
 
         full = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else no_space(exc)
         if full is None:

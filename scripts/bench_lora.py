@@ -1,6 +1,6 @@
 """LoRA against full fine-tuning on the CPU bench's reduced model: optimizer-state bytes and step time.
 
-The model is `h3train bench --reduced`'s (`h3train.bench.REDUCED_DIMS`, 2 blocks) and the sample its
+The model is `h3train bench --reduced`'s (`h3train.tools.bench.REDUCED_DIMS`, 2 blocks) and the sample its
 FL2VA clip (`REDUCED_CLIP`: 22 frames at 128x192, both keyframes, stereo audio), laid out as
 synthetic data of that geometry. Both runs go through `Trainer.train_step` in this process on one
 rank (forward, backward, clip, AdamW): the full fine-tune with float32 master weights, the LoRA run
@@ -26,9 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from h3train.bench import REDUCED_CLIP, REDUCED_DIMS, bench_sample  # noqa: E402
 from h3train.preflight import load_checked  # noqa: E402
 from h3train.tasks.layout import Geometry  # noqa: E402
+from h3train.tools.bench import REDUCED_CLIP, REDUCED_DIMS, bench_sample  # noqa: E402
 from h3train.train.assemble import build_trainer  # noqa: E402
 
 

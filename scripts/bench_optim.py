@@ -1,10 +1,10 @@
 """The optimizer-state kinds (`optim.name`) and LoRA's frozen bases (`lora.base_quant`) on the CPU
 bench model: state and base bytes, step time and loss.
 
-What runs. `h3train bench --reduced`'s model (`h3train.bench.REDUCED_DIMS`) at `--width` (hidden
+What runs. `h3train bench --reduced`'s model (`h3train.tools.bench.REDUCED_DIMS`) at `--width` (hidden
 size; heads of 16 channels, SwiGLU 2 x width) with `--layers` blocks, trained on its FL2VA clip
 (`REDUCED_CLIP`) as synthetic data. One `Trainer` per kind, built by `build_trainer` from
-`h3train.bench.trainer_config`'s `Config` (with `optim.lr` at `--lr`, so that a few steps move the
+`h3train.tools.bench.trainer_config`'s `Config` (with `optim.lr` at `--lr`, so that a few steps move the
 loss) with `optim.name` the only difference between kinds: one rank, float32 compute. The float32
 kinds train plain tensors (a one-rank float32 run skips FSDP2); `adamw_bf16`'s bfloat16 parameters
 are cast to float32 for compute, so its trainer runs FSDP2 on a one-rank mesh, whose casts are in
@@ -77,13 +77,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from h3train.bench import REDUCED_CLIP, REDUCED_DIMS, trainer_config  # noqa: E402
 from h3train.config import load_config, validate  # noqa: E402
-from h3train.gpu_checks import eager_torch_compile  # noqa: E402
 from h3train.lora.quant import INTEGER_CODES_SHARD  # noqa: E402
 from h3train.model.dims import model_kwargs, planned_model_dims  # noqa: E402
 from h3train.parallel.dims import ParallelDims  # noqa: E402
 from h3train.plan import estimate  # noqa: E402
+from h3train.tools.bench import REDUCED_CLIP, REDUCED_DIMS, trainer_config  # noqa: E402
+from h3train.tools.gpu_checks import eager_torch_compile  # noqa: E402
 from h3train.train.assemble import build_trainer  # noqa: E402
 from h3train.train.optim import state_bytes, state_bytes_per_value  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Cost of checking a checkpoint's digests: seconds per GB for `h3train.digest.digest_file`.
+"""Cost of checking a checkpoint's digests: seconds per GB for `h3train.infra.digest.digest_file`.
 
 Writes a file of `--gb` random gigabytes, reads it once to warm the page cache, then times the digest
 (median of `--repeats`). A checkpoint's verification reads each file once, split over the ranks, so
@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from h3train.digest import ALGORITHM, digest_file
+from h3train.infra.digest import ALGORITHM, digest_file
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_check.sh [--out PATH] [other `h3train bench` options]
 #
-# Runs `h3train bench --checks` (h3train/bench/, then h3train/gpu_checks.py), in one process:
+# Runs `h3train bench --checks` (h3train/tools/bench/, then h3train/tools/gpu_checks.py), in one process:
 #  - the bench: the full-width model (hidden 5376, 56 heads, 4 blocks) in bfloat16 at the released
 #    768x1344 x 124-frame layout (41,774 packed rows) with the flash, cuDNN and native attention
 #    backends: one Trainer per backend, each backend's gradients against native's, and the trainer's
@@ -23,7 +23,7 @@
 #                      (torch 2.8, without DCP's DefaultStager, copies on the training thread: said);
 #    block_memory_vs_rehearsal   one full-width block on the 41,774-row layout: the step's
 #                      torch.cuda.max_memory_allocated within 10 % of the fake-tensor rehearsal's
-#                      tracked peak (h3train/rehearse.py) for the same config.
+#                      tracked peak (h3train/tools/rehearse.py) for the same config.
 # Writes one JSON (default gpu_check_<host>_<time>.json; the checks under "checks") and prints its
 # path. Exit status: 0 when every backend ran, held parity and made no sync beyond the step's one
 # read-back, and no check that ran failed (a skipped one, with its reason, does not count); 1

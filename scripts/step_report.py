@@ -14,7 +14,7 @@ launches of this script by torchrun (gloo) measure it:
 
 How each figure is taken:
 
-- saved activations: `h3train.bench_memory.saved_activation_bytes`, bytes of every tensor storage
+- saved activations: `h3train.tools.bench_memory.saved_activation_bytes`, bytes of every tensor storage
   an operation creates during the forward and loss that is still alive when the forward returns
   (what backward keeps), less the parameters and inputs. Measured with `activation_checkpointing`
   `none` and `full`.
@@ -22,7 +22,7 @@ How each figure is taken:
   all-to-alls per transformer block, all-reduces (the grad norm's, which DTensor issues, included),
   FSDP2's all-gathers and reduce-scatters.
 - host syncs: a CPU has no device->host sync to observe, so the training thread's calls that would be
-  one on a GPU are counted (`h3train.host_syncs.SyncCounter`): `item`, `tolist`, `cpu`, `numpy`,
+  one on a GPU are counted (`h3train.tools.host_syncs.SyncCounter`): `item`, `tolist`, `cpu`, `numpy`,
   `float()`, `int()`, `bool()` of a tensor, except on tensors an earlier counted call already brought
   to the host. On a GPU the whole step runs under `torch.cuda.set_sync_debug_mode("error")` in
   `scripts/gpu_check.sh` instead.
@@ -66,18 +66,18 @@ try:
 except ImportError:  # a plain checkout without the editable install
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from h3train.bench import clip_data  # noqa: E402
-from h3train.bench_memory import MEMORY_CLIP, MEMORY_DIMS, saved_activation_bytes  # noqa: E402
 from h3train.config import SyntheticDataConfig  # noqa: E402
-from h3train.host_syncs import SyncCounter  # noqa: E402
 from h3train.model.dims import model_defaults  # noqa: E402
 from h3train.objective import micro_batch_inputs  # noqa: E402
 from h3train.parallel.collectives import count_collectives  # noqa: E402
 from h3train.parallel.dims import free_port  # noqa: E402
 from h3train.preflight import load_checked  # noqa: E402
+from h3train.tools.bench import clip_data  # noqa: E402
+from h3train.tools.bench_memory import MEMORY_CLIP, MEMORY_DIMS, saved_activation_bytes  # noqa: E402
+from h3train.tools.host_syncs import SyncCounter  # noqa: E402
 from h3train.train.assemble import build_trainer  # noqa: E402
 
-# The report's model and sample, `h3train.bench_memory`'s, as config overrides (what differs from the
+# The report's model and sample, `h3train.tools.bench_memory`'s, as config overrides (what differs from the
 # defaults). 56 frames at 256x320 -> 17 latent frames of 16x20 (8 x 10 rows), both keyframes, 93
 # stereo audio latents, 352 text rows (176 vision tokens): 352 + 19 * 80 + 186 = 2,058 rows.
 MODEL = {k: v for k, v in MEMORY_DIMS.items() if model_defaults().get(k) != v}

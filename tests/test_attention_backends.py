@@ -159,7 +159,7 @@ def test_math_runs_in_the_bench_but_is_no_training_choice() -> None:
 
 
 def test_bench_and_training_read_one_availability_check(monkeypatch) -> None:
-    from h3train import bench
+    from h3train.tools import bench
 
     monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
     names, notes = bench.select_backends(None, torch.device("cuda"), "bfloat16")

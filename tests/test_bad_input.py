@@ -223,7 +223,7 @@ def test_plot_bad_metrics_file_is_one_line(content: bytes | None, needle: str, t
 
 
 def test_plot_skips_null_values(tmp_path: Path) -> None:
-    from h3train.plot import _series, read_metrics
+    from h3train.tools.plot import _series, read_metrics
 
     metrics = tmp_path / "metrics.jsonl"
     rows = [

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from h3train import bench, gpu_checks, plan
+from h3train import plan
 from h3train.cli import main
 from h3train.config import LossWeights, TimestepConfig
 from h3train.lora import quant
@@ -23,6 +23,7 @@ from h3train.model.dims import model_kwargs
 from h3train.model.sp_forward import SequenceParallelH3
 from h3train.objective import compute_loss, make_training_inputs
 from h3train.parallel.ulysses import SequenceParallel
+from h3train.tools import bench, gpu_checks
 
 
 def _training_inputs(clip: bench.Clip, dims: dict):
@@ -318,7 +319,7 @@ def test_gpu_check_script_runs_the_reduced_check_on_cpu_and_prints_its_json(tmp_
     assert all(r["status"] == "passed" and r["reason"] is None and r["seconds"] > 0 for r in ran.values()), ran
     # No device allocator on the CPU: the rehearsal of the block runs, the comparison is skipped.
     block = results["block_memory_vs_rehearsal"]
-    if importlib.util.find_spec("h3train.rehearse") is None:
+    if importlib.util.find_spec("h3train.tools.rehearse") is None:
         assert block["status"] == "not run" and block["reason"].startswith("not yet")
     else:
         assert block["status"] == "skipped" and block["reason"].startswith("no CUDA"), block
@@ -409,7 +410,7 @@ def _step_report():
 def test_sync_counter_counts_host_reads_of_the_training_thread_once() -> None:
     import threading
 
-    from h3train.host_syncs import SyncCounter
+    from h3train.tools.host_syncs import SyncCounter
 
     counter = SyncCounter()
     try:

@@ -11,14 +11,14 @@ import yaml
 
 from h3train.cli import main
 from h3train.config import Config, get_key, leaf_types, load_config
-from h3train.config_report import defaults_table
+from h3train.tools.config_report import defaults_table
 
 from reference import ROOT, TINY_FL2VA
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 README = ROOT / "README.md"
 TABLE_BEGIN, TABLE_END = "<!-- config defaults begin -->", "<!-- config defaults end -->"
-REGENERATE = ".venv/bin/python -c 'from h3train.config_report import defaults_table; print(defaults_table())'"
+REGENERATE = ".venv/bin/python -c 'from h3train.tools.config_report import defaults_table; print(defaults_table())'"
 
 
 def _cli(capsys, args: list[str]) -> tuple[int, str, str]:

@@ -27,8 +27,8 @@ from h3train.cli import main
 from h3train.config import load_config
 from h3train.data.format import SAMPLE_SUFFIX, read_cached_sample
 from h3train.data.synth import write_synthetic_dataset
-from h3train.plot import metrics_figure
-from h3train.quiet import known_notices
+from h3train.infra.quiet import known_notices
+from h3train.tools.plot import metrics_figure
 from h3train.train.checkpoint import step_dir_name
 from h3train.train.hooks import TrainerHook, TrainerView
 from h3train.train.metrics import MEMORY_KEY, TENSORBOARD_DIR, format_duration

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import h3train.atomic as atomic
 import h3train.data.format as fmt
+import h3train.infra.atomic as atomic
 from h3train.data.format import (
     METADATA_KEY,
     CachedSample,

@@ -14,8 +14,8 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
 from h3train.config import load_config
-from h3train.diskspace import check_room, free_bytes, no_space
 from h3train.errors import ConfigError
+from h3train.infra.diskspace import check_room, free_bytes, no_space
 from h3train.model.dims import model_dims
 from h3train.plan import checkpoint_bytes
 from h3train.train.checkpoint import complete_checkpoints, verify_file_digests
@@ -150,6 +150,6 @@ def test_room_check_passes_fails_and_warns_where_it_cannot_know(tmp_path: Path, 
     def no_statvfs(path):
         raise OSError(errno.ENOSYS, "Function not implemented")
 
-    monkeypatch.setattr("h3train.diskspace.shutil.disk_usage", no_statvfs)
+    monkeypatch.setattr("h3train.infra.diskspace.shutil.disk_usage", no_statvfs)
     warning = check_room(tmp_path, "checkpoint.dir", 5 * 1024**2)
     assert warning is not None and "does not report its free space" in warning and "5.00 MiB" in warning

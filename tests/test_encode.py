@@ -51,9 +51,9 @@ from h3train.data.encode import (
 from h3train.data.format import CachedSample, read_cached_sample, read_index, read_sample, write_index
 from h3train.data.manifest import ManifestError, read_clip_folder, read_manifest
 from h3train.data.media import fit_audio, load_clip, load_still, moving_pattern, sine_tone, write_audio, write_video
+from h3train.infra.runlock import LOCK_NAME, RunLock
 from h3train.model.build import build_model
 from h3train.objective import compute_loss, micro_batch_inputs
-from h3train.runlock import LOCK_NAME, RunLock
 
 from reference import h3train_command, on_small_disk, run_env, run_forked, start_in_session
 
@@ -332,7 +332,7 @@ def test_killed_writer_leaves_no_readable_half_sample(media: Path, components: P
     # Dies by SIGKILL right after the sample's bytes are on disk under their temporary name.
     script = textwrap.dedent(f"""
         import os, signal
-        import h3train.atomic as atomic
+        import h3train.infra.atomic as atomic
         from h3train.data.encode import EncodeSettings, encode_manifest
         synced = atomic.fsync_path
         def die(path):

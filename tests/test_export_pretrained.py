@@ -12,9 +12,9 @@ from diffusers import MiniMaxH3Transformer3DModel
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from h3train.atomic import file_mode
 from h3train.cli import main
 from h3train.config import load_config
+from h3train.infra.atomic import file_mode
 from h3train.model.build import build_model
 from h3train.model.sp_forward import FORWARD_ARGS
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from h3train.config import WandbConfig
-from h3train.plot import plot_metrics
+from h3train.tools.plot import plot_metrics
 from h3train.train.metrics import MetricsLogger, write_resolved_config
 
 
@@ -382,7 +382,7 @@ def test_tensorboard_failure_warns_once_and_the_jsonl_goes_on(tmp_path: Path, mo
 
 
 def test_smoothing_is_a_debiased_exponential_average_that_skips_gaps() -> None:
-    from h3train.plot import SMOOTHING, smoothed
+    from h3train.tools.plot import SMOOTHING, smoothed
 
     values = [4.0, 2.0, math.nan, 8.0, 1.0]
     got = smoothed(values)
@@ -413,7 +413,7 @@ def _resumed_log(tmp_path: Path) -> Path:
 def test_plot_draws_smoothed_over_raw_lr_resumes_and_held_out_points(tmp_path: Path) -> None:
     from matplotlib.colors import to_rgba
 
-    from h3train.plot import metrics_figure, smoothed
+    from h3train.tools.plot import metrics_figure, smoothed
 
     path = _resumed_log(tmp_path)
     rows = [r for r in _read(path) if "kind" not in r]
@@ -437,7 +437,7 @@ def test_plot_draws_smoothed_over_raw_lr_resumes_and_held_out_points(tmp_path: P
 
 
 def test_plot_legends_sit_outside_the_axes(tmp_path: Path) -> None:
-    from h3train.plot import metrics_figure
+    from h3train.tools.plot import metrics_figure
 
     fig = metrics_figure(_resumed_log(tmp_path))
     fig.canvas.draw()
@@ -450,7 +450,7 @@ def test_plot_legends_sit_outside_the_axes(tmp_path: Path) -> None:
 
 
 def test_plot_marks_a_gap_in_the_steps_as_a_resume() -> None:
-    from h3train.plot import resume_steps
+    from h3train.tools.plot import resume_steps
 
     rows = [{"step": s} for s in (1, 2, 3, 7, 8)] + [{"step": 9, "resumed": True}, {"step": 10}]
     assert resume_steps(rows) == [6, 8]

@@ -91,7 +91,7 @@ def test_checkpointing_modes_recompute_the_chosen_blocks_and_keep_the_gradients(
 
 
 def test_saved_activations_shrink_with_checkpointing() -> None:
-    from h3train.bench_memory import saved_activation_bytes
+    from h3train.tools.bench_memory import saved_activation_bytes
 
     cfg = load_config(TINY_FL2VA)
     ti = _inputs(cfg, 16)

@@ -1,7 +1,7 @@
 """The memory plan against measurement on two gloo ranks: the state a training step leaves on each rank
 and the activations a forward keeps, each within `TOLERANCE` of `h3train.plan.estimate`.
 
-One launch (`h3train.bench_memory.run_ranks`) measures every configuration in one process group:
+One launch (`h3train.tools.bench_memory.run_ranks`) measures every configuration in one process group:
 
 - state: the trainer's own tensors after one step (`build_trainer`, `Trainer.train_step`), the local
   shards' bytes of the parameters, of their gradients and of AdamW's state on each rank, against the
@@ -27,9 +27,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from h3train.bench_memory import run_ranks, saved_activation_bytes
 from h3train.config import load_config
 from h3train.data.source import build_source
+from h3train.infra.quiet import known_notices
 from h3train.lora.quant import INTEGER_CODES_SHARD
 from h3train.model.build import build_model, fp32_island_names
 from h3train.model.dims import model_dims
@@ -40,7 +40,7 @@ from h3train.parallel.dims import ParallelDims
 from h3train.parallel.fsdp import local_tensor
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.plan import estimate
-from h3train.quiet import known_notices
+from h3train.tools.bench_memory import run_ranks, saved_activation_bytes
 from h3train.train.transforms import model_transforms
 
 from reference import ROOT, TINY_FL2VA

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from h3train.cli import main
-from h3train.runlock import LOCK_NAME, OWNER_NAME, STALE_AFTER_S, RunLock, writer_record
+from h3train.infra.runlock import LOCK_NAME, OWNER_NAME, STALE_AFTER_S, RunLock, writer_record
 
 from reference import (
     checkpoint_dir,

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3train.atomic import atomic_save_file, file_mode
 from h3train.cli import main
 from h3train.config import load_config
+from h3train.infra.atomic import atomic_save_file, file_mode
 from h3train.train.checkpoint import committed_checkpoints
 from h3train.train.optim import lr_factor
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from h3train.bench_memory import run_ranks, step_collectives
 from h3train.parallel.collectives import fsdp_collectives_per_step, functional_all_to_alls_per_step
+from h3train.tools.bench_memory import run_ranks, step_collectives
 
 from reference import TINY_FL2VA, tiny_overrides
 

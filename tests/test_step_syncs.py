@@ -3,7 +3,7 @@
 The update decision, the logged sums, the spike check, the data-error count and the stop request
 all travel in the step's one all-reduce and come to the host in one copy. On this CPU machine a
 device->host sync cannot be observed, so the test counts the calls that would be one on a GPU
-(`h3train.host_syncs.SyncCounter`). The GPU check runs the whole step under
+(`h3train.tools.host_syncs.SyncCounter`). The GPU check runs the whole step under
 `torch.cuda.set_sync_debug_mode("error")` instead.
 """
 
@@ -14,7 +14,7 @@ from collections import Counter
 import torch.distributed as dist
 
 from h3train.config import load_config
-from h3train.host_syncs import SyncCounter
+from h3train.tools.host_syncs import SyncCounter
 from h3train.train.assemble import build_trainer
 
 from reference import TINY_FL2VA, tiny_overrides

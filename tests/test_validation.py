@@ -18,7 +18,7 @@ from h3train.data.synth import write_synthetic_dataset
 from h3train.model.build import build_model
 from h3train.objective import make_training_inputs
 from h3train.plan import base_predictions_line
-from h3train.plot import metrics_figure
+from h3train.tools.plot import metrics_figure
 from h3train.train.assemble import build_trainer
 from h3train.train.base_predictions import pair_bytes
 from h3train.train.validation import HeldOutLoss, heldout_generator, sigma_label

@@ -35,7 +35,7 @@ from transformers import (
 from transformers.utils import is_torchvision_available
 
 from ..errors import ConfigError
-from ..quiet import known_notices
+from ..infra.quiet import known_notices
 from .stand_in import ENCODE_PRESET_FILE, TINY_ENCODE_PRESET, write_stand_in_pipeline
 
 COMPONENT_NAMES = ("vae", "audio_vae", "text_encoder", "tokenizer", "processor")

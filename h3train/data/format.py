@@ -19,7 +19,7 @@ Reference numbers `i` are positions in the request order, which is the packed or
 records the task, anchors, references `[{kind, has_audio}]`, `has_audio`, `num_frames` (pixel frames,
 `17 n + 5` at 24 fps) and the latent geometry, all checked against the tensors on read and on write.
 
-The header also records a digest of every tensor's stored bytes (`DIGESTS_KEY`, `h3train/digest.py`),
+The header also records a digest of every tensor's stored bytes (`DIGESTS_KEY`, `h3train/infra/digest.py`),
 checked whenever the tensors are read: bytes changed after writing are a `SampleError` naming the
 tensor, not values trained on. A file is read whole into this process's memory (no memory map), so
 one truncated or rewritten under a running job fails its read instead of raising SIGBUS in a later step.
@@ -43,9 +43,9 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     video_latent_num_frames,
 )
 
-from ..atomic import atomic_save_file, atomic_write_text
-from ..digest import ALGORITHM, digest_bytes, digest_tensor
 from ..errors import DatasetError, SampleError
+from ..infra.atomic import atomic_save_file, atomic_write_text
+from ..infra.digest import ALGORITHM, digest_bytes, digest_tensor
 from ..tasks.layout import (
     AUDIO_CHANNELS,
     Geometry,

@@ -175,7 +175,7 @@ def _write_merged(
     dtype: torch.dtype,
     base: Path | None,
 ) -> None:
-    from ..atomic import apply_file_mode, atomic_save_file, atomic_write_text
+    from ..infra.atomic import apply_file_mode, atomic_save_file, atomic_write_text
     from ..model.build import meta_transformer
     from .export import merge_adapters
 

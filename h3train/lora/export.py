@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..atomic import atomic_save_file
+from ..infra.atomic import atomic_save_file
 from ..tasks.table import PARTITIONS, SAMPLE_TASKS, TRAINING_TASKS
 from .adapters import peft_config_from_record, peft_metadata
 from .kinds import record_kind

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from ..atomic import atomic_save_file
 from ..data.components import reads_videos
 from ..data.conditioning import ReferenceLatents, conditioning_of, merged
 from ..data.encode.clip import ENCODER_VERSION, EncodeSettings, EncodingPipeline, encode_conditioning
 from ..data.media import MediaError
+from ..infra.atomic import atomic_save_file
 from .requests import SampleRequest
 
 CACHE_KEY = "h3train_request"

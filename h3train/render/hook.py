@@ -54,7 +54,7 @@ def load_vaes(root: str | Path) -> tuple[torch.nn.Module, torch.nn.Module]:
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 
     from ..data.components import ComponentsError
-    from ..quiet import known_notices
+    from ..infra.quiet import known_notices
 
     try:
         vae = AutoencoderKLMiniMaxH3.from_pretrained(root, subfolder="vae", local_files_only=True)
@@ -217,7 +217,7 @@ class SampleRenderer(TrainerHook):
                 torch.cuda.empty_cache()
         path = write_clip(folder, cond.request.sample_id, frames, audio, rate)
         if self.v.save_latents:
-            from ..atomic import atomic_save_file
+            from ..infra.atomic import atomic_save_file
 
             latents = {"video": state.get("latents").float().cpu(), "audio": state.get("audio_latents").float().cpu()}
             target = fresh_path(folder, f"{path.stem}.latents", ".safetensors")

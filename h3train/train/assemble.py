@@ -26,7 +26,9 @@ from torch import nn
 from ..config import Config, dataset_specs
 from ..data.mixture import DatasetMixture
 from ..data.source import MicroBatchStream, SampleSource, build_sampler, build_source, load_shared_negative
-from ..diskspace import check_room
+from ..infra.diskspace import check_room
+from ..infra.quiet import known_notices
+from ..infra.runlock import RunLock
 from ..lora.quant import check_base_quant
 from ..model.adapter import ModelAdapter
 from ..model.build import (
@@ -46,8 +48,6 @@ from ..parallel.fsdp import apply_fsdp, shards_nothing
 from ..parallel.ulysses import SequenceParallel
 from ..plan import checkpoint_bytes
 from ..preflight import preflight
-from ..quiet import known_notices
-from ..runlock import RunLock
 from .checkpoint import Checkpointer, checkpoint_root, room_needed
 from .dump import StepDump
 from .events import EventLog, Progress

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..atomic import atomic_save_file, atomic_write_text
-from ..digest import ALGORITHM, digest_bytes, digest_file, digest_tensor
 from ..errors import SampleError
+from ..infra.atomic import atomic_save_file, atomic_write_text
+from ..infra.digest import ALGORITHM, digest_bytes, digest_file, digest_tensor
 from ..tasks.layout import PATCH_SIZE, Geometry
 from ..tasks.synthetic import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 

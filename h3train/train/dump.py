@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..atomic import atomic_save_file, atomic_write_text
+from ..infra.atomic import atomic_save_file, atomic_write_text
 from ..lora.names import export_name
 from ..lora.quant import dequantize
 from ..objective import TrainingInputs

@@ -41,11 +41,11 @@ from diffusers import MiniMaxH3Transformer3DModel
 from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..atomic import apply_file_mode, atomic_save_file, atomic_write_text
-from ..diskspace import human_bytes
 from ..errors import CheckpointError, ConfigError, UsageError
+from ..infra.atomic import apply_file_mode, atomic_save_file, atomic_write_text
+from ..infra.diskspace import human_bytes
+from ..infra.runlock import OWNER_NAME, left_behind, mark_owned
 from ..model.build import meta_transformer
-from ..runlock import OWNER_NAME, left_behind, mark_owned
 from .checkpoint import (
     METADATA_FILE,
     MODEL_PREFIX,

@@ -30,9 +30,9 @@ import torch.distributed as dist
 import yaml
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..atomic import set_aside
 from ..config import Config
 from ..errors import CheckpointError, ConfigError, H3TrainError, UsageError
+from ..infra.atomic import set_aside
 from ..lora.base import read_record
 from ..model.adapter import ModelAdapter
 from ..parallel.dims import ParallelContext

@@ -17,7 +17,7 @@ The policy, checked at the start of `Trainer.__init__`, before any process group
   differs from this run's is kept as `config.yaml.previous-<n>` (`write_resolved_config`).
 
 Every rank reaches the same decision from the same (shared) folder; only rank 0 moves anything, and
-only once it holds both folders' lock (`h3train/runlock.py`, taken in `assemble`): a second run
+only once it holds both folders' lock (`h3train/infra/runlock.py`, taken in `assemble`): a second run
 into either folder stops before it changes anything.
 """
 
@@ -27,8 +27,8 @@ import os
 import uuid
 from pathlib import Path
 
-from ..atomic import set_aside
 from ..errors import ConfigError, UsageError
+from ..infra.atomic import set_aside
 from .checkpoint import committed_checkpoints, step_of
 
 # What h3train writes into `logging.dir` (besides checkpoints); `--overwrite` moves these aside.

@@ -50,8 +50,8 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..data.sampler import assigned_indices
-from ..digest import digest_tensor
 from ..errors import DatasetError, SampleError
+from ..infra.digest import digest_tensor
 from ..objective import TrainingInputs, cfg_enabled, compute_loss, make_training_inputs, negative_inputs
 from ..tasks.layout import PackedSample
 from .base_predictions import FOLDER, BasePredictions, fingerprint

@@ -15,10 +15,10 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 from tqdm import tqdm
 
-from ...atomic import atomic_write_text, is_temporary, set_aside
-from ...diskspace import no_space
 from ...errors import ConfigError
-from ...runlock import RunLock
+from ...infra.atomic import atomic_write_text, is_temporary, set_aside
+from ...infra.diskspace import no_space
+from ...infra.runlock import RunLock
 from ..components import check_components_folder, components_fingerprint, load_components
 from ..format import INDEX_NAME, SAMPLE_SUFFIX, verify_sample, write_index, write_sample
 from ..manifest import ManifestEntry, read_clip_folder, read_manifest

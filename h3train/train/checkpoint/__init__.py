@@ -6,7 +6,7 @@ Layout of `checkpoint.dir`:
       .metadata, *.distcp    DCP: every component of the checkpoint state, sharded
       trainer_state.json     step, commit number, model config, resolved config, a digest of every
                              file (JSON, for people and for the checks that run before a model exists)
-    .h3train.lock            the lock of the run writing here (`h3train/runlock.py`)
+    .h3train.lock            the lock of the run writing here (`h3train/infra/runlock.py`)
     .tmp-step_00000013/      being written; renamed to step_00000013 once every rank is done
     step_00000014.corrupt    a checkpoint that failed to load, set aside by a resume (never read)
     step_00000020.abandoned-12   a later checkpoint set aside when a run resumed from step 12
@@ -24,7 +24,7 @@ A LoRA run's `model` component holds the trainable parameters only (`ModelState(
 adapters and `lora.train_modules`, no frozen base weight); its `trainer_state.json` adds the
 adapter's peft config (`lora`) and the base it was trained on (`lora_base`, `h3train/lora/base.py`).
 
-The digests (`h3train/digest.py`) are taken at commit, each rank reading back the shard files it
+The digests (`h3train/infra/digest.py`) are taken at commit, each rank reading back the shard files it
 wrote; before a resume the ranks check them in parallel (`verify_file_digests`), and a file whose bytes
 changed takes the corrupt-checkpoint path (set aside, the next older one used); export checks them too.
 

@@ -23,11 +23,11 @@ except ImportError:  # torch 2.8: `dcp.async_save` copies to host memory on the 
     DefaultStager = StagingOptions = None
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ...atomic import apply_file_mode, atomic_write_text, fsync_path, set_aside
-from ...digest import ALGORITHM, digest_file
-from ...diskspace import free_bytes, human_bytes, no_space
 from ...errors import DiskFullError
-from ...runlock import OWNER_NAME, mark_owned, owned_by_another
+from ...infra.atomic import apply_file_mode, atomic_write_text, fsync_path, set_aside
+from ...infra.digest import ALGORITHM, digest_file
+from ...infra.diskspace import free_bytes, human_bytes, no_space
+from ...infra.runlock import OWNER_NAME, mark_owned, owned_by_another
 from .layout import DIGESTS_FIELD, STATE_FILE, _commit_key, committed_checkpoints, size_on_disk, step_dir_name, step_of
 from .verify import complete_checkpoints
 
@@ -142,7 +142,7 @@ class Checkpointer:
         self.root = root
         # One checkpoint's planned size (`assemble.planned_checkpoint_bytes`), for a disk-full message.
         self.planned_bytes = planned_bytes
-        # The token of the run lock this writer holds (`runlock.py`): its temporary folders carry it.
+        # The token of the run lock this writer holds (`infra/runlock.py`): its temporary folders carry it.
         self.owner = owner
         self.keep_last = keep_last
         self.is_main = is_main

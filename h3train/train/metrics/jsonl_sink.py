@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from ...atomic import atomic_write_text, free_name
+from ...infra.atomic import atomic_write_text, free_name
 from .record import RESUMED_KEY, strict_record, training_record, validation_record
 from .sink import MetricSink
 

@@ -49,14 +49,14 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
+from ..config import Config
+from ..errors import UsageError
+from ..parallel.dims import ParallelContext, ParallelDims
+from ..parallel.fsdp import local_tensor
+from ..plan import GIB, RELEASED_MAX_ROWS, RELEASED_TEXT_ROWS, MemoryPlan, config_sample_rows, estimate
+from ..train.optim import optimizer_kind
 from .bench import Clip, bench_sample
-from .config import Config
-from .errors import UsageError
 from .memtrack import TRANSIENT, StorageTracker
-from .parallel.dims import ParallelContext, ParallelDims
-from .parallel.fsdp import local_tensor
-from .plan import GIB, RELEASED_MAX_ROWS, RELEASED_TEXT_ROWS, MemoryPlan, config_sample_rows, estimate
-from .train.optim import optimizer_kind
 
 # The longest released FL2VA clip the plan falls back to away from the data (`plan.RELEASED_MAX_ROWS`):
 # 15 s (362 frames) at 768x1344, first and last keyframes, a 2,048-row prefix half vision tokens.
@@ -220,7 +220,7 @@ def planned_sample(cfg: Config, text_dim: int) -> tuple[Any, int, str]:
     The data source's longest sample (`DataSource.longest_sample`); away from the data, the released
     15 s FL2VA clip (`RELEASED_CLIP`), synthetic latents of its geometry.
     """
-    from .data.source import data_source
+    from ..data.source import data_source
 
     rows, text_rows, source = config_sample_rows(cfg)
     if rows == RELEASED_MAX_ROWS and source.startswith("longest released clip"):
@@ -257,8 +257,8 @@ def _build(cfg: Config, ctx: Any, tracker: StorageTracker | None, notes: list[st
     The transformer is built, transformed and sharded on `meta` outside the fake mode (module dtype
     conversions swap tensors, which fake tensors refuse), then materialized inside it.
     """
-    from .train.assemble import wrap_and_shard
-    from .train.transforms import model_transforms
+    from ..train.assemble import wrap_and_shard
+    from ..train.transforms import model_transforms
 
     transforms = model_transforms(cfg)
     model = wrap_and_shard(cfg, ctx, transforms, from_meta=True)
@@ -270,9 +270,9 @@ def _materialized(
     cfg: Config, model: Any, transforms: list, tracker: StorageTracker | None, notes: list[str]
 ) -> _Built:
     """`_build` inside the fake mode: values, the tracker's categories, optimizer (state) and EMA."""
-    from .model.build import materialize
-    from .train.ema import EmaHook
-    from .train.optim import build_optimizer, build_scheduler
+    from ..model.build import materialize
+    from ..train.ema import EmaHook
+    from ..train.optim import build_optimizer, build_scheduler
 
     materialize(model, torch.device("cpu"))
     if any(callable(getattr(t, "after_load", None)) for t in transforms):
@@ -331,8 +331,8 @@ def _allocate_optimizer_state(model: Any, optimizer: torch.optim.Optimizer, name
 
 def _rehearse_step(cfg: Config, built: _Built, ti: Any, tracker: StorageTracker, micro_batches: int) -> None:
     """`Trainer.forward_backward` and `Trainer.update` of one step, as far as fake tensors go."""
-    from .objective import compute_loss
-    from .train.trainer import Trainer
+    from ..objective import compute_loss
+    from ..train.trainer import Trainer
 
     model, optimizer = built.model, built.optimizer
     accum = cfg.train.grad_accum
@@ -382,9 +382,9 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .model.dims import planned_model_dims
-    from .objective import micro_batch_inputs
-    from .quiet import known_notices
+    from ..infra.quiet import known_notices
+    from ..model.dims import planned_model_dims
+    from ..objective import micro_batch_inputs
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -458,7 +458,7 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
 
 def _checkpoint_state(built: _Built) -> dict[str, Any]:
     """The state a checkpoint of the run saves (`Trainer.checkpoint_state`), the sampler's position aside."""
-    from .train.checkpoint import ModelState, OptimizerState, ScheduleState
+    from ..train.checkpoint import ModelState, OptimizerState, ScheduleState
 
     state = {
         "model": ModelState(built.model, trainable_only=built.trainable_only).state_dict(),
@@ -475,8 +475,8 @@ def _built_state(cfg: Config, world_size: int, num_layers: int | None, use: Any)
     """`use(state)` of the checkpoint state of `cfg`'s run built at `world_size` ranks (no step taken)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .model.dims import planned_model_dims
-    from .quiet import known_notices
+    from ..infra.quiet import known_notices
+    from ..model.dims import planned_model_dims
 
     mesh = ParallelDims.from_config(cfg.parallel, world_size)
     dims, _ = planned_model_dims(cfg)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..atomic import atomic_write_text
+from ...infra.atomic import atomic_write_text
 from .parity import REFERENCE_BACKEND
 from .run import DEFAULT_REPEATS, GIB, BenchReport, run_bench
 from .sample import FULL_CLIP, REDUCED_CLIP, Clip
@@ -33,7 +33,7 @@ def format_report(report: BenchReport) -> str:
         f"layout        fl2va {lay['height']}x{lay['width']} x {lay['frames']} frames -> {lay['seq_len']:,} rows = "
         f"{lay['text']:,} text + {lay['keyframe']:,} keyframe + {lay['audio']:,} audio + "
         f"{lay['target_video']:,} video; {lay['timesteps']} distinct timesteps",
-        f"model FLOPs   {report.flops['total']:.4g} per step (fwd + bwd, matmuls; see h3train/bench/flops.py)",
+        f"model FLOPs   {report.flops['total']:.4g} per step (fwd + bwd, matmuls; see h3train/tools/bench/flops.py)",
         f"peak          {_fmt(report.peak_tflops, '.0f')} TFLOP/s bf16 ({report.peak_tflops_source})",
         f"plan memory   {report.plan_memory_bytes / GIB:.2f} GiB (weights, gradients, AdamW state, activations)",
         "",

@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 # A quota (EDQUOT) runs out as a disk does, with the same way out.
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from .config import Config, config_layers, leaf_types
+from ..config import Config, config_layers, leaf_types
 
 DEFAULT = "default"
 OVERRIDE = "override"

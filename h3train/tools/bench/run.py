@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from .. import plan
-from ..config import Config, LossWeights, TimestepConfig, validate
-from ..errors import ConfigError
-from ..model.dims import model_kwargs
-from ..objective import make_training_inputs
-from ..ops.attention import ATTENTION_BACKENDS, unavailable
+from ... import plan
+from ...config import Config, LossWeights, TimestepConfig, validate
+from ...errors import ConfigError
+from ...model.dims import model_kwargs
+from ...objective import make_training_inputs
+from ...ops.attention import ATTENTION_BACKENDS, unavailable
 from .flops import peak_tflops_for, step_flops
 from .parity import PARITY_TOLERANCE, REFERENCE_BACKEND, Parity, _gradients, grad_parity
 from .sample import (
@@ -119,7 +119,7 @@ def select_backends(requested: str | None, device: torch.device, dtype: str) -> 
 
 
 def _check_clip(clip: Clip) -> None:
-    from ..tasks.table import FRAME_RULE, is_frame_count
+    from ...tasks.table import FRAME_RULE, is_frame_count
 
     if not is_frame_count(clip.frames):
         raise ConfigError(f"bench --frames {clip.frames}: must be {FRAME_RULE} (22, 39, ..., 124, ..., 362)")
@@ -174,7 +174,7 @@ def run_case(
     Returns the reference gradients (for `REFERENCE_BACKEND`) or this backend's parity against
     `reference` (when there is one), read after step 1's `forward_backward`.
     """
-    from ..train.assemble import build_trainer
+    from ...train.assemble import build_trainer
 
     trainer = build_trainer(cfg, hooks=[])
     try:

@@ -2,7 +2,7 @@
 
 Each training curve is drawn raw (faint) under its exponential moving average (`SMOOTHING`);
 held-out rows (`"kind": "validation"`) are points; a dotted vertical line marks each step where
-the run was resumed. Usage: `python -m h3train.plot runs/x/metrics.jsonl runs/x/metrics.png`.
+the run was resumed. Usage: `python -m h3train.tools.plot runs/x/metrics.jsonl runs/x/metrics.png`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from .errors import UsageError
+from ..errors import UsageError
 
 _LOSS_KEYS = ("loss", "loss_video", "loss_audio")
 # Held-out rows (`"kind": "validation"`) drawn beside the training losses.
@@ -211,10 +211,10 @@ def _smoothed_curve(ax: Any, records: list[dict[str, Any]], key: str, **style: A
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m h3train.plot METRICS_JSONL OUT_PNG`; exit code 2 with one line on bad input."""
+    """`python -m h3train.tools.plot METRICS_JSONL OUT_PNG`; exit code 2 with one line on bad input."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m h3train.plot METRICS_JSONL OUT_PNG", file=sys.stderr)
+        print("usage: python -m h3train.tools.plot METRICS_JSONL OUT_PNG", file=sys.stderr)
         return 2
     try:
         out = plot_metrics(args[0], args[1])

@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
+from ..errors import UsageError
 
 LOCK_NAME = ".h3train.lock"
 OWNER_NAME = ".h3train-owner"

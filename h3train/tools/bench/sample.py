@@ -9,11 +9,11 @@ import torch
 from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames, video_latent_num_frames
 
-from ..config import SyntheticDataConfig
-from ..data.format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
-from ..objective import TrainingInputs
-from ..tasks.layout import PackedSample
-from ..tasks.synthetic import SyntheticSource
+from ...config import SyntheticDataConfig
+from ...data.format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
+from ...objective import TrainingInputs
+from ...tasks.layout import PackedSample
+from ...tasks.synthetic import SyntheticSource
 
 REDUCED_DIMS: dict[str, Any] = {
     "num_attention_heads": 4,
@@ -114,7 +114,7 @@ def build_bench_model(dims: dict[str, Any], device: torch.device, dtype: torch.d
 
 def set_backend(model: MiniMaxH3Transformer3DModel, backend: str) -> None:
     """`model.set_attention_backend` without diffusers' per-call "experimental feature" warning."""
-    from ..quiet import known_notices
+    from ...infra.quiet import known_notices
 
     with known_notices():
         model.set_attention_backend(backend)
@@ -122,6 +122,6 @@ def set_backend(model: MiniMaxH3Transformer3DModel, backend: str) -> None:
 
 def _parameter_count(dims: dict[str, Any]) -> int:
     """Parameters of `MiniMaxH3Transformer3DModel(**dims)`, counted on the meta device (no memory)."""
-    from ..model.build import meta_transformer
+    from ...model.build import meta_transformer
 
     return sum(p.numel() for p in meta_transformer(dims).parameters())

@@ -69,11 +69,11 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from ..config import Config, validate
+from ..model.dims import model_kwargs
+from ..parallel import averaging
+from ..parallel.fsdp import local_tensor
 from . import bench
-from .config import Config, validate
-from .model.dims import model_kwargs
-from .parallel import averaging
-from .parallel.fsdp import local_tensor
 
 PASSED, FAILED, SKIPPED, NOT_RUN = "passed", "failed", "skipped", "not run"
 
@@ -171,7 +171,7 @@ def check_config(
 @contextmanager
 def _trainer(setup: CheckSetup, name: str, overrides: dict[str, Any]) -> Iterator[Any]:
     """A built `Trainer` for one check, closed (process group left) afterwards."""
-    from .train.assemble import build_trainer
+    from ..train.assemble import build_trainer
 
     trainer = build_trainer(check_config(setup, name, overrides), hooks=[])
     try:
@@ -368,8 +368,8 @@ def check_optimizer(kind: str) -> Callable[[CheckSetup, CheckResult], None]:
     """(b): one step with `optim.name=kind` through the real trainer."""
 
     def run(setup: CheckSetup, res: CheckResult) -> None:
-        from .train.lowbit import QUANT_BLOCK
-        from .train.optim import optimizer_kind
+        from ..train.lowbit import QUANT_BLOCK
+        from ..train.optim import optimizer_kind
 
         missing = optimizer_kind(kind).missing()
         if missing:
@@ -416,8 +416,8 @@ def check_lora(base_quant: str) -> Callable[[CheckSetup, CheckResult], None]:
     """(c): LoRA steps on the `lora.base_quant` frozen base through the real trainer."""
 
     def run(setup: CheckSetup, res: CheckResult) -> None:
-        from .errors import ConfigError
-        from .lora.quant import check_base_quant
+        from ..errors import ConfigError
+        from ..lora.quant import check_base_quant
 
         if base_quant == "float8" and (why := float8_unsupported(setup.device)):
             res.status, res.reason = SKIPPED, why
@@ -472,7 +472,7 @@ def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[s
 
 def _staging(trainer: Any) -> dict[str, Any]:
     """How the save copied the state to host memory: DCP's background stager and its buffers, or the fallback."""
-    from .train.checkpoint import staging_options
+    from ..train.checkpoint import staging_options
 
     stager = trainer.checkpointer._stager
     if stager is None:
@@ -498,7 +498,7 @@ def _staging(trainer: Any) -> dict[str, Any]:
 
 def check_async_save(setup: CheckSetup, res: CheckResult) -> None:
     """(d): an async save equals a blocking save of the same state although the next step follows at once."""
-    from .train.checkpoint import Checkpointer
+    from ..train.checkpoint import Checkpointer
 
     overrides = {"checkpoint.async_save": True, "checkpoint.keep_last": 0}
     with _trainer(setup, res.name, overrides) as trainer:
@@ -583,7 +583,7 @@ def check_block_memory_vs_rehearsal(setup: CheckSetup, res: CheckResult) -> None
     cfg = check_config(dataclasses.replace(setup, dtype="bfloat16"), res.name, {}, dims=dims, clip=clip)
     res.numbers.update(hidden_size=dims["hidden_size"], blocks=1)
     if full:
-        from .train.assemble import build_trainer
+        from ..train.assemble import build_trainer
 
         trainer = build_trainer(cfg, hooks=[])
         try:

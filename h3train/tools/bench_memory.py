@@ -35,15 +35,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..config import LossWeights, TimestepConfig
+from ..model.dims import model_kwargs
+from ..model.sp_forward import SequenceParallelH3
+from ..objective import TrainingInputs, compute_loss, make_training_inputs
+from ..parallel.collectives import CollectiveCounts
+from ..parallel.dims import free_port
+from ..parallel.fsdp import local_tensor
+from ..parallel.ulysses import SequenceParallel
 from .bench import REDUCED_DIMS, Clip, bench_sample, build_bench_model
-from .config import LossWeights, TimestepConfig
-from .model.dims import model_kwargs
-from .model.sp_forward import SequenceParallelH3
-from .objective import TrainingInputs, compute_loss, make_training_inputs
-from .parallel.collectives import CollectiveCounts
-from .parallel.dims import free_port
-from .parallel.fsdp import local_tensor
-from .parallel.ulysses import SequenceParallel
 
 MEMORY_DIMS: dict[str, Any] = model_kwargs(
     {
@@ -217,14 +217,14 @@ def _collectives_worker(
     rank: int, world: int, sp: int, config: str, overrides: list[str], cpu_offload: bool
 ) -> dict[str, Any]:
     """Collectives of the second of two FSDP2 steps (forward, backward, clip, AdamW) of `config`."""
-    from .data.source import build_source
-    from .model.build import build_model
-    from .objective import micro_batch_inputs
-    from .parallel.collectives import count_collectives
-    from .parallel.dims import ParallelContext, ParallelDims
-    from .parallel.fsdp import apply_fsdp
-    from .preflight import load_checked
-    from .train.optim import build_optimizer
+    from ..data.source import build_source
+    from ..model.build import build_model
+    from ..objective import micro_batch_inputs
+    from ..parallel.collectives import count_collectives
+    from ..parallel.dims import ParallelContext, ParallelDims
+    from ..parallel.fsdp import apply_fsdp
+    from ..preflight import load_checked
+    from ..train.optim import build_optimizer
 
     cfg = load_checked(config, overrides)
     ctx = ParallelContext(ParallelDims(1, world // sp, sp, world), torch.device("cpu"))
@@ -258,7 +258,7 @@ def step_collectives(
     """Rank 0's collectives, by kind, in one training step of `config` (default the tiny FL2VA
     config) on `world` gloo ranks at `sp`: FSDP2's all-gathers and reduce-scatters, the clip's
     all-reduce, Ulysses' all-to-alls (forward and backward)."""
-    config = config or Path(__file__).resolve().parents[1] / "configs" / "tiny_fl2va.yaml"
+    config = config or Path(__file__).resolve().parents[2] / "configs" / "tiny_fl2va.yaml"
     return CollectiveCounts(
         run_ranks(_collectives_worker, world, sp, str(config), list(overrides or []), cpu_offload)[0]
     )
