@@ -40,6 +40,7 @@ from .schema import (
     get_key,
     leaf_types,
     register_choice,
+    register_entry,
     sample_key,
 )
 
@@ -65,6 +66,7 @@ __all__ = [
     "ValidationConfig",
     "Config",
     "register_choice",
+    "register_entry",
     "choices",
     "get_key",
     "leaf_types",

@@ -7,7 +7,7 @@ import functools
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 
 @dataclass
@@ -344,9 +344,10 @@ class Config:
 
 
 # The values of each enumerated key. Those of an extension table (`lora.kind`: `lora/kinds.py`,
-# `optim.name`: `train/optim.py`, `model.attention_backend`: `ops/attention.py`) are listed here
-# so the config validates alone; each table registers its kinds (`register_choice`), so a kind added
-# from outside the package is a valid choice, and a test holds the built-in lists equal to the tables.
+# `optim.name`: `train/optim.py`, `data.source`: `data/source.py`, `model.attention_backend`:
+# `ops/attention.py`) are listed here so the config validates alone; each table registers its entries
+# (`register_entry`), so a kind added from outside the package is a valid choice, and a test holds the
+# built-in lists equal to the tables.
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16"),
     "model.attention_backend": ("auto", "native", "flash", "cudnn"),
@@ -376,6 +377,31 @@ def register_choice(key: str, value: str) -> None:
         raise KeyError(f"config key '{key}' takes no enumerated choices")
     if value not in _CHOICES[key]:
         _CHOICES[key] = (*_CHOICES[key], value)
+
+
+class Named(Protocol):
+    """An extension table's entry: the name the table, and a config key's choices, know it by."""
+
+    @property
+    def name(self) -> str: ...
+
+
+_Entry = TypeVar("_Entry", bound=Named)
+
+
+def register_entry(table: dict[str, _Entry], entry: _Entry, what: str, key: str | None) -> _Entry:
+    """Add `entry` to an extension table under its name, which becomes a choice of config key `key`.
+
+    `what` names the table's entries in the error a second entry of the same name raises; `key` is None
+    for an entry no enumerated key names (one another key selects, one only the benchmark runs).
+    """
+    # Refused, not replaced: a run's config, checkpoints and exports would silently change meaning.
+    if entry.name in table:
+        raise ValueError(f"{what} {entry.name!r} is already registered")
+    table[entry.name] = entry
+    if key is not None:
+        register_choice(key, entry.name)
+    return entry
 
 
 def choices(key: str) -> tuple[str, ...]:

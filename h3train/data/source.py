@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
-from ..config import Config, dataset_specs, register_choice
+from ..config import Config, dataset_specs, register_entry
 from ..errors import ConfigError
 from ..tasks.layout import PackedSample
 from .prefetch import MicroBatchPosition, Prefetcher, micro_batch_positions
@@ -190,11 +190,7 @@ DATA_SOURCES: dict[str, DataSource] = {}
 
 def register_data_source(kind: DataSource) -> DataSource:
     """Add `kind` to the table and make its name a choice of `data.source`."""
-    if kind.name in DATA_SOURCES:
-        raise ValueError(f"data source {kind.name!r} is already registered")
-    DATA_SOURCES[kind.name] = kind
-    register_choice("data.source", kind.name)
-    return kind
+    return register_entry(DATA_SOURCES, kind, "data source", "data.source")
 
 
 for _kind in (SyntheticData(), CachedData()):

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..config import register_choice
+from ..config import register_entry
 from ..errors import ConfigError
 
 # peft's state-dict name of a DoRA magnitude: its live `<module>.lora_magnitude_vector.<adapter>.weight`.
@@ -337,12 +337,9 @@ ADAPTER_KINDS: dict[str, AdapterKind] = {}
 
 def register_adapter_kind(kind: AdapterKind) -> AdapterKind:
     """Add `kind` to the table; a kind `lora.kind` can name becomes one of its choices."""
-    if kind.name in ADAPTER_KINDS:
-        raise ValueError(f"adapter kind {kind.name!r} is already registered")
-    ADAPTER_KINDS[kind.name] = kind
-    if kind.setting == f"lora.kind={kind.name}":
-        register_choice("lora.kind", kind.name)
-    return kind
+    # A kind another key selects (DoRA: `lora.use_dora`) is no `lora.kind` value.
+    key = "lora.kind" if kind.setting == f"lora.kind={kind.name}" else None
+    return register_entry(ADAPTER_KINDS, kind, "adapter kind", key)
 
 
 for _kind in (LoraKind(), DoraKind(), LokrKind(), LohaKind()):

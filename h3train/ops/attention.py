@@ -3,8 +3,9 @@
 `model.attention_backend` (resolved by `resolve_attention_backend` when the trainer is built and in
 `preflight`) and `h3train bench --backends` both read `ATTENTION_BACKENDS`, so a kernel's name, its
 diffusers `dispatch_attention_fn` backend and its requirements (a CUDA device, bf16 compute, the
-flash-attn package) are written here only. The config package imports nothing from h3train but `errors`,
-so its value check keeps its own tuple of choices; a test holds it equal to `CONFIG_CHOICES`.
+flash-attn package) are written here only. `register_attention_backend` adds one, and one that trains
+becomes a choice of `model.attention_backend`; the config package imports nothing from h3train but
+`errors`, so it lists the built-in choices itself and a test holds them equal to `CONFIG_CHOICES`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+from ..config import choices, register_entry
 from ..errors import ConfigError
 
 AUTO = "auto"
@@ -32,20 +34,29 @@ class AttentionBackend:
     trains: bool = True
 
 
-ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
-    b.name: b
-    for b in (
-        # PyTorch SDPA: picks its own kernel for the device and dtype; runs everywhere.
-        AttentionBackend("native", "native"),
-        # flash-attn and cuDNN attention compute in half precision only.
-        AttentionBackend("flash", "flash", needs_cuda=True, needs_bf16=True, needs_flash_attn=True),
-        AttentionBackend("cudnn", "_native_cudnn", needs_cuda=True, needs_bf16=True),
-        # SDPA's math kernel materialises the S x S scores: the CPU bench's second kernel, short sequences only.
-        AttentionBackend("math", "_native_math", trains=False),
-    )
-}
+#: Kernel name -> the kernel, in registration order.
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {}
 
-# `model.attention_backend`'s choices: `auto` (flash-attn where it can run, else native) and every kernel that trains.
+
+def register_attention_backend(backend: AttentionBackend) -> AttentionBackend:
+    """Add `backend` to the table; one that trains becomes a choice of `model.attention_backend`."""
+    key = "model.attention_backend" if backend.trains else None
+    return register_entry(ATTENTION_BACKENDS, backend, "attention backend", key)
+
+
+for _backend in (
+    # PyTorch SDPA: picks its own kernel for the device and dtype; runs everywhere.
+    AttentionBackend("native", "native"),
+    # flash-attn and cuDNN attention compute in half precision only.
+    AttentionBackend("flash", "flash", needs_cuda=True, needs_bf16=True, needs_flash_attn=True),
+    AttentionBackend("cudnn", "_native_cudnn", needs_cuda=True, needs_bf16=True),
+    # SDPA's math kernel materialises the S x S scores: the CPU bench's second kernel, short sequences only.
+    AttentionBackend("math", "_native_math", trains=False),
+):
+    register_attention_backend(_backend)
+
+# `model.attention_backend`'s built-in choices: `auto` (flash-attn where it can run, else native) and every
+# kernel above that trains.
 CONFIG_CHOICES: tuple[str, ...] = (AUTO, *(name for name, b in ATTENTION_BACKENDS.items() if b.trains))
 
 _REASONS = {
@@ -86,9 +97,8 @@ def resolve_attention_backend(name: str, device_type: str, dtype: str) -> str:
         name = "flash" if unavailable("flash", device_type, dtype) is None else "native"
     backend = ATTENTION_BACKENDS.get(name)
     if backend is None or not backend.trains:
-        raise ConfigError(
-            f"config key 'model.attention_backend' is {name!r}; choose one of {', '.join(CONFIG_CHOICES)}"
-        )
+        listed = ", ".join(choices("model.attention_backend"))
+        raise ConfigError(f"config key 'model.attention_backend' is {name!r}; choose one of {listed}")
     missing = _missing(backend, device_type, dtype)
     fixes = {
         "cuda": "use 'native' or 'auto' on this machine",

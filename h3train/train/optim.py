@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..config import OptimConfig, register_choice
+from ..config import OptimConfig, register_entry
 from ..errors import ConfigError
 from .lowbit import (
     QUANT_BLOCK,
@@ -117,11 +117,7 @@ OPTIMIZER_KINDS: dict[str, OptimizerKind] = {}
 
 def register_optimizer_kind(kind: OptimizerKind) -> OptimizerKind:
     """Add `kind` to the table and make its name a choice of `optim.name`."""
-    if kind.name in OPTIMIZER_KINDS:
-        raise ValueError(f"optimizer kind {kind.name!r} is already registered")
-    OPTIMIZER_KINDS[kind.name] = kind
-    register_choice("optim.name", kind.name)
-    return kind
+    return register_entry(OPTIMIZER_KINDS, kind, "optimizer kind", "optim.name")
 
 
 for _kind in (AdamWKind(), *(QuantizedAdamWKind(n) for n in QUANT_BLOCK), BF16AdamWKind()):
