@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, did_you_mean, did_you_mean_each
 from ..tasks.table import SAMPLE_TASKS, sample_task_of
 from .format import ANCHORS, REFERENCE_KINDS
 
@@ -232,13 +232,18 @@ def _parse_row(where: _Where, folder: Path, row: Any) -> ManifestEntry:
         raise _LineError("expected a JSON object")
     unknown = sorted(set(row) - _KEYS)
     if unknown:
-        raise where.error(unknown[0], f"is not a manifest field (fields: {', '.join(sorted(_KEYS))})")
+        fields = sorted(_KEYS)
+        raise where.error(
+            unknown[0], f"is not a manifest field (fields: {', '.join(fields)}){did_you_mean(unknown[0], fields)}"
+        )
 
     video = _media(where, folder, "video", _string(where, row, "video"))
     prompt = _string(where, row, "prompt", allow_empty=True)
     task = _string(where, row, "task") if "task" in row else _task_of(row)
     if task not in SAMPLE_TASKS:
-        raise where.error("task", f"is {task!r}, expected one of {', '.join(SAMPLE_TASKS)}")
+        raise where.error(
+            "task", f"is {task!r}, expected one of {', '.join(SAMPLE_TASKS)}{did_you_mean(task, SAMPLE_TASKS)}"
+        )
     if SAMPLE_TASKS[task].conditioning is None and not prompt.strip():
         raise where.error("prompt", f"is {prompt!r}: a {task} clip is conditioned on its prompt alone; write one")
     negative = _string(where, row, "negative_prompt", allow_empty=True) if "negative_prompt" in row else None
@@ -324,7 +329,8 @@ def _keyframes(where: _Where, folder: Path, value: Any) -> tuple[Keyframe, ...]:
     if isinstance(value, list):
         value = {anchor: None for anchor in value} if all(isinstance(a, str) for a in value) else value
     if not isinstance(value, dict) or not value or any(a not in ANCHORS for a in value):
-        raise where.error("keyframes", f"is {value!r}, {expected}")
+        odd = [str(a) for a in value if a not in ANCHORS] if isinstance(value, (dict, list)) else []
+        raise where.error("keyframes", f"is {value!r}, {expected}{did_you_mean_each(odd, (*ANCHORS, 'both'))}")
     # Packed order is first, then last, whatever order the manifest wrote them in.
     return tuple(
         Keyframe(anchor, None if value[anchor] is None else _media(where, folder, f"keyframes.{anchor}", value[anchor]))
@@ -340,9 +346,13 @@ def _references(where: _Where, folder: Path, value: Any) -> tuple[Reference, ...
     for i, ref in enumerate(value):
         name = f"references[{i}]"
         if not isinstance(ref, dict) or set(ref) != {"kind", "path"}:
-            raise where.error(name, f"is {ref!r}, expected {{'kind': image|video|audio, 'path': ...}}")
+            odd = sorted(str(k) for k in set(ref) - {"kind", "path"}) if isinstance(ref, dict) else []
+            hint = did_you_mean_each(odd, ("kind", "path"))
+            raise where.error(name, f"is {ref!r}, expected {{'kind': image|video|audio, 'path': ...}}{hint}")
         if ref["kind"] not in REFERENCE_KINDS:
-            raise where.error(f"{name}.kind", f"is {ref['kind']!r}, expected one of {', '.join(REFERENCE_KINDS)}")
+            kinds = ", ".join(REFERENCE_KINDS)
+            hint = did_you_mean(str(ref["kind"]), REFERENCE_KINDS)
+            raise where.error(f"{name}.kind", f"is {ref['kind']!r}, expected one of {kinds}{hint}")
         refs.append(Reference(ref["kind"], _media(where, folder, f"{name}.path", ref["path"])))
     return tuple(refs)
 

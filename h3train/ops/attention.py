@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import ConfigError, one_of
 
 AUTO = "auto"
 
@@ -86,9 +86,7 @@ def resolve_attention_backend(name: str, device_type: str, dtype: str) -> str:
         name = "flash" if unavailable("flash", device_type, dtype) is None else "native"
     backend = ATTENTION_BACKENDS.get(name)
     if backend is None or not backend.trains:
-        raise ConfigError(
-            f"config key 'model.attention_backend' is {name!r}; choose one of {', '.join(CONFIG_CHOICES)}"
-        )
+        raise ConfigError(f"config key 'model.attention_backend' is {name!r}; {one_of(name, CONFIG_CHOICES)}")
     missing = _missing(backend, device_type, dtype)
     fixes = {
         "cuda": "use 'native' or 'auto' on this machine",

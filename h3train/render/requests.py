@@ -21,7 +21,7 @@ from ..config import SAMPLES_KEY as KEY
 from ..config import sample_key as _where
 from ..data.format import ANCHORS, REFERENCE_KINDS
 from ..data.manifest import Keyframe, ManifestEntry, MediaPath, Reference
-from ..errors import ConfigError
+from ..errors import ConfigError, did_you_mean_each, one_of
 from ..tasks.table import (
     FRAME_RULE,
     PARTITIONS,
@@ -119,15 +119,16 @@ def parse_request(i: int, item: SampleRequestConfig) -> SampleRequest:
     if not _ID_PATTERN.fullmatch(sample_id):
         raise ConfigError(f"{_where(i, 'id')} is {item.id!r}; use letters, digits, '.', '_' or '-' (it names the file)")
     if item.task not in SAMPLE_TASKS:
-        raise ConfigError(f"{_where(i, 'task')} is {item.task!r}; choose one of {', '.join(SAMPLE_TASKS)}")
+        raise ConfigError(f"{_where(i, 'task')} is {item.task!r}; {one_of(item.task, SAMPLE_TASKS)}")
     conditioning = SAMPLE_TASKS[item.task].conditioning
     keyframes: tuple[Keyframe, ...] = ()
     references: tuple[Reference, ...] = ()
     if conditioning == "keyframes":
-        if not item.keyframes or any(anchor not in ANCHORS for anchor in item.keyframes):
+        odd = [anchor for anchor in item.keyframes if anchor not in ANCHORS]
+        if not item.keyframes or odd:
             raise ConfigError(
                 f"{_where(i, 'keyframes')} is {dict(item.keyframes)!r}; an fl2va request maps 'first' and/or "
-                "'last' to a keyframe image"
+                f"'last' to a keyframe image{did_you_mean_each(odd, ANCHORS)}"
             )
         keyframes = tuple(
             Keyframe(anchor, _media(i, f"keyframes.{anchor}", item.keyframes[anchor]))
@@ -144,8 +145,7 @@ def parse_request(i: int, item: SampleRequestConfig) -> SampleRequest:
         for j, ref in enumerate(item.references):
             if ref["kind"] not in REFERENCE_KINDS:
                 raise ConfigError(
-                    f"{_where(i, f'references[{j}].kind')} is {ref['kind']!r}; choose one of "
-                    f"{', '.join(REFERENCE_KINDS)}"
+                    f"{_where(i, f'references[{j}].kind')} is {ref['kind']!r}; {one_of(ref['kind'], REFERENCE_KINDS)}"
                 )
         references = tuple(
             Reference(ref["kind"], _media(i, f"references[{j}].path", ref["path"]))
