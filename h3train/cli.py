@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from .args import check_args
-from .errors import H3TrainError
+from .errors import H3TrainError, did_you_mean, did_you_mean_each
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -234,9 +234,40 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_command(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors name the nearest valid subcommand, choice or flag."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Python 3.14's own suggestions (`maybe you meant`) would repeat ours.
+        self.suggest_on_error = False
+        # Subcommand name -> its parser, once `build_parser` has added them.
+        self.commands: dict[str, argparse.ArgumentParser] = {}
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as exc:
+            hint = did_you_mean(value, map(str, action.choices)) if isinstance(value, str) and action.choices else ""
+            if not hint:
+                raise
+            raise argparse.ArgumentError(action, f"{exc.message}{hint}") from None
+
+    def flags(self, command: str | None) -> list[str]:
+        """The option strings `command` takes (the top level's without one)."""
+        parser = self.commands.get(command or "", self)
+        return [flag for action in parser._actions for flag in action.option_strings]
+
+    def unrecognized(self, extra: list[str], command: str | None) -> NoReturn:
+        """argparse's error for arguments nothing took, naming the nearest flag of `command` to each unknown one."""
+        unknown = [item.split("=", 1)[0] for item in extra if item.startswith("-")]
+        self.error(f"unrecognized arguments: {' '.join(extra)}{did_you_mean_each(unknown, self.flags(command))}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="h3train", description="Train MiniMax H3 with FSDP2 + Ulysses SP.")
+    parser = _Parser(prog="h3train", description="Train MiniMax H3 with FSDP2 + Ulysses SP.")
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices
 
     p = sub.add_parser("train", help="train from a YAML config (alone or under torchrun)")
     p.add_argument("config")
@@ -434,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         if not hasattr(args, "overrides") or not all("=" in item and not item.startswith("-") for item in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            parser.unrecognized(extra, getattr(args, "command", None))
         args.overrides = [*args.overrides, *extra]
     try:
         with _INTERRUPTS.watching():

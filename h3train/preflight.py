@@ -22,7 +22,7 @@ from .data.dataset import index_entries
 from .data.format import INDEX_NAME, read_header, resolve_in_folder
 from .data.mixture import dataset_key, epoch_draws
 from .data.source import data_source
-from .errors import ConfigError, DatasetError
+from .errors import ConfigError, DatasetError, one_of
 from .lora.targets import meta_model, resolve_targets, resolve_train_modules
 from .model.dims import check_model_kwargs, model_dims, planned_model_dims, pretrained_config_file
 from .ops.attention import resolve_attention_backend
@@ -49,7 +49,7 @@ def check_config(cfg: Config) -> None:
     Away from the model folder the released architecture stands in, as in `planned_model_dims`.
     """
     if cfg.task.name not in TRAINING_TASKS:
-        raise ConfigError(f"config key 'task.name' is {cfg.task.name!r}; choose one of {', '.join(TRAINING_TASKS)}")
+        raise ConfigError(f"config key 'task.name' is {cfg.task.name!r}; {one_of(cfg.task.name, TRAINING_TASKS)}")
     negative = cfg.cfg
     if negative.negative == "shared" and not Path(negative.shared_negative_path).is_file():
         raise ConfigError(

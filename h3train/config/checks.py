@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, did_you_mean, one_of
 from .schema import (
     _CHOICES,
     CfgConfig,
@@ -36,7 +36,7 @@ def validate(cfg: Config) -> None:
     for key, choices in _CHOICES.items():
         value = get_key(cfg, key)
         if value not in choices:
-            raise ConfigError(f"config key '{key}' is {value!r}; choose one of {', '.join(choices)}")
+            raise ConfigError(f"config key '{key}' is {value!r}; {one_of(value, choices)}")
 
     def positive(key: str, allow_zero: bool = False) -> None:
         value = get_key(cfg, key)
@@ -103,7 +103,10 @@ def validate(cfg: Config) -> None:
     syn = cfg.data.synthetic
     for anchor in syn.keyframe_anchors:
         if anchor not in ("first", "last"):
-            raise ConfigError(f"config key 'data.synthetic.keyframe_anchors' holds {anchor!r}; use 'first' or 'last'")
+            raise ConfigError(
+                f"config key 'data.synthetic.keyframe_anchors' holds {anchor!r}; use 'first' or 'last'"
+                f"{did_you_mean(str(anchor), ('first', 'last'))}"
+            )
     if syn.vision_tokens > syn.text_len:
         raise ConfigError("config key 'data.synthetic.vision_tokens' must not exceed 'data.synthetic.text_len'")
     _validate_cfg(cfg.cfg)
@@ -209,7 +212,10 @@ def _dataset_spec(i: int, item: Any) -> DatasetSpec:
     unknown = sorted(set(item) - set(_DATASET_FIELDS))
     if unknown:
         fields = ", ".join(_DATASET_FIELDS)
-        raise ConfigError(f"config key '{key}.{unknown[0]}' is not a dataset field (fields: {fields})")
+        raise ConfigError(
+            f"config key '{key}.{unknown[0]}' is not a dataset field (fields: {fields})"
+            f"{did_you_mean(str(unknown[0]), _DATASET_FIELDS)}"
+        )
     path = item.get("path")
     if not isinstance(path, str) or not path:
         raise ConfigError(f"config key '{key}.path' is {path!r}; give the dataset's folder")

@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..errors import ConfigError
+from ..errors import NEAR, ConfigError, did_you_mean, did_you_mean_each
 from .checks import validate
 from .schema import SAMPLE_FIELDS, SAMPLES_KEY, Config, get_key, leaf_types, sample_key
 
@@ -36,7 +36,7 @@ def _one_line(exc: OmegaConfBaseException) -> str:
     key = getattr(exc, "full_key", None) or ""
     msg = str(exc).splitlines()[0].strip()
     if "Key '" in msg and "not in" in msg:
-        return f"unknown config key '{key}': remove it or check the spelling against configs/*.yaml"
+        return unknown_key(key)
     converted = _CONVERT.search(msg)
     if key and converted:
         kind = converted["kind"].lower()
@@ -56,16 +56,60 @@ def _schema_tree() -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)  # type: ignore[return-value]
 
 
+def _dotted_keys(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every key of `tree`, sections and values, as its full dotted name, in schema order."""
+    out = []
+    for key, value in tree.items():
+        out.append(f"{prefix}{key}")
+        if isinstance(value, dict):
+            out += _dotted_keys(value, f"{prefix}{key}.")
+    return out
+
+
+# A key put under the wrong section (`train.lr` for `optim.lr`) is found by its last part alone, so
+# that part must be near-identical: a looser match across sections would suggest unrelated keys.
+_ELSEWHERE = 0.8
+
+
+def _last_part(dotted: str) -> str:
+    return dotted.rsplit(".", 1)[-1]
+
+
+def unknown_key(name: str, origin: str = "") -> str:
+    """The message for the unknown config key `name` (`origin`: e.g. "in the overrides"), naming the
+    nearest valid keys.
+
+    The last part is compared with the keys of the same section (`lora.rnak`: `lora.rank`) and with
+    those of other sections (`train.lr`: `optim.lr`), which must match it more closely. Whole dotted
+    names are not compared: a long shared section name would make every sibling look near.
+    """
+    tree = _schema_tree()
+    parents = name.split(".")[:-1]
+    level: Any = tree
+    for part in parents:
+        level = level.get(part) if isinstance(level, dict) else None
+    prefix = "".join(f"{part}." for part in parents)
+    siblings = [f"{prefix}{key}" for key in (level if isinstance(level, dict) else {})]
+    elsewhere = [key for key in _dotted_keys(tree) if not key.startswith(prefix) or key.count(".") != len(parents)]
+    # The same last part elsewhere (`lr`: `optim.lr`) beats a merely similar sibling (`lora`).
+    tries = ((siblings, 1.0), (elsewhere, 1.0), (siblings, NEAR), (elsewhere, _ELSEWHERE))
+    hint = next((h for keys, cutoff in tries if (h := did_you_mean(name, keys, cutoff, key=_last_part))), "")
+    where = f" {origin}" if origin else ""
+    if hint:
+        return f"unknown config key '{name}'{where}{hint}: remove it or fix its spelling"
+    return f"unknown config key '{name}'{where}: remove it or check the spelling against configs/*.yaml"
+
+
 def _conform(schema: dict[str, Any], layer: dict[str, Any], prefix: str, origin: str) -> None:
     """Check one layer's shape against the schema before merging, so errors name the key.
 
     A section given a value, or a value given a section or list, is a `ConfigError`. A scalar for
     a list-valued key is taken as a one-item list (`debug.fault=nan_loss@2`), and an empty section
-    (`train:` with nothing under it) as no keys. Unknown keys are left for the merge to report.
+    (`train:` with nothing under it) as no keys. An unknown key is reported here, where its layer is known.
     """
     for key in list(layer):
         if key not in schema:
-            continue
+            raise ConfigError(unknown_key(f"{prefix}{key}", origin))
         name, want, value = f"{prefix}{key}", schema[key], layer[key]
         if isinstance(value, str) and value.startswith("${"):
             continue  # an interpolation: checked once resolved
@@ -257,6 +301,9 @@ def _absolute(value: Any, base: Path) -> Any:
     return str(path if path.is_absolute() else (base / path).resolve())
 
 
+_REFERENCE_FIELDS = ("kind", "path")
+
+
 def anchor_sample_paths(layer: dict[str, Any], base: Path, origin: str) -> None:
     """Shape-check one config layer's `validation.samples` and make its relative media paths absolute.
 
@@ -282,6 +329,7 @@ def anchor_sample_paths(layer: dict[str, Any], base: Path, origin: str) -> None:
         if unknown:
             raise ConfigError(
                 f"{sample_key(i, unknown[0])} ({origin}) is not a request field (fields: {', '.join(SAMPLE_FIELDS)})"
+                f"{did_you_mean(str(unknown[0]), SAMPLE_FIELDS)}"
             )
         keyframes = item.get("keyframes")
         if keyframes is not None:
@@ -296,9 +344,10 @@ def anchor_sample_paths(layer: dict[str, Any], base: Path, origin: str) -> None:
             if not isinstance(references, list):
                 references = item["references"] = [references]
             for j, ref in enumerate(references):
-                if not isinstance(ref, dict) or set(ref) != {"kind", "path"}:
+                if not isinstance(ref, dict) or set(ref) != set(_REFERENCE_FIELDS):
+                    odd = sorted(set(ref) - set(_REFERENCE_FIELDS)) if isinstance(ref, dict) else []
                     raise ConfigError(
                         f"{sample_key(i, f'references[{j}]')} ({origin}) is {ref!r}; expected "
-                        "{kind: image | video | audio, path: ...}"
+                        "{kind: image | video | audio, path: ...}" + did_you_mean_each(map(str, odd), _REFERENCE_FIELDS)
                     )
                 ref["path"] = _absolute(ref["path"], base)

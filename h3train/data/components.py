@@ -34,7 +34,7 @@ from transformers import (
 )
 from transformers.utils import is_torchvision_available
 
-from ..errors import ConfigError
+from ..errors import ConfigError, did_you_mean
 from ..infra.quiet import known_notices
 from .stand_in import ENCODE_PRESET_FILE, TINY_ENCODE_PRESET, write_stand_in_pipeline
 
@@ -213,6 +213,7 @@ def encode_preset(root: str | os.PathLike) -> dict[str, int | float] | None:
         if key not in TINY_ENCODE_PRESET:
             raise ComponentsError(
                 f"encode preset '{path}' has unknown key '{key}'; expected some of {', '.join(TINY_ENCODE_PRESET)}"
+                f"{did_you_mean(key, TINY_ENCODE_PRESET)}"
             )
         # The pixel settings are whole numbers; the durations may be fractional.
         fractional = isinstance(TINY_ENCODE_PRESET[key], float)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..errors import did_you_mean_each, one_of
 from ..tasks.layout import AUDIO_CHANNELS, ReferenceSpec
 from ..tasks.synthetic import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 from ..tasks.table import FRAME_RULE, SAMPLE_TASKS, VAE_LATENTS_PER_CHUNK, sample_task_of
@@ -158,7 +159,8 @@ class KeyframesKind(ConditioningKind):
         if isinstance(value, list):
             value = {anchor: None for anchor in value} if all(isinstance(a, str) for a in value) else value
         if not isinstance(value, dict) or not value or any(a not in ANCHORS for a in value):
-            raise fail(self.field, f"is {value!r}, {expected}")
+            odd = [str(a) for a in value if a not in ANCHORS] if isinstance(value, (dict, list)) else []
+            raise fail(self.field, f"is {value!r}, {expected}{did_you_mean_each(odd, (*ANCHORS, 'both'))}")
         # Packed order is first, then last, whatever order the line wrote them in.
         return tuple(
             Keyframe(anchor, None if value[anchor] is None else media(f"{self.field}.{anchor}", value[anchor]))
@@ -168,11 +170,12 @@ class KeyframesKind(ConditioningKind):
 
     def parse_request(self, value: Any, media: Media, fail: Fail) -> tuple[Keyframe, ...]:
         # A request has no clip of its own, so every anchor names an image.
-        if not value or any(anchor not in ANCHORS for anchor in value):
+        odd = [anchor for anchor in value or {} if anchor not in ANCHORS]
+        if not value or odd:
             raise fail(
                 self.field,
                 f"is {dict(value or {})!r}; an {self.sample_task} request maps 'first' and/or 'last' to a "
-                "keyframe image",
+                f"keyframe image{did_you_mean_each(odd, ANCHORS)}",
             )
         return tuple(
             Keyframe(anchor, media(f"{self.field}.{anchor}", value[anchor])) for anchor in ANCHORS if anchor in value
@@ -230,9 +233,10 @@ class ReferencesKind(ConditioningKind):
         for i, ref in enumerate(value):
             name = f"{self.field}[{i}]"
             if not isinstance(ref, Mapping) or set(ref) != {"kind", "path"}:
-                raise fail(name, f"is {ref!r}, {expected}")
+                odd = sorted(str(k) for k in set(ref) - {"kind", "path"}) if isinstance(ref, Mapping) else []
+                raise fail(name, f"is {ref!r}, {expected}{did_you_mean_each(odd, ('kind', 'path'))}")
             if ref["kind"] not in REFERENCE_KINDS:
-                raise fail(f"{name}.kind", f"is {ref['kind']!r}; choose one of {', '.join(REFERENCE_KINDS)}")
+                raise fail(f"{name}.kind", f"is {ref['kind']!r}; {one_of(str(ref['kind']), REFERENCE_KINDS)}")
             refs.append(Reference(ref["kind"], media(f"{name}.path", ref["path"])))
         return tuple(refs)
 

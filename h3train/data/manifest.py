@@ -27,7 +27,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, did_you_mean
 from ..tasks.table import SAMPLE_TASKS, sample_task_of
 from .conditioning import CONDITIONING_KINDS, Keyframe, Reference
 
@@ -217,13 +217,18 @@ def _parse_row(where: _Where, folder: Path, row: Any) -> ManifestEntry:
         raise _LineError("expected a JSON object")
     unknown = sorted(set(row) - _KEYS)
     if unknown:
-        raise where.error(unknown[0], f"is not a manifest field (fields: {', '.join(sorted(_KEYS))})")
+        fields = sorted(_KEYS)
+        raise where.error(
+            unknown[0], f"is not a manifest field (fields: {', '.join(fields)}){did_you_mean(unknown[0], fields)}"
+        )
 
     video = _media(where, folder, "video", _string(where, row, "video"))
     prompt = _string(where, row, "prompt", allow_empty=True)
     task = _string(where, row, "task") if "task" in row else _task_of(row)
     if task not in SAMPLE_TASKS:
-        raise where.error("task", f"is {task!r}, expected one of {', '.join(SAMPLE_TASKS)}")
+        raise where.error(
+            "task", f"is {task!r}, expected one of {', '.join(SAMPLE_TASKS)}{did_you_mean(task, SAMPLE_TASKS)}"
+        )
     if SAMPLE_TASKS[task].conditioning is None and not prompt.strip():
         raise where.error("prompt", f"is {prompt!r}: a {task} clip is conditioned on its prompt alone; write one")
     negative = _string(where, row, "negative_prompt", allow_empty=True) if "negative_prompt" in row else None

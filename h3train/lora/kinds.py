@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..config import register_entry
-from ..errors import ConfigError
+from ..errors import ConfigError, one_of
 
 # peft's state-dict name of a DoRA magnitude: its live `<module>.lora_magnitude_vector.<adapter>.weight`.
 MAGNITUDE = "lora_magnitude_vector"
@@ -351,7 +351,7 @@ def config_kind(lora: Any) -> AdapterKind:
     for kind in reversed(ADAPTER_KINDS.values()):
         if kind.selected_by(lora):
             return kind
-    raise ConfigError(f"config key 'lora.kind' is {lora.kind!r}; choose one of {', '.join(kind_choices())}")
+    raise ConfigError(f"config key 'lora.kind' is {lora.kind!r}; {one_of(lora.kind, kind_choices())}")
 
 
 def record_kind(record: Mapping[str, Any]) -> AdapterKind:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from ..config import Config
-from ..errors import ConfigError
+from ..errors import ConfigError, did_you_mean_each
 from ..model.dims import planned_model_dims
 
 
@@ -64,6 +64,30 @@ PRESETS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _spellings(names: Iterable[str]) -> list[str]:
+    """What an entry might have meant to name: each module's last part (`to_q`, `proj_out`), its last
+    two for an indexed one (`to_out.0`); the full paths are too long to be near a short entry."""
+    out: dict[str, None] = {}
+    for name in names:
+        parts = name.split(".")
+        out[".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1]] = None
+    return list(out)
+
+
+# A regular expression is not a spelling of a name: no suggestion for an entry that holds one of these.
+_PATTERN_CHARS = frozenset("\\()[]{}*+?|^$")
+
+
+def _hint(missing: list[str], names: Iterable[str], presets: bool) -> str:
+    """` (did you mean ...?)` for the entries of `missing`, against the presets and the model's module names."""
+    candidates = [*(PRESETS if presets else ()), *_spellings(names)]
+    return did_you_mean_each(missing, candidates, ignore=lambda entry: bool(_PATTERN_CHARS & set(entry)))
+
+
+def _with_parameters(modules: dict[str, nn.Module]) -> list[str]:
+    return [name for name, module in modules.items() if name and next(module.parameters(), None) is not None]
+
+
 def expand_presets(entries: Iterable[str]) -> list[str]:
     """`entries` with each preset name (`PRESETS`) replaced by the entries it stands for."""
     out: list[str] = []
@@ -80,9 +104,11 @@ def resolve_targets(model: nn.Module, target_modules: Iterable[str]) -> list[str
         raise ConfigError("config key 'lora.target_modules' is empty; name at least one Linear layer, e.g. [to_q]")
     chosen, missing = select_modules(model, entries)
     if missing:
+        linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
         raise ConfigError(
-            f"config key 'lora.target_modules': {_quoted(missing)} match no module of the model; give module "
-            "paths (transformer_blocks.0.attn.to_q), their suffixes (to_q) or regular expressions over them"
+            f"config key 'lora.target_modules': {_quoted(missing)} match no module of the model"
+            f"{_hint(missing, linear, presets=True)}; give a preset ({', '.join(PRESETS)}), module paths "
+            "(transformer_blocks.0.attn.to_q), their suffixes (to_q) or regular expressions over them"
         )
     modules = dict(model.named_modules())
     not_linear = [n for n in chosen if not isinstance(modules[n], nn.Linear)]
@@ -107,8 +133,9 @@ def resolve_train_modules(model: nn.Module, train_modules: Iterable[str], target
     empty = [e for e in entries if e not in missing and not any(selects(e, n) for n in with_params)]
     if missing or empty:
         raise ConfigError(
-            f"config key 'lora.train_modules': {_quoted(missing + empty)} select no module with parameters; give "
-            "module paths (norm_out.norm), their suffixes (norm1) or regular expressions over them"
+            f"config key 'lora.train_modules': {_quoted(missing + empty)} select no module with parameters"
+            f"{_hint(missing + empty, _with_parameters(modules), presets=False)}; give module paths "
+            "(norm_out.norm), their suffixes (norm1) or regular expressions over them"
         )
     targets = list(targets)
     for name in chosen:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from ..errors import ConfigError
+from ..errors import ConfigError, did_you_mean
 from ..tasks.table import TRAINING_TASKS
 
 
@@ -48,7 +48,7 @@ def check_model_kwargs(kwargs: dict[str, Any], where: str, strict_keys: bool) ->
             if strict_keys:
                 raise ConfigError(
                     f"unknown {where}{name}': not a MiniMaxH3Transformer3DModel constructor argument "
-                    f"(arguments: {', '.join(defaults)})"
+                    f"(arguments: {', '.join(defaults)}){did_you_mean(str(name), defaults)}"
                 )
             continue
         default = defaults[name]

@@ -14,7 +14,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from ..config import choices, register_entry
-from ..errors import ConfigError
+from ..errors import ConfigError, one_of
 
 AUTO = "auto"
 
@@ -97,8 +97,8 @@ def resolve_attention_backend(name: str, device_type: str, dtype: str) -> str:
         name = "flash" if unavailable("flash", device_type, dtype) is None else "native"
     backend = ATTENTION_BACKENDS.get(name)
     if backend is None or not backend.trains:
-        listed = ", ".join(choices("model.attention_backend"))
-        raise ConfigError(f"config key 'model.attention_backend' is {name!r}; choose one of {listed}")
+        listed = choices("model.attention_backend")
+        raise ConfigError(f"config key 'model.attention_backend' is {name!r}; {one_of(name, listed)}")
     missing = _missing(backend, device_type, dtype)
     fixes = {
         "cuda": "use 'native' or 'auto' on this machine",

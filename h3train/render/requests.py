@@ -22,7 +22,7 @@ from ..config import SAMPLES_KEY as KEY
 from ..config import sample_key as _where
 from ..data.conditioning import CONDITIONING_KINDS, Keyframe, Reference
 from ..data.manifest import ManifestEntry, MediaPath
-from ..errors import ConfigError
+from ..errors import ConfigError, one_of
 from ..tasks.table import (
     FRAME_RULE,
     PARTITIONS,
@@ -123,7 +123,7 @@ def parse_request(i: int, item: SampleRequestConfig) -> SampleRequest:
     if not _ID_PATTERN.fullmatch(sample_id):
         raise ConfigError(f"{_where(i, 'id')} is {item.id!r}; use letters, digits, '.', '_' or '-' (it names the file)")
     if item.task not in SAMPLE_TASKS:
-        raise ConfigError(f"{_where(i, 'task')} is {item.task!r}; choose one of {', '.join(SAMPLE_TASKS)}")
+        raise ConfigError(f"{_where(i, 'task')} is {item.task!r}; {one_of(item.task, SAMPLE_TASKS)}")
     # The one conditioning field the task takes (`SampleTask.conditioning`); the others are refused.
     taken = SAMPLE_TASKS[item.task].conditioning
     conditioning: dict[str, tuple] = {}

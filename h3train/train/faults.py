@@ -11,7 +11,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import ConfigError, did_you_mean
 from ..parallel.fsdp import local_tensor
 from .hooks import MicroBatchEvent, TrainerHook, TrainerView
 
@@ -39,9 +39,10 @@ def parse_faults(entries: list[str]) -> list[Fault]:
             faults.append(Fault(kind, sample_id=where))
             continue
         if kind not in STEP_KINDS:
+            kinds = (*STEP_KINDS, "corrupt_sample")
             raise ConfigError(
                 f"config key 'debug.fault' entry '{entry}': unknown kind '{kind}'; use one of "
-                f"{', '.join((*STEP_KINDS, 'corrupt_sample'))}"
+                f"{', '.join(kinds)}{did_you_mean(kind, kinds)}"
             )
         step, _, rank = where.partition(":")
         try:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..config import OptimConfig, register_entry
-from ..errors import ConfigError
+from ..errors import ConfigError, one_of
 from .lowbit import (
     QUANT_BLOCK,
     BF16AdamW,
@@ -127,7 +127,7 @@ for _kind in (AdamWKind(), *(QuantizedAdamWKind(n) for n in QUANT_BLOCK), BF16Ad
 def optimizer_kind(name: str) -> OptimizerKind:
     """The registered kind `optim.name` names."""
     if name not in OPTIMIZER_KINDS:
-        raise ConfigError(f"config key 'optim.name' is {name!r}; choose one of {', '.join(OPTIMIZER_KINDS)}")
+        raise ConfigError(f"config key 'optim.name' is {name!r}; {one_of(name, OPTIMIZER_KINDS)}")
     return OPTIMIZER_KINDS[name]
 
 

@@ -15,7 +15,7 @@ import torch
 
 from ... import plan
 from ...config import Config, LossWeights, TimestepConfig, validate
-from ...errors import ConfigError
+from ...errors import ConfigError, did_you_mean
 from ...model.dims import model_kwargs
 from ...objective import make_training_inputs
 from ...ops.attention import ATTENTION_BACKENDS, unavailable
@@ -108,6 +108,7 @@ def select_backends(requested: str | None, device: torch.device, dtype: str) -> 
             if n not in ATTENTION_BACKENDS:
                 raise ConfigError(
                     f"bench --backends: unknown backend '{n}'; choose from {', '.join(ATTENTION_BACKENDS)}"
+                    f"{did_you_mean(n, ATTENTION_BACKENDS)}"
                 )
             why = unavailable(n, device.type, dtype)
             if why:
