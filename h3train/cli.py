@@ -16,17 +16,20 @@ import time
 import traceback
 from concurrent.futures import thread as executor_threads
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from .args import check_args
 from .errors import H3TrainError
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .train.trainer import Trainer
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from .preflight import load_checked
 
     cfg = load_checked(args.config, args.overrides)
-    from .errors import H3TrainError
     from .train.assemble import build_trainer
 
     try:
@@ -38,34 +41,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 130
     try:
         trainer.fit()
-    except H3TrainError as exc:
-        _report(exc)
-        trainer.close(clean=False)
-        return exc.exit_code
-    except RuntimeError as exc:
-        if not _is_collective_failure(exc):
+    except BaseException as exc:
+        code = _fit_failed(trainer, cfg, exc)
+        if code is None:
+            # No barrier: the other ranks may be blocked in a collective this rank will never join.
             trainer.close(clean=False)
             raise
-        # A peer died or a collective timed out (parallel.timeout_s): say what this rank waited for.
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(
-            f"h3train: error: rank {trainer.ctx.rank}: collective failed during {trainer.phase} "
-            f"(parallel.timeout_s={cfg.parallel.timeout_s}): {first}",
-            file=sys.stderr,
-            flush=True,
-        )
-        trainer.close(clean=False)
-        return 1
-    except KeyboardInterrupt:
-        # A second Ctrl-C: stop at once, without the checkpoint of the step in progress.
-        print(f"h3train: interrupted during {trainer.phase}; the last saved checkpoint is kept", file=sys.stderr)
-        trainer.close(clean=False)
-        return 130
-    except BaseException:
-        # No barrier: the other ranks may be blocked in a collective this rank will never join.
-        trainer.close(clean=False)
-        raise
-    trainer.close()
+        return code
+    try:
+        trainer.close()
+    except BaseException as exc:
+        if not _INTERRUPTS.caused(exc):
+            raise
+        return _stop_at_once(trainer)
     # Ctrl-C exits as an interrupted program does; a preemption signal is a clean stop (exit 0); a
     # run stopped by validation.guard says so in its status.
     if trainer.guard_stop is not None:
@@ -73,6 +61,48 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         return GUARD_EXIT
     return 130 if trainer.interrupted else 0
+
+
+def _fit_failed(trainer: Trainer, cfg: Config, exc: BaseException) -> int | None:
+    """The exit code of a run that `exc` ended, its one line printed; None: `exc` is to be raised."""
+    if _INTERRUPTS.caused(exc) or trainer.preempt.forced:
+        return _stop_at_once(trainer)
+    if isinstance(exc, H3TrainError):
+        _report(exc)
+        trainer.close(clean=False)
+        return exc.exit_code
+    if not isinstance(exc, RuntimeError) or not _is_collective_failure(exc):
+        return None
+    # A peer died or a collective timed out (parallel.timeout_s): say what this rank waited for.
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    print(
+        f"h3train: error: rank {trainer.ctx.rank}: collective failed during {trainer.phase} "
+        f"(parallel.timeout_s={cfg.parallel.timeout_s}): {first}",
+        file=sys.stderr,
+        flush=True,
+    )
+    trainer.close(clean=False)
+    return 1
+
+
+def _stop_at_once(trainer: Trainer) -> int:
+    """A second Ctrl-C (`KeyboardInterrupt`, or the error DCP made of it inside a save): one line, exit 130.
+
+    No save commits after it and nothing waits for the background work (`_Interrupts.left_at_once`);
+    a further Ctrl-C meanwhile is ignored, as the process is already on its way out.
+    """
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+    try:
+        _INTERRUPTS.left_at_once = True
+        line = trainer.stop_at_once()
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"h3train: {line}", file=sys.stderr, flush=True)
+        trainer.close(clean=False)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
+    return 130
 
 
 _COLLECTIVE_FAILURE_MARKS = ("gloo", "nccl", "connection closed by peer", "timed out", "timeout")
@@ -399,6 +429,9 @@ class _Interrupts:
 
     def __init__(self) -> None:
         self.noted = False
+        # A second Ctrl-C stopped a run (`_stop_at_once`): `run()` leaves without waiting for its
+        # background threads (a checkpoint write, a deletion), whose `.tmp-*` folders the next start removes.
+        self.left_at_once = False
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         self.noted = True
@@ -407,7 +440,7 @@ class _Interrupts:
     @contextlib.contextmanager
     def watching(self):
         """Note Ctrl-C while the body runs, where Python's own handler is the one in place."""
-        self.noted = False
+        self.noted = self.left_at_once = False
         ours = threading.current_thread() is threading.main_thread() and (
             signal.getsignal(signal.SIGINT) is signal.default_int_handler
         )
@@ -507,7 +540,8 @@ def run() -> NoReturn:
     threads that are not daemons joined, `atexit` handlers run, the standard streams flushed), and
     the process then leaves with `os._exit` and `main()`'s code; an uncaught exception is printed
     as the interpreter prints it and exits 1. A process that never joined a group (a bad input
-    found first, `check`, `export`) exits the ordinary way.
+    found first, `check`, `export`) exits the ordinary way. A run stopped by a second Ctrl-C
+    (`_Interrupts.left_at_once`) joins no thread: it stops at once, a write in progress with it.
     """
 
     def joined_process_group() -> bool:
@@ -530,6 +564,12 @@ def run() -> NoReturn:
         code = 1
     if not joined_process_group():
         sys.exit(code)
+    if _INTERRUPTS.left_at_once:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     # Thread-pool workers (inductor's compile pool, for one) stop only when their executors are told
     # to, which interpreter shutdown does after this join; joining them first would wait forever.
     stop_executors = getattr(executor_threads, "_python_exit", None)
