@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -264,11 +265,35 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_command(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="h3train", description="Train MiniMax H3 with FSDP2 + Ulysses SP.")
-    sub = parser.add_subparsers(dest="command", required=True)
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each option's default said once: `(default: X)` after its help, unless the help says it already
+    or the default is no value at all (None, an empty string, an unset flag)."""
 
-    p = sub.add_parser("train", help="train from a YAML config (alone or under torchrun)")
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        default = action.default
+        unsaid = (
+            text
+            and action.option_strings
+            and not action.required
+            and default is not None
+            and default is not argparse.SUPPRESS
+            and not isinstance(default, bool)
+            and default != ""
+            and "default" not in text.lower()
+        )
+        return f"{text} (default: %(default)s)" if unsaid else text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="h3train", description="Train MiniMax H3 with FSDP2 + Ulysses SP.", formatter_class=_HelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    # A subcommand's parser does not take its parent's formatter.
+    add_parser = functools.partial(sub.add_parser, formatter_class=_HelpFormatter)
+
+    p = add_parser("train", help="train from a YAML config (alone or under torchrun)")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.sp=2")
     p.add_argument(
@@ -278,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser("check", help="validate a config and its parallel plan; print memory per rank")
+    p = add_parser("check", help="validate a config and its parallel plan; print memory per rank")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
@@ -295,24 +320,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_check)
 
-    p = sub.add_parser(
+    p = add_parser(
         "config", help="print the resolved config as YAML, every default filled in, each value's source as a comment"
     )
     p.add_argument("config", help="a YAML config, e.g. configs/tiny_lora.yaml")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. lora.rank=16")
     p.set_defaults(func=_cmd_config)
 
-    p = sub.add_parser("synth", help="write a synthetic cached dataset (tests and demos)")
+    p = add_parser("synth", help="write a synthetic cached dataset (tests and demos)")
     p.add_argument("--out", required=True)
     from .tasks.table import TRAINING_TASKS
 
     p.add_argument("--task", default="fl2va", choices=tuple(TRAINING_TASKS), help="a task.name: its sample tasks")
-    p.add_argument("--num-samples", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--text-dim", type=int, default=16)
+    p.add_argument("--num-samples", type=int, default=16, help="samples to write")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random latents and embeddings")
+    p.add_argument("--text-dim", type=int, default=16, help="width of the prompt embeddings (the model's text_dim)")
     p.set_defaults(func=_cmd_synth)
 
-    p = sub.add_parser(
+    p = add_parser(
         "export", help="write a checkpoint as a diffusers transformer folder (a LoRA checkpoint as a LoRA file)"
     )
     p.add_argument(
@@ -321,8 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. runs/x/checkpoints/step_00001000",
     )
     p.add_argument("--out", required=True)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "bf16", "fp32"))
-    p.add_argument("--max-shard-gb", type=float, default=5.0)
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "bf16", "fp32"),
+        help="dtype of the written weights",
+    )
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, in GB")
     p.add_argument(
         "--overwrite", action="store_true", help="replace a non-empty --out folder whole, once the new one is complete"
     )
@@ -346,15 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_export)
 
-    p = sub.add_parser("plot", help="plot losses (smoothed), grad_norm and lr from metrics.jsonl to a PNG")
+    p = add_parser("plot", help="plot losses (smoothed), grad_norm and lr from metrics.jsonl to a PNG")
     p.add_argument("metrics")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_plot)
 
-    p = sub.add_parser(
-        "encode",
-        help="encode a folder of clips or a manifest into a cached dataset (alone or under torchrun)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = add_parser(
+        "encode", help="encode a folder of clips or a manifest into a cached dataset (alone or under torchrun)"
     )
     p.add_argument(
         "manifest",
@@ -367,31 +395,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--caption-prefix", default="", help="text put before every prompt, e.g. a trigger word")
     # Geometry flags default to the components folder's preset (a stand-in states its small canvas),
     # else to the released checkpoint's settings (`EncodeSettings`).
-    p.add_argument("--short-edge", type=int, default=None, help="canvas short edge, a multiple of 32 (else 768)")
-    p.add_argument("--max-pixels", type=int, default=None, help="canvas area cap (else 768*1344)")
-    p.add_argument("--reference-short-edge", type=int, default=None, help="short edge of image references (else 2048)")
+    preset = "default: the preset of --components, else"
+    p.add_argument("--short-edge", type=int, default=None, help=f"canvas short edge, a multiple of 32 ({preset} 768)")
+    p.add_argument("--max-pixels", type=int, default=None, help=f"canvas area cap ({preset} 768*1344)")
+    p.add_argument(
+        "--reference-short-edge", type=int, default=None, help=f"short edge of image references ({preset} 2048)"
+    )
     p.add_argument(
         "--min-seconds",
         type=float,
         default=None,
-        help="shorter clips are rejected, rounded down to the 17 n + 5 frame rule at 24 fps (else 5: a 4.46 s clip "
-        "is kept)",
+        help="shorter clips are rejected, rounded down to the 17 n + 5 frame rule at 24 fps "
+        f"({preset} 5: a 4.46 s clip is kept)",
     )
-    p.add_argument("--max-seconds", type=float, default=None, help="longer clips are cut (else 15)")
+    p.add_argument("--max-seconds", type=float, default=None, help=f"longer clips are cut ({preset} 15)")
     p.add_argument("--device", default=None, help="default: cuda:$LOCAL_RANK if available, else cpu")
     p.add_argument("--verbose", action="store_true", help="print each clip's line of clips.tsv")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_encode)
 
-    p = sub.add_parser(
+    p = add_parser(
         "tiny-components",
         help="write a tiny random MiniMax-H3 pipeline folder (encoders, transformers, schedulers, an encode preset)",
     )
     p.add_argument("dir")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (the same seed, the same folder)")
     p.set_defaults(func=_cmd_tiny_components)
 
-    p = sub.add_parser(
+    p = add_parser(
         "bench", help="the trainer's step per attention backend: forward_backward and update times, MFU, grad parity"
     )
     p.add_argument("--layers", type=int, default=None, help="transformer blocks (default 4; 2 when reduced)")
@@ -399,14 +430,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reduced", action="store_true", help="tiny widths and a short clip (always on CPU)")
     p.add_argument("--backends", default=None, help="comma list of flash, cudnn, native, math (default: available)")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak for MFU (default: by device name)")
-    p.add_argument("--gradient-checkpointing", default="auto", choices=("auto", "on", "off"))
+    p.add_argument(
+        "--gradient-checkpointing",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="auto: on when the step would not fit the device without it",
+    )
     p.add_argument("--parity-tol", type=float, default=None, help="default 2e-2 in bf16, 1e-4 in float32")
-    p.add_argument("--repeats", type=int, default=None, help="timed steps after a warm-up step, medians reported (3)")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed steps after a warm-up step, medians reported (default 3)"
+    )
     p.add_argument("--frames", type=int, default=None, help="17 n + 5 (default 124; 22 when reduced)")
     p.add_argument("--height", type=int, default=None, help="pixels, multiple of 32 (default 768)")
     p.add_argument("--width", type=int, default=None, help="pixels, multiple of 32 (default 1344)")
     p.add_argument("--text-len", type=int, default=None, help="text prefix rows (default 2048)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sample and the training noise")
     p.add_argument(
         "--checks",
         action="store_true",
