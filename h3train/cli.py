@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -16,17 +17,20 @@ import time
 import traceback
 from concurrent.futures import thread as executor_threads
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from .args import check_args
 from .errors import H3TrainError, did_you_mean, did_you_mean_each
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .train.trainer import Trainer
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from .preflight import load_checked
 
     cfg = load_checked(args.config, args.overrides)
-    from .errors import H3TrainError
     from .train.assemble import build_trainer
 
     try:
@@ -38,34 +42,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 130
     try:
         trainer.fit()
-    except H3TrainError as exc:
-        _report(exc)
-        trainer.close(clean=False)
-        return exc.exit_code
-    except RuntimeError as exc:
-        if not _is_collective_failure(exc):
+    except BaseException as exc:
+        code = _fit_failed(trainer, cfg, exc)
+        if code is None:
+            # No barrier: the other ranks may be blocked in a collective this rank will never join.
             trainer.close(clean=False)
             raise
-        # A peer died or a collective timed out (parallel.timeout_s): say what this rank waited for.
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(
-            f"h3train: error: rank {trainer.ctx.rank}: collective failed during {trainer.phase} "
-            f"(parallel.timeout_s={cfg.parallel.timeout_s}): {first}",
-            file=sys.stderr,
-            flush=True,
-        )
-        trainer.close(clean=False)
-        return 1
-    except KeyboardInterrupt:
-        # A second Ctrl-C: stop at once, without the checkpoint of the step in progress.
-        print(f"h3train: interrupted during {trainer.phase}; the last saved checkpoint is kept", file=sys.stderr)
-        trainer.close(clean=False)
-        return 130
-    except BaseException:
-        # No barrier: the other ranks may be blocked in a collective this rank will never join.
-        trainer.close(clean=False)
-        raise
-    trainer.close()
+        return code
+    try:
+        trainer.close()
+    except BaseException as exc:
+        if not _INTERRUPTS.caused(exc):
+            raise
+        return _stop_at_once(trainer)
     # Ctrl-C exits as an interrupted program does; a preemption signal is a clean stop (exit 0); a
     # run stopped by validation.guard says so in its status.
     if trainer.guard_stop is not None:
@@ -73,6 +62,48 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         return GUARD_EXIT
     return 130 if trainer.interrupted else 0
+
+
+def _fit_failed(trainer: Trainer, cfg: Config, exc: BaseException) -> int | None:
+    """The exit code of a run that `exc` ended, its one line printed; None: `exc` is to be raised."""
+    if _INTERRUPTS.caused(exc) or trainer.preempt.forced:
+        return _stop_at_once(trainer)
+    if isinstance(exc, H3TrainError):
+        _report(exc)
+        trainer.close(clean=False)
+        return exc.exit_code
+    if not isinstance(exc, RuntimeError) or not _is_collective_failure(exc):
+        return None
+    # A peer died or a collective timed out (parallel.timeout_s): say what this rank waited for.
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    print(
+        f"h3train: error: rank {trainer.ctx.rank}: collective failed during {trainer.phase} "
+        f"(parallel.timeout_s={cfg.parallel.timeout_s}): {first}",
+        file=sys.stderr,
+        flush=True,
+    )
+    trainer.close(clean=False)
+    return 1
+
+
+def _stop_at_once(trainer: Trainer) -> int:
+    """A second Ctrl-C (`KeyboardInterrupt`, or the error DCP made of it inside a save): one line, exit 130.
+
+    No save commits after it and nothing waits for the background work (`_Interrupts.left_at_once`);
+    a further Ctrl-C meanwhile is ignored, as the process is already on its way out.
+    """
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+    try:
+        _INTERRUPTS.left_at_once = True
+        line = trainer.stop_at_once()
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"h3train: {line}", file=sys.stderr, flush=True)
+        trainer.close(clean=False)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
+    return 130
 
 
 _COLLECTIVE_FAILURE_MARKS = ("gloo", "nccl", "connection closed by peer", "timed out", "timeout")
@@ -264,12 +295,36 @@ class _Parser(argparse.ArgumentParser):
         self.error(f"unrecognized arguments: {' '.join(extra)}{did_you_mean_each(unknown, self.flags(command))}")
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each option's default said once: `(default: X)` after its help, unless the help says it already
+    or the default is no value at all (None, an empty string, an unset flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        default = action.default
+        unsaid = (
+            text
+            and action.option_strings
+            and not action.required
+            and default is not None
+            and default is not argparse.SUPPRESS
+            and not isinstance(default, bool)
+            and default != ""
+            and "default" not in text.lower()
+        )
+        return f"{text} (default: %(default)s)" if unsaid else text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="h3train", description="Train MiniMax H3 with FSDP2 + Ulysses SP.")
+    parser = _Parser(
+        prog="h3train", description="Train MiniMax H3 with FSDP2 + Ulysses SP.", formatter_class=_HelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     parser.commands = sub.choices
+    # A subcommand's parser does not take its parent's formatter.
+    add_parser = functools.partial(sub.add_parser, formatter_class=_HelpFormatter)
 
-    p = sub.add_parser("train", help="train from a YAML config (alone or under torchrun)")
+    p = add_parser("train", help="train from a YAML config (alone or under torchrun)")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.sp=2")
     p.add_argument(
@@ -279,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser("check", help="validate a config and its parallel plan; print memory per rank")
+    p = add_parser("check", help="validate a config and its parallel plan; print memory per rank")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
@@ -296,24 +351,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_check)
 
-    p = sub.add_parser(
+    p = add_parser(
         "config", help="print the resolved config as YAML, every default filled in, each value's source as a comment"
     )
     p.add_argument("config", help="a YAML config, e.g. configs/tiny_lora.yaml")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. lora.rank=16")
     p.set_defaults(func=_cmd_config)
 
-    p = sub.add_parser("synth", help="write a synthetic cached dataset (tests and demos)")
+    p = add_parser("synth", help="write a synthetic cached dataset (tests and demos)")
     p.add_argument("--out", required=True)
     from .tasks.table import TRAINING_TASKS
 
     p.add_argument("--task", default="fl2va", choices=tuple(TRAINING_TASKS), help="a task.name: its sample tasks")
-    p.add_argument("--num-samples", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--text-dim", type=int, default=16)
+    p.add_argument("--num-samples", type=int, default=16, help="samples to write")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random latents and embeddings")
+    p.add_argument("--text-dim", type=int, default=16, help="width of the prompt embeddings (the model's text_dim)")
     p.set_defaults(func=_cmd_synth)
 
-    p = sub.add_parser(
+    p = add_parser(
         "export", help="write a checkpoint as a diffusers transformer folder (a LoRA checkpoint as a LoRA file)"
     )
     p.add_argument(
@@ -322,8 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. runs/x/checkpoints/step_00001000",
     )
     p.add_argument("--out", required=True)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "bf16", "fp32"))
-    p.add_argument("--max-shard-gb", type=float, default=5.0)
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "bf16", "fp32"),
+        help="dtype of the written weights",
+    )
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, in GB")
     p.add_argument(
         "--overwrite", action="store_true", help="replace a non-empty --out folder whole, once the new one is complete"
     )
@@ -347,15 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_export)
 
-    p = sub.add_parser("plot", help="plot losses (smoothed), grad_norm and lr from metrics.jsonl to a PNG")
+    p = add_parser("plot", help="plot losses (smoothed), grad_norm and lr from metrics.jsonl to a PNG")
     p.add_argument("metrics")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_plot)
 
-    p = sub.add_parser(
-        "encode",
-        help="encode a folder of clips or a manifest into a cached dataset (alone or under torchrun)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = add_parser(
+        "encode", help="encode a folder of clips or a manifest into a cached dataset (alone or under torchrun)"
     )
     p.add_argument(
         "manifest",
@@ -368,31 +426,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--caption-prefix", default="", help="text put before every prompt, e.g. a trigger word")
     # Geometry flags default to the components folder's preset (a stand-in states its small canvas),
     # else to the released checkpoint's settings (`EncodeSettings`).
-    p.add_argument("--short-edge", type=int, default=None, help="canvas short edge, a multiple of 32 (else 768)")
-    p.add_argument("--max-pixels", type=int, default=None, help="canvas area cap (else 768*1344)")
-    p.add_argument("--reference-short-edge", type=int, default=None, help="short edge of image references (else 2048)")
+    preset = "default: the preset of --components, else"
+    p.add_argument("--short-edge", type=int, default=None, help=f"canvas short edge, a multiple of 32 ({preset} 768)")
+    p.add_argument("--max-pixels", type=int, default=None, help=f"canvas area cap ({preset} 768*1344)")
+    p.add_argument(
+        "--reference-short-edge", type=int, default=None, help=f"short edge of image references ({preset} 2048)"
+    )
     p.add_argument(
         "--min-seconds",
         type=float,
         default=None,
-        help="shorter clips are rejected, rounded down to the 17 n + 5 frame rule at 24 fps (else 5: a 4.46 s clip "
-        "is kept)",
+        help="shorter clips are rejected, rounded down to the 17 n + 5 frame rule at 24 fps "
+        f"({preset} 5: a 4.46 s clip is kept)",
     )
-    p.add_argument("--max-seconds", type=float, default=None, help="longer clips are cut (else 15)")
+    p.add_argument("--max-seconds", type=float, default=None, help=f"longer clips are cut ({preset} 15)")
     p.add_argument("--device", default=None, help="default: cuda:$LOCAL_RANK if available, else cpu")
     p.add_argument("--verbose", action="store_true", help="print each clip's line of clips.tsv")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_encode)
 
-    p = sub.add_parser(
+    p = add_parser(
         "tiny-components",
         help="write a tiny random MiniMax-H3 pipeline folder (encoders, transformers, schedulers, an encode preset)",
     )
     p.add_argument("dir")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (the same seed, the same folder)")
     p.set_defaults(func=_cmd_tiny_components)
 
-    p = sub.add_parser(
+    p = add_parser(
         "bench", help="the trainer's step per attention backend: forward_backward and update times, MFU, grad parity"
     )
     p.add_argument("--layers", type=int, default=None, help="transformer blocks (default 4; 2 when reduced)")
@@ -400,14 +461,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reduced", action="store_true", help="tiny widths and a short clip (always on CPU)")
     p.add_argument("--backends", default=None, help="comma list of flash, cudnn, native, math (default: available)")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak for MFU (default: by device name)")
-    p.add_argument("--gradient-checkpointing", default="auto", choices=("auto", "on", "off"))
+    p.add_argument(
+        "--gradient-checkpointing",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="auto: on when the step would not fit the device without it",
+    )
     p.add_argument("--parity-tol", type=float, default=None, help="default 2e-2 in bf16, 1e-4 in float32")
-    p.add_argument("--repeats", type=int, default=None, help="timed steps after a warm-up step, medians reported (3)")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed steps after a warm-up step, medians reported (default 3)"
+    )
     p.add_argument("--frames", type=int, default=None, help="17 n + 5 (default 124; 22 when reduced)")
     p.add_argument("--height", type=int, default=None, help="pixels, multiple of 32 (default 768)")
     p.add_argument("--width", type=int, default=None, help="pixels, multiple of 32 (default 1344)")
     p.add_argument("--text-len", type=int, default=None, help="text prefix rows (default 2048)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sample and the training noise")
     p.add_argument(
         "--checks",
         action="store_true",
@@ -431,6 +499,9 @@ class _Interrupts:
 
     def __init__(self) -> None:
         self.noted = False
+        # A second Ctrl-C stopped a run (`_stop_at_once`): `run()` leaves without waiting for its
+        # background threads (a checkpoint write, a deletion), whose `.tmp-*` folders the next start removes.
+        self.left_at_once = False
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         self.noted = True
@@ -439,7 +510,7 @@ class _Interrupts:
     @contextlib.contextmanager
     def watching(self):
         """Note Ctrl-C while the body runs, where Python's own handler is the one in place."""
-        self.noted = False
+        self.noted = self.left_at_once = False
         ours = threading.current_thread() is threading.main_thread() and (
             signal.getsignal(signal.SIGINT) is signal.default_int_handler
         )
@@ -539,7 +610,8 @@ def run() -> NoReturn:
     threads that are not daemons joined, `atexit` handlers run, the standard streams flushed), and
     the process then leaves with `os._exit` and `main()`'s code; an uncaught exception is printed
     as the interpreter prints it and exits 1. A process that never joined a group (a bad input
-    found first, `check`, `export`) exits the ordinary way.
+    found first, `check`, `export`) exits the ordinary way. A run stopped by a second Ctrl-C
+    (`_Interrupts.left_at_once`) joins no thread: it stops at once, a write in progress with it.
     """
 
     def joined_process_group() -> bool:
@@ -562,6 +634,12 @@ def run() -> NoReturn:
         code = 1
     if not joined_process_group():
         sys.exit(code)
+    if _INTERRUPTS.left_at_once:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     # Thread-pool workers (inductor's compile pool, for one) stop only when their executors are told
     # to, which interpreter shutdown does after this join; joining them first would wait forever.
     stop_executors = getattr(executor_threads, "_python_exit", None)

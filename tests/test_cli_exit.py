@@ -45,3 +45,35 @@ def test_run_finishes_threads_and_exit_handlers_then_exits_with_mains_code(tmp_p
         assert "bad usage" in proc.stderr
     if "RuntimeError" in returned:
         assert "Traceback" in proc.stderr and "RuntimeError: boom" in proc.stderr
+
+
+def test_a_run_stopped_at_once_leaves_without_waiting_for_its_threads(tmp_path) -> None:
+    # A second Ctrl-C: a checkpoint write in flight is left to end with the process, not waited for.
+    program = textwrap.dedent(
+        f"""
+        import atexit, pathlib, threading, time
+        from h3train import cli
+        from h3train.parallel import dims
+
+        dims._joined_group = True
+
+        out = pathlib.Path({str(tmp_path)!r})
+        atexit.register(lambda: (out / "atexit").write_text("ran"))
+
+        def slow_writer():
+            time.sleep(60)
+            (out / "thread").write_text("joined")
+
+        def main():
+            threading.Thread(target=slow_writer).start()
+            cli._INTERRUPTS.left_at_once = True
+            return 130
+
+        cli.main = main
+        cli.run()
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 130, proc.stderr
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert not (tmp_path / "thread").exists()

@@ -173,7 +173,7 @@ class _Announcer(TrainerHook):
         self.folder = folder
 
     def after_step(self, trainer: TrainerView, step: int, stats: Mapping[str, float]) -> None:
-        tqdm.write(f"rendering 1 validation sample(s) after step {step}", file=sys.stderr)
+        tqdm.write(f"rendering 1 validation sample after step {step}", file=sys.stderr)
         trainer.log_videos(step, {"clip": (self.folder / f"step_{step}" / "clip.mp4", "a prompt")})
 
 
@@ -193,7 +193,7 @@ def test_hook_lines_follow_their_steps_line_and_the_summary_names_the_samples(
     err = captured.err.splitlines()
     for step in (1, 2, 3):
         own = next(i for i, line in enumerate(err) if line.startswith(f"step {step}/3 "))
-        hook = err.index(f"rendering 1 validation sample(s) after step {step}")
+        hook = err.index(f"rendering 1 validation sample after step {step}")
         assert own < hook, err
     out = captured.out.strip().splitlines()
     assert out[-2:] == ["no checkpoint of this run to export (checkpoint.every=0)", f"samples: {samples / 'step_3'}"]

@@ -28,7 +28,7 @@ from h3train.data.stand_in import TINY_TRANSFORMER
 from h3train.errors import ConfigError
 from h3train.model.build import build_model
 from h3train.preflight import load_checked
-from h3train.render.pipeline import write_clip
+from h3train.render.pipeline import denoising_steps, render_line, write_clip
 from h3train.train.metrics import MetricsLogger
 
 from reference import read_metrics, run_forked
@@ -214,6 +214,18 @@ def test_check_plans_the_render_components(tmp_path, components, assets, capsys)
     assert main(["check", str(_config(assets, components, tmp_path / "run"))]) == 0
     line = next(li for li in capsys.readouterr().out.splitlines() if "validation.samples" in li)
     assert "vae" in line and "text_encoder" in line
+
+
+@pytest.mark.parametrize(("points", "said"), [(2, "(1 denoising step each"), (STEPS, "(3 denoising steps each")])
+def test_the_render_line_counts_the_steps_the_pipeline_runs(points: int, said: str) -> None:
+    # diffusers' loop runs one forward per video timestep; the terminal sigma 0 has none.
+    scheduler = MiniMaxH3Scheduler(shift=12.0)
+    scheduler.set_timesteps(points)
+    assert denoising_steps(points) == len(scheduler.timesteps) == points - 1
+    line = render_line(1, 0, points, Path("samples/step_0"))
+    assert line.startswith("rendering 1 validation sample after step 0 ") and said in line
+    assert f"validation.num_inference_steps={points}" in line
+    assert render_line(2, 4, points, Path("samples/step_4")).startswith("rendering 2 validation samples after step 4 ")
 
 
 def test_clips_are_never_written_over(tmp_path: Path) -> None:

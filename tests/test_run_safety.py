@@ -21,7 +21,7 @@ import torch
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.infra.atomic import atomic_save_file, file_mode
-from h3train.train.checkpoint import committed_checkpoints
+from h3train.train.checkpoint import committed_checkpoints, complete_checkpoints
 from h3train.train.optim import lr_factor
 
 from reference import (
@@ -303,6 +303,35 @@ def test_ctrl_c_saves_and_exits_130_without_traceback(tmp_path) -> None:
     assert rc == 130, err[-2000:]
     assert "Traceback" not in err
     assert out.count("interrupted by SIGINT") == 1 and "checkpoint saved" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("write", ["sync", "async"])
+def test_a_second_ctrl_c_during_the_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys, write) -> None:
+    # Ctrl-C before step 3 asks for a save after it; a second Ctrl-C comes while that save writes its
+    # shards: inside DCP's save, or during the wait for a background one.
+    run = tmp_path / "run"
+    args = _train_args(run, "checkpoint.every=1", f"checkpoint.async_save={write == 'async'}")
+    proc = run_forked([*args, "debug.fault=[sigint@3,sigint_in_save@3]"], check=False)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Exception" not in proc.stderr, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("h3train:")]
+    assert said == [
+        f"h3train: interrupted during the save of step 3; the checkpoint of step 2 is kept "
+        f"({checkpoint_dir(run, 2)}): resume with checkpoint.resume=auto"
+    ], proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1] == said[0]
+    # The cut-short save never got a checkpoint's name; the one before it is whole.
+    partial = run / CKPTS / ".tmp-step_00000003"
+    assert partial.is_dir()
+    assert [p.name for p in committed_checkpoints(run / CKPTS)] == ["step_00000001", "step_00000002"]
+    assert [p.name for p in complete_checkpoints(run / CKPTS)] == ["step_00000001", "step_00000002"]
+
+    rc, out, _ = _cli(capsys, args)
+    assert rc == 0 and f"resumed from {checkpoint_dir(run, 2)}" in out
+    assert not partial.exists()
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
+    assert [p.name for p in complete_checkpoints(run / CKPTS)] == [f"step_0000000{i}" for i in (1, 2, 3, 4)]
 
 
 # -- the same under torchrun with sp=2 ------------------------------------------------------------

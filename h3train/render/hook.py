@@ -42,7 +42,7 @@ from .conditioning import (
     request_digest,
     save_conditioning,
 )
-from .pipeline import LiveTransformer, decode, denoise, fresh_path, render_pipeline, write_clip
+from .pipeline import LiveTransformer, decode, denoise, fresh_path, render_line, render_pipeline, write_clip
 from .requests import KEY, parse_requests, text_encoder_dtype
 
 SAMPLES_DIR = "samples"
@@ -162,11 +162,7 @@ class SampleRenderer(TrainerHook):
         slots = assigned_indices(len(self.conditioning), ctx.dp_rank, ctx.dims.dp)
         steps = self.v.num_inference_steps
         if ctx.is_main:
-            tqdm.write(
-                f"rendering {len(self.requests)} validation sample(s) after step {step} "
-                f"({steps - 1} denoising steps each) into {folder}",
-                file=sys.stderr,
-            )
+            tqdm.write(render_line(len(self.requests), step, steps, folder), file=sys.stderr)
         written: dict[str, str] = {}
         assert self.transformer is not None and self.pipe is not None
         self.transformer.forwards = 0

@@ -139,6 +139,27 @@ def render_pipeline(
     return pipe
 
 
+def denoising_steps(num_inference_steps: int) -> int:
+    """The steps, one forward each, of a render with `num_inference_steps` sigma grid points.
+
+    diffusers' H3 scheduler counts the terminal sigma 0 among the points and runs no step for it, so
+    this is the video schedule's timesteps as `render_pipeline`'s scheduler builds them: one fewer.
+    """
+    scheduler = MiniMaxH3Scheduler(shift=VIDEO_SHIFT)
+    scheduler.set_timesteps(num_inference_steps)
+    return len(scheduler.timesteps)
+
+
+def render_line(requests: int, step: int, num_inference_steps: int, folder: Path) -> str:
+    """The console line that announces a render of `requests` validation samples after step `step`."""
+    steps = denoising_steps(num_inference_steps)
+    return (
+        f"rendering {requests} validation sample{'s' * (requests != 1)} after step {step} "
+        f"({steps} denoising step{'s' * (steps != 1)} each: validation.num_inference_steps={num_inference_steps} "
+        f"counts the final sigma 0) into {folder}"
+    )
+
+
 @torch.no_grad()
 def denoise(
     pipe: RenderPipeline, cond: Conditioning, num_inference_steps: int, progress: dict[str, Any] | None = None

@@ -1,21 +1,27 @@
 """Fault injection (`debug.fault`), so that every failure path has a test that really takes it.
 
 Each entry is `KIND@STEP[:RANK]` (or `corrupt_sample@ID`). Without a rank, every rank is hit.
-`FaultHook` takes the step faults in the loop; the checkpointer's commit and the data source ask
-the `FaultInjector` for theirs.
+`FaultHook` takes the step faults in the loop; the checkpointer's commit and writes and the data
+source ask the `FaultInjector` for theirs.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import ConfigError, did_you_mean
 from ..parallel.fsdp import local_tensor
 from .hooks import MicroBatchEvent, TrainerHook, TrainerView
 
-STEP_KINDS = ("nan_loss", "nan_grad", "kill", "sigterm", "kill_in_save")
+STEP_KINDS = ("nan_loss", "nan_grad", "kill", "sigterm", "sigint", "kill_in_save", "sigint_in_save")
+# How long `sigint_in_save` then holds the write of the shards: far longer than a run takes to stop,
+# so a checkpoint that gets committed all the same was not stopped; a run that does not stop still ends.
+SLOW_DISK_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -63,17 +69,35 @@ class FaultInjector:
     def corrupt_samples(self) -> set[str]:
         return {f.sample_id for f in self.faults if f.kind == "corrupt_sample"}
 
-    def maybe_die(self, kind: str, step: int) -> None:
-        """`kill` / `kill_in_save`: die at once as a crashed node would; `sigterm`: ask for preemption.
+    def _strikes(self, kind: str, step: int) -> bool:
+        """Only in a job's first attempt: a job that `torchrun --max-restarts` restarted must get past it."""
+        return self.active(kind, step) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
 
-        Only in a job's first attempt: a job that `torchrun --max-restarts` restarted must get past it.
+    def maybe_die(self, kind: str, step: int) -> None:
+        """`kill` / `kill_in_save`: die at once as a crashed node would; `sigterm`: ask for preemption;
+        `sigint`: press Ctrl-C."""
+        if self._strikes(kind, step):
+            sent = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT}.get(kind, signal.SIGKILL)
+            os.kill(os.getpid(), sent)
+
+    def before_write(self, step: int) -> Callable[[], None] | None:
+        """What runs inside DCP's save of `step`, on the thread that writes, before the shards are written.
+
+        `sigint_in_save`: Ctrl-C pressed there (the signal goes to the main thread, where Python runs
+        its handler), then a disk too slow to finish the write before the run has stopped.
         """
-        if self.active(kind, step) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-            os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGKILL)
+        if not self._strikes("sigint_in_save", step):
+            return None
+
+        def press_ctrl_c() -> None:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(SLOW_DISK_S)
+
+        return press_ctrl_c
 
 
 class FaultHook(TrainerHook):
-    """The step faults, at the points a real one strikes: `kill` / `sigterm` before the step,
+    """The step faults, at the points a real one strikes: `kill` / `sigterm` / `sigint` before the step,
     `nan_loss` on every micro-batch's loss before its backward, `nan_grad` on a gradient after it.
 
     Runs first among the hooks, so a fault before the step comes before any other hook's work.
@@ -85,6 +109,7 @@ class FaultHook(TrainerHook):
     def before_step(self, trainer: TrainerView, step: int) -> None:
         self.faults.maybe_die("kill", step)
         self.faults.maybe_die("sigterm", step)
+        self.faults.maybe_die("sigint", step)
 
     def on_micro_batch(self, trainer: TrainerView, batch: MicroBatchEvent) -> None:
         if self.faults.active("nan_loss", batch.step):

@@ -8,7 +8,9 @@ and a run stopped by one exits 130 (as an interrupted program does), one stopped
 signal exits 0 (its job is to be requeued and resumed).
 
 A second Ctrl-C while the first is being honoured restores the default handler's behaviour: it
-raises `KeyboardInterrupt` at once, for a user who would rather lose the step than wait for it.
+raises `KeyboardInterrupt` at once, for a user who would rather lose the step than wait for it, and
+is remembered (`forced`): DCP turns an interrupt inside a save into a `CheckpointException`, which
+is the interrupt all the same.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ class Preemption:
     def __init__(self) -> None:
         self.flag = NONE
         self.signal: int | None = None
+        # A second Ctrl-C arrived: whatever the run raises from then on is that interrupt.
+        self.forced = False
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         if signum == signal.SIGINT:
             if self.flag == INTERRUPT:
+                self.forced = True
                 raise KeyboardInterrupt
             if os.environ.get("RANK", "0") == "0":
                 print(

@@ -29,7 +29,15 @@ from ..config import to_yaml
 from ..errors import TrainingError
 from ..objective import cfg_enabled, compute_loss
 from ..parallel.fsdp import local_tensor
-from .checkpoint import AttributeState, ModelState, OptimizerState, ScheduleState, step_dir_name
+from .checkpoint import (
+    AttributeState,
+    ModelState,
+    OptimizerState,
+    ScheduleState,
+    complete_checkpoints,
+    step_dir_name,
+    step_of,
+)
 from .events import SpikeDetector
 from .guard import Verdict
 from .hooks import EvaluationWeights, MicroBatchEvent, TrainerHook
@@ -201,6 +209,7 @@ class Trainer:
             info,
             self.step,
             before_commit=lambda: self.faults.maybe_die("kill_in_save", self.step),
+            before_write=self.faults.before_write(self.step),
         )
 
     def _config_yaml(self) -> str:
@@ -509,6 +518,27 @@ class Trainer:
         name = signal.Signals(sig).name if sig is not None else "a signal to another rank"
         what = "interrupted" if kind == INTERRUPT else "preempted"
         return f"{what} by {name}: stopped after step {step}, checkpoint saved; resume with checkpoint.resume=auto"
+
+    def stop_at_once(self) -> str:
+        """A second Ctrl-C: commit no save from now on and say in a line what was cut short and what is kept.
+
+        The save in progress, if any, stays a temporary folder that no resume reads; the newest
+        complete checkpoint is what `checkpoint.resume=auto` starts from.
+        """
+        self.checkpointer.abandon()
+        saving = self.checkpointer.saving
+        during = f"the save of step {saving}" if saving is not None else self.phase
+        root = self.checkpointer.root
+        try:
+            kept = complete_checkpoints(root)
+        except OSError:
+            return f"interrupted during {during}; the last complete checkpoint in {root} is kept"
+        if not kept:
+            return f"interrupted during {during}; no complete checkpoint is in {root}"
+        return (
+            f"interrupted during {during}; the checkpoint of step {step_of(kept[-1])} is kept ({kept[-1]}): "
+            "resume with checkpoint.resume=auto"
+        )
 
     def close(self, clean: bool = True) -> None:
         """Stop the prefetcher, leave the process group, release the run folders' lock.

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 try:  # torch >= 2.9: DCP can stage on a thread of its own
@@ -42,6 +43,23 @@ def room_needed(planned: int, root: Path) -> int:
 
 
 # -- writing checkpoints --------------------------------------------------------------------------
+
+
+class SaveAbandoned(RuntimeError):
+    """A save stopped at once (`Checkpointer.abandon`): its temporary folder was not committed."""
+
+
+class _WriterWithHook(FileSystemWriter):
+    """DCP's file writer (what `checkpoint_id` alone chooses), running `before_write` where the shards
+    are about to be written: inside DCP's save, on the thread that writes (fault injection)."""
+
+    def __init__(self, path: Path, before_write: Callable[[], None]) -> None:
+        super().__init__(str(path))
+        self._before_write = before_write
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        self._before_write()
+        return super().write_data(plan, planner)
 
 
 @dataclass
@@ -99,9 +117,12 @@ class HeldStager(DefaultStager or object):
     def release(self) -> None:
         self._released.set()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Release the held copy and, with `wait`, wait for it and free the host buffers; without, a
+        process on its way out leaves the copy in progress to end with it."""
         self.release()
-        super().close()
+        if wait:
+            super().close()
 
 
 class Checkpointer:
@@ -127,6 +148,9 @@ class Checkpointer:
     (pinned on CUDA; one copy of this rank's shard of the state, kept between saves), which the next
     save copies into again; that is safe because a save first waits for the previous one's writes.
     `close()` releases them.
+
+    A second Ctrl-C stops the run at once (`abandon()`): the save in progress is never committed;
+    its temporary folder stays, never read, until the next start removes it (`clean_incomplete`).
     """
 
     def __init__(
@@ -159,6 +183,11 @@ class Checkpointer:
         self.written: set[str] = set()
         # The step of the best checkpoint so far (`checkpoint.keep_best`), never pruned; None: none.
         self.best_step: Callable[[], int | None] = lambda: None
+        # The step of the save begun and not yet complete (its background write included); None: none.
+        self.saving: int | None = None
+        # Held across the commit's decision and rename, so that after `abandon()` none follows.
+        self._commit_lock = threading.Lock()
+        self._abandoned = False
 
     def clean_incomplete(self) -> None:
         """Remove the `.tmp-*` leftovers of saves that never committed (rank 0; others wait).
@@ -183,6 +212,7 @@ class Checkpointer:
         info: dict[str, Any],
         step: int,
         before_commit: Callable[[], None] | None = None,
+        before_write: Callable[[], None] | None = None,
     ) -> Path:
         """Write every rank's shards to a temporary folder, then commit it by an atomic rename.
 
@@ -191,9 +221,12 @@ class Checkpointer:
         the writes run in the background (see the class docstring for what must wait for the copy),
         and rank 0 commits as soon as they are complete; `wait()` (the next save, the end of training,
         a stop) waits for that. `before_commit` (fault injection) then runs while the background work
-        is in flight. Returns the checkpoint's final name (committed, or committed once written).
+        is in flight; `before_write` (fault injection) runs inside DCP's save, on the thread that
+        writes, before the shards are written. Returns the checkpoint's final name (committed, or
+        committed once written).
         """
         self.wait()
+        self.saving = step
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{final.name}"
         if self.is_main:
@@ -209,16 +242,23 @@ class Checkpointer:
             mark_owned(tmp, self.owner)
         # No barrier: DCP's writer creates the folder on every rank, and no rank writes a file before
         # the plan exchange, which needs rank 0's plan, made after the lines above.
+        writer = None if before_write is None else _WriterWithHook(tmp, before_write)
         if self.async_save:
             if self._stager is None:
                 # Staged before `async_save` returns: the snapshot is taken already.
-                written = dcp.async_save(dict(components), checkpoint_id=str(tmp), process_group=self._group)
+                written = dcp.async_save(
+                    dict(components), checkpoint_id=str(tmp), storage_writer=writer, process_group=self._group
+                )
                 staged: Future = Future()
                 staged.set_result(None)
             else:
                 try:
                     response = dcp.async_save(
-                        dict(components), checkpoint_id=str(tmp), process_group=self._group, async_stager=self._stager
+                        dict(components),
+                        checkpoint_id=str(tmp),
+                        storage_writer=writer,
+                        process_group=self._group,
+                        async_stager=self._stager,
                     )
                 finally:
                     self._stager.release()
@@ -229,11 +269,12 @@ class Checkpointer:
                 before_commit()
             return final
         try:
-            dcp.save(dict(components), checkpoint_id=str(tmp))
+            dcp.save(dict(components), checkpoint_id=str(tmp), storage_writer=writer)
             self._commit(tmp, final, step, info, before_commit)
         except BaseException as exc:
             self._raise_if_full(exc, tmp, step)
             raise
+        self.saving = None
         return final
 
     def wait_staged(self) -> None:
@@ -256,6 +297,7 @@ class Checkpointer:
         except BaseException as exc:
             self._raise_if_full(exc, pending.final.with_name(f".tmp-{pending.final.name}"), step_of(pending.final))
             raise
+        self.saving = None
         self.written.add(pending.final.name)
         # Every rank returns once rank 0 has committed.
         dist.barrier()
@@ -314,14 +356,20 @@ class Checkpointer:
         written.add_done_callback(commit)
         return committed
 
+    def abandon(self) -> None:
+        """Commit no save from now on (a stop at once; no collective): the one in flight, if any, stays
+        a temporary folder, never read. Once this returns, the complete checkpoints are final."""
+        with self._commit_lock:
+            self._abandoned = True
+
     def close(self) -> None:
         """Release the stager (its thread, its host buffers); no collective, so also after a failure.
 
         A save still in flight commits on its own once written (rank 0's writer thread); `wait()`
-        waits for that.
+        waits for that. After `abandon()` nothing waits for its copy to host memory either.
         """
         if self._stager is not None:
-            self._stager.close()
+            self._stager.close(wait=not self._abandoned)
             self._stager = None
 
     def _commit(
@@ -363,11 +411,14 @@ class Checkpointer:
         atomic_write_text(tmp / STATE_FILE, json.dumps(record, indent=2, default=str))
         for file in tmp.iterdir():
             apply_file_mode(file)
-        if final.exists():
-            # Only a checkpoint of this very lineage can be here (later ones were set aside at
-            # resume); it is still kept, under another name, rather than deleted.
-            set_aside(final, "replaced")
-        os.replace(tmp, final)
+        with self._commit_lock:
+            if self._abandoned:
+                raise SaveAbandoned(f"the save of step {step} was stopped; {tmp} is not committed")
+            if final.exists():
+                # Only a checkpoint of this very lineage can be here (later ones were set aside at
+                # resume); it is still kept, under another name, rather than deleted.
+                set_aside(final, "replaced")
+            os.replace(tmp, final)
         fsync_path(self.root)
         self._prune(keep=final)
 
