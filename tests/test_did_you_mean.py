@@ -293,7 +293,7 @@ def test_an_encode_preset_key_names_the_nearest(tmp_path: Path) -> None:
 def test_a_bench_backend_names_the_nearest() -> None:
     import torch
 
-    from h3train.bench.run import select_backends
+    from h3train.tools.bench.run import select_backends
 
     cpu = torch.device("cpu")
     assert _message(select_backends, "native,mth", cpu, "float32").endswith("(did you mean 'math'?)")
