@@ -101,12 +101,22 @@ def _check_lora(cfg: Config) -> None:
     model = meta_model(cfg)
     targets = resolve_targets(model, lora.target_modules)
     resolve_train_modules(model, lora.train_modules, targets)
+    export = cfg.checkpoint.export != "none"
+    if lora.init_from is None and not export:
+        return
+    from .lora.adapters import adapter_config, adapter_values, add_adapters
+
+    add_adapters(model, cfg)
     if lora.init_from is not None:
         # The file's adapters must fit the configured ones: read and checked now, not after start-up.
-        from .lora.adapters import adapter_values, add_adapters
-
-        add_adapters(model, cfg)
         adapter_values(model, cfg)
+    if export:
+        # Whether each format of `checkpoint.export` holds these adapters, from their shapes alone.
+        from .lora.checkpoint_export import check_save_formats
+        from .lora.names import export_name, is_adapter_param
+
+        shapes = {export_name(n): torch.zeros(p.shape) for n, p in model.named_parameters() if is_adapter_param(n)}
+        check_save_formats(cfg.checkpoint.export, shapes, adapter_config(model))
 
 
 def device_type(cfg: Config) -> str:

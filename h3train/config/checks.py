@@ -125,6 +125,7 @@ def validate(cfg: Config) -> None:
     _validate_lora(cfg.lora)
     _validate_validation(cfg.validation)
     _validate_keep_best(cfg)
+    _validate_export(cfg)
     if not 0.0 <= cfg.train.ema.decay < 1.0:
         raise ConfigError(f"config key 'train.ema.decay' must be in [0, 1) (0: off), got {cfg.train.ema.decay}")
     if cfg.validation.use_ema and not cfg.train.ema.decay:
@@ -321,6 +322,27 @@ def _validate_keep_best(cfg: Config) -> None:
     scales = (cfg.cfg.scale, cfg.cfg.video_scale, cfg.cfg.audio_scale)
     if found["cfg"] and all(s in (None, 1.0) for s in scales):
         raise ConfigError(f"config key 'checkpoint.keep_best' is {metric!r}, logged only with cfg.scale other than 1")
+
+
+def _validate_export(cfg: Config) -> None:
+    """`checkpoint.export` writes LoRA files: a LoRA run whose trained weights a LoRA file holds.
+
+    Which adapter kinds and modules a format holds is the adapter-kind table's: `preflight.check_config`
+    asks it once the modules are resolved.
+    """
+    fmt, lora = cfg.checkpoint.export, cfg.lora
+    if fmt == "none":
+        return
+    if lora.rank == 0:
+        raise ConfigError(
+            f"config key 'checkpoint.export' is {fmt!r}, which writes LoRA files, and this run is a full fine-tune "
+            "(lora.rank=0): set checkpoint.export=none and export its checkpoints with 'h3train export'"
+        )
+    if lora.train_modules:
+        raise ConfigError(
+            f"config key 'checkpoint.export' is {fmt!r}, and lora.train_modules trains weights in full, which a LoRA "
+            "file cannot hold: set checkpoint.export=none and export with 'h3train export --merge'"
+        )
 
 
 def _validate_lora(lora: LoraConfig) -> None:

@@ -209,6 +209,11 @@ class CheckpointConfig:
     keep_best: str | None = None
     # min: lower is better; max: higher is better.
     keep_best_mode: str = "min"
+    # A LoRA run's adapter file(s) beside each checkpoint, in `<step folder>/lora/`, written by rank 0
+    # once the checkpoint commits (pruned and kept with it): none; diffusers
+    # (`pytorch_lora_weights.safetensors`); comfyui (`lora_comfyui.safetensors`); both. Each file is
+    # what `h3train export --format <format>` writes from that checkpoint.
+    export: str = "none"
 
 
 @dataclass
@@ -368,6 +373,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "cfg.negative_visual": ("keep", "drop"),
     "validation.guard.action": ("warn", "stop"),
     "checkpoint.keep_best_mode": ("min", "max"),
+    "checkpoint.export": ("none", "diffusers", "comfyui", "both"),
 }
 
 

@@ -29,6 +29,10 @@ dropped or refused), so the two LoRA formats refuse such a checkpoint and point 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,15 +43,69 @@ import yaml
 from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import CheckpointError, UsageError
+from ..errors import CheckpointError, ConfigError, UsageError
 from ..tasks.table import PARTITIONS, TRAINING_TASKS
 from .base import as_trained, folder_digest, island_prefixes, random_base_state, read_record
-from .export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME, save_comfyui_lora, save_diffusers_lora
+from .export import (
+    COMFYUI_WEIGHT_NAME,
+    DIFFUSERS_WEIGHT_NAME,
+    adapter_groups,
+    comfyui_state_dict,
+    save_comfyui_lora,
+    save_diffusers_lora,
+)
 from .kinds import record_kind
 from .names import export_name, split_factor
 
 # `--format` -> what its export is, as `h3train export` reports it.
 FORMATS = {"diffusers": "diffusers LoRA file", "comfyui": "ComfyUI LoRA file"}
+
+
+# One process reads the checkpoint on purpose (no_dist=True, also inside a run: the adapter files of
+# each save); DCP warns about it on every read.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+# The folder inside a checkpoint that holds the adapter files `checkpoint.export` writes at each save:
+# inside the step folder, so `keep_last` prunes them and `keep_best` keeps them with it. The digests
+# recorded at commit name the checkpoint's own files only, so the folder added after commit changes
+# neither its verification nor a resume from it.
+SAVE_FOLDER = "lora"
+# `checkpoint.export` -> the formats each save of a LoRA run writes beside its checkpoint.
+SAVE_FORMATS = {"none": (), "diffusers": ("diffusers",), "comfyui": ("comfyui",), "both": ("diffusers", "comfyui")}
+
+
+def format_problem(fmt: str, adapters: dict[str, torch.Tensor], lora_config: dict) -> str | None:
+    """Why format `fmt` cannot hold these adapters (their kind, their modules), in a few words; None if it can.
+
+    Shapes alone decide it, so CPU zeros of the adapters' shapes stand in for trained values.
+    """
+    kind = record_kind(lora_config)
+    try:
+        if fmt == "diffusers":
+            if kind.no_diffusers_file:
+                return kind.no_diffusers_file
+            for module, parts in adapter_groups(adapters).items():
+                kind.check_parts(module, parts)
+        else:
+            comfyui_state_dict(adapters, lora_config)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def check_save_formats(setting: str, adapters: dict[str, torch.Tensor], lora_config: dict) -> None:
+    """`checkpoint.export=setting` against the run's adapters: a one-line `ConfigError` when a format
+    cannot hold them, naming the setting that works."""
+    wanted = SAVE_FORMATS[setting]
+    problems = {fmt: format_problem(fmt, adapters, lora_config) for fmt in SAVE_FORMATS["both"]}
+    for fmt in wanted:
+        if problems[fmt] is not None:
+            fits = [f for f in SAVE_FORMATS["both"] if problems[f] is None]
+            instead = f"checkpoint.export={fits[0]}" if fits else "checkpoint.export=none (--merge exports it)"
+            raise ConfigError(
+                f"config key 'checkpoint.export' is {setting!r}, and {record_kind(lora_config).setting} has no "
+                f"{FORMATS[fmt]}: {problems[fmt].rstrip('.')}; set {instead}"
+            )
 
 
 def is_lora_checkpoint(state: dict[str, Any]) -> bool:
@@ -211,3 +269,38 @@ def _target_weight(name: str) -> str:
     """The base weight a trained tensor changes: `m.lora_A.weight`, `m.lokr_w1` -> `m.weight`; a full one itself."""
     split = split_factor(name)
     return f"{split[0]}.weight" if split is not None else name
+
+
+def write_save_files(checkpoint: Path, setting: str) -> list[Path]:
+    """Write the adapter files of `checkpoint.export=setting` into `<checkpoint>/lora/`; returns them.
+
+    Each file is what `h3train export --format <format>` writes from the committed checkpoint: the same
+    tensors, read back from its DCP files (the adapters only: megabytes, no collective, so a background
+    save runs this on its writer thread), and the same writer. The files are written into a temporary
+    folder beside, renamed into place whole, so a crash midway leaves no file under its final name. An
+    existing `lora/` is left as it is (`FileExistsError`).
+    """
+    from ..infra.atomic import apply_file_mode, fsync_path
+    from ..train.checkpoint import NamingReader, read_trainer_state
+
+    final = checkpoint / SAVE_FOLDER
+    if final.exists():
+        raise FileExistsError(f"'{final}' exists already")
+    state = read_trainer_state(checkpoint)
+    reader = NamingReader(checkpoint)
+    trained = read_trained(checkpoint, reader, reader.read_metadata().state_dict_metadata, "model")
+    tmp = checkpoint / f".tmp-{SAVE_FOLDER}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        names = [
+            write_lora_export(checkpoint, tmp, state, trained, fmt, False, torch.float32, None)
+            for fmt in SAVE_FORMATS[setting]
+        ]
+        for name in names:
+            apply_file_mode(tmp / name)
+            fsync_path(tmp / name)
+        os.replace(tmp, final)
+        fsync_path(checkpoint)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [final / name for name in names]

@@ -29,6 +29,7 @@ from ..config import to_yaml
 from ..errors import TrainingError
 from ..objective import cfg_enabled, compute_loss
 from ..parallel.fsdp import local_tensor
+from .adapter_files import AdapterFiles
 from .checkpoint import (
     AttributeState,
     ModelState,
@@ -51,6 +52,7 @@ from .metrics import (
 )
 from .preemption import INTERRUPT, NONE, PREEMPT, Preemption
 from .reduction import StepTotals
+from .validation import HeldOutLoss
 
 if TYPE_CHECKING:
     from .assemble import TrainingParts
@@ -124,6 +126,11 @@ class Trainer:
         if self.watch.metric is not None:
             self.checkpoint_state["best"] = self.watch
             self.checkpointer.best_step = lambda: self.watch.best_checkpoint
+        # `checkpoint.export`: rank 0 writes a LoRA run's adapter files into each committed checkpoint.
+        self.adapter_files: AdapterFiles | None = None
+        if self.adapter is not None and cfg.checkpoint.export != "none":
+            self.adapter_files = AdapterFiles(cfg.checkpoint.export)
+            self.checkpointer.after_commit = self.adapter_files
         self.hooks: list[TrainerHook] = []
         for hook in parts.hooks:
             self.add_hook(hook)
@@ -486,7 +493,9 @@ class Trainer:
             print(f"saved checkpoint {path}", flush=True)
 
     def _summary(self, first_step: int, elapsed_s: float) -> list[str]:
-        """The lines that close a run (rank 0): steps and time, the last checkpoint and how to export it, samples.
+        """The lines that close a run (rank 0): steps and time, the last checkpoint and how to export it,
+        its adapter files (`checkpoint.export`), the best checkpoint, the first and last held-out values
+        (`validation.HeldOutTrail`), samples.
 
         A run that saved no checkpoint names the one it resumed from when it trained no step, else none.
         """
@@ -505,10 +514,16 @@ class Trainer:
             out = Path(cfg.logging.dir) / "export" / Path(checkpoint).name
             lines.append(f"last checkpoint: {checkpoint}")
             lines.append(f"export it with: h3train export {shlex.quote(str(checkpoint))} --out {shlex.quote(str(out))}")
+        files = self.adapter_files.newest if self.adapter_files is not None else []
+        if files:
+            lines.append(f"adapter file{'s' * (len(files) > 1)}: {', '.join(map(str, files))}")
         best = self.watch.describe()
         if best is not None:
             step = self.watch.best_checkpoint
             lines.append(f"best checkpoint: {self.checkpointer.root / step_dir_name(step)} ({best})")
+        for hook in self.hooks:
+            if isinstance(hook, HeldOutLoss):
+                lines += hook.trail.lines()
         if self._last_samples is not None:
             lines.append(f"samples: {self._last_samples}")
         return lines

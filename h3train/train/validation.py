@@ -42,7 +42,7 @@ import sys
 import zlib
 from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -96,6 +96,59 @@ def sigma_label(sigma: float, sigmas: list[float]) -> str:
     return repr(sigma)
 
 
+@dataclass
+class HeldOutTrail:
+    """This run's first and last held-out values (`evaluate`'s, by step), for the lines that close the run.
+
+    `lines()`: `held-out loss (steps 0 -> 4): 3.512 -> 3.201 (video 2.9 -> 2.6, audio 0.61 -> 0.6)` and
+    `guidance retention: ratio video 1 -> 0.97, ...; cos ...; drift ...`; an entry only where both
+    validations have a number, a line only where it has an entry, one value where there was one validation.
+    """
+
+    first: tuple[int, dict[str, float | None]] | None = None
+    last: tuple[int, dict[str, float | None]] | None = None
+    # Significant digits of each value printed.
+    digits: int = field(default=4, repr=False)
+
+    def record(self, step: int, values: dict[str, float | None]) -> None:
+        if self.first is None:
+            self.first = (step, values)
+        self.last = (step, values)
+
+    def _change(self, key: str) -> str | None:
+        """`a -> b` of metric `key` (`b` alone after one validation); None where either lacks a number."""
+        assert self.first is not None and self.last is not None
+        a, b = self.first[1].get(key), self.last[1].get(key)
+        if a is None or b is None:
+            return None
+        if self.first[0] == self.last[0]:
+            return f"{b:.{self.digits}g}"
+        return f"{a:.{self.digits}g} -> {b:.{self.digits}g}"
+
+    def _items(self, prefix: str) -> str | None:
+        """`video X, audio Y` of `val/<prefix>_video` / `_audio`, those with numbers; None: neither."""
+        found = [f"{m} {c}" for m in MODALITIES if (c := self._change(f"val/{prefix}_{m}")) is not None]
+        return ", ".join(found) or None
+
+    def lines(self) -> list[str]:
+        if self.first is None or self.last is None:
+            return []
+        out = []
+        steps = f"step {self.last[0]}" if self.first[0] == self.last[0] else f"steps {self.first[0]} -> {self.last[0]}"
+        loss = self._change("val/loss")
+        if loss is not None:
+            parts = self._items("loss")
+            out.append(f"held-out loss ({steps}): {loss}" + (f" ({parts})" if parts else ""))
+        retention = [
+            f"{label} {items}"
+            for label, prefix in (("ratio", "guidance_ratio"), ("cos", "guidance_cos"), ("drift", "drift"))
+            if (items := self._items(prefix)) is not None
+        ]
+        if retention:
+            out.append("guidance retention: " + "; ".join(retention))
+        return out
+
+
 class HeldOutLoss(TrainerHook):
     """`validation.every` / `validation.at_start`: the held-out loss, logged as its own metrics row.
 
@@ -120,6 +173,8 @@ class HeldOutLoss(TrainerHook):
         self.base: BasePredictions | None = None
         # Forwards run by this rank in its last pass (tests count them).
         self.forwards = 0
+        # This run's first and last values, for the closing summary.
+        self.trail = HeldOutTrail()
 
     def _samples(self):
         if self._source is None:
@@ -136,12 +191,17 @@ class HeldOutLoss(TrainerHook):
         if self.v.retention:
             self.base = self._prepare_base(trainer)
         if self.v.at_start and trainer.step == 0:
-            trainer.log_validation(0, self.evaluate(trainer))
+            self._log(trainer, 0)
 
     def after_step(self, trainer: TrainerView, step: int, stats: Mapping[str, float]) -> None:
         # Also after the last step, so the trained model is always measured; once when it is a multiple.
         if self.v.every and (step % self.v.every == 0 or step == self.cfg.train.steps):
-            trainer.log_validation(step, self.evaluate(trainer))
+            self._log(trainer, step)
+
+    def _log(self, trainer: TrainerView, step: int) -> None:
+        values = self.evaluate(trainer)
+        self.trail.record(step, values)
+        trainer.log_validation(step, values)
 
     # -- the base's predictions ------------------------------------------------------------------
 

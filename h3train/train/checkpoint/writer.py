@@ -183,6 +183,9 @@ class Checkpointer:
         self.written: set[str] = set()
         # The step of the best checkpoint so far (`checkpoint.keep_best`), never pruned; None: none.
         self.best_step: Callable[[], int | None] = lambda: None
+        # Run by rank 0 with each checkpoint's final path once it is committed and pruned (no collective:
+        # on the writer thread for a background save); None: nothing.
+        self.after_commit: Callable[[Path], None] | None = None
         # The step of the save begun and not yet complete (its background write included); None: none.
         self.saving: int | None = None
         # Held across the commit's decision and rename, so that after `abandon()` none follows.
@@ -421,6 +424,8 @@ class Checkpointer:
             os.replace(tmp, final)
         fsync_path(self.root)
         self._prune(keep=final)
+        if self.after_commit is not None:
+            self.after_commit(final)
 
     def _prune(self, keep: Path) -> None:
         """Retire all but the newest `keep_last` checkpoints and the best; delete them in the background.
