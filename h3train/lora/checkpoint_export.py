@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -187,7 +188,30 @@ def write_lora_export(
         raise UsageError(
             f"checkpoint '{checkpoint}' ({record_kind(lora_config).setting}) has no {FORMATS[fmt]}: {exc}"
         ) from None
+    sort_file_metadata(out / name)
     return name
+
+
+def sort_file_metadata(path: Path) -> None:
+    """Put the `__metadata__` entries of safetensors file `path` in name order, in place (same length).
+
+    safetensors writes them in the order of a Rust hash map, which changes from process to process, so
+    two exports of one checkpoint would differ in bytes; sorted, a checkpoint has one file. `path` is in
+    a folder not yet renamed into place (`out` above), so the in-place write is never seen half done.
+    A header that would not keep its length stays as written.
+    """
+    with open(path, "r+b") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        metadata = header.pop("__metadata__", None)
+        if not metadata:
+            return
+        ordered = {"__metadata__": dict(sorted(metadata.items())), **header}
+        text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > size:
+            return
+        f.seek(8)
+        f.write(text.ljust(size, b" "))
 
 
 def _base_groups(
