@@ -2,15 +2,19 @@
 
 The section's bash block runs in a fresh folder (with the repository's `configs/` beside it, as in a
 checkout) with `.venv/bin` on the PATH, then its Python block; the clips differ in size, frame rate,
-length and sound, as a user's do.
+length and sound, as a user's do. The folder also holds a checkout named `h3train` (with the `data/`
+the quickstart writes in it), as the folder a user cloned into does: the Python block must import the
+installed package, not that folder.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -48,10 +52,55 @@ def _user_clips(folder: Path) -> None:
         (folder / f"{name}.txt").write_text(f"a {name} scene, clip {i}\n")
 
 
+def _clone(folder: Path, package: bool) -> Path:
+    """A checkout as cloning leaves it, `folder/h3train`, with the `data/` the quickstart writes in it.
+
+    Seen from `folder`, Python's first path entry (the working directory) holds a folder `h3train`
+    without an `__init__.py`, and in it a `data` folder, which shadow `h3train.data` unless the install
+    wins. `package` copies what an install builds from (the Dockerfile's copies).
+    """
+    clone = folder / "h3train"
+    (clone / "data" / "mine").mkdir(parents=True)
+    if package:
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy(ROOT / name, clone / name)
+        shutil.copytree(ROOT / "h3train", clone / "h3train", ignore=shutil.ignore_patterns("__pycache__"))
+    return clone
+
+
+def test_the_editable_install_wins_over_a_folder_named_like_the_package(tmp_path: Path) -> None:
+    # pip builds it in an isolated env with today's setuptools; from 70.1 setuptools builds wheels alone.
+    pytest.importorskip("setuptools", minversion="70.1", reason="the editable install is built by setuptools")
+    clone = _clone(tmp_path, package=True)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    # What `pip install -e .` (make install) builds: PEP 660's editable wheel.
+    build = f"from setuptools import build_meta; print(build_meta.build_editable({str(wheels)!r}))"
+    built = subprocess.run([sys.executable, "-c", build], cwd=clone, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    with zipfile.ZipFile(wheels / built.stdout.strip().splitlines()[-1]) as wheel:
+        pth = [name for name in wheel.namelist() if name.endswith(".pth")]
+        lines = [wheel.read(name).decode().strip() for name in pth]
+    assert lines == [str(clone.resolve())], (
+        f"the editable install does not put the checkout on sys.path (its .pth files: {pth} {lines}), so a "
+        "folder named h3train in the working directory shadows the package: keep pyproject.toml's package-dir"
+    )
+    # A .pth line joins sys.path after site-packages, at start-up; the working directory comes first.
+    code = (
+        f"import sys; sys.path.append({lines[0]!r}); "
+        "from h3train.data.components import load_processor; import h3train; print(h3train.__file__)"
+    )
+    env = {k: v for k, v in run_env().items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert Path(proc.stdout.strip().splitlines()[-1]) == clone.resolve() / "h3train" / "__init__.py"
+
+
 @pytest.mark.slow
 def test_the_quickstart_runs_as_written(tmp_path: Path) -> None:
     (bash,), (python,) = _blocks("bash"), _blocks("python")
     _user_clips(tmp_path / "clips")
+    _clone(tmp_path, package=False)
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     env = run_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     proc = subprocess.run(

@@ -12,6 +12,8 @@ from typing import Any, Protocol, TypeVar
 
 @dataclass
 class ModelConfig:
+    """The transformer: where its weights come from, its compute dtype, what it recomputes or compiles."""
+
     # Diffusers folder holding the transformer (local path; nothing is downloaded).
     pretrained: str | None = None
     # Subfolder inside `pretrained`; default `transformer` (fl2va) or `transformer_ref` (ref2va).
@@ -26,15 +28,20 @@ class ModelConfig:
     # Recompute blocks in backward: none | full (every refiner and transformer block) | selective
     # (every `checkpoint_every`-th transformer block: 0, N, 2N, ...).
     activation_checkpointing: str = "none"
+    # N of `selective`: the transformer blocks 0, N, 2N, ... are recomputed.
     checkpoint_every: int = 2
+    # Attention kernel (`ops/attention.py`); `auto`: flash-attn where it runs (CUDA, installed, bf16), else native.
     attention_backend: str = "native"
     # Regional torch.compile of each transformer block, with `compile_backend` (inductor, aot_eager, ...).
     compile: bool = False
+    # The `torch.compile` backend of `compile`.
     compile_backend: str = "inductor"
 
 
 @dataclass
 class TaskConfig:
+    """What the run trains: the task, and so the pretrained partition and the samples it takes."""
+
     # A training task of `h3train/tasks/table.py` (`TRAINING_TASKS`), checked by `preflight.check_config`.
     name: str = "fl2va"
 
@@ -43,20 +50,31 @@ class TaskConfig:
 class SyntheticDataConfig:
     """Random latents and text embeddings of a real FL2VA geometry (no files needed)."""
 
+    # Samples in the synthetic dataset.
     num_samples: int = 64
+    # Prompt tokens per sample.
     text_len: int = 12
     # Positions in the prompt tagged as vision tokens (0) instead of text (1).
     vision_tokens: int = 4
+    # Target video latent frames.
     num_latent_frames: int = 2
+    # Target video latent height, in latent pixels.
     latent_height: int = 4
+    # Target video latent width, in latent pixels.
     latent_width: int = 4
+    # Target audio latents (40 a second in the released audio VAE).
     num_audio_latents: int = 6
+    # The keyframes each fl2va sample holds: `first`, `last` or both.
     keyframe_anchors: list[str] = field(default_factory=lambda: ["first"])
+    # Whether the samples have sound (false: no audio loss).
     has_audio: bool = True
 
 
 @dataclass
 class DataConfig:
+    """The training samples: their source, folders, and how they are read."""
+
+    # Where samples come from: random ones of a real geometry, or cached files (`h3train encode`).
     source: str = "synthetic"
     # A cached dataset folder, or a list of them, each a folder or {path, weight} / {path, repeats}:
     # see `dataset_specs`.
@@ -75,11 +93,17 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
+    """The device mesh `dp_replicate x dp_shard x sp` and the process group."""
+
+    # HSDP replicas: each holds a whole sharded copy of the model (1: plain FSDP2).
     dp_replicate: int = 1
+    # Ranks the weights, gradients and optimizer state are sharded over (-1: what the world size leaves).
     dp_shard: int = -1
+    # Ulysses sequence parallelism: ranks that split each packed sequence; must divide the heads.
     sp: int = 1
     # gloo on CPU, nccl on CUDA.
     backend: str = "auto"
+    # Collective timeout in seconds: a dead rank stops the others after this long.
     timeout_s: int = 600
     # FSDP2 CPUOffloadPolicy: sharded parameters, gradients and the optimizer step live in host
     # memory; each unit is copied to the device for its forward and backward.
@@ -88,17 +112,27 @@ class ParallelConfig:
 
 @dataclass
 class LossWeights:
+    """`loss = video * MSE_video + audio * MSE_audio` over the target rows."""
+
+    # Weight of the video term.
     video: float = 1.0
+    # Weight of the audio term.
     audio: float = 1.0
 
 
 @dataclass
 class TimestepConfig:
+    """How each sample's base sigma is drawn, and its shift per modality (the scheduler's)."""
+
     # Base sigma distribution; uniform matches H3's inference grid (uniform base index, then shift).
     sampling: str = "uniform"
+    # Mean of the normal under the logit of `logit_normal`.
     logit_mean: float = 0.0
+    # Standard deviation of the normal under the logit of `logit_normal`.
     logit_std: float = 1.0
+    # Shift of the video sigma (the video scheduler's, 12 in the released pipeline).
     video_shift: float = 12.0
+    # Shift of the audio sigma (the audio scheduler's, 3 in the released pipeline).
     audio_shift: float = 3.0
     # Per-sample loss weighting as a function of the base sigma: none | cosmap.
     weighting: str = "none"
@@ -106,16 +140,23 @@ class TimestepConfig:
 
 @dataclass
 class EmaConfig:
+    """An exponential moving average of the trainable weights, sharded like them."""
+
     # `ema <- decay * ema + (1 - decay) * param` after every taken update (0: no EMA).
     decay: float = 0.0
 
 
 @dataclass
 class TrainConfig:
+    """The loop: steps, micro-batches, seeds, clipping, skips, the loss and its sigmas, the EMA."""
+
+    # Optimizer steps the run ends at (a resume continues to this step).
     steps: int = 10
     # Micro-batches (one packed sequence each) per optimizer step on each DP rank.
     grad_accum: int = 1
+    # Seeds the model's random init, the noise, timesteps and data order of every step.
     seed: int = 0
+    # Gradients are clipped to this global norm (0: no clipping).
     max_grad_norm: float = 1.0
     # A step with a non-finite loss or gradient on any rank is skipped by every rank; this many in a
     # row stop the run, naming the step and the samples.
@@ -123,6 +164,7 @@ class TrainConfig:
     # Loss-spike report: a micro-batch loss above `spike_factor` x the running median of the last
     # `spike_window` step losses is logged with its sample id to <logging.dir>/loss_spikes.jsonl (0: off).
     spike_factor: float = 0.0
+    # Steps in the running median of `spike_factor`.
     spike_window: int = 50
     loss_weights: LossWeights = field(default_factory=LossWeights)
     timestep: TimestepConfig = field(default_factory=TimestepConfig)
@@ -131,11 +173,19 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
+    """AdamW (decoupled weight decay, none on norms and biases) and its learning-rate schedule."""
+
+    # Peak learning rate.
     lr: float = 1e-5
+    # AdamW's moment decays.
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    # AdamW's epsilon.
     eps: float = 1e-8
+    # Decoupled weight decay (not on norms and biases).
     weight_decay: float = 0.01
+    # Learning rate after warmup: constant, or a cosine or linear decay to `min_lr_ratio` at `train.steps`.
     schedule: str = "constant"
+    # Steps of linear warmup up to `lr`.
     warmup_steps: int = 0
     # Floor of cosine / linear decay, as a fraction of `lr`.
     min_lr_ratio: float = 0.0
@@ -151,16 +201,27 @@ class OptimConfig:
 
 @dataclass
 class WandbConfig:
+    """Weights & Biases, from rank 0, offline unless asked; never holds up training."""
+
+    # Also log to wandb.
     enabled: bool = False
+    # The wandb project.
     project: str = "h3train"
+    # The wandb run's name (default: wandb's).
     run_name: str | None = None
+    # `offline` writes locally for a later `wandb sync`; `online` sends as it goes.
     mode: str = "offline"
+    # Seconds wandb may take to start before a warning and going on without it.
     init_timeout_s: float = 60.0
 
 
 @dataclass
 class LoggingConfig:
+    """The run folder and what is written to it besides checkpoints."""
+
+    # The run folder: metrics.jsonl, config.yaml, samples, checkpoints (by default), the run lock.
     dir: str = "runs/default"
+    # A progress bar on a TTY (false: a line every few steps, as without a TTY).
     progress: bool = True
     # Also write metrics.jsonl's numbers and the rendered samples to TensorBoard, in <dir>/tensorboard.
     tensorboard: bool = False
@@ -175,15 +236,19 @@ class CfgConfig:
     negative prompt. `scale = 1` is plain flow matching with a single forward.
     """
 
+    # The guidance scale s of the target (1: plain flow matching, one forward).
     scale: float = 1.0
-    # Per-modality overrides of `scale`.
+    # The video's override of `scale`.
     video_scale: float | None = None
+    # The audio's override of `scale`.
     audio_scale: float | None = None
     # constant, or sigma: `1 + (s - 1) * sigma_m` with the modality's own (shifted) sigma.
     schedule: str = "constant"
+    # k of the loss's `s^(2-k)` factor (0: the plain MSE to `u + s (v - u)`).
     curvature_power: float = 0.0
     # per_sample: the cached sample's negative embeddings; shared: one file for the whole dataset.
     negative: str = "per_sample"
+    # The negative embeddings file of `negative: shared`.
     shared_negative_path: str | None = None
     # keep: the negative presentation keeps the keyframe / reference vision blocks; drop: plain text.
     negative_visual: str = "keep"
@@ -193,7 +258,9 @@ class CfgConfig:
 
 @dataclass
 class CheckpointConfig:
-    # Default: `<logging.dir>/checkpoints`.
+    """Sharded DCP checkpoints: where, how often, how many are kept, and what a run resumes."""
+
+    # The checkpoint folder; default `<logging.dir>/checkpoints`.
     dir: str | None = None
     # Save every N optimizer steps and at the last step (0: only on preemption).
     every: int = 0
@@ -218,6 +285,9 @@ class CheckpointConfig:
 
 @dataclass
 class DebugConfig:
+    """Tools for finding out what a step did."""
+
+    # Dump that step's inputs, weights and gradients to <logging.dir>/dump/step_N/ (null: none).
     dump_step: int | None = None
     # Fault injection for tests: `nan_loss@STEP`, `nan_grad@STEP:RANK`, `kill@STEP:RANK`,
     # `sigterm@STEP`, `sigint@STEP`, `kill_in_save@STEP`, `sigint_in_save@STEP`, `corrupt_sample@ID`.
@@ -236,9 +306,11 @@ class LoraConfig:
     string is a one-item list. The base is stored in bfloat16 except the float32 islands.
     """
 
+    # Adapter rank (0: full fine-tuning, no adapters).
     rank: int = 0
     # Scale of the adapters' output is alpha / rank; default: rank (scale 1).
     alpha: float | None = None
+    # Dropout on the adapters' input (plain LoRA and DoRA only).
     dropout: float = 0.0
     # Module paths, suffixes or expressions, or a preset: video_and_audio (the default: every block's
     # attention projections and feed-forward, which read all rows), video_only / audio_only (the one
@@ -270,6 +342,7 @@ class SampleRequestConfig:
 
     # Names the file `<logging.dir>/samples/step_N/<id>.mp4`; default `sample_<i>` (position in the list).
     id: str = ""
+    # The prompt, as an inference user writes it.
     prompt: str = ""
     # t2va | fl2va | ref2va, served by the partition the run trains (`h3train/tasks/partition.py`).
     task: str = "t2va"
@@ -290,9 +363,13 @@ class GuardConfig:
     """Thresholds on each modality's retention metrics (null: not checked), checked after every validation
     from step 1 on; `action`: `warn` (one line) or `stop` (save a checkpoint, then exit with status 3)."""
 
+    # Lowest `val/guidance_ratio_<modality>` allowed.
     min_guidance_ratio: float | None = None
+    # Lowest `val/guidance_cos_<modality>` allowed.
     min_guidance_cos: float | None = None
+    # Highest `val/drift_<modality>` allowed.
     max_drift: float | None = None
+    # What a threshold crossed does.
     action: str = "warn"
 
 
@@ -303,6 +380,7 @@ class ValidationConfig:
 
     # Every N optimizer steps (0: off); `at_start` also measures the step-0 baseline.
     every: int = 0
+    # Also validate (and render) before the first step: the step-0 baseline.
     at_start: bool = False
     # A cached dataset in the training format (e.g. clips held out of training), of the run's task.
     dataset: str | None = None
@@ -316,6 +394,7 @@ class ValidationConfig:
     use_ema: bool = False
     # Rendered samples (`h3train/render/`): every `sample_every` steps (0: off) and at start with `at_start`.
     samples: list[SampleRequestConfig] = field(default_factory=list)
+    # Render the samples every N optimizer steps (0: off) and after the last.
     sample_every: int = 0
     # The encoder's components folder (`h3train encode --components`): vae, audio_vae, text_encoder, ...
     components: str | None = None
@@ -334,6 +413,8 @@ class ValidationConfig:
 
 @dataclass
 class Config:
+    """A run's whole configuration: one section per concern."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
