@@ -80,7 +80,7 @@ def detect_source(path: str | Path) -> Source:
             raise UsageError(f"SOURCE '{checkpoint}' is not a complete h3train checkpoint folder; pass {EXPECTED}")
         partition = trained_partition(read_trainer_state(checkpoint))
         return Source("checkpoint" if chosen is None else "run", path, checkpoint, partition, chosen)
-    if (path / "model_index.json").is_file():
+    if (path / "vae").is_dir() and any((path / p).is_dir() for p in PARTITIONS):
         raise UsageError(f"SOURCE '{path}' is a pipeline folder: pass it as --components, and as SOURCE {EXPECTED}")
     raise UsageError(f"SOURCE '{path}' is a folder of none of the kinds generate takes; pass {EXPECTED}")
 
