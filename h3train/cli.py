@@ -227,17 +227,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     ]
     if int(os.environ.get("RANK", "0")) == 0:
         print(announce(source, components, len(requests), args.steps, args.compare), flush=True)
-    generate(
-        source,
-        components,
-        requests,
-        out,
-        steps=args.steps,
-        compare=args.compare,
-        device=device,
-        dtype=dtype,
-        reference_short_edge=args.reference_short_edge,
-    )
+    try:
+        generate(
+            source,
+            components,
+            requests,
+            out,
+            steps=args.steps,
+            compare=args.compare,
+            device=device,
+            dtype=dtype,
+            reference_short_edge=args.reference_short_edge,
+        )
+    except BaseException as exc:
+        if not _INTERRUPTS.caused(exc):
+            raise
+        # Each file is written whole under a temporary name first: those listed so far are complete.
+        print("h3train generate: interrupted; the files written so far are kept", file=sys.stderr)
+        return 130
     return 0
 
 
