@@ -476,7 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run folder (logging.dir), a checkpoint folder, a LoRA file (diffusers or ComfyUI format) or a "
         "transformer folder from h3train export; omitted: the base of --components alone",
     )
-    p.add_argument("--prompt", action="append", default=[], help="a prompt to render (t2va; repeatable)")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="a prompt to render as a t2va request; repeatable (by default none: then --requests)",
+    )
     p.add_argument(
         "--requests",
         type=Path,

@@ -44,13 +44,13 @@ import torch
 from ..config import SAMPLE_FIELDS, SampleRequestConfig
 from ..errors import ConfigError, UsageError
 from ..tasks.table import partition_tasks
+from ..train.validation import MODALITIES, guidance_retention, guidance_sums
 from .requests import SampleRequest, parse_request
 from .sources import Source
 
 # `--compare`'s audio streams, in order.
 TRACK_TITLES = ("base", "fine-tune")
-MODALITIES = ("video", "audio")
-# Render geometry the requests take unless they say otherwise (`--frames`, `--resolution`, `--seed`).
+# The type of each request field, for a line of a requests file (JSON has no schema of its own).
 _FIELD_TYPES = {f.name: type(f.default) for f in dataclasses.fields(SampleRequestConfig) if f.name in SAMPLE_FIELDS}
 
 
@@ -308,8 +308,6 @@ class Generator:
             base = self._render(pipe, cond)
         guidance = {}
         for m, name in enumerate(MODALITIES):
-            from ..train.validation import guidance_retention, guidance_sums
-
             g, g_base = tuned[3][m], base[3][m]
             guidance[name] = guidance_retention(*(float(v) for v in guidance_sums(g, g_base)))
         return Rendered(cond.request, tuned[0], tuned[1], tuned[2], base[0], base[1], guidance)
