@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -304,12 +304,13 @@ def _absolute(value: Any, base: Path) -> Any:
 _REFERENCE_FIELDS = ("kind", "path")
 
 
-def anchor_sample_paths(layer: dict[str, Any], base: Path, origin: str) -> None:
+def anchor_sample_paths(layer: dict[str, Any], base: Path, origin: str, key: Callable[..., str] = sample_key) -> None:
     """Shape-check one config layer's `validation.samples` and make its relative media paths absolute.
 
     Runs on the plain containers of one layer (the YAML file, or the overrides) before they merge, so a
-    wrong shape names its item and field, and each path is taken relative to the layer it came from: the
-    config file's folder, or the working directory for command-line overrides (`SampleRequestConfig`).
+    wrong shape names its item and field (`key(i, field)`: `sample_key`, or a line of a requests file),
+    and each path is taken relative to the layer it came from: the config file's folder, or the
+    working directory for command-line overrides (`SampleRequestConfig`).
     """
     section = layer.get("validation")
     if not isinstance(section, dict) or section.get("samples") is None:
@@ -322,20 +323,20 @@ def anchor_sample_paths(layer: dict[str, Any], base: Path, origin: str) -> None:
     for i, item in enumerate(samples):
         if not isinstance(item, dict):
             raise ConfigError(
-                f"{sample_key(i)} ({origin}) is {item!r}; each request is a mapping such as "
+                f"{key(i)} ({origin}) is {item!r}; each request is a mapping such as "
                 "{prompt: ..., task: fl2va, keyframes: {first: a.png}, frames: 124, resolution: 1344x768}"
             )
         unknown = sorted(set(item) - set(SAMPLE_FIELDS))
         if unknown:
             raise ConfigError(
-                f"{sample_key(i, unknown[0])} ({origin}) is not a request field (fields: {', '.join(SAMPLE_FIELDS)})"
+                f"{key(i, unknown[0])} ({origin}) is not a request field (fields: {', '.join(SAMPLE_FIELDS)})"
                 f"{did_you_mean(str(unknown[0]), SAMPLE_FIELDS)}"
             )
         keyframes = item.get("keyframes")
         if keyframes is not None:
             if not isinstance(keyframes, dict):
                 raise ConfigError(
-                    f"{sample_key(i, 'keyframes')} ({origin}) is {keyframes!r}; it maps an anchor to an image, "
+                    f"{key(i, 'keyframes')} ({origin}) is {keyframes!r}; it maps an anchor to an image, "
                     "e.g. {first: stills/a.png, last: stills/b.png}"
                 )
             item["keyframes"] = {anchor: _absolute(image, base) for anchor, image in keyframes.items()}
@@ -347,7 +348,7 @@ def anchor_sample_paths(layer: dict[str, Any], base: Path, origin: str) -> None:
                 if not isinstance(ref, dict) or set(ref) != set(_REFERENCE_FIELDS):
                     odd = sorted(set(ref) - set(_REFERENCE_FIELDS)) if isinstance(ref, dict) else []
                     raise ConfigError(
-                        f"{sample_key(i, f'references[{j}]')} ({origin}) is {ref!r}; expected "
+                        f"{key(i, f'references[{j}]')} ({origin}) is {ref!r}; expected "
                         "{kind: image | video | audio, path: ...}" + did_you_mean_each(map(str, odd), _REFERENCE_FIELDS)
                     )
                 ref["path"] = _absolute(ref["path"], base)

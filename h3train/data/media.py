@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -388,23 +388,32 @@ def write_video(
     path: str | os.PathLike,
     frames: np.ndarray,
     fps: float,
-    audio: np.ndarray | None = None,
+    audio: np.ndarray | Sequence[np.ndarray] | None = None,
     sample_rate: int = 44100,
+    titles: Sequence[str] = (),
 ) -> Path:
-    """Write `[T, H, W, 3]` uint8 frames (H.264) and optionally `[C, N]` float audio (AAC) to `path`."""
+    """Write `[T, H, W, 3]` uint8 frames (H.264) and optionally `[C, N]` float audio (AAC) to `path`.
+
+    `audio` may be a list of such arrays: one audio stream each, in order, each titled by `titles[i]`
+    (stream metadata `title` and `handler_name`, the names players list to choose a track).
+    """
     path = Path(path)
+    tracks = [] if audio is None else [audio] if isinstance(audio, np.ndarray) else list(audio)
     with av.open(str(path), mode="w") as container:
         video = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         video.height, video.width = frames.shape[1:3]
         video.pix_fmt = "yuv420p"
-        sound = None
-        if audio is not None:
-            sound = container.add_stream("aac", rate=sample_rate, layout="mono" if audio.shape[0] == 1 else "stereo")
+        sounds = []
+        for i, track in enumerate(tracks):
+            sound = container.add_stream("aac", rate=sample_rate, layout="mono" if track.shape[0] == 1 else "stereo")
+            if i < len(titles):
+                sound.metadata.update(title=titles[i], handler_name=titles[i], language="und")
+            sounds.append(sound)
         for image in frames:
             container.mux(video.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
         container.mux(video.encode())
-        if sound is not None:
-            _mux_audio(container, sound, audio, sample_rate)
+        for sound, track in zip(sounds, tracks):
+            _mux_audio(container, sound, track, sample_rate)
     return path
 
 

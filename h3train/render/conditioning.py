@@ -47,6 +47,9 @@ class Conditioning:
     keyframe_anchors: tuple[str, ...] = ()
     keyframes: tuple[torch.Tensor, ...] = ()
     references: tuple[ReferenceLatents, ...] = field(default_factory=tuple)
+    # The negative prompt's `([L', D], [L'])`, its vision blocks kept (`cfg.negative_visual=keep`), as the
+    # encoder wrote it; `encode_request` keeps it, the cache does not (renders do not read it).
+    negative: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def pipeline_inputs(self, device: torch.device) -> dict[str, Any]:
         """What diffusers' encoder blocks hand to the task's core denoise blocks, on `device`."""
@@ -99,7 +102,8 @@ def encode_request(pipe: EncodingPipeline, request: SampleRequest, settings: Enc
         np.zeros((1, 1, 1, 3), dtype=np.uint8), (request.num_frames, request.height, request.width, 3)
     )
     conditioning, prompts = encode_conditioning(pipe, entry, settings, blank)
-    return Conditioning(request, prompts.embeds, prompts.tags, **conditioning)
+    negative = (prompts.negative_visual_embeds, prompts.negative_visual_tags)
+    return Conditioning(request, prompts.embeds, prompts.tags, **conditioning, negative=negative)
 
 
 def save_conditioning(path: Path, cond: Conditioning, digest: str) -> None:

@@ -18,7 +18,7 @@ import importlib
 import math
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -202,17 +202,26 @@ def fresh_path(folder: Path, stem: str, suffix: str) -> Path:
     return path
 
 
-def write_clip(folder: Path, stem: str, frames: np.ndarray, audio: torch.Tensor, sample_rate: int) -> Path:
+def write_clip(
+    folder: Path,
+    stem: str,
+    frames: np.ndarray,
+    audio: torch.Tensor | Sequence[torch.Tensor],
+    sample_rate: int,
+    titles: Sequence[str] = (),
+) -> Path:
     """Write an H.264 + AAC mp4 of the frames at 24 fps with the soundtrack cut to the clip's length.
 
+    `audio` `[2, N]`, or a list of them: one audio stream each, titled by `titles` (`write_video`).
     Written under a temporary name and linked to a fresh one, so no existing file is ever replaced and
     no reader sees a partial file. Returns the path written.
     """
     folder.mkdir(parents=True, exist_ok=True)
     samples = round(frames.shape[0] / FPS * sample_rate)
+    tracks = [audio] if isinstance(audio, torch.Tensor) else list(audio)
     tmp = folder / f".{stem}.{uuid.uuid4().hex}.mp4"
     try:
-        write_video(tmp, frames, FPS, audio[:, :samples].numpy(), sample_rate)
+        write_video(tmp, frames, FPS, [t[:, :samples].numpy() for t in tracks], sample_rate, titles)
         while True:
             path = fresh_path(folder, stem, ".mp4")
             try:

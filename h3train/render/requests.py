@@ -13,6 +13,7 @@ command-line override. Every problem is a one-line `ConfigError` naming `validat
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
     import torch
 
     from ..config import Config, SampleRequestConfig
+
+# `(index, field)` -> the message prefix naming a request's field: `validation.samples[i].field` for the
+# config's, a line of a requests file for `h3train generate`'s.
+Where = Callable[[int, str], str]
 
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _RESOLUTION = re.compile(r"\s*(\d+)\s*[xX]\s*(\d+)\s*")
@@ -79,70 +84,71 @@ class SampleRequest:
         return {**entry, "num_frames": self.num_frames, "height": self.height, "width": self.width}
 
 
-def parse_resolution(i: int, text: str) -> tuple[int, int]:
+def parse_resolution(i: int, text: str, where: Where = _where) -> tuple[int, int]:
     """`WIDTHxHEIGHT` -> `(height, width)`, both positive multiples of 32."""
     match = _RESOLUTION.fullmatch(text or "")
     if match is None:
-        raise ConfigError(f"{_where(i, 'resolution')} is {text!r}; write WIDTHxHEIGHT in pixels, e.g. 1344x768")
+        raise ConfigError(f"{where(i, 'resolution')} is {text!r}; write WIDTHxHEIGHT in pixels, e.g. 1344x768")
     width, height = int(match[1]), int(match[2])
     if not width or not height or width % CANVAS_MULTIPLE or height % CANVAS_MULTIPLE:
         raise ConfigError(
-            f"{_where(i, 'resolution')} is {text!r}; width and height must be positive multiples of "
+            f"{where(i, 'resolution')} is {text!r}; width and height must be positive multiples of "
             f"{CANVAS_MULTIPLE} (one packed row covers 32x32 pixels)"
         )
     return height, width
 
 
-def _frames(i: int, frames: int) -> int:
+def _frames(i: int, frames: int, where: Where = _where) -> int:
     if not is_frame_count(frames, MIN_CHUNKS):
         below, above = frame_counts_around(frames, MIN_CHUNKS)
         hint = f"e.g. {below} or {above}" if below != above else f"at least {below}"
         raise ConfigError(
-            f"{_where(i, 'frames')} is {frames}; it takes {FRAME_RULE} frames with n >= {MIN_CHUNKS} "
+            f"{where(i, 'frames')} is {frames}; it takes {FRAME_RULE} frames with n >= {MIN_CHUNKS} "
             f"({hint}; 124 is 5 s at 24 fps)"
         )
     return frames
 
 
-def _media(i: int, name: str, value: Any) -> MediaPath:
+def _media(i: int, name: str, value: Any, where: Where = _where) -> MediaPath:
     if not isinstance(value, str) or not value:
-        raise ConfigError(f"{_where(i, name)} is {value!r}; give the path of a file")
+        raise ConfigError(f"{where(i, name)} is {value!r}; give the path of a file")
     path = Path(value)
     if not path.is_file():
-        raise ConfigError(f"{_where(i, name)}: file '{value}' does not exist")
+        raise ConfigError(f"{where(i, name)}: file '{value}' does not exist")
     return MediaPath(relative=value, path=path)
 
 
-def _field_error(i: int, name: str, problem: str) -> ConfigError:
-    return ConfigError(f"{_where(i, name)} {problem}")
+def _field_error(i: int, name: str, problem: str, where: Where = _where) -> ConfigError:
+    return ConfigError(f"{where(i, name)} {problem}")
 
 
-def parse_request(i: int, item: SampleRequestConfig) -> SampleRequest:
-    """Check one request's values (its paths are absolute by now) and return it."""
+def parse_request(i: int, item: SampleRequestConfig, where: Where = _where) -> SampleRequest:
+    """Check one request's values (its paths are absolute by now) and return it; `where` names its fields."""
     sample_id = item.id or f"sample_{i}"
     if not _ID_PATTERN.fullmatch(sample_id):
-        raise ConfigError(f"{_where(i, 'id')} is {item.id!r}; use letters, digits, '.', '_' or '-' (it names the file)")
+        raise ConfigError(f"{where(i, 'id')} is {item.id!r}; use letters, digits, '.', '_' or '-' (it names the file)")
     if item.task not in SAMPLE_TASKS:
-        raise ConfigError(f"{_where(i, 'task')} is {item.task!r}; {one_of(item.task, SAMPLE_TASKS)}")
+        raise ConfigError(f"{where(i, 'task')} is {item.task!r}; {one_of(item.task, SAMPLE_TASKS)}")
     # The one conditioning field the task takes (`SampleTask.conditioning`); the others are refused.
     taken = SAMPLE_TASKS[item.task].conditioning
     conditioning: dict[str, tuple] = {}
     for name, kind in CONDITIONING_KINDS.items():
         value = getattr(item, name)
         if name == taken:
-            conditioning[name] = kind.parse_request(value, partial(_media, i), partial(_field_error, i))
+            media, fail = partial(_media, i, where=where), partial(_field_error, i, where=where)
+            conditioning[name] = kind.parse_request(value, media, fail)
         elif value:
-            raise _field_error(i, name, f"are for {kind.sample_task} requests, this one is {item.task}")
-    height, width = parse_resolution(i, item.resolution)
+            raise _field_error(i, name, f"are for {kind.sample_task} requests, this one is {item.task}", where)
+    height, width = parse_resolution(i, item.resolution, where)
     if item.seed < 0:
-        raise ConfigError(f"{_where(i, 'seed')} must be >= 0, got {item.seed}")
+        raise ConfigError(f"{where(i, 'seed')} must be >= 0, got {item.seed}")
     return SampleRequest(
         index=i,
         sample_id=sample_id,
         prompt=item.prompt,
         task=item.task,
         **conditioning,
-        num_frames=_frames(i, item.frames),
+        num_frames=_frames(i, item.frames, where),
         height=height,
         width=width,
         seed=item.seed,

@@ -400,18 +400,8 @@ class HeldOutLoss(TrainerHook):
                 g = p - negative[m][0][rows].double()
                 p_base = base[f"{label}/{name}"].to(trainer.device).double()
                 g_base = base[f"{label}/guide_{name}"].to(trainer.device).double()
-                retention += [
-                    value * weight
-                    for value in (
-                        (p - p_base).square().mean(),
-                        (p_base - targets[m][rows].double()).square().mean(),
-                        g.norm(),
-                        g_base.norm(),
-                        (g * g_base).sum(),
-                        g.square().sum(),
-                        g_base.square().sum(),
-                    )
-                ]
+                drift = [(p - p_base).square().mean(), (p_base - targets[m][rows].double()).square().mean()]
+                retention += [value * weight for value in (*drift, *guidance_sums(g, g_base))]
         return torch.stack(columns + retention)
 
     def _summarise(self, sums: torch.Tensor) -> dict[str, float | None]:
@@ -455,7 +445,22 @@ def _retention(row: list[float], name: str, present: float, suffix: str, drift: 
     out: dict[str, float | None] = {}
     if drift:
         out[f"val/drift_{name}"] = (moved / base_error if base_error > 0 else 0.0) if present else None
-    both = square * base_square
-    out[f"val/guidance_ratio_{name}{suffix}"] = norm / base_norm if present and base_norm > 0 else None
-    out[f"val/guidance_cos_{name}{suffix}"] = dot / math.sqrt(both) if present and both > 0 else None
+    ratio, cos = guidance_retention(norm, base_norm, dot, square, base_square) if present else (None, None)
+    out[f"val/guidance_ratio_{name}{suffix}"] = ratio
+    out[f"val/guidance_cos_{name}{suffix}"] = cos
     return out
+
+
+def guidance_sums(g: torch.Tensor, g_base: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The guidance columns of one pair, from its `g` and `g_base` (any equal shapes, float64):
+    `||g||, ||g_base||, <g, g_base>, ||g||^2, ||g_base||^2`. Sums of these over pairs feed `guidance_retention`."""
+    return g.norm(), g_base.norm(), (g * g_base).sum(), g.square().sum(), g_base.square().sum()
+
+
+def guidance_retention(
+    norm: float, base_norm: float, dot: float, square: float, base_square: float
+) -> tuple[float | None, float | None]:
+    """`(ratio, cos)` from summed `guidance_sums`: `sum ||g|| / sum ||g_base||` and
+    `sum <g, g_base> / sqrt(sum ||g||^2 sum ||g_base||^2)`; None where the base's guidance is zero."""
+    both = square * base_square
+    return (norm / base_norm if base_norm > 0 else None), (dot / math.sqrt(both) if both > 0 else None)
