@@ -162,7 +162,7 @@ class EncodeSummary:
         named += f" and {more} more (see {TABLE_NAME})" if more > 0 else ""
         count = len(self.underused)
         way = f"; {self.more} would use more" if self.more else ""
-        return [f"most of {count} clip{'s' if count > 1 else ''}' footage goes unused: {named}{way}"]
+        return [f"most of the footage of {count} clip{'s' if count > 1 else ''} goes unused: {named}{way}"]
 
 
 def input_digest(
