@@ -251,3 +251,27 @@ def test_a_bad_window_flag_is_one_line_naming_it(flags: list[str], message: str,
     assert main([*args, *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_only_the_encoders_own_samples_of_earlier_windows_are_removed(tmp_path: Path) -> None:
+    from h3train.data.encode.run import _drop_earlier_windows
+
+    def write(sample_id: str, clip: str | None) -> None:
+        (tmp_path / f"{sample_id}.safetensors").write_bytes(b"sample")
+        if clip is not None:
+            (tmp_path / f"{sample_id}.inputs.json").write_text(f'{{"window": {{"clip": "{clip}"}}}}')
+
+    write("a.w000000", "a")  # planned now: kept
+    write("a.w000124", "a")  # an earlier window of a clip of the manifest: removed
+    write("a.w000072", None)  # no record of the encoder's: not ours, kept
+    write("b.w000124", "b")  # a clip this manifest does not name: kept
+    plan = [(None, Windowing("uniform").plan("a", 40, EncodeSettings(min_seconds=0, max_seconds=2))[0])]
+    assert _drop_earlier_windows([(tmp_path, plan)], {"a"}) == 1
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [
+        "a.w000000.inputs.json",
+        "a.w000000.safetensors",
+        "a.w000072.safetensors",
+        "b.w000124.inputs.json",
+        "b.w000124.safetensors",
+    ]
