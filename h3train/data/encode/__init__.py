@@ -55,18 +55,15 @@ from .run import (
     HELDOUT_NAME,
     INPUTS_SUFFIX,
     TABLE_NAME,
-    ClipPlan,
     ClipRow,
     EncodeSummary,
     default_device,
     encode_manifest,
-    footage_used,
     input_digest,
-    plan_clips,
     split_heldout,
     write_table,
 )
-from .windows import WINDOW_MODES, Window, Windowing, window_id
+from .windows import WINDOW_MODES, ClipPlan, Window, Windowing, footage_used, plan_clips, window_id
 
 __all__ = [
     "ENCODER_VERSION",

@@ -23,17 +23,9 @@ from ...infra.runlock import RunLock
 from ..components import check_components_folder, components_fingerprint, load_components
 from ..format import INDEX_NAME, SAMPLE_SUFFIX, verify_sample, write_index, write_sample
 from ..manifest import ManifestEntry, read_clip_folder, read_manifest
-from ..media import (
-    FPS,
-    ClipTooShort,
-    MediaError,
-    aligned_frame_count,
-    clip_length,
-    shortest_kept,
-    slot_count,
-)
+from ..media import FPS, ClipTooShort, MediaError, aligned_frame_count, shortest_kept
 from .clip import ENCODER_VERSION, EncodeSettings, EncodingPipeline, build_pipeline, encode_entry
-from .windows import Window, Windowing
+from .windows import Window, Windowing, footage_used, plan_clips
 
 ERRORS_NAME = "errors.jsonl"
 INPUTS_SUFFIX = ".inputs.json"
@@ -274,38 +266,6 @@ def encode_manifest(
             lock.release()
 
 
-@dataclass(frozen=True)
-class ClipPlan:
-    """A clip's whole length in seconds (None when it cannot be read: its encode reports why) and its windows."""
-
-    duration: float | None
-    windows: list[Window]
-
-
-def plan_clips(entries: list[ManifestEntry], windowing: Windowing, settings: EncodeSettings) -> dict[str, ClipPlan]:
-    """Clip id -> its plan, from each file's header (`clip_length`): the same on every rank.
-
-    Raises `ConfigError` when a window's sample id is another clip's id or window.
-    """
-    plans, owner = {}, {}
-    for entry in entries:
-        try:
-            frames, fps = clip_length(entry.video.path)
-            duration, slots = frames / fps, slot_count(frames, fps)
-        except MediaError:
-            duration, slots = None, None
-        plans[entry.sample_id] = ClipPlan(duration, windowing.plan(entry.sample_id, slots, settings))
-    for entry in entries:
-        for window in plans[entry.sample_id].windows:
-            other = owner.setdefault(window.sample_id, entry)
-            if other is not entry:
-                raise ConfigError(
-                    f"sample id '{window.sample_id}' names a window of clip '{entry.sample_id}' (manifest line "
-                    f"{entry.line}) and clip '{other.sample_id}' (line {other.line}); give one of them another id"
-                )
-    return plans
-
-
 Job = tuple[ManifestEntry, Window]
 
 
@@ -365,7 +325,9 @@ def _encode(
         state.destroy_process_group()
     outcomes = [row.outcome for _, row in every]
     failures = Counter(o.removeprefix("failed: ") for o in outcomes if o.startswith("failed: "))
-    footage, used, underused = footage_used([row for _, row in every], durations)
+    kept = [row for _, row in every if row.outcome in ("encoded", "up to date")]
+    spans = [(row.clip, round(row.start * FPS), row.frames) for row in kept if row.start is not None and row.frames]
+    footage, used, underused = footage_used(spans, durations)
     return EncodeSummary(
         encoded=outcomes.count("encoded"),
         skipped=outcomes.count("up to date"),
@@ -378,33 +340,6 @@ def _encode(
         underused=underused,
         more=windowing.more_footage() if underused else None,
     )
-
-
-def footage_used(
-    rows: list[ClipRow], durations: dict[str, float | None]
-) -> tuple[float, float, list[tuple[str, float]]]:
-    """`(footage, used, underused)`: seconds of the clips of known length, seconds of them some sample in the
-    dataset holds (overlaps once), and `(clip, fraction used)` of each clip with a sample that uses under half."""
-    spans: dict[str, list[tuple[int, int]]] = {}
-    for row in rows:
-        if row.outcome in ("encoded", "up to date") and row.start is not None and row.frames is not None:
-            start = round(row.start * FPS)
-            spans.setdefault(row.clip, []).append((start, start + row.frames))
-    footage = sum(d for d in durations.values() if d)
-    used, underused = 0.0, []
-    for clip, intervals in sorted(spans.items()):
-        covered, reach = 0, 0
-        for begin, end in sorted(intervals):
-            covered += max(0, end - max(begin, reach))
-            reach = max(reach, end)
-        duration = durations.get(clip)
-        if not duration:
-            continue
-        seconds = min(covered / FPS, duration)
-        used += seconds
-        if seconds < duration / 2:
-            underused.append((clip, seconds / duration))
-    return footage, used, underused
 
 
 def _encode_to_folder(

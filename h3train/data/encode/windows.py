@@ -11,6 +11,9 @@ A window of `uniform` / `slide` is `--window-seconds` long (default: the longest
 cut to the `17 n + 5` frame rule; a clip shorter than one window gives one sample of all of it, as
 `first` does. Its sample id is the clip's id, `.w` and its first frame at 24 fps (`clip.w000288` starts
 at 12.00 s), so an id names the same span on every run and a window left where it was stays up to date.
+
+`plan_clips` plans every clip from its file's header (the same on every rank, before any is encoded);
+`footage_used` says how much of the clips the samples of a dataset hold.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import math
 from dataclasses import dataclass
 
 from ...errors import ConfigError, one_of
-from ..media import FPS, aligned_down, shortest_kept
+from ..manifest import ManifestEntry
+from ..media import FPS, MediaError, aligned_down, clip_length, shortest_kept, slot_count
 from .clip import EncodeSettings
 
 WINDOW_MODES = ("first", "uniform", "slide")
@@ -129,3 +133,64 @@ class Windowing:
 def window_id(clip_id: str, start: int) -> str:
     """The sample id of a clip's window starting at 24 fps frame `start`: `clip.w000288`."""
     return f"{clip_id}.w{start:06d}"
+
+
+@dataclass(frozen=True)
+class ClipPlan:
+    """A clip's whole length in seconds (None when it cannot be read: its encode reports why) and its windows."""
+
+    duration: float | None
+    windows: list[Window]
+
+
+def plan_clips(entries: list[ManifestEntry], windowing: Windowing, settings: EncodeSettings) -> dict[str, ClipPlan]:
+    """Clip id -> its plan, from each file's header (`clip_length`): the same on every rank.
+
+    Raises `ConfigError` when a window's sample id is another clip's id or window.
+    """
+    plans, owner = {}, {}
+    for entry in entries:
+        try:
+            frames, fps = clip_length(entry.video.path)
+            duration, slots = frames / fps, slot_count(frames, fps)
+        except MediaError:
+            duration, slots = None, None
+        plans[entry.sample_id] = ClipPlan(duration, windowing.plan(entry.sample_id, slots, settings))
+    for entry in entries:
+        for window in plans[entry.sample_id].windows:
+            other = owner.setdefault(window.sample_id, entry)
+            if other is not entry:
+                raise ConfigError(
+                    f"sample id '{window.sample_id}' names a window of clip '{entry.sample_id}' (manifest line "
+                    f"{entry.line}) and clip '{other.sample_id}' (line {other.line}); give one of them another id"
+                )
+    return plans
+
+
+def footage_used(
+    samples: list[tuple[str, int, int]], durations: dict[str, float | None]
+) -> tuple[float, float, list[tuple[str, float]]]:
+    """`(footage, used, underused)` of the samples in a dataset, each `(clip id, first frame, frames)` at 24 fps.
+
+    `footage`: seconds of the clips of known length (`durations`, clip id -> seconds or None); `used`:
+    seconds of them some sample holds (overlapping windows counted once); `underused`: `(clip, fraction
+    used)` of each clip with a sample that uses under half of it, in clip order.
+    """
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for clip, start, frames in samples:
+        spans.setdefault(clip, []).append((start, start + frames))
+    footage = sum(d for d in durations.values() if d)
+    used, underused = 0.0, []
+    for clip, intervals in sorted(spans.items()):
+        covered, reach = 0, 0
+        for begin, end in sorted(intervals):
+            covered += max(0, end - max(begin, reach))
+            reach = max(reach, end)
+        duration = durations.get(clip)
+        if not duration:
+            continue
+        seconds = min(covered / FPS, duration)
+        used += seconds
+        if seconds < duration / 2:
+            underused.append((clip, seconds / duration))
+    return footage, used, underused
