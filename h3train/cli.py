@@ -450,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--windows",
         default="first",
+        metavar="{first,uniform,slide}",
         help="which spans of a clip become samples: first (its first window), uniform (windows spread evenly "
         "over it), slide (a window every --stride seconds)",
     )
