@@ -35,9 +35,12 @@ _RANGES: dict[str, tuple[float, float | None]] = {
     "text_len": (1, None),
     "parity_tol": (0, None),
     "heldout": (0, None),
+    "window_seconds": (0, None),
+    "stride": (0, None),
+    "max_windows": (1, None),
 }
 # Flags that must be above zero, not just at least it.
-_POSITIVE = ("max_shard_gb", "peak_tflops", "max_seconds")
+_POSITIVE = ("max_shard_gb", "peak_tflops", "max_seconds", "window_seconds", "stride")
 # Pseudo-filesystems: nothing written there is a file anyone can read back (`/dev/shm` is memory, a disk).
 _NOT_A_DISK = ("/proc", "/sys", "/dev")
 _SHARED_MEMORY = Path("/dev/shm")

@@ -257,7 +257,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 def _cmd_encode(args: argparse.Namespace) -> int:
     from .data.components import encode_preset
-    from .data.encode import EncodeSettings, encode_manifest
+    from .data.encode import EncodeSettings, Windowing, encode_manifest
 
     # A flag given wins; then the components folder's preset; then the released checkpoint's settings.
     flags = {
@@ -269,6 +269,10 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     }
     preset = encode_preset(args.components) or {}
     settings = EncodeSettings(**{**preset, **{k: v for k, v in flags.items() if v is not None}})
+    windowing = Windowing(args.windows, args.window_seconds, args.stride, args.max_windows)
+    # Checked here too, before the settings line: a bad flag is the only line printed.
+    settings.validate()
+    windowing.validate(settings)
     if int(os.environ.get("RANK", "0")) == 0:
         given = [k for k, v in flags.items() if v is not None]
         origin = f"the preset of {args.components}" if preset else "the defaults"
@@ -276,7 +280,7 @@ def _cmd_encode(args: argparse.Namespace) -> int:
             f"encode settings: short edge {settings.short_edge}, max pixels {settings.max_pixels}, "
             f"reference short edge {settings.reference_short_edge}, "
             f"{settings.min_seconds:g}-{settings.max_seconds:g} s "
-            f"(from {origin}{', flags: ' + ', '.join(given) if given else ''})",
+            f"(from {origin}{', flags: ' + ', '.join(given) if given else ''}); {windowing.describe(settings)}",
             flush=True,
         )
     try:
@@ -290,6 +294,7 @@ def _cmd_encode(args: argparse.Namespace) -> int:
             heldout=args.heldout,
             caption_prefix=args.caption_prefix,
             verbose=args.verbose,
+            windowing=windowing,
         )
     except BaseException as exc:
         if not _INTERRUPTS.caused(exc):
@@ -303,6 +308,8 @@ def _cmd_encode(args: argparse.Namespace) -> int:
         return 130
     if int(os.environ.get("RANK", "0")) == 0:
         print(summary.describe())
+        for warning in summary.warnings():
+            print(f"h3train encode: warning: {warning}", file=sys.stderr)
     return 0 if summary.ok else 1
 
 
@@ -552,6 +559,23 @@ def build_parser() -> argparse.ArgumentParser:
         f"({preset} 5: a 4.46 s clip is kept)",
     )
     p.add_argument("--max-seconds", type=float, default=None, help=f"longer clips are cut ({preset} 15)")
+    p.add_argument(
+        "--windows",
+        default="first",
+        metavar="{first,uniform,slide}",
+        help="which spans of a clip become samples: first (its first window), uniform (windows spread evenly "
+        "over it), slide (a window every --stride seconds)",
+    )
+    p.add_argument(
+        "--window-seconds",
+        type=float,
+        default=None,
+        help="a window's length, cut to the 17 n + 5 frame rule (default: the longest --max-seconds allows)",
+    )
+    p.add_argument(
+        "--stride", type=float, default=None, help="seconds between slide windows' starts (default: back to back)"
+    )
+    p.add_argument("--max-windows", type=int, default=None, help="windows per clip at most (default: as many as fit)")
     p.add_argument("--device", default=None, help="default: cuda:$LOCAL_RANK if available, else cpu")
     p.add_argument("--verbose", action="store_true", help="print each clip's line of clips.tsv")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -56,8 +56,10 @@ class ClipTooShort(MediaError):
 class Source:
     """What a target clip's file holds, as far as it was decoded.
 
-    `width` x `height` upright pixels at `fps`; `frames` decoded, which is all of them when `complete`
-    (decoding stops once `max_frames` are filled); `slots`: those frames put on 24 fps.
+    `width` x `height` upright pixels at `fps`; `frames` decoded from the file's first frame, which is
+    all of them when `complete` (decoding stops once `max_frames` are filled); `slots`: those frames put
+    on 24 fps, from the decoded window's first slot on; `duration`: the file's whole length in seconds
+    (its stream's header when decoding stopped early, `clip_length`), None when nothing states it.
     """
 
     width: int
@@ -66,13 +68,16 @@ class Source:
     frames: int
     complete: bool
     slots: int
+    duration: float | None = None
 
     @property
     def seconds(self) -> float:
         return self.frames / self.fps
 
     def describe(self) -> str:
-        """`640x360 25 fps 5.00 s` (`>=` before the seconds when decoding stopped early)."""
+        """`640x360 25 fps 5.00 s`: the file's whole length (`>=` the decoded part when it is not known)."""
+        if self.duration is not None:
+            return f"{self.width}x{self.height} {self.fps:g} fps {self.duration:.2f} s"
         return f"{self.width}x{self.height} {self.fps:g} fps {'' if self.complete else '>='}{self.seconds:.2f} s"
 
 
@@ -184,6 +189,7 @@ def load_clip(
     min_frames: int,
     max_frames: int,
     sample_rate: int,
+    start: int = 0,
 ) -> Clip:
     """Decode a target clip onto 24 fps and its canvas, and its soundtrack onto `sample_rate` stereo.
 
@@ -191,28 +197,38 @@ def load_clip(
     applied, as in diffusers' reference decoder); frames are cover-cropped onto it. The
     frame count is the largest `17 n + 5` the clip holds, capped at `max_frames`. Decoding stops once
     enough frames are read, so a long clip costs no more than the part that is used.
+
+    `start`: the window's first frame on the clip's 24 fps clock. The frames are those of the whole
+    clip put on 24 fps from slot `start` on (its first is the source frame showing at `start / 24` s),
+    reached by seeking (`_images_from`); the soundtrack starts at the same instant, sample 0 of the
+    clip's audio being the instant of its first frame, as for a clip decoded from its start.
     """
     with _open(path) as container:
         stream = _video_stream(path, container)
         fps = _frame_rate(stream)
         scale = FPS / fps
+        first = source_frame_at(start, fps)
         frames: list[np.ndarray] = []
         canvas: tuple[int, int] | None = None
         size = (0, 0)
         complete = True
-        for image in _decoded_images(path, container, stream):
+        for image in _images_from(path, container, stream, fps, first):
             if canvas is None:
                 size = image.size
                 canvas = canvas_size(image.size[0], image.size[1], short_edge, max_pixels, canvas_multiple)
             frames.append(np.asarray(cover_crop(image, canvas[1], canvas[0])))
             # Enough source frames to fill `max_frames` slots, the last one held for a full slot.
-            if len(frames) * scale >= max_frames + 1:
+            if (first + len(frames)) * scale >= start + max_frames + 1:
                 complete = False
                 break
         if not frames:
-            raise MediaError(f"'{path}' holds no decodable video frames")
-        slots = fps_slots(len(frames), fps)
-        source = Source(size[0], size[1], fps, len(frames), complete, len(slots))
+            where = f" from {start / FPS:.2f} s on" if start else ""
+            raise MediaError(f"'{path}' holds no decodable video frames{where}")
+        decoded = first + len(frames)
+        # Source index (within `frames`) of every 24 fps slot from `start` on: the whole clip's slots, cut.
+        slots = fps_slots(decoded, fps)[start:] - first
+        total = decoded if complete else _header_frames(container, stream, fps)
+        source = Source(size[0], size[1], fps, decoded, complete, len(slots), None if total is None else total / fps)
         try:
             num_frames = aligned_frame_count(len(slots), min_frames, max_frames)
         except ClipTooShort as exc:
@@ -222,8 +238,42 @@ def load_clip(
                 f"is {exc.shortest / FPS:.2f} s",
                 exc.shortest,
             ) from None
-        audio = _soundtrack(path, container, sample_rate, num_frames / FPS)
+        audio = _soundtrack(path, container, sample_rate, num_frames / FPS, start / FPS)
     return Clip(np.stack([frames[i] for i in slots[:num_frames]]), audio, sample_rate, source)
+
+
+def source_frame_at(slot: int, fps: float) -> int:
+    """The source frame showing at 24 fps slot `slot`: the last whose slot (`fps_slots`) begins at or before it."""
+    if slot <= 0:
+        return 0
+    scale = FPS / fps
+    index = int((slot + 0.5) / scale)
+    # The estimate is within one of the answer; settle it with `fps_slots`' own arithmetic.
+    while index > 0 and math.floor(index * scale + 0.5) > slot:
+        index -= 1
+    while math.floor((index + 1) * scale + 0.5) <= slot:
+        index += 1
+    return index
+
+
+def clip_length(path: str | os.PathLike) -> tuple[int, float]:
+    """`(frames, fps)` of a clip's video stream without decoding it: its header's frame count or duration,
+    else the container's duration, else a count of its packets (a read of the file, no decode)."""
+    with _open(path) as container:
+        stream = _video_stream(path, container)
+        fps = _frame_rate(stream)
+        frames = _header_frames(container, stream, fps)
+        if frames is None:
+            try:
+                frames = sum(1 for packet in container.demux(stream) if packet.size)
+            except av.error.FFmpegError as exc:
+                raise MediaError(f"cannot read '{path}': {exc}") from None
+    return frames, fps
+
+
+def slot_count(frames: int, fps: float) -> int:
+    """How many 24 fps slots `frames` source frames at `fps` fill (the length of `fps_slots`)."""
+    return frames if fps == FPS else math.floor(frames * FPS / fps + 0.5)
 
 
 def load_video(path: str | os.PathLike, max_seconds: float | None = None) -> DecodedVideo:
@@ -298,13 +348,18 @@ def _decode_audio(
     layout: object,
     rate: int,
     max_seconds: float | None,
+    offset: float = 0.0,
 ) -> torch.Tensor | None:
-    """`stream` decoded to planar float32 `[C, N]` in `layout` at `rate`, cut to `ceil(max_seconds * rate)`.
+    """`stream` decoded to planar float32 `[C, N]` in `layout` at `rate`, from `offset` seconds after its first
+    sample on (`round(offset * rate)` samples passed over), cut to `ceil(max_seconds * rate)`.
 
-    None when it holds no samples.
+    None when it holds no samples; silence `[C, 0]` when it ends before `offset`.
     """
     resampler = av.AudioResampler(format="fltp", layout=layout, rate=rate)
-    limit = math.inf if max_seconds is None else math.ceil(max_seconds * rate)
+    # Decoded from the start and cut, not sought: the resampler's output then counts from the first
+    # sample exactly as for a clip decoded whole, and audio decodes fast beside video.
+    skip = round(offset * rate)
+    limit = math.inf if max_seconds is None else skip + math.ceil(max_seconds * rate)
     chunks, total = [], 0
     try:
         container.seek(0)
@@ -323,7 +378,7 @@ def _decode_audio(
     waveform = torch.cat(chunks, dim=-1).to(torch.float32)
     if limit != math.inf:
         waveform = waveform[:, :limit]
-    return waveform.contiguous()
+    return waveform[:, skip:].contiguous()
 
 
 def _open(path: str | os.PathLike) -> av.container.InputContainer:
@@ -348,24 +403,96 @@ def _frame_rate(stream: av.video.stream.VideoStream) -> float:
     return float(rate)
 
 
-def _decoded_images(
-    path: str | os.PathLike, container: av.container.InputContainer, stream: av.video.stream.VideoStream
+def _header_frames(
+    container: av.container.InputContainer, stream: av.video.stream.VideoStream, fps: float
+) -> int | None:
+    """The stream's frame count as its header states it (count, else duration), else from the container's
+    duration; None when neither says."""
+    if stream.frames:
+        return int(stream.frames)
+    if stream.duration and stream.time_base:
+        return round(float(stream.duration * stream.time_base) * fps)
+    if container.duration:
+        return round(container.duration / av.time_base * fps)
+    return None
+
+
+def _images_from(
+    path: str | os.PathLike,
+    container: av.container.InputContainer,
+    stream: av.video.stream.VideoStream,
+    fps: float,
+    first: int,
 ) -> Iterator[Image.Image]:
-    """Yield the stream's frames as upright RGB PIL images (display-matrix rotation undone, like ffmpeg)."""
+    """The stream's frames (as `_decoded_images`) from source frame `first` on, frame 0 being its first.
+
+    A frame's index is its presentation time after the first frame's, times `fps`. The container is
+    sought to the last keyframe before `first`; where the stream gives no times, or the seek lands past
+    `first`, it is decoded from the start and `first` frames are passed over instead.
+    """
+    if first == 0:
+        yield from _decoded_images(path, container, stream)
+        return
+    origin = next((frame.pts for frame in _decoded_frames(path, container, stream)), None)
+    timed = origin is not None and stream.time_base
+    if timed:
+        target = origin + math.floor(first / fps / stream.time_base)
+        try:
+            container.seek(target, stream=stream, backward=True, any_frame=False)
+        except av.error.FFmpegError:
+            timed = False
+    if timed:
+        frames = _decoded_frames(path, container, stream)
+        for frame in frames:
+            index = None if frame.pts is None else round(float((frame.pts - origin) * stream.time_base) * fps)
+            if index is None or index > first:
+                break  # no time to go by, or past the start: decode from the start instead
+            if index == first:
+                yield _upright(frame)
+                yield from (_upright(rest) for rest in frames)
+                return
+        else:
+            return  # the stream ends before `first`
+    container.seek(0)
+    for index, image in enumerate(_decoded_images(path, container, stream)):
+        if index >= first:
+            yield image
+
+
+def _decoded_frames(
+    path: str | os.PathLike, container: av.container.InputContainer, stream: av.video.stream.VideoStream
+) -> Iterator[av.VideoFrame]:
+    """The stream's frames from where the container stands; a decoding error is a `MediaError`."""
     try:
-        for frame in container.decode(stream):
-            image = frame.to_image()
-            # PyAV reports the counterclockwise rotation; diffusers' reference decoder snaps it to quarter turns.
-            turns = round(frame.rotation / 90.0) % 4 if frame.rotation else 0
-            yield image.rotate(-90 * turns, expand=True) if turns else image
+        yield from container.decode(stream)
     except av.error.FFmpegError as exc:
         raise MediaError(f"cannot decode '{path}': {exc}") from None
 
 
+def _upright(frame: av.VideoFrame) -> Image.Image:
+    """A frame as an upright RGB PIL image (display-matrix rotation undone, like ffmpeg)."""
+    image = frame.to_image()
+    # PyAV reports the counterclockwise rotation; diffusers' reference decoder snaps it to quarter turns.
+    turns = round(frame.rotation / 90.0) % 4 if frame.rotation else 0
+    return image.rotate(-90 * turns, expand=True) if turns else image
+
+
+def _decoded_images(
+    path: str | os.PathLike, container: av.container.InputContainer, stream: av.video.stream.VideoStream
+) -> Iterator[Image.Image]:
+    """Yield the stream's frames as upright RGB PIL images (display-matrix rotation undone, like ffmpeg)."""
+    for frame in _decoded_frames(path, container, stream):
+        yield _upright(frame)
+
+
 def _soundtrack(
-    path: str | os.PathLike, container: av.container.InputContainer, sample_rate: int, max_seconds: float | None
+    path: str | os.PathLike,
+    container: av.container.InputContainer,
+    sample_rate: int,
+    max_seconds: float | None,
+    offset: float = 0.0,
 ) -> torch.Tensor | None:
-    """The first audio stream as `[2, N]` float32 at `sample_rate`, or None without one.
+    """The first audio stream as `[2, N]` float32 at `sample_rate` from `offset` seconds on, or None without one.
 
     Mono is duplicated onto both channels (as the pipeline upmixes reference audio); more than two
     channels are downmixed to stereo by ffmpeg's resampler.
@@ -374,7 +501,8 @@ def _soundtrack(
         return None
     stream = container.streams.audio[0]
     mono = stream.codec_context.channels == 1
-    waveform = _decode_audio(path, container, stream, "mono" if mono else "stereo", sample_rate, max_seconds)
+    layout = "mono" if mono else "stereo"
+    waveform = _decode_audio(path, container, stream, layout, sample_rate, max_seconds, offset)
     if waveform is None or not mono:
         return waveform
     return waveform.expand(AUDIO_CHANNELS, -1).contiguous()

@@ -26,6 +26,10 @@ reference's frames at their fps and its soundtrack at its own sample rate), so t
 soundtrack that is not at the audio VAE's 32 kHz needs torchaudio there; without it the clip is
 recorded in `errors.jsonl` rather than resampled another way.
 
+`Windowing` (`windows.py`) says which spans of a clip become samples: its first window (the default),
+windows spread evenly over it, or windows at a stride; each window is a sample of its own, decoded from
+its first frame on (`load_clip`'s `start`), and a held-out clip keeps all its windows out of training.
+
 `encode_manifest` runs a whole manifest, alone or under torchrun (`accelerate.PartialState` splits the
 manifest into contiguous shares and gathers the counts): a sample already written from the same inputs
 and settings is skipped (`<id>.inputs.json` beside it holds the digest), a failing clip is appended to
@@ -59,6 +63,7 @@ from .run import (
     split_heldout,
     write_table,
 )
+from .windows import WINDOW_MODES, ClipPlan, Window, Windowing, footage_used, plan_clips, window_id
 
 __all__ = [
     "ENCODER_VERSION",
@@ -82,4 +87,11 @@ __all__ = [
     "split_heldout",
     "default_device",
     "encode_manifest",
+    "ClipPlan",
+    "plan_clips",
+    "footage_used",
+    "WINDOW_MODES",
+    "Window",
+    "Windowing",
+    "window_id",
 ]

@@ -303,10 +303,20 @@ def encode_conditioning(
     return CONDITIONING_ENCODERS[kind](pipe, entry, settings, frames)
 
 
-def encode_entry(pipe: EncodingPipeline, entry: ManifestEntry, settings: EncodeSettings) -> tuple[CachedSample, Clip]:
+def encode_entry(
+    pipe: EncodingPipeline,
+    entry: ManifestEntry,
+    settings: EncodeSettings,
+    start: int = 0,
+    max_frames: int | None = None,
+    sample_id: str | None = None,
+) -> tuple[CachedSample, Clip]:
     """Encode one manifest clip into a `CachedSample`; also returns the decoded clip (its canvas, its source).
 
-    Raises `MediaError` (or the blocks' errors) for a bad clip.
+    The sample is the clip's window from 24 fps frame `start`, of at most `max_frames` frames (default
+    `settings.max_frames`), with its soundtrack from the same instant; its id `sample_id` (default the
+    entry's). A keyframe taken from the clip is the window's own first / last frame. Raises `MediaError`
+    (or the blocks' errors) for a bad clip.
     """
     if any(r.kind == "video" for r in entry.references) and not reads_videos(pipe.processor):
         raise MediaError("video references need Qwen3-VL's video processor, which transformers builds on torchvision")
@@ -316,8 +326,9 @@ def encode_entry(pipe: EncodingPipeline, entry: ManifestEntry, settings: EncodeS
         settings.max_pixels,
         pipe.canvas_multiple,
         settings.min_frames,
-        settings.max_frames,
+        settings.max_frames if max_frames is None else max_frames,
         pipe.audio_sampling_rate,
+        start,
     )
     num_audio = audio_latent_num_frames(clip.num_frames, pipe.fps)
     if clip.audio is None:
@@ -327,7 +338,7 @@ def encode_entry(pipe: EncodingPipeline, entry: ManifestEntry, settings: EncodeS
 
     conditioning, prompts = encode_conditioning(pipe, entry, settings, clip.frames)
     sample = CachedSample(
-        sample_id=entry.sample_id,
+        sample_id=entry.sample_id if sample_id is None else sample_id,
         task=entry.task,
         num_frames=clip.num_frames,
         video_latents=encode_video_latents(pipe, clip.frames),

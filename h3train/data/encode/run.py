@@ -1,4 +1,5 @@
-"""A whole manifest -> a dataset folder: skipping what is up to date, the held-out split, the table, errors."""
+"""A whole manifest -> a dataset folder: windows of each clip, skipping what is up to date, the held-out
+split (by clip), the table, the footage used, errors."""
 
 from __future__ import annotations
 
@@ -22,18 +23,13 @@ from ...infra.runlock import RunLock
 from ..components import check_components_folder, components_fingerprint, load_components
 from ..format import INDEX_NAME, SAMPLE_SUFFIX, verify_sample, write_index, write_sample
 from ..manifest import ManifestEntry, read_clip_folder, read_manifest
-from ..media import (
-    FPS,
-    ClipTooShort,
-    MediaError,
-    aligned_frame_count,
-    shortest_kept,
-)
+from ..media import FPS, ClipTooShort, MediaError, aligned_frame_count, shortest_kept
 from .clip import ENCODER_VERSION, EncodeSettings, EncodingPipeline, build_pipeline, encode_entry
+from .windows import Window, Windowing, footage_used, plan_clips
 
 ERRORS_NAME = "errors.jsonl"
 INPUTS_SUFFIX = ".inputs.json"
-# One line per clip: what its file held and what became of it (`ClipRow`).
+# One line per sample (a window of a clip): what its clip's file held and what became of it (`ClipRow`).
 TABLE_NAME = "clips.tsv"
 # The held-out split (`--heldout`): a dataset of its own inside the output folder.
 HELDOUT_NAME = "heldout"
@@ -45,11 +41,13 @@ HELDOUT_NAME = "heldout"
 
 @dataclass(frozen=True)
 class ClipRow:
-    """One line of the encode table (`clips.tsv`): what a clip's file held and what became of it.
+    """One line of the encode table (`clips.tsv`): a sample, what its clip's file held and what became of it.
 
-    `source` as `Source.describe` gives it; `canvas` width x height; `frames` / `seconds` of the sample at
-    24 fps; `audio` `yes` or `none`; `outcome` `encoded`, `up to date`, or `failed: <kind>` (the reason
-    is in `errors.jsonl`). Fields of a clip that failed before it was read are empty.
+    `clip` the clip's id (the sample's own for `--windows first`); `source` as `Source.describe` gives
+    it; `canvas` width x height; `frames` / `seconds` of the sample at 24 fps; `start` where in the clip
+    it begins and `duration` the clip's whole length, in seconds (`covers`: `3.00-4.62 of 12.00 s`);
+    `audio` `yes` or `none`; `outcome` `encoded`, `up to date`, or `failed: <kind>` (the reason is in
+    `errors.jsonl`). Fields of a clip that failed before it was read are empty.
     """
 
     sample_id: str
@@ -59,29 +57,50 @@ class ClipRow:
     seconds: float | None = None
     audio: str = ""
     outcome: str = ""
+    clip: str = ""
+    start: float | None = None
+    duration: float | None = None
 
-    COLUMNS = ("id", "source", "canvas", "frames", "seconds", "audio", "outcome")
+    COLUMNS = ("id", "clip", "source", "canvas", "frames", "seconds", "covers", "audio", "outcome")
+
+    @property
+    def covers(self) -> str:
+        """`3.00-4.62 of 12.00 s`: the seconds of the clip the sample holds ('' before it was read)."""
+        if self.seconds is None or self.start is None:
+            return ""
+        whole = f" of {self.duration:.2f}" if self.duration is not None else ""
+        return f"{self.start:.2f}-{self.start + self.seconds:.2f}{whole} s"
 
     def cells(self) -> tuple[str, ...]:
         seconds = "" if self.seconds is None else f"{self.seconds:.2f}"
         frames = "" if self.frames is None else str(self.frames)
-        return (self.sample_id, self.source, self.canvas, frames, seconds, self.audio, self.outcome)
+        return (
+            self.sample_id,
+            self.clip,
+            self.source,
+            self.canvas,
+            frames,
+            seconds,
+            self.covers,
+            self.audio,
+            self.outcome,
+        )
 
     def describe(self) -> str:
         """The console line of `--verbose`.
 
-        `id: 640x360 25 fps 5.00 s -> 512x288, 107 frames (4.46 s), audio yes: encoded`.
+        `id: 640x360 25 fps 5.00 s -> 512x288, 107 frames (0.00-4.46 of 5.00 s), audio yes: encoded`.
         """
         if not self.canvas:
             return f"{self.sample_id}: {self.source + ' -> ' if self.source else ''}{self.outcome}"
         return (
-            f"{self.sample_id}: {self.source} -> {self.canvas}, {self.frames} frames ({self.seconds:.2f} s), "
+            f"{self.sample_id}: {self.source} -> {self.canvas}, {self.frames} frames ({self.covers}), "
             f"audio {self.audio}: {self.outcome}"
         )
 
 
 def write_table(folder: Path, rows: list[ClipRow]) -> Path:
-    """`folder/clips.tsv`: a header and one tab-separated line per clip, in id order."""
+    """`folder/clips.tsv`: a header and one tab-separated line per sample, in id order."""
     lines = ["\t".join(ClipRow.COLUMNS)] + ["\t".join(r.cells()) for r in sorted(rows, key=lambda r: r.sample_id)]
     path = folder / TABLE_NAME
     atomic_write_text(path, "\n".join(lines) + "\n")
@@ -90,9 +109,12 @@ def write_table(folder: Path, rows: list[ClipRow]) -> Path:
 
 @dataclass
 class EncodeSummary:
-    """Counts over all ranks: samples written now, already up to date, and clips that failed (by kind).
+    """Counts over all ranks: samples written now, already up to date, and samples that failed (by kind).
 
-    `heldout`: clips of the held-out split (`--heldout`, in `out/heldout`), counted in the others too.
+    `heldout`: samples of the held-out split (`--heldout`, in `out/heldout`), counted in the others too;
+    `footage` / `used`: seconds of all the clips whose length is known, and of them held by a sample
+    (overlapping windows counted once); `underused`: `(clip id, fraction used)` of each clip with a sample
+    of which most goes unused; `more`: the flag that would use more of them (`Windowing.more_footage`).
     """
 
     encoded: int
@@ -101,6 +123,10 @@ class EncodeSummary:
     out: Path
     failures: dict[str, int] = field(default_factory=dict)
     heldout: int = 0
+    footage: float = 0.0
+    used: float = 0.0
+    underused: list[tuple[str, float]] = field(default_factory=list)
+    more: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -114,15 +140,37 @@ class EncodeSummary:
         line += f" -> {self.out}"
         if self.heldout:
             line += f", {self.heldout} of them held out in {self.out / HELDOUT_NAME}"
-        return line + f"; one line per clip in {self.out / TABLE_NAME}"
+        line += f"; one line per sample in {self.out / TABLE_NAME}"
+        if self.footage > 0:
+            line += f"\nuses {self.used:.1f} s of {self.footage:.1f} s of footage ({self.used / self.footage:.0%})"
+        return line
+
+    def warnings(self) -> list[str]:
+        """One line naming the clips of which most goes unused, and what would use more; none if no clip."""
+        if not self.underused:
+            return []
+        named = ", ".join(f"{clip} ({used:.0%} used)" for clip, used in self.underused[:5])
+        more = len(self.underused) - 5
+        named += f" and {more} more (see {TABLE_NAME})" if more > 0 else ""
+        count = len(self.underused)
+        way = f"; {self.more} would use more" if self.more else ""
+        return [f"most of the footage of {count} clip{'s' if count > 1 else ''} goes unused: {named}{way}"]
 
 
-def input_digest(entry: ManifestEntry, settings: EncodeSettings, components_id: str, text_dtype: torch.dtype) -> str:
+def input_digest(
+    entry: ManifestEntry,
+    settings: EncodeSettings,
+    components_id: str,
+    text_dtype: torch.dtype,
+    window: Window | None = None,
+) -> str:
     """Digest of everything a sample's content depends on, but the clip's length: the entry and its media
-    files, the canvas and reference settings, components, recipe.
+    files, the canvas and reference settings, components, recipe, and where a window of a longer clip
+    starts and how long it is (`window`, whose sample id is not the clip's; None for a clip's only sample).
 
-    `min_seconds` / `max_seconds` only choose the frame count, which `inputs.json` records with the
-    clip's length, so changing them re-encodes only the clips whose frame count they change (`_up_to_date`).
+    `min_seconds` / `max_seconds` only choose the frame count of a clip's first window, which `inputs.json`
+    records with the clip's length, so changing them re-encodes only the clips whose frame count they
+    change (`_up_to_date`).
     """
     geometry = {k: v for k, v in asdict(settings).items() if k not in ("min_seconds", "max_seconds")}
     payload = {
@@ -132,6 +180,8 @@ def input_digest(entry: ManifestEntry, settings: EncodeSettings, components_id: 
         "components": components_id,
         "text_encoder_dtype": str(text_dtype),
     }
+    if window is not None and window.sample_id != entry.sample_id:
+        payload["window"] = {"start": window.start, "frames": window.frames}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -141,7 +191,7 @@ def split_heldout(
     """`(training, heldout)`: `count` clips held out by a seeded rule that depends on each clip's id alone.
 
     The clips with the smallest `sha256(f"{seed}:{id}")` are held out, so the split is the same on
-    every rank and every rerun of the same clips.
+    every rank and every rerun of the same clips. Every window of a held-out clip is held out with it.
     """
     if count <= 0:
         return entries, []
@@ -170,22 +220,27 @@ def encode_manifest(
     heldout: int = 0,
     caption_prefix: str = "",
     verbose: bool = False,
+    windowing: Windowing | None = None,
 ) -> EncodeSummary:
     """Encode every clip of `manifest` into the dataset folder `out`, alone or as one rank of torchrun.
 
     `manifest`: a manifest file, or a folder of clips with same-named `.txt` captions
-    (`read_clip_folder`). `heldout`: clips held out into the dataset `out/heldout` (`split_heldout`);
-    `caption_prefix`: text put before every prompt (a trigger word); `verbose`: each clip's table line
-    on the console too. Raises `ConfigError` for a bad manifest, settings or components folder (before
-    any process group); a failing clip is recorded in `errors.jsonl` and does not stop the run.
-    `text_encoder_dtype` defaults to bfloat16 on a GPU and float32 on the CPU.
+    (`read_clip_folder`). `windowing`: which spans of each clip become samples (`windows.py`; default
+    its first window). `heldout`: clips held out into the dataset `out/heldout` (`split_heldout`), with
+    all their windows; `caption_prefix`: text put before every prompt (a trigger word); `verbose`: each
+    sample's table line on the console too. Raises `ConfigError` for a bad manifest, settings or
+    components folder (before any process group); a failing sample is recorded in `errors.jsonl` and
+    does not stop the run. `text_encoder_dtype` defaults to bfloat16 on a GPU and float32 on the CPU.
     """
     settings = settings or EncodeSettings()
     settings.validate()
+    windowing = windowing or Windowing()
+    windowing.validate(settings)
     entries = read_clip_folder(manifest) if Path(manifest).is_dir() else read_manifest(manifest)
     if caption_prefix.strip():
         entries = [replace(e, prompt=f"{caption_prefix.strip()} {e.prompt}".strip()) for e in entries]
     training, held = split_heldout(entries, heldout)
+    plans = plan_clips(entries, windowing, settings)
     check_components_folder(components)
     device = torch.device(device) if device is not None else default_device()
     text_dtype = text_encoder_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -200,15 +255,24 @@ def encode_manifest(
             print(note, file=sys.stderr, flush=True)
         # A held-out split from an earlier run stays a group (empty now) so its samples move back.
         keep_split = held or (out / HELDOUT_NAME / INDEX_NAME).is_file()
-        groups = [(out, training)] + ([(out / HELDOUT_NAME, held)] if keep_split else [])
-        return _encode(groups, components, out, settings, device, text_dtype, progress, verbose)
+        groups = [
+            (folder, [(entry, window) for entry in group for window in plans[entry.sample_id].windows])
+            for folder, group in [(out, training)] + ([(out / HELDOUT_NAME, held)] if keep_split else [])
+        ]
+        durations = {clip: plan.duration for clip, plan in plans.items()}
+        return _encode(groups, durations, windowing, components, out, settings, device, text_dtype, progress, verbose)
     finally:
         if lock is not None:
             lock.release()
 
 
+Job = tuple[ManifestEntry, Window]
+
+
 def _encode(
-    groups: list[tuple[Path, list[ManifestEntry]]],
+    groups: list[tuple[Path, list[Job]]],
+    durations: dict[str, float | None],
+    windowing: Windowing,
     components: str | os.PathLike,
     out: Path,
     settings: EncodeSettings,
@@ -218,27 +282,35 @@ def _encode(
     verbose: bool,
 ) -> EncodeSummary:
     # Alone: a single-process state. Under torchrun: one process group (gloo for a CPU encode, NCCL on
-    # the GPUs), each rank a contiguous share of the clips.
+    # the GPUs), each rank a contiguous share of the samples.
     state = PartialState(cpu=device.type == "cpu")
     if state.is_main_process:
         for folder, _ in groups:
             _prepare_output(folder)
         _move_between_splits(groups)
+        dropped = _drop_earlier_windows(groups, set(durations))
+        if dropped:
+            print(
+                f"h3train encode: removed {dropped} sample{'s' if dropped > 1 else ''} of windows these settings "
+                "no longer cut from their clips",
+                file=sys.stderr,
+                flush=True,
+            )
     state.wait_for_everyone()
     pipe = build_pipeline(load_components(components, device, text_dtype), settings)
     components_id = components_fingerprint(components)
-    jobs = [(folder, entry) for folder, group in groups for entry in group]
+    jobs = [(folder, entry, window) for folder, group in groups for entry, window in group]
     rows: list[tuple[str, ClipRow]] = []
     with state.split_between_processes(jobs) as mine:
         bar = tqdm(
             mine,
             desc=f"encode (rank {state.process_index})",
-            unit="clip",
+            unit="sample",
             disable=not progress or not state.is_main_process,
         )
-        for folder, entry in bar:
-            digest = input_digest(entry, settings, components_id, text_dtype)
-            row = _encode_to_folder(pipe, entry, settings, folder, digest, bar)
+        for folder, entry, window in bar:
+            digest = input_digest(entry, settings, components_id, text_dtype, window)
+            row = _encode_to_folder(pipe, entry, window, durations[entry.sample_id], settings, folder, digest, bar)
             rows.append((str(folder), row))
             if verbose:
                 bar.write(f"h3train encode: {row.describe()}", file=sys.stderr)
@@ -253,6 +325,9 @@ def _encode(
         state.destroy_process_group()
     outcomes = [row.outcome for _, row in every]
     failures = Counter(o.removeprefix("failed: ") for o in outcomes if o.startswith("failed: "))
+    kept = [row for _, row in every if row.outcome in ("encoded", "up to date")]
+    spans = [(row.clip, round(row.start * FPS), row.frames) for row in kept if row.start is not None and row.frames]
+    footage, used, underused = footage_used(spans, durations)
     return EncodeSummary(
         encoded=outcomes.count("encoded"),
         skipped=outcomes.count("up to date"),
@@ -260,20 +335,32 @@ def _encode(
         out=out,
         failures=dict(failures),
         heldout=sum(len(group) for folder, group in groups if folder != out),
+        footage=footage,
+        used=used,
+        underused=underused,
+        more=windowing.more_footage() if underused else None,
     )
 
 
 def _encode_to_folder(
-    pipe: EncodingPipeline, entry: ManifestEntry, settings: EncodeSettings, out: Path, digest: str, bar: tqdm
+    pipe: EncodingPipeline,
+    entry: ManifestEntry,
+    window: Window,
+    duration: float | None,
+    settings: EncodeSettings,
+    out: Path,
+    digest: str,
+    bar: tqdm,
 ) -> ClipRow:
-    """Encode and write one entry unless it is up to date; its table row says which it was."""
-    sample_path = out / f"{entry.sample_id}{SAMPLE_SUFFIX}"
-    inputs_path = out / f"{entry.sample_id}{INPUTS_SUFFIX}"
-    recorded = _up_to_date(sample_path, inputs_path, digest, settings)
+    """Encode and write one window of an entry unless it is up to date; its table row says which it was."""
+    sample_path = out / f"{window.sample_id}{SAMPLE_SUFFIX}"
+    inputs_path = out / f"{window.sample_id}{INPUTS_SUFFIX}"
+    where = {"clip": entry.sample_id, "start": window.start / FPS, "duration": duration}
+    recorded = _up_to_date(sample_path, inputs_path, digest, settings, window.frames)
     if recorded is not None:
-        return replace(recorded, outcome="up to date")
+        return replace(recorded, outcome="up to date", **where)
     try:
-        sample, clip = encode_entry(pipe, entry, settings)
+        sample, clip = encode_entry(pipe, entry, settings, window.start, window.frames, window.sample_id)
         write_sample(sample_path, sample)
     except Exception as exc:  # noqa: BLE001 - one bad clip must not stop the run; the reason is recorded
         if no_space(exc) is not None:
@@ -284,26 +371,29 @@ def _encode_to_folder(
         inputs_path.unlink(missing_ok=True)
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0] + _way_out(exc, settings)
         kind = exc.kind if isinstance(exc, MediaError) else type(exc).__name__
-        _append_error(out, entry, reason, kind)
-        bar.write(f"h3train encode: {entry.sample_id} (manifest line {entry.line}): {reason}", file=sys.stderr)
-        return ClipRow(entry.sample_id, outcome=f"failed: {kind}")
+        _append_error(out, entry, window.sample_id, reason, kind)
+        bar.write(f"h3train encode: {window.sample_id} (manifest line {entry.line}): {reason}", file=sys.stderr)
+        return ClipRow(window.sample_id, outcome=f"failed: {kind}", clip=entry.sample_id, duration=duration)
     source = clip.source
     assert source is not None, "load_clip describes the source of every clip"
     height, width = clip.frames.shape[1:3]
     row = ClipRow(
-        entry.sample_id,
+        window.sample_id,
         source=source.describe(),
         canvas=f"{width}x{height}",
         frames=sample.num_frames,
         seconds=sample.num_frames / FPS,
         audio="yes" if sample.has_audio else "none",
         outcome="encoded",
+        **where,
     )
     # Written after the sample: a run killed in between re-encodes the clip rather than trusting it.
+    # `window.clip` names the clip a sample was cut from (`_drop_earlier_windows`).
     record = {
         "digest": digest,
         "inputs": entry.fingerprint(),
         "length": {"slots": source.slots, "complete": source.complete, "frames": sample.num_frames},
+        "window": {"clip": entry.sample_id, "start": window.start, "frames": window.frames},
         "row": asdict(row),
     }
     atomic_write_text(inputs_path, json.dumps(record, indent=1) + "\n")
@@ -319,12 +409,14 @@ def _way_out(exc: Exception, settings: EncodeSettings) -> str:
     return ""
 
 
-def _up_to_date(sample_path: Path, inputs_path: Path, digest: str, settings: EncodeSettings) -> ClipRow | None:
-    """The recorded row of a sample encoded from these inputs, whose length the current `min_seconds` /
-    `max_seconds` would choose again, and whose bytes are still those written; else None.
+def _up_to_date(
+    sample_path: Path, inputs_path: Path, digest: str, settings: EncodeSettings, max_frames: int
+) -> ClipRow | None:
+    """The recorded row of a sample encoded from these inputs, whose length the current `min_seconds` and
+    the window's cap `max_frames` would choose again, and whose bytes are still those written; else None.
 
-    The recorded length is the clip's 24 fps frame count (`slots`; all of it when `complete`, else
-    decoding stopped at the then `max_seconds`): the current frame count follows from it without
+    The recorded length is the 24 fps frame count from the window's start (`slots`; all of it when
+    `complete`, else decoding stopped at the then cap): the current frame count follows from it without
     decoding, except for a clip cut short before whose cap is now raised.
     """
     try:
@@ -333,10 +425,10 @@ def _up_to_date(sample_path: Path, inputs_path: Path, digest: str, settings: Enc
             return None
         length = recorded["length"]
         slots, frames = int(length["slots"]), int(length["frames"])
-        if not length["complete"] and settings.max_frames > slots:
+        if not length["complete"] and max_frames > slots:
             return None
         # The rule that chose the length, on the recorded slots (too short now raises, a ValueError).
-        if aligned_frame_count(slots, settings.min_frames, settings.max_frames) != frames:
+        if aligned_frame_count(slots, settings.min_frames, max_frames) != frames:
             return None
         verify_sample(sample_path)
         return ClipRow(**recorded["row"])
@@ -361,15 +453,15 @@ def _prepare_output(out: Path) -> None:
     errors.write_text("")
 
 
-def _move_between_splits(groups: list[tuple[Path, list[ManifestEntry]]]) -> None:
+def _move_between_splits(groups: list[tuple[Path, list[Job]]]) -> None:
     """Move a sample this encoder wrote into the split its clip now belongs to (a changed `--heldout`),
     with its `inputs.json`, so that no clip sits in both datasets and none is encoded twice."""
     for folder, group in groups:
-        for entry in group:
-            target = folder / f"{entry.sample_id}{SAMPLE_SUFFIX}"
+        for _, window in group:
+            target = folder / f"{window.sample_id}{SAMPLE_SUFFIX}"
             for other, _ in groups:
-                found = other / f"{entry.sample_id}{SAMPLE_SUFFIX}"
-                inputs = other / f"{entry.sample_id}{INPUTS_SUFFIX}"
+                found = other / f"{window.sample_id}{SAMPLE_SUFFIX}"
+                inputs = other / f"{window.sample_id}{INPUTS_SUFFIX}"
                 if other == folder or not (found.is_file() and inputs.is_file()) or target.exists():
                     continue
                 # The sample first: one stopped between the two is re-encoded, never trusted without its record.
@@ -377,8 +469,34 @@ def _move_between_splits(groups: list[tuple[Path, list[ManifestEntry]]]) -> None
                 os.replace(inputs, folder / inputs.name)
 
 
-def _append_error(out: Path, entry: ManifestEntry, reason: str, kind: str) -> None:
-    record = {"id": entry.sample_id, "line": entry.line, "video": entry.video.relative, "kind": kind, "error": reason}
+def _drop_earlier_windows(groups: list[tuple[Path, list[Job]]], clips: set[str]) -> int:
+    """Remove the samples this encoder cut from a clip of the manifest at windows it no longer cuts (other
+    `--windows` settings); return how many. Without this the dataset would hold a span twice.
+
+    Only a sample with its `inputs.json` (the encoder's record) naming one of `clips` goes, the sample
+    first: one stopped between the two leaves a record of nothing, which is harmless.
+    """
+    planned = {window.sample_id for _, group in groups for _, window in group}
+    dropped = 0
+    for folder, _ in groups:
+        for inputs in sorted(folder.glob(f"*{INPUTS_SUFFIX}")):
+            sample_id = inputs.name.removesuffix(INPUTS_SUFFIX)
+            if sample_id in planned:
+                continue
+            try:
+                record = json.loads(inputs.read_text())
+                clip = (record.get("window") or {}).get("clip") or record["inputs"]["id"]
+            except (OSError, ValueError, AttributeError, KeyError, TypeError):
+                continue
+            if clip in clips:
+                (folder / f"{sample_id}{SAMPLE_SUFFIX}").unlink(missing_ok=True)
+                inputs.unlink(missing_ok=True)
+                dropped += 1
+    return dropped
+
+
+def _append_error(out: Path, entry: ManifestEntry, sample_id: str, reason: str, kind: str) -> None:
+    record = {"id": sample_id, "line": entry.line, "video": entry.video.relative, "kind": kind, "error": reason}
     # One write per line in append mode: ranks appending at once do not interleave within a line.
     with open(out / ERRORS_NAME, "a") as handle:
         handle.write(json.dumps(record) + "\n")
