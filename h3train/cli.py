@@ -192,7 +192,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .errors import UsageError
-    from .render.sources import default_components, detect_source
+    from .render.sources import default_components, default_shape, detect_source
 
     # Every check is on names and files, before a model loads.
     source = detect_source(args.source) if args.source is not None else None
@@ -214,8 +214,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     components = check_components_folder(components)
     from .render.generate import announce, default_device, generate, read_requests, request_partition
 
-    defaults = {"seed": args.seed, "frames": args.frames, "resolution": args.resolution}
-    requests = read_requests(args.prompt or [], args.requests, {k: v for k, v in defaults.items() if v is not None})
+    flags = {"seed": args.seed, "frames": args.frames, "resolution": args.resolution}
+    defaults = default_shape(source) if source is not None else {}
+    defaults.update({k: v for k, v in flags.items() if v is not None})
+    requests = read_requests(args.prompt or [], args.requests, defaults)
     partition = request_partition(source, requests)
     if not (components / partition).is_dir():
         raise UsageError(f"--components '{components}' has no {partition}/ folder, the partition SOURCE renders with")
@@ -512,8 +514,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=None, help="seed of each request's generator (default 0)")
     p.add_argument("--steps", type=int, default=50, help="num_inference_steps: sigma points, the terminal 0 included")
-    p.add_argument("--frames", type=int, default=None, help="frames at 24 fps, 17 n + 5 (default 124)")
-    p.add_argument("--resolution", default=None, help="WIDTHxHEIGHT, multiples of 32 (default 1344x768)")
+    p.add_argument(
+        "--frames", type=int, default=None, help="17 n + 5 at 24 fps (default: a run's first sample's, else 124)"
+    )
+    p.add_argument(
+        "--resolution",
+        default=None,
+        help="WIDTHxHEIGHT, multiples of 32 (default: a run's first sample's, else 1344x768)",
+    )
     p.add_argument(
         "--reference-short-edge",
         type=int,

@@ -17,11 +17,13 @@ import sys
 import zipfile
 from pathlib import Path
 
+import av
 import pytest
 import yaml
 
 from h3train.data.format import read_index
 from h3train.data.media import moving_pattern, sine_tone, write_video
+from h3train.render.side_by_side import bar_height
 from h3train.train.checkpoint import read_trainer_state
 
 from reference import ROOT, read_metrics, run_env
@@ -127,6 +129,12 @@ def test_the_quickstart_runs_as_written(tmp_path: Path) -> None:
     assert Path(base["folder"]) == (tmp_path / "stand_in" / "transformer").resolve()
     # export: the diffusers LoRA file of the run's newest checkpoint.
     assert (run / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    # generate --compare: base and fine-tune side by side at the run's sample shape, a sound stream each.
+    with av.open(str(run / "compare.mp4")) as container:
+        video, audio = container.streams.video, container.streams.audio
+        assert (video[0].codec_context.width, video[0].codec_context.height) == (2 * 96, 64 + bar_height(96))
+        assert len(audio) == 2 and all(s.codec_context.channels == 2 for s in audio)
+    assert re.search(r"prompt_0: guidance ratio video \d", proc.stdout), proc.stdout[-2000:]
 
     generated = subprocess.run(
         [sys.executable, "-c", python], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300

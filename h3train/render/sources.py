@@ -122,6 +122,15 @@ def saved_config(source: Source) -> dict[str, Any]:
         return {}
 
 
+def default_shape(source: Source) -> dict[str, Any]:
+    """The `frames` and `resolution` of the first of a run's `validation.samples` ({} if it has none):
+    a run's renders default to the clip shape it was checked with, not the released model's 124 frames
+    at 1344x768, which a stand-in's run never trained at."""
+    samples = (saved_config(source).get("validation") or {}).get("samples") or []
+    first = samples[0] if samples and isinstance(samples[0], dict) else {}
+    return {k: first[k] for k in ("frames", "resolution") if k in first}
+
+
 def default_components(source: Source) -> Path | None:
     """The pipeline folder a run or checkpoint trained on or rendered with: `model.pretrained`, else
     `validation.components`, the first that is a components folder; None if it names none."""

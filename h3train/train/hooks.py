@@ -154,3 +154,7 @@ class TrainerHook:
     def on_fit_end(self, trainer: TrainerView) -> None:
         """After the last step of this process, also after a preemption; not after an error, when a
         peer may be gone and a collective would hang."""
+
+    def summary_lines(self) -> list[str]:
+        """Lines of the run's closing summary (rank 0, after `on_fit_end`); none by default."""
+        return []

@@ -52,7 +52,6 @@ from .metrics import (
 )
 from .preemption import INTERRUPT, NONE, PREEMPT, Preemption
 from .reduction import StepTotals
-from .validation import HeldOutLoss
 
 if TYPE_CHECKING:
     from .assemble import TrainingParts
@@ -495,7 +494,7 @@ class Trainer:
     def _summary(self, first_step: int, elapsed_s: float) -> list[str]:
         """The lines that close a run (rank 0): steps and time, the last checkpoint and how to export it,
         its adapter files (`checkpoint.export`), the best checkpoint, the first and last held-out values
-        (`validation.HeldOutTrail`), samples.
+        (each hook's `summary_lines`), samples.
 
         A run that saved no checkpoint names the one it resumed from when it trained no step, else none.
         """
@@ -522,8 +521,7 @@ class Trainer:
             step = self.watch.best_checkpoint
             lines.append(f"best checkpoint: {self.checkpointer.root / step_dir_name(step)} ({best})")
         for hook in self.hooks:
-            if isinstance(hook, HeldOutLoss):
-                lines += hook.trail.lines()
+            lines += hook.summary_lines()
         if self._last_samples is not None:
             lines.append(f"samples: {self._last_samples}")
         return lines

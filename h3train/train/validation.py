@@ -198,6 +198,9 @@ class HeldOutLoss(TrainerHook):
         if self.v.every and (step % self.v.every == 0 or step == self.cfg.train.steps):
             self._log(trainer, step)
 
+    def summary_lines(self) -> list[str]:
+        return self.trail.lines()
+
     def _log(self, trainer: TrainerView, step: int) -> None:
         values = self.evaluate(trainer)
         self.trail.record(step, values)
