@@ -374,3 +374,32 @@ def test_lora_longest_fit_is_the_edge_of_the_plan(full_dims: dict) -> None:
     assert lora.sharded_state_bytes < full.sharded_state_bytes / 7
     # One 80 GB GPU holds the bf16 base (61.7 GiB) but no 768x1344 clip beside it.
     assert lora.fits and not plan_memory(full_dims, dp_shard=1, sp=1, rows=RELEASED_5S_ROWS, **args).fits
+
+
+@pytest.mark.parametrize("preset", ["video_only", "audio_only"])
+def test_output_projection_adapters_keep_no_activations_in_the_stack(full_dims: dict, preset: str) -> None:
+    """Adapters on the output projections alone: no gradient reaches the blocks or the refiner, so the
+    plan is a small fraction of rank 32 on every block's, with or without checkpointing."""
+    from h3train.config.schema import LoraConfig
+    from h3train.lora.adapters import lora_counts
+
+    heads = lora_counts(full_dims, LoraConfig(rank=32, target_modules=[preset]))
+    blocks = lora_counts(full_dims, LoraConfig(rank=32))
+    assert heads.heads_only and not blocks.heads_only
+    args = dict(dp_replicate=1, dp_shard=8, sp=8, dtype="bfloat16", rows=RELEASED_MAX_ROWS, text_rows=512)
+    for ckpt in ("none", "full"):
+        few = plan_memory(full_dims, activation_checkpointing=ckpt, lora=heads, **args)
+        many = plan_memory(full_dims, activation_checkpointing=ckpt, lora=blocks, **args)
+        assert few.refiner_activation_bytes == 0
+        assert "only the output projections train" in format_plan(few)
+        assert few.activation_bytes < many.activation_bytes / 10, (ckpt, few.activation_bytes, many.activation_bytes)
+
+
+@pytest.mark.parametrize("preset", ["video_only", "audio_only"])
+def test_output_projection_adapter_activations_match_what_the_forward_keeps(preset: str) -> None:
+    """The heads-only plan against `saved_activation_bytes` of the tiny model's forward and loss."""
+    from test_plan_measure import TOLERANCE, _activations
+
+    planned, held = _activations(preset, "h256", "float32", "none", 1)
+    # An upper bound (every row outside the text counted as predicted by each trained projection), and close.
+    assert held <= planned <= held * (1 + TOLERANCE), (planned, held)
