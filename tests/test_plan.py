@@ -283,6 +283,25 @@ def test_estimate_uses_the_longest_cached_sample(tmp_path: Path) -> None:
     assert estimate(model_dims(cfg), ParallelDims.from_config(cfg.parallel, 1), cfg).rows == RELEASED_MAX_ROWS
 
 
+def test_a_t2va_plan_away_from_the_data_uses_the_released_clip_without_keyframes(full_dims: dict) -> None:
+    from h3train.parallel.dims import ParallelDims
+    from h3train.plan.inputs import RELEASED_GEOMETRY
+    from h3train.tasks.layout import Geometry, build_layout
+
+    plans = {}
+    for task in ("fl2va", "t2va"):
+        cfg = load_config(ROOT / "configs" / "h3_fl2va_a100.yaml", [f"task.name={task}", "data.path=/nowhere"])
+        plans[task] = estimate(full_dims, ParallelDims.from_config(cfg.parallel, 64), cfg)
+        assert plans[task].rows_source.startswith("longest released clip")
+    geometry = Geometry(*RELEASED_GEOMETRY)
+    tags = torch.ones(plans["t2va"].text_rows, dtype=torch.long)
+    # The same clip: the t2va layout (no keyframe rows) and the fl2va one (first and last).
+    assert plans["t2va"].rows == build_layout("t2va", tags, geometry).seq_len
+    assert plans["fl2va"].rows == build_layout("fl2va", tags, geometry, ("first", "last")).seq_len == RELEASED_MAX_ROWS
+    assert plans["fl2va"].rows - plans["t2va"].rows == 2 * geometry.video_rows() // geometry.num_latent_frames
+    assert plans["t2va"].activation_bytes < plans["fl2va"].activation_bytes
+
+
 def test_unreadable_dataset_index_is_a_config_error(tmp_path: Path) -> None:
     from h3train.errors import ConfigError
     from h3train.parallel.dims import ParallelDims
