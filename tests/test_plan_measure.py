@@ -57,10 +57,10 @@ VARIANTS = {
     "dora": ["lora.use_dora=true"],
     "lokr": ["lora.kind=lokr"],
     f"lora_{QUANT}": [f"lora.base_quant={QUANT}"],
-    # Adapters on one output projection only: nothing before it keeps activations.
-    "video_only": ["lora.target_modules=[video_only]"],
-    "audio_only": ["lora.target_modules=[audio_only]"],
 }
+# Adapters on one output projection only: nothing before it keeps activations.
+HEADS_ONLY = {"video_only": ["lora.target_modules=[video_only]"], "audio_only": ["lora.target_modules=[audio_only]"]}
+VARIANTS.update(HEADS_ONLY)
 # Two widths of the tiny configs' architecture (4 heads, 2 blocks, 1 refiner block).
 WIDTHS = {
     "h128": {"hidden_size": 128, "attention_head_dim": 32, "ffn_dim": 384},
@@ -85,7 +85,9 @@ ACTIVATION_CASES = [
     for sp in (1, 2)
 ] + [(kind, "h256", "bfloat16", ckpt, 2) for kind, ckpt in (("full", "none"), ("lora", "full"))]
 ACTIVATION_CASES += [
-    (kind, "h256", "float32", ckpt, sp) for kind in VARIANTS for ckpt, sp in (("none", 2), ("full", 1))
+    (kind, "h256", "float32", ckpt, sp)
+    for kind in VARIANTS
+    for ckpt, sp in (("none", 1 if kind in HEADS_ONLY else 2), ("full", 1))
 ]
 STATE_KINDS = ("full", "lora", f"lora_{QUANT}")
 STATE_WIDTH = "h256"

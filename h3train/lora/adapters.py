@@ -354,7 +354,7 @@ def lora_counts(dims: Mapping[str, Any], lora: Any) -> AdapterCounts:
         heads_only=heads_only,
         head_row_values=sum(c[1] for c in heads) if heads_only else 0,
         head_delta_values=sum(c[2] for c in heads) if heads_only else 0,
-        head_output_values=sum(modules[m].out_features for m in OUTPUT_HEADS if m in [*targets, *trained])
+        head_output_values=max(modules[m].out_features for m in OUTPUT_HEADS if m in [*targets, *trained])
         if heads_only
         else 0,
         kind=kind.label,

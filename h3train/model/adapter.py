@@ -45,7 +45,7 @@ class AdapterCounts:
     # the stack's normalised output: no gradient reaches the blocks, the refiner or `norm_out`, so none
     # of them keeps anything for the backward. What the projections' adapters keep beyond their input, per
     # row and per forward, as `block_row_values` / `block_delta_values` count it (float32 islands), and
-    # the trained projections' output widths (what the loss keeps per predicted row).
+    # the widest trained projection's output (what the loss keeps per predicted row).
     heads_only: bool = False
     head_row_values: int = 0
     head_delta_values: int = 0

@@ -373,21 +373,27 @@ def refiner_activation_bytes(
     return text_rows * (cast + _dim(dims, "num_refiner_layers") * block + _norm_row_bytes(h))
 
 
-def heads_activation_bytes(dims: Mapping[str, Any], local_rows: int, local_text_rows: int, lora: AdapterCounts) -> int:
+def heads_activation_bytes(
+    dims: Mapping[str, Any], local_rows: int, sp: int, text_rows: int, lora: AdapterCounts
+) -> int:
     """Peak activation memory of one rank when only the output projections train (`lora.heads_only`).
 
     Nothing before them needs a gradient, so the blocks, the refiner and `norm_out` keep nothing, with
     or without checkpointing (which then has nothing to recompute). Per local row: the float32 cast of
     `norm_out`'s output that the projections (float32 islands) read, kept by their adapters (4h, one
-    tensor for both heads), and what the adapters keep beyond it (`head_row_values`, float32); per row
-    outside the text, the loss's float32 error of each trained projection's prediction
-    (`head_output_values`; a row is predicted by one head at most, so an upper bound); and
-    `head_delta_values` once.
+    tensor for both heads), and what the adapters keep beyond it (`head_row_values`, float32). The
+    loss runs over the whole sequence on every SP rank and keeps, per row outside the text, the float32
+    error of the trained projection's prediction (`head_output_values`, the widest; with sp > 1 the
+    heads' outputs travel in one all-gather, so both heads' errors are kept: the wider one). An upper
+    bound, as rows that no head predicts (keyframes) count too. `head_delta_values` once.
     """
     h = _dim(dims, "hidden_size")
-    predicted = max(local_rows - local_text_rows, 0)
-    rows = local_rows * (h + lora.head_row_values) + predicted * lora.head_output_values
-    return _FP32 * (rows + lora.head_delta_values)
+    widest = lora.head_output_values
+    if sp > 1:
+        video_patch = _dim(dims, "in_channels") * math.prod(int(p) for p in dims["patch_size"])
+        widest = max(widest, video_patch, _dim(dims, "audio_in_channels"))
+    predicted = max(local_rows * sp - text_rows, 0)
+    return _FP32 * (local_rows * (h + lora.head_row_values) + predicted * widest + lora.head_delta_values)
 
 
 def activation_bytes(
@@ -421,7 +427,7 @@ def activation_bytes(
     the output projections train, `heads_activation_bytes`.
     """
     if lora is not None and lora.heads_only:
-        return heads_activation_bytes(dims, local_rows, min(text_rows, local_rows * sp) // sp, lora)
+        return heads_activation_bytes(dims, local_rows, sp, text_rows, lora)
     b = _DTYPE_BYTES[dtype]
     h = _dim(dims, "hidden_size")
     layers = _dim(dims, "num_layers")
