@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from .args import check_args
 from .errors import H3TrainError, did_you_mean, did_you_mean_each
+from .train.events import INTERRUPTS, Interrupts
 
 if TYPE_CHECKING:
     from .config import Config
@@ -66,7 +67,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _fit_failed(trainer: Trainer, cfg: Config, exc: BaseException) -> int | None:
     """The exit code of a run that `exc` ended, its one line printed; None: `exc` is to be raised."""
-    if _INTERRUPTS.caused(exc) or trainer.preempt.forced:
+    if _INTERRUPTS.caused(exc):
         return _stop_at_once(trainer)
     if isinstance(exc, H3TrainError):
         _report(exc)
@@ -632,7 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _Interrupts:
-    """Ctrl-C raises `KeyboardInterrupt`, as Python's default handler does, and is remembered.
+    """Ctrl-C raises `KeyboardInterrupt`, as Python's default handler does, and is noted in the process's
+    interrupt record (`train.events.INTERRUPTS`), which the trainer's handler notes a second Ctrl-C in too.
 
     A library may turn the interrupt into another error: torch, building a tensor from a buffer
     when the interrupt lands, raises `ValueError("could not determine the shape of object type
@@ -641,20 +643,20 @@ class _Interrupts:
     damaged components folder.
     """
 
-    def __init__(self) -> None:
-        self.noted = False
+    def __init__(self, record: Interrupts) -> None:
+        self.record = record
         # A second Ctrl-C stopped a run (`_stop_at_once`): `run()` leaves without waiting for its
         # background threads (a checkpoint write, a deletion), whose `.tmp-*` folders the next start removes.
         self.left_at_once = False
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
-        self.noted = True
+        self.record.note()
         raise KeyboardInterrupt
 
     @contextlib.contextmanager
     def watching(self):
         """Note Ctrl-C while the body runs, where Python's own handler is the one in place."""
-        self.noted = self.left_at_once = False
+        self.record.noted = self.left_at_once = False
         ours = threading.current_thread() is threading.main_thread() and (
             signal.getsignal(signal.SIGINT) is signal.default_int_handler
         )
@@ -667,10 +669,10 @@ class _Interrupts:
 
     def caused(self, exc: BaseException) -> bool:
         """Whether `exc` is an interrupt, or an error raised after one (the interrupt, disguised)."""
-        return isinstance(exc, KeyboardInterrupt) or (self.noted and isinstance(exc, Exception))
+        return self.record.caused(exc)
 
 
-_INTERRUPTS = _Interrupts()
+_INTERRUPTS = _Interrupts(INTERRUPTS)
 
 
 def main(argv: list[str] | None = None) -> int:

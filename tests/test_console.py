@@ -37,9 +37,10 @@ from reference import TINY_FL2VA, read_metrics, tiny_args
 
 STEPS = 6
 SAMPLES = 6
-# step 3/6 loss=0.1234 grad_norm=0.5678 lr=1.000e-03 peak_mem=1.23GiB (0.05 s/step, elapsed 0:00:01, eta 0:00:01)
+# step 3/6 video=0.1234 audio=- grad_norm=0.5678 lr=1.000e-03 peak_mem=1.23GiB (0.05 s/step, elapsed 0:00:01, eta ..)
 LINE = re.compile(
-    r"^step (?P<step>\d+)/(?P<total>\d+) loss=\S+ grad_norm=\S+ lr=\S+ peak_mem=(?P<mem>[\d.]+)GiB "
+    r"^step (?P<step>\d+)/(?P<total>\d+) video=(?P<video>\S+) audio=(?P<audio>\S+) grad_norm=\S+ lr=\S+ "
+    r"peak_mem=(?P<mem>[\d.]+)GiB "
     r"\((?P<per_step>[\d.]+) s/step, elapsed (?P<elapsed>\d+:\d\d:\d\d), eta (?P<eta>\d+:\d\d:\d\d)\)$"
 )
 
@@ -92,6 +93,21 @@ def test_every_step_line_shows_elapsed_time_eta_and_peak_memory(run: Run) -> Non
         done, left = int(m["step"]), STEPS - int(m["step"])
         assert _seconds(m["eta"]) == pytest.approx(_seconds(m["elapsed"]) / done * left, abs=1 + left / done)
         assert float(m["mem"]) == pytest.approx(row[MEMORY_KEY], abs=0.006)
+
+
+def test_step_lines_show_each_modality_loss_and_a_dash_without_sound(run: Run) -> None:
+    matches = [LINE.match(line) for line in run.err.splitlines() if line.startswith("step ")]
+    assert len(matches) == len(run.rows) and all(matches)
+    # Up to 50 steps every line is its own step's: the video loss, and the audio loss or `-` without sound.
+    for m, row in zip(matches, run.rows, strict=True):
+        assert float(m["video"]) == pytest.approx(row["loss_video"], abs=5e-5)
+        assert (
+            m["audio"] == "-"
+            if row["loss_audio"] is None
+            else float(m["audio"]) == pytest.approx(row["loss_audio"], abs=5e-5)
+        )
+    assert "-" in [m["audio"] for m in matches], "the data has silent clips"
+    assert "loss=" not in run.err, "the total (about half on a silent step) is not the headline"
 
 
 def test_format_duration_counts_hours_past_a_day() -> None:

@@ -77,7 +77,49 @@ def test_jsonl_one_line_per_step_with_step_first(tmp_path: Path, capsys: pytest.
     assert records[1]["loss"] == pytest.approx(0.5)
     # No TTY under pytest, so each step of a short run gets a plain console line.
     err = capsys.readouterr().err
-    assert err.count("step ") == 3 and "loss=" in err and "grad_norm=" in err
+    assert err.count("step ") == 3 and "video=" in err and "grad_norm=" in err
+    # No row here has an audio loss: no number, not a 0.
+    assert err.count("audio=-") == 3 and "loss=" not in err
+
+
+def _console_lines(capsys: pytest.CaptureFixture[str], total_steps: int, rows: list[dict]) -> dict[int, dict[str, str]]:
+    """The plain console lines of `rows` (steps 1, 2, ...) as {step: {shown name: text}}."""
+    from h3train.train.metrics import ConsoleSink
+
+    sink = ConsoleSink(total_steps, progress=False)
+    sink.open(0)
+    for step, row in enumerate(rows, start=1):
+        sink.show(step, row)
+    sink.close()
+    lines = {}
+    for line in capsys.readouterr().err.splitlines():
+        head, _, _ = line.partition(" (")
+        words = head.split()
+        lines[int(words[1].split("/")[0])] = dict(w.split("=", 1) for w in words[2:])
+    return lines
+
+
+def test_console_audio_loss_is_the_mean_over_the_steps_with_sound(capsys: pytest.CaptureFixture[str]) -> None:
+    # 200 steps: a line every 4. Steps 1-4 sound on 1 and 3, steps 5-8 silent, steps 9-12 all sound.
+    audio = [0.9, None, 0.5, None, None, None, None, None, 0.2, 0.4, 0.6, 0.8]
+    rows = [
+        {"loss": v + (a or 0.0), "loss_video": v, "loss_audio": a, "grad_norm": 1.0, "lr": 1e-4}
+        for v, a in zip([1.0 + i / 10 for i in range(12)], audio, strict=True)
+    ]
+    lines = _console_lines(capsys, 200, rows)
+    assert sorted(lines) == [1, 4, 8, 12]
+    assert lines[1]["video"] == "1.0000" and lines[1]["audio"] == "0.9000"
+    # The silent steps count for neither the audio mean (as a 0) nor its count: (0.9 + 0.5) / 2.
+    assert lines[4]["video"] == f"{(1.0 + 1.1 + 1.2 + 1.3) / 4:.4f}" and lines[4]["audio"] == "0.7000"
+    assert lines[8]["audio"] == "-", "no step since the last line had sound"
+    assert lines[8]["video"] == f"{(1.4 + 1.5 + 1.6 + 1.7) / 4:.4f}"
+    assert lines[12]["audio"] == "0.5000"
+    assert all("loss" not in line for line in lines.values())
+
+
+def test_console_shows_the_total_only_for_rows_without_modality_losses(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = _console_lines(capsys, 2, [{"loss": 0.25, "grad_norm": 1.0}, {"loss": 0.125}])
+    assert lines == {1: {"loss": "0.2500", "grad_norm": "1"}, 2: {"loss": "0.1250"}}
 
 
 def test_resume_appends_and_keeps_the_abandoned_steps_aside(tmp_path: Path) -> None:
@@ -397,7 +439,7 @@ def test_smoothing_is_a_debiased_exponential_average_that_skips_gaps() -> None:
 
 
 def _resumed_log(tmp_path: Path) -> Path:
-    """Steps 1-6 with a resume from step 3 (steps 4-5 redone), a null loss_audio, a held-out row and a cosine lr."""
+    """Steps 1-6 with a resume from step 3 (steps 4-5 redone), a null loss_audio, held-out rows and a cosine lr."""
     with _logger(tmp_path) as logger:
         for step in range(1, 6):
             logger.log(step, {**_metrics(step), "loss_audio": 0.3})
@@ -406,7 +448,7 @@ def _resumed_log(tmp_path: Path) -> Path:
             audio = None if step == 5 else 0.2 / step
             logger.log(step, {**_metrics(step), "loss_audio": audio, "lr": 1e-3 * math.cos(step / 10)})
             if step == 6:
-                logger.log_validation(6, {"val/loss": 0.4})
+                logger.log_validation(6, {"val/loss": 0.4, "val/loss_video": 0.3, "val/loss_audio": 0.1})
     return tmp_path / "metrics.jsonl"
 
 
@@ -419,21 +461,44 @@ def test_plot_draws_smoothed_over_raw_lr_resumes_and_held_out_points(tmp_path: P
     rows = [r for r in _read(path) if "kind" not in r]
     fig = metrics_figure(path)
     ax_loss, ax_grad, ax_lr = fig.axes[:3]
-    loss = [r["loss"] for r in rows]
-    (smooth,) = [ln for ln in ax_loss.get_lines() if ln.get_label() == "loss"]
-    assert list(smooth.get_ydata()) == pytest.approx(smoothed(loss))
-    (raw,) = [ln for ln in ax_loss.get_lines() if list(ln.get_ydata()) == loss and ln is not smooth]
+    video = [r["loss_video"] for r in rows]
+    (smooth,) = [ln for ln in ax_loss.get_lines() if ln.get_label() == "loss_video"]
+    assert list(smooth.get_ydata()) == pytest.approx(smoothed(video))
+    (raw,) = [ln for ln in ax_loss.get_lines() if list(ln.get_ydata()) == video and ln is not smooth]
     assert raw.get_alpha() < 0.5 and to_rgba(raw.get_color()) == to_rgba(smooth.get_color())
     (audio,) = [ln for ln in ax_loss.get_lines() if ln.get_label() == "loss_audio"]
     assert list(audio.get_xdata()) == [1, 2, 3, 4, 6], "a null step is left out, not drawn at 0"
-    (held_out,) = [ln for ln in ax_loss.get_lines() if ln.get_label() == "val/loss (held out)"]
+    labels = ax_loss.get_legend_handles_labels()[1]
+    assert "loss" not in labels and "val/loss (held out)" not in labels, "the total is not on the loss panel"
+    (held_out,) = [ln for ln in ax_loss.get_lines() if ln.get_label() == "val/loss_audio (held out)"]
     assert held_out.get_linestyle() == "None" and held_out.get_marker() == "o"
-    assert list(held_out.get_xdata()) == [6]
+    assert list(held_out.get_xdata()) == [6] and held_out.get_color() == audio.get_color()
     (lr,) = [ln for ln in ax_lr.get_lines() if ln.get_label() == "lr"]
     assert list(lr.get_ydata()) == pytest.approx([r["lr"] for r in rows])
     for ax in (ax_loss, ax_grad, ax_lr):
         markers = [ln for ln in ax.get_lines() if list(ln.get_xdata()) == [3, 3]]
         assert len(markers) == 1, "one marker where the run resumed (from step 3)"
+
+
+def test_plot_loss_curves_smooth_each_modality_over_the_steps_that_have_it() -> None:
+    from h3train.tools.plot import loss_curves, smoothed
+
+    audio = [0.9, None, 0.5, None, None, 0.3, 0.1]
+    rows = [
+        {"step": step, "loss": 1.0 + (a or 0.0), "loss_video": 1.0, "loss_audio": a}
+        for step, a in enumerate(audio, start=1)
+    ]
+    curves = loss_curves(rows)
+    assert sorted(curves) == ["loss_audio", "loss_video"], "the total (halved on a silent step) is not drawn"
+    assert curves["loss_video"].steps == list(range(1, 8)) and curves["loss_video"].smoothed == pytest.approx([1.0] * 7)
+    sounded = [a for a in audio if a is not None]
+    assert curves["loss_audio"].steps == [1, 3, 6, 7], "points only at the steps with sound"
+    assert curves["loss_audio"].values == sounded
+    # Smoothed over the sounded steps alone: a silent step neither pulls it towards 0 nor ages it.
+    assert curves["loss_audio"].smoothed == pytest.approx(smoothed(sounded))
+    # A file without modality losses (or a video-only run's rows) still has its curve.
+    assert sorted(loss_curves([{"step": 1, "loss": 2.0}])) == ["loss"]
+    assert sorted(loss_curves([{"step": 1, "loss": 2.0, "loss_video": 2.0, "loss_audio": None}])) == ["loss_video"]
 
 
 def test_plot_legends_sit_outside_the_axes(tmp_path: Path) -> None:

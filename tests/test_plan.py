@@ -283,6 +283,25 @@ def test_estimate_uses_the_longest_cached_sample(tmp_path: Path) -> None:
     assert estimate(model_dims(cfg), ParallelDims.from_config(cfg.parallel, 1), cfg).rows == RELEASED_MAX_ROWS
 
 
+def test_a_t2va_plan_away_from_the_data_uses_the_released_clip_without_keyframes(full_dims: dict) -> None:
+    from h3train.parallel.dims import ParallelDims
+    from h3train.plan.inputs import RELEASED_GEOMETRY
+    from h3train.tasks.layout import Geometry, build_layout
+
+    plans = {}
+    for task in ("fl2va", "t2va"):
+        cfg = load_config(ROOT / "configs" / "h3_fl2va_a100.yaml", [f"task.name={task}", "data.path=/nowhere"])
+        plans[task] = estimate(full_dims, ParallelDims.from_config(cfg.parallel, 64), cfg)
+        assert plans[task].rows_source.startswith("longest released clip")
+    geometry = Geometry(*RELEASED_GEOMETRY)
+    tags = torch.ones(plans["t2va"].text_rows, dtype=torch.long)
+    # The same clip: the t2va layout (no keyframe rows) and the fl2va one (first and last).
+    assert plans["t2va"].rows == build_layout("t2va", tags, geometry).seq_len
+    assert plans["fl2va"].rows == build_layout("fl2va", tags, geometry, ("first", "last")).seq_len == RELEASED_MAX_ROWS
+    assert plans["fl2va"].rows - plans["t2va"].rows == 2 * geometry.video_rows() // geometry.num_latent_frames
+    assert plans["t2va"].activation_bytes < plans["fl2va"].activation_bytes
+
+
 def test_unreadable_dataset_index_is_a_config_error(tmp_path: Path) -> None:
     from h3train.errors import ConfigError
     from h3train.parallel.dims import ParallelDims
@@ -374,3 +393,32 @@ def test_lora_longest_fit_is_the_edge_of_the_plan(full_dims: dict) -> None:
     assert lora.sharded_state_bytes < full.sharded_state_bytes / 7
     # One 80 GB GPU holds the bf16 base (61.7 GiB) but no 768x1344 clip beside it.
     assert lora.fits and not plan_memory(full_dims, dp_shard=1, sp=1, rows=RELEASED_5S_ROWS, **args).fits
+
+
+@pytest.mark.parametrize("preset", ["video_only", "audio_only"])
+def test_output_projection_adapters_keep_no_activations_in_the_stack(full_dims: dict, preset: str) -> None:
+    """Adapters on the output projections alone: no gradient reaches the blocks or the refiner, so the
+    plan is a small fraction of rank 32 on every block's, with or without checkpointing."""
+    from h3train.config.schema import LoraConfig
+    from h3train.lora.adapters import lora_counts
+
+    heads = lora_counts(full_dims, LoraConfig(rank=32, target_modules=[preset]))
+    blocks = lora_counts(full_dims, LoraConfig(rank=32))
+    assert heads.heads_only and not blocks.heads_only
+    args = dict(dp_replicate=1, dp_shard=8, sp=8, dtype="bfloat16", rows=RELEASED_MAX_ROWS, text_rows=512)
+    for ckpt in ("none", "full"):
+        few = plan_memory(full_dims, activation_checkpointing=ckpt, lora=heads, **args)
+        many = plan_memory(full_dims, activation_checkpointing=ckpt, lora=blocks, **args)
+        assert few.refiner_activation_bytes == 0
+        assert "only the output projections train" in format_plan(few)
+        assert few.activation_bytes < many.activation_bytes / 10, (ckpt, few.activation_bytes, many.activation_bytes)
+
+
+@pytest.mark.parametrize("preset", ["video_only", "audio_only"])
+def test_output_projection_adapter_activations_match_what_the_forward_keeps(preset: str) -> None:
+    """The heads-only plan against `saved_activation_bytes` of the tiny model's forward and loss."""
+    from test_plan_measure import TOLERANCE, _activations
+
+    planned, held = _activations(preset, "h256", "float32", "none", 1)
+    # An upper bound (every row outside the text counted as predicted by each trained projection), and close.
+    assert held <= planned <= held * (1 + TOLERANCE), (planned, held)

@@ -53,7 +53,14 @@ KINDS = {"full": TINY_FL2VA, "lora": ROOT / "configs" / "tiny_lora.yaml"}
 # The other adapters and the quantized base, on tiny_lora: (config key overrides) per kind.
 # The quantized base is int8 where this torch's FSDP2 shards integer codes, else float8 (1 byte as well).
 QUANT = "int8" if INTEGER_CODES_SHARD else "float8"
-VARIANTS = {"dora": ["lora.use_dora=true"], "lokr": ["lora.kind=lokr"], f"lora_{QUANT}": [f"lora.base_quant={QUANT}"]}
+VARIANTS = {
+    "dora": ["lora.use_dora=true"],
+    "lokr": ["lora.kind=lokr"],
+    f"lora_{QUANT}": [f"lora.base_quant={QUANT}"],
+}
+# Adapters on one output projection only: nothing before it keeps activations.
+HEADS_ONLY = {"video_only": ["lora.target_modules=[video_only]"], "audio_only": ["lora.target_modules=[audio_only]"]}
+VARIANTS.update(HEADS_ONLY)
 # Two widths of the tiny configs' architecture (4 heads, 2 blocks, 1 refiner block).
 WIDTHS = {
     "h128": {"hidden_size": 128, "attention_head_dim": 32, "ffn_dim": 384},
@@ -78,7 +85,9 @@ ACTIVATION_CASES = [
     for sp in (1, 2)
 ] + [(kind, "h256", "bfloat16", ckpt, 2) for kind, ckpt in (("full", "none"), ("lora", "full"))]
 ACTIVATION_CASES += [
-    (kind, "h256", "float32", ckpt, sp) for kind in VARIANTS for ckpt, sp in (("none", 2), ("full", 1))
+    (kind, "h256", "float32", ckpt, sp)
+    for kind in VARIANTS
+    for ckpt, sp in (("none", 1 if kind in HEADS_ONLY else 2), ("full", 1))
 ]
 STATE_KINDS = ("full", "lora", f"lora_{QUANT}")
 STATE_WIDTH = "h256"
@@ -169,9 +178,10 @@ def _activations(kind: str, width: str, dtype: str, ckpt: str, sp: int) -> tuple
     forward = SequenceParallelH3(transformer, SequenceParallel(group), activation_checkpointing=ckpt)
     ti = micro_batch_inputs(cfg, build_source(cfg, transformer.config.text_dim)[0], step=1, slot=0)
     measured = saved_activation_bytes(forward, ti)
-    if ckpt == "full":
-        measured += _recompute_bytes(forward, ti.model_inputs)
     plan = estimate(model_dims(cfg), ParallelDims(1, 1, sp, sp), cfg)
+    # No block is recomputed when nothing before the output projections trains: none kept anything.
+    if ckpt == "full" and not (plan.lora is not None and plan.lora.heads_only):
+        measured += _recompute_bytes(forward, ti.model_inputs)
     return plan.activation_bytes, measured
 
 

@@ -492,3 +492,21 @@ def test_checkpoint_without_a_component_of_this_run_is_exit_2_and_kept(run_copy)
 def test_an_ema_switched_on_at_resume_starts_from_the_resumed_weights(run_copy, capsys) -> None:
     rc, out, _ = _cli(capsys, _train_args(run_copy, "train.steps=5", "train.ema.decay=0.9"))
     assert rc == 0 and "step_00000004 holds no ema; it starts from the resumed weights" in out
+
+
+def test_a_second_ctrl_c_is_noted_in_the_one_record_the_cli_reads() -> None:
+    from h3train import cli
+    from h3train.train.events import Interrupts
+    from h3train.train.preemption import Preemption
+
+    assert Preemption().interrupts is cli._INTERRUPTS.record
+    record = Interrupts()
+    preempt = Preemption(record)
+    preempt._handle(signal.SIGINT, None)
+    # The first asks for a save after the step: nothing is raised, so nothing to mistake for an error.
+    assert not record.noted and not record.caused(ValueError("x"))
+    with pytest.raises(KeyboardInterrupt):
+        preempt._handle(signal.SIGINT, None)
+    # What a save raises after it (DCP's CheckpointException is a BaseException) is the interrupt; an exit is not.
+    assert record.caused(ValueError("x")) and record.caused(BaseException("checkpoint"))
+    assert not record.caused(SystemExit(1))

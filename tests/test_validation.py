@@ -124,7 +124,7 @@ def test_validation_leaves_training_bitwise_unchanged(tmp_path, heldout) -> None
     assert [m["step"] for m in _rows(validated, "validation")] == [2, 4]
 
     labels = metrics_figure(validated / "metrics.jsonl").axes[0].get_legend_handles_labels()[1]
-    assert "loss" in labels and "val/loss (held out)" in labels
+    assert "loss_video" in labels and "val/loss_video (held out)" in labels
 
 
 def test_validation_also_runs_after_a_last_step_off_its_period(tmp_path, heldout) -> None:

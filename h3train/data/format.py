@@ -50,7 +50,6 @@ from ..tasks.layout import (
     AUDIO_CHANNELS,
     Geometry,
     PackedSample,
-    ReferenceSpec,
     audio_latents_to_rows,
     build_layout,
     video_latents_to_rows,
@@ -63,7 +62,7 @@ from ..tasks.table import (
     VAE_LATENTS_PER_CHUNK,
     is_frame_count,
 )
-from .conditioning import CONDITIONING_KINDS, ReferenceLatents, merged, reference_spec
+from .conditioning import CONDITIONING_KINDS, ReferenceLatents, merged
 
 FORMAT_VERSION = 1
 METADATA_KEY = "h3train"
@@ -207,7 +206,11 @@ class _TensorSpec:
 
 @dataclass
 class SampleHeader:
-    """A sample's validated metadata and tensor specs: enough to plan without loading tensors."""
+    """A sample's validated metadata and tensor specs: enough to plan without loading tensors.
+
+    As a `CachedSample` does, it holds the conditioning kinds' items as attributes (`keyframe_anchors`,
+    `references`), so each kind's `layout_fields` reads it.
+    """
 
     meta: dict[str, Any]
     specs: dict[str, _TensorSpec]
@@ -216,26 +219,24 @@ class SampleHeader:
     def geometry(self) -> Geometry:
         return _geometry(self.specs["video_latents"].shape, self.specs["audio_latents"].shape)
 
-    def reference_specs(self) -> tuple[ReferenceSpec, ...]:
-        def shape(name: str) -> tuple[int, ...] | None:
-            spec = self.specs.get(name)
-            return None if spec is None else spec.shape
+    @property
+    def keyframe_anchors(self) -> tuple[str, ...]:
+        return tuple(self.meta["keyframe_anchors"])
 
+    @property
+    def references(self) -> tuple[ReferenceLatents, ...]:
+        """The references with their latents' specs in place of the tensors: the layout reads only shapes."""
         return tuple(
-            reference_spec(r["kind"], shape(f"ref.{i}.video"), shape(f"ref.{i}.audio"))
+            ReferenceLatents(r["kind"], self.specs.get(f"ref.{i}.video"), self.specs.get(f"ref.{i}.audio"))
             for i, r in enumerate(self.meta["references"])
         )
 
     def seq_len(self) -> int:
-        """Packed sequence length, from diffusers' builders (tag values do not change the length)."""
+        """Packed sequence length, from diffusers' builders (tag values do not change the length), with each
+        conditioning kind's rows as its `layout_fields` give them."""
         text_len = self.specs["text_token_tags"].shape[0]
-        layout = build_layout(
-            self.meta["task"],
-            torch.ones(text_len, dtype=torch.long),
-            self.geometry,
-            tuple(self.meta["keyframe_anchors"]),
-            self.reference_specs(),
-        )
+        tags = torch.ones(text_len, dtype=torch.long)
+        layout = build_layout(self.meta["task"], tags, self.geometry, **merged(lambda kind: kind.layout_fields(self)))
         return layout.seq_len
 
 

@@ -309,6 +309,10 @@ def trainable_state_dict(model: nn.Module, adapters_only: bool = False) -> dict[
     return out
 
 
+# The output projections: the last modules of the forward, after the block stack and `norm_out`.
+OUTPUT_HEADS = ("proj_out", "audio_proj_out")
+
+
 def lora_counts(dims: Mapping[str, Any], lora: Any) -> AdapterCounts:
     """Count a `LoraConfig`'s adapters on the architecture `dims`, built on the meta device (no memory).
 
@@ -333,6 +337,8 @@ def lora_counts(dims: Mapping[str, Any], lora: Any) -> AdapterCounts:
     )
     block = [adapter(t) for t in targets if t.startswith("transformer_blocks.0.")]
     block_adapters = sum(c[0] for c in block)
+    heads = [adapter(t) for t in targets if t in OUTPUT_HEADS]
+    heads_only = all(m in OUTPUT_HEADS for m in [*targets, *trained])
     return AdapterCounts(
         rank=rank,
         adapted_layers=len(targets),
@@ -345,5 +351,11 @@ def lora_counts(dims: Mapping[str, Any], lora: Any) -> AdapterCounts:
         block_adapted_layers=len(block),
         block_row_values=sum(c[1] for c in block),
         block_delta_values=sum(c[2] for c in block),
+        heads_only=heads_only,
+        head_row_values=sum(c[1] for c in heads) if heads_only else 0,
+        head_delta_values=sum(c[2] for c in heads) if heads_only else 0,
+        head_output_values=max(modules[m].out_features for m in OUTPUT_HEADS if m in [*targets, *trained])
+        if heads_only
+        else 0,
         kind=kind.label,
     )

@@ -41,6 +41,15 @@ class AdapterCounts:
     # and per forward whatever the rows (LoKr, LoHa: each layer's materialised out x in delta weight).
     block_row_values: int
     block_delta_values: int
+    # Every trainable parameter sits in the output projections (`proj_out`, `audio_proj_out`), which read
+    # the stack's normalised output: no gradient reaches the blocks, the refiner or `norm_out`, so none
+    # of them keeps anything for the backward. What the projections' adapters keep beyond their input, per
+    # row and per forward, as `block_row_values` / `block_delta_values` count it (float32 islands), and
+    # the widest trained projection's output (what the loss keeps per predicted row).
+    heads_only: bool = False
+    head_row_values: int = 0
+    head_delta_values: int = 0
+    head_output_values: int = 0
     # What the printout calls the adapters: `LoRA`, `DoRA`, `LoKr` or `LoHa`.
     kind: str = "LoRA"
 

@@ -364,13 +364,36 @@ def refiner_activation_bytes(
     (8h + 4). A LoRA run (`lora`) whose trainable parameters all sit in the block stack keeps
     nothing here: no gradient reaches the refiner.
     """
-    if text_rows <= 0 or _frozen_parts(dims, lora)[1]:
+    if text_rows <= 0 or _frozen_parts(dims, lora)[1] or (lora is not None and lora.heads_only):
         return 0
     b = _DTYPE_BYTES[dtype]
     h = _dim(dims, "hidden_size")
     cast = 0 if b == _FP32 else b * _dim(dims, "text_dim")
     block = b * h if activation_checkpointing == "full" else refiner_block_row_bytes(dims, dtype)
     return text_rows * (cast + _dim(dims, "num_refiner_layers") * block + _norm_row_bytes(h))
+
+
+def heads_activation_bytes(
+    dims: Mapping[str, Any], local_rows: int, sp: int, text_rows: int, lora: AdapterCounts
+) -> int:
+    """Peak activation memory of one rank when only the output projections train (`lora.heads_only`).
+
+    Nothing before them needs a gradient, so the blocks, the refiner and `norm_out` keep nothing, with
+    or without checkpointing (which then has nothing to recompute). Per local row: the float32 cast of
+    `norm_out`'s output that the projections (float32 islands) read, kept by their adapters (4h, one
+    tensor for both heads), and what the adapters keep beyond it (`head_row_values`, float32). The
+    loss runs over the whole sequence on every SP rank and keeps, per row outside the text, the float32
+    error of the trained projection's prediction (`head_output_values`, the widest; with sp > 1 the
+    heads' outputs travel in one all-gather, so both heads' errors are kept: the wider one). An upper
+    bound, as rows that no head predicts (keyframes) count too. `head_delta_values` once.
+    """
+    h = _dim(dims, "hidden_size")
+    widest = lora.head_output_values
+    if sp > 1:
+        video_patch = _dim(dims, "in_channels") * math.prod(int(p) for p in dims["patch_size"])
+        widest = max(widest, video_patch, _dim(dims, "audio_in_channels"))
+    predicted = max(local_rows * sp - text_rows, 0)
+    return _FP32 * (local_rows * (h + lora.head_row_values) + predicted * widest + lora.head_delta_values)
 
 
 def activation_bytes(
@@ -400,8 +423,11 @@ def activation_bytes(
     `lora`: a LoRA run's counts. Its frozen base keeps less (`frozen_base` of the row functions),
     and when only the blocks train, nothing before block 0's first adapted Linear needs a gradient:
     the refiner keeps nothing, nor do block 0's norm1 and modulation (4h + 4 + bh per row less,
-    unless block 0 is checkpointed). The adapters' own per-row values are `plan_memory`'s.
+    unless block 0 is checkpointed). The adapters' own per-row values are `plan_memory`'s. When only
+    the output projections train, `heads_activation_bytes`.
     """
+    if lora is not None and lora.heads_only:
+        return heads_activation_bytes(dims, local_rows, sp, text_rows, lora)
     b = _DTYPE_BYTES[dtype]
     h = _dim(dims, "hidden_size")
     layers = _dim(dims, "num_layers")
@@ -500,8 +526,11 @@ def plan_memory(
         layers = _dim(dims, "num_layers")
         done = (layers if full else 0) if checkpointed_layers is None else checkpointed_layers
         block = block_activation_row_bytes(dims, dtype, sp, frozen_base=_frozen_parts(dims, lora)[0])
-        # What the blocks keep for the backward, given up block by block as it proceeds.
+        # What the blocks keep for the backward, given up block by block as it proceeds (nothing when
+        # only the output projections train).
         freed = local_rows * (done * _dim(dims, "hidden_size") * b + (layers - done) * block)
+        if lora is not None and lora.heads_only:
+            freed = 0
         peak_grads = backward_grads_bytes(trainable_bytes, freed)
     return MemoryPlan(
         dp_replicate=dp_replicate,

@@ -32,23 +32,45 @@ def config_rows(cfg: Config) -> tuple[int, str]:
 
     Synthetic data: its one geometry, built with the layout builders. Cached data: the longest
     entry of the dataset's `index.jsonl` when `data.path` exists here; planning away from the data
-    (a laptop, a login node) falls back to the longest released clip, `RELEASED_MAX_ROWS`.
+    (a laptop, a login node) falls back to the longest released clip, `released_rows`.
     """
     rows, _, source = config_sample_rows(cfg)
     return rows, source
+
+
+# The longest released clip in latent units: 15 s (362 frames -> 107 latent frames) at 768x1344
+# (48 x 84 latents), 603 audio latents per channel; `RELEASED_MAX_ROWS` is its FL2VA layout.
+RELEASED_GEOMETRY = (107, 48, 84, 603)
+
+
+def released_rows(task_name: str) -> int:
+    """Packed rows of the longest released clip as `task.name=task_name` trains it: with first and last
+    keyframes (`RELEASED_MAX_ROWS`) unless the task trains only prompt-only clips (t2va), which have no
+    keyframe rows. Its `RELEASED_TEXT_ROWS` text prefix either way (an upper bound for a prompt alone)."""
+    import torch
+
+    from ..tasks.layout import Geometry, build_layout
+    from ..tasks.table import TRAINING_TASKS, sample_task_of
+
+    prompt_only = sample_task_of(None)
+    if TRAINING_TASKS[task_name].sample_tasks != (prompt_only,):
+        return RELEASED_MAX_ROWS
+    tags = torch.ones(RELEASED_TEXT_ROWS, dtype=torch.long)
+    return build_layout(prompt_only, tags, Geometry(*RELEASED_GEOMETRY)).seq_len
 
 
 def config_sample_rows(cfg: Config) -> tuple[int, int, str]:
     """`config_rows`, with the text rows of that sample between: the rows the text refiner runs over.
 
     The data source's longest sample (`DataSource.longest`); away from the data, the longest released
-    clip and its `RELEASED_TEXT_ROWS`.
+    clip in the task's layout (`released_rows`) and its `RELEASED_TEXT_ROWS`.
     """
     from ..data.source import data_source
 
     found = data_source(cfg).longest(cfg)
     if found is None:
-        return RELEASED_MAX_ROWS, RELEASED_TEXT_ROWS, "longest released clip; data.path is not readable here"
+        rows = released_rows(cfg.task.name)
+        return rows, RELEASED_TEXT_ROWS, "longest released clip; data.path is not readable here"
     rows, text_rows, where = found
     return rows, min(RELEASED_TEXT_ROWS, rows) if text_rows is None else text_rows, where
 

@@ -20,7 +20,10 @@ def _count(n: int) -> str:
 
 
 def _refiner_note(plan: MemoryPlan) -> str:
-    """The activation line's note on the text refiner's share (`refiner_activation_bytes`)."""
+    """The activation line's note on the text refiner's share (`refiner_activation_bytes`), or why there is
+    little to keep when only the output projections train."""
+    if plan.lora is not None and plan.lora.heads_only:
+        return "  (only the output projections train: no gradient reaches the blocks or the text refiner)"
     if not plan.text_rows:
         return ""
     if not plan.refiner_activation_bytes:

@@ -27,10 +27,14 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from ..data.components import reads_videos
 from ..data.conditioning import ReferenceLatents, conditioning_of, merged
-from ..data.encode.clip import ENCODER_VERSION, EncodeSettings, EncodingPipeline, encode_conditioning
-from ..data.media import MediaError
+from ..data.encode.clip import (
+    ENCODER_VERSION,
+    EncodeSettings,
+    EncodingPipeline,
+    check_video_references,
+    encode_conditioning,
+)
 from ..infra.atomic import atomic_save_file
 from .requests import SampleRequest
 
@@ -95,8 +99,7 @@ def request_digest(
 def encode_request(pipe: EncodingPipeline, request: SampleRequest, settings: EncodeSettings) -> Conditioning:
     """Encode one request with the encoder's recipes. Raises `MediaError` for a media file that cannot be used."""
     entry = request.manifest_entry()
-    if any(ref.kind == "video" for ref in entry.references) and not reads_videos(pipe.processor):
-        raise MediaError("video references need Qwen3-VL's video processor, which transformers builds on torchvision")
+    check_video_references(pipe, entry)
     # A blank clip of the request's geometry, without memory of its own: the recipes read its shape.
     blank = np.broadcast_to(
         np.zeros((1, 1, 1, 3), dtype=np.uint8), (request.num_frames, request.height, request.width, 3)

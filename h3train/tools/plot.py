@@ -1,8 +1,11 @@
 """Render a run's `metrics.jsonl` into a PNG: losses (held-out loss beside them), gradient norm, learning rate.
 
-Each training curve is drawn raw (faint) under its exponential moving average (`SMOOTHING`);
-held-out rows (`"kind": "validation"`) are points; a dotted vertical line marks each step where
-the run was resumed. Usage: `python -m h3train.tools.plot runs/x/metrics.jsonl runs/x/metrics.png`.
+The loss panel draws the video and the audio loss, each over the steps that have it (`loss_curves`);
+their sum `loss` is left out, since a step without sound logs about half of it and its curve falls
+while neither modality does. Each training curve is drawn raw (faint) under its exponential moving
+average (`SMOOTHING`); held-out rows (`"kind": "validation"`) are points; a dotted vertical line
+marks each step where the run was resumed.
+Usage: `python -m h3train.tools.plot runs/x/metrics.jsonl runs/x/metrics.png`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +26,10 @@ from matplotlib.lines import Line2D
 
 from ..errors import UsageError
 
-_LOSS_KEYS = ("loss", "loss_video", "loss_audio")
-# Held-out rows (`"kind": "validation"`) drawn beside the training losses.
+# The loss panel's curves; a file with neither (no modality losses logged) draws `loss` instead.
+_LOSS_KEYS = ("loss_video", "loss_audio")
+_TOTAL_KEY = "loss"
+# Held-out rows (`"kind": "validation"`) drawn beside the training losses they measure.
 _VALIDATION_KEYS = ("val/loss", "val/loss_video", "val/loss_audio")
 # Weight of the past in the smoothed curves: s_i = SMOOTHING * s_(i-1) + (1 - SMOOTHING) * x_i over
 # the logged values (nulls skipped), divided by 1 - SMOOTHING^i so the curve starts at the first value
@@ -96,6 +102,28 @@ def smoothed(values: list[float], factor: float = SMOOTHING) -> list[float]:
     return out
 
 
+@dataclass(frozen=True)
+class Curve:
+    """One training curve: the steps that logged a value of its key, those values, and their `smoothed`."""
+
+    steps: list[int]
+    values: list[float]
+    smoothed: list[float]
+
+
+def loss_curves(records: list[dict[str, Any]]) -> dict[str, Curve]:
+    """The loss panel's curves by key: `loss_video` and `loss_audio`, each with a point only at the steps
+    that logged it (a step without sound logs `loss_audio` null) and smoothed over those steps alone;
+    `loss` instead when the rows hold neither. A key with no finite value has no curve."""
+    keys = [k for k in _LOSS_KEYS if any(r.get(k) is not None for r in records)] or [_TOTAL_KEY]
+    curves = {}
+    for key in keys:
+        steps, values = _series(records, key)
+        if any(math.isfinite(v) for v in values):
+            curves[key] = Curve(steps, values, smoothed(values))
+    return curves
+
+
 def resume_steps(records: list[dict[str, Any]]) -> list[int]:
     """The steps training rows resumed from: `step - 1` of each row marked `"resumed": true` and of each
     row whose step does not follow the previous row's (a gap: the rows in between are not in the file)."""
@@ -110,7 +138,7 @@ def resume_steps(records: list[dict[str, Any]]) -> list[int]:
 
 
 def plot_metrics(metrics_path: str | os.PathLike[str], out_png: str | os.PathLike[str]) -> Path:
-    """Plot the losses (`loss`, and `loss_video` / `loss_audio` when logged), `grad_norm` and `lr` against step.
+    """Plot the losses (`loss_video`, `loss_audio`; `loss` when neither is logged), `grad_norm`, `lr` against step.
 
     Writes one PNG with three stacked axes sharing the step axis and returns its path. A null value
     (a non-finite one in strict JSON, or a loss the step did not have) is skipped. Raises `UsageError` (a
@@ -138,23 +166,22 @@ def metrics_figure(metrics_path: str | os.PathLike[str]) -> Figure:
             f"metrics file '{path}' holds no step records (JSON lines with a 'step'); pass a run's "
             "<logging.dir>/metrics.jsonl once it has logged a step"
         )
-    if not any(math.isfinite(v) for v in _series(records, "loss")[1]):
+    curves = loss_curves(records)
+    if not curves:
         raise UsageError(f"metrics file '{path}' has no finite 'loss' values to plot")
 
     fig = Figure(figsize=(10, 8.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax_loss, ax_grad, ax_lr = fig.subplots(3, 1, sharex=True, height_ratios=(2.2, 1.2, 1.0))
 
-    colors = {}
-    for key in _LOSS_KEYS:
-        line = _smoothed_curve(ax_loss, records, key, linewidth=1.6 if key == "loss" else 1.1)
-        if line is not None:
-            colors[key] = line.get_color()
+    colors = {key: _draw(ax_loss, key, curve, linewidth=1.3).get_color() for key, curve in curves.items()}
     for key in _VALIDATION_KEYS:
+        if key[4:] not in colors:
+            # The held-out total goes with the training total, drawn only when nothing else is.
+            continue
         steps, values = _series(validation, key)
         if any(math.isfinite(v) for v in values):
             # In the colour of the training loss it measures, edged in black to tell it from that curve.
-            style = {"color": colors[key[4:]]} if key[4:] in colors else {}
             ax_loss.plot(
                 steps,
                 values,
@@ -163,7 +190,7 @@ def metrics_figure(metrics_path: str | os.PathLike[str]) -> Figure:
                 marker="o",
                 markersize=5,
                 markeredgecolor="black",
-                **style,
+                color=colors[key[4:]],
             )
     ax_loss.set_ylabel("loss")
     ax_loss.set_title(f"{path}  (smoothed: EMA {SMOOTHING:g}; raw faint)", fontsize="medium")
@@ -205,8 +232,20 @@ def _smoothed_curve(ax: Any, records: list[dict[str, Any]], key: str, **style: A
     steps, values = _series(records, key)
     if not any(math.isfinite(v) for v in values):
         return None
-    (line,) = ax.plot(steps, smoothed(values), label=key, **style)
-    ax.plot(steps, values, color=line.get_color(), alpha=_RAW_ALPHA, linewidth=0.8, zorder=line.get_zorder() - 0.5)
+    return _draw(ax, key, Curve(steps, values, smoothed(values)), **style)
+
+
+def _draw(ax: Any, key: str, curve: Curve, **style: Any) -> Line2D:
+    """Draw `curve` raw (faint, unlabelled) and smoothed (labelled `key`) on `ax`; the smoothed line."""
+    (line,) = ax.plot(curve.steps, curve.smoothed, label=key, **style)
+    ax.plot(
+        curve.steps,
+        curve.values,
+        color=line.get_color(),
+        alpha=_RAW_ALPHA,
+        linewidth=0.8,
+        zorder=line.get_zorder() - 0.5,
+    )
     return line
 
 

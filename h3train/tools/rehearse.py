@@ -54,11 +54,12 @@ from ..errors import UsageError
 from ..parallel.dims import ParallelContext, ParallelDims
 from ..parallel.fsdp import local_tensor
 from ..plan import GIB, RELEASED_MAX_ROWS, RELEASED_TEXT_ROWS, MemoryPlan, config_sample_rows, estimate
+from ..tasks.synthetic import SyntheticSource
 from ..train.optim import optimizer_kind
-from .bench import Clip, bench_sample
+from .bench import Clip, bench_sample, clip_data
 from .memtrack import TRANSIENT, StorageTracker
 
-# The longest released FL2VA clip the plan falls back to away from the data (`plan.RELEASED_MAX_ROWS`):
+# The longest released clip the plan falls back to away from the data (`plan.RELEASED_MAX_ROWS` as FL2VA):
 # 15 s (362 frames) at 768x1344, first and last keyframes, a 2,048-row prefix half vision tokens.
 RELEASED_CLIP = Clip(frames=362, height=768, width=1344, text_len=RELEASED_TEXT_ROWS, vision_tokens=1024)
 
@@ -226,6 +227,10 @@ def planned_sample(cfg: Config, text_dim: int) -> tuple[Any, int, str]:
     if rows == RELEASED_MAX_ROWS and source.startswith("longest released clip"):
         sample = bench_sample(RELEASED_CLIP, text_dim, cfg.train.seed)
         source = "longest released clip (15 s 768x1344 FL2VA, synthetic latents); data.path is not readable here"
+    elif source.startswith("longest released clip"):
+        # A task of prompt-only clips (t2va): the same clip without its keyframes (`plan.released_rows`).
+        sample = SyntheticSource(clip_data(RELEASED_CLIP), text_dim, cfg.train.seed, cfg.task.name)[0]
+        source = "longest released clip (15 s 768x1344 T2VA, synthetic latents); data.path is not readable here"
     else:
         sample = data_source(cfg).longest_sample(cfg, text_dim)
     if sample.layout.seq_len != rows:

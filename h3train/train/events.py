@@ -1,4 +1,5 @@
-"""Append-only JSONL logs of events worth finding later: skipped data and loss spikes."""
+"""Append-only JSONL logs of events worth finding later (skipped data, loss spikes), and the record of a
+Ctrl-C that interrupted the process at once."""
 
 from __future__ import annotations
 
@@ -8,6 +9,32 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+
+
+class Interrupts:
+    """Whether a Ctrl-C interrupted this process at once, in one record for whichever handler holds SIGINT:
+    the CLI's outside training, `Preemption`'s (a second Ctrl-C) inside it.
+
+    A library may turn the interrupt into another error (DCP a `CheckpointException` inside a save;
+    torch a `ValueError` while building a tensor from a buffer), so an error that follows one is the
+    interrupt all the same (`caused`).
+    """
+
+    def __init__(self) -> None:
+        self.noted = False
+
+    def note(self) -> None:
+        """A Ctrl-C is raising `KeyboardInterrupt` now."""
+        self.noted = True
+
+    def caused(self, exc: BaseException) -> bool:
+        """Whether `exc` is an interrupt, or an error raised after one (the interrupt, disguised; DCP's
+        `CheckpointException` is a `BaseException`), though not an exit."""
+        return isinstance(exc, KeyboardInterrupt) or (self.noted and not isinstance(exc, (SystemExit, GeneratorExit)))
+
+
+# The process's one record: the CLI reads it, every SIGINT handler that raises writes it.
+INTERRUPTS = Interrupts()
 
 
 class EventLog:

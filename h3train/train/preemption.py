@@ -9,8 +9,8 @@ signal exits 0 (its job is to be requeued and resumed).
 
 A second Ctrl-C while the first is being honoured restores the default handler's behaviour: it
 raises `KeyboardInterrupt` at once, for a user who would rather lose the step than wait for it, and
-is remembered (`forced`): DCP turns an interrupt inside a save into a `CheckpointException`, which
-is the interrupt all the same.
+is noted in the process's interrupt record (`events.INTERRUPTS`, which the CLI reads): DCP turns an
+interrupt inside a save into a `CheckpointException`, which is the interrupt all the same.
 """
 
 from __future__ import annotations
@@ -20,23 +20,25 @@ import signal
 import sys
 import threading
 
+from .events import INTERRUPTS, Interrupts
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # Agreed across ranks with a MAX all-reduce, so the higher code wins.
 NONE, PREEMPT, INTERRUPT = 0, 1, 2
 
 
 class Preemption:
-    def __init__(self) -> None:
+    def __init__(self, interrupts: Interrupts = INTERRUPTS) -> None:
         self.flag = NONE
         self.signal: int | None = None
-        # A second Ctrl-C arrived: whatever the run raises from then on is that interrupt.
-        self.forced = False
+        # Told of a second Ctrl-C: whatever the run raises from then on is that interrupt.
+        self.interrupts = interrupts
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         if signum == signal.SIGINT:
             if self.flag == INTERRUPT:
-                self.forced = True
+                self.interrupts.note()
                 raise KeyboardInterrupt
             if os.environ.get("RANK", "0") == "0":
                 print(

@@ -303,6 +303,13 @@ def encode_conditioning(
     return CONDITIONING_ENCODERS[kind](pipe, entry, settings, frames)
 
 
+def check_video_references(pipe: EncodingPipeline, entry: ManifestEntry) -> None:
+    """Raise `MediaError` when `entry` has a video reference and `pipe` cannot read videos; called before
+    anything is decoded, by the encoder (a manifest clip) and the renderer (a request) alike."""
+    if any(r.kind == "video" for r in entry.references) and not reads_videos(pipe.processor):
+        raise MediaError("video references need Qwen3-VL's video processor, which transformers builds on torchvision")
+
+
 def encode_entry(
     pipe: EncodingPipeline,
     entry: ManifestEntry,
@@ -318,8 +325,7 @@ def encode_entry(
     entry's). A keyframe taken from the clip is the window's own first / last frame. Raises `MediaError`
     (or the blocks' errors) for a bad clip.
     """
-    if any(r.kind == "video" for r in entry.references) and not reads_videos(pipe.processor):
-        raise MediaError("video references need Qwen3-VL's video processor, which transformers builds on torchvision")
+    check_video_references(pipe, entry)
     clip = load_clip(
         entry.video.path,
         settings.short_edge,
