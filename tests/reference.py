@@ -247,6 +247,17 @@ def checkpoint_tensor_bytes(checkpoint: Path) -> int:
     return sum(math.prod(m.size) * m.properties.dtype.itemsize for m in metadata.values() if hasattr(m, "size"))
 
 
+def run_cli(capsys, args: list[str]) -> tuple[int, str, str]:
+    """`h3train ARGS` in this process: its exit code, stdout and stderr; a traceback on stderr fails."""
+    from h3train.cli import main
+
+    capsys.readouterr()
+    rc = main(args)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, err[-3000:]
+    return rc, out, err
+
+
 def read_metrics(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines() if line]
 

@@ -9,20 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from h3train.cli import main
 from h3train.config import Config, get_key, leaf_types, load_config
 from h3train.tools.config_report import defaults_table
 
-from reference import ROOT, TINY_FL2VA
+from reference import ROOT, TINY_FL2VA, run_cli
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
-
-
-def _cli(capsys, args: list[str]) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main(args)
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def _sources(text: str) -> dict[str, str]:
@@ -59,7 +51,7 @@ def _reloads_as(text: str, tmp_path: Path, path: Path, overrides: list[str]) -> 
 
 def test_config_prints_every_key_once_with_where_its_value_came_from(capsys, tmp_path) -> None:
     overrides = ["train.steps=3", "model.config.num_layers=3"]
-    rc, out, err = _cli(capsys, ["config", str(TINY_LORA), *overrides])
+    rc, out, err = run_cli(capsys, ["config", str(TINY_LORA), *overrides])
     assert rc == 0 and err == ""
     sources = _sources(out)
 
@@ -85,7 +77,7 @@ def test_config_prints_every_key_once_with_where_its_value_came_from(capsys, tmp
 def test_a_value_set_by_another_key_is_marked_derived(capsys, tmp_path) -> None:
     # The file says gradient_checkpointing: false; the override's true is the older spelling of `full`.
     overrides = ["model.gradient_checkpointing=true"]
-    rc, out, _ = _cli(capsys, ["config", str(TINY_FL2VA), *overrides])
+    rc, out, _ = run_cli(capsys, ["config", str(TINY_FL2VA), *overrides])
     assert rc == 0
     sources = _sources(out)
     assert sources["model.gradient_checkpointing"] == "override"
@@ -101,7 +93,7 @@ def test_text_yaml_would_misread_prints_as_a_config_that_loads_the_same(capsys, 
         'validation.samples=[{prompt: "one\\ntwo: three", task: fl2va, keyframes: {first: a.png}}]',
         "lora.target_modules=[to_q, 'attn\\.(to_k|to_v)']",
     ]
-    rc, out, _ = _cli(capsys, ["config", str(TINY_FL2VA), *overrides])
+    rc, out, _ = run_cli(capsys, ["config", str(TINY_FL2VA), *overrides])
     assert rc == 0
     sources = _sources(out)
     assert sources["logging.dir"] == sources["validation.samples"] == sources["lora.target_modules"] == "override"
@@ -119,11 +111,11 @@ def test_text_yaml_would_misread_prints_as_a_config_that_loads_the_same(capsys, 
     ],
 )
 def test_a_bad_config_is_the_one_line_check_gives(capsys, args: list[str]) -> None:
-    rc, out, err = _cli(capsys, ["config", *args])
+    rc, out, err = run_cli(capsys, ["config", *args])
     assert rc == 2 and out == ""
     (line,) = err.strip().splitlines()
     assert line.startswith("h3train: error: ")
-    assert _cli(capsys, ["check", *args])[2] == err
+    assert run_cli(capsys, ["check", *args])[2] == err
 
 
 def _table_rows(text: str) -> dict[str, str]:

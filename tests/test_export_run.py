@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from h3train.cli import main
 from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
 
-from reference import ROOT, checkpoint_dir, tiny_args, train
+from reference import ROOT, checkpoint_dir, run_cli, tiny_args, train
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 
@@ -29,14 +29,6 @@ def run(tmp_path_factory) -> Path:
     train(tiny_args(folder, "train.steps=3", "checkpoint.every=2", "checkpoint.keep_last=0", config=TINY_LORA))
     assert sorted(p.name for p in (folder / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000003"]
     return folder
-
-
-def _cli(capsys, args: list[str]) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main(args)
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err
-    return rc, out, err
 
 
 def _one_error(err: str) -> str:
@@ -69,14 +61,16 @@ def test_a_run_folder_exports_its_newest_complete_checkpoint(run, tmp_path, caps
     shutil.copy(checkpoint_dir(copy, 3) / "trainer_state.json", late)
     (copy / "checkpoints" / ".tmp-step_00000004").mkdir()
 
-    rc, out, _ = _cli(capsys, ["export", str(copy), "--out", str(tmp_path / "from_run")])
+    rc, out, _ = run_cli(capsys, ["export", str(copy), "--out", str(tmp_path / "from_run")])
     assert rc == 0
     newest = checkpoint_dir(copy, 3)
     assert f"exporting {newest}: the newest complete checkpoint in {copy / 'checkpoints'}" in out
     assert f"exported {newest} to {tmp_path / 'from_run'}" in out
 
     for step in (2, 3):
-        assert _cli(capsys, ["export", str(checkpoint_dir(copy, step)), "--out", str(tmp_path / f"step{step}")])[0] == 0
+        assert (
+            run_cli(capsys, ["export", str(checkpoint_dir(copy, step)), "--out", str(tmp_path / f"step{step}")])[0] == 0
+        )
     got = load_file(tmp_path / "from_run" / DIFFUSERS_WEIGHT_NAME)
     for step, same in ((3, True), (2, False)):
         want = load_file(tmp_path / f"step{step}" / DIFFUSERS_WEIGHT_NAME)
@@ -84,7 +78,7 @@ def test_a_run_folder_exports_its_newest_complete_checkpoint(run, tmp_path, caps
         assert all(torch.equal(got[k], want[k]) for k in want) == same, step
 
     # The checkpoint folder itself (a `checkpoint.dir`) picks the same.
-    rc, out, _ = _cli(capsys, ["export", str(copy / "checkpoints"), "--out", str(tmp_path / "from_root")])
+    rc, out, _ = run_cli(capsys, ["export", str(copy / "checkpoints"), "--out", str(tmp_path / "from_root")])
     assert rc == 0 and f"exporting {newest}:" in out
 
 
@@ -97,7 +91,7 @@ def test_a_run_folder_whose_config_names_another_checkpoint_dir(run, tmp_path, c
     saved["checkpoint"]["dir"] = str(elsewhere)
     (copy / "config.yaml").write_text(yaml.safe_dump(saved))
 
-    rc, out, _ = _cli(capsys, ["export", str(copy), "--out", str(tmp_path / "lora")])
+    rc, out, _ = run_cli(capsys, ["export", str(copy), "--out", str(tmp_path / "lora")])
     assert rc == 0
     assert f"exporting {elsewhere / 'step_00000003'}: the newest complete checkpoint in {elsewhere}" in out
 
@@ -108,17 +102,17 @@ def test_a_folder_without_a_complete_checkpoint_is_one_line_naming_what_it_holds
     for name in ("config.yaml", "metrics.jsonl"):
         shutil.copy(run / name, empty_run)
     out = tmp_path / "lora"
-    rc, _, err = _cli(capsys, ["export", str(empty_run), "--out", str(out)])
+    rc, _, err = run_cli(capsys, ["export", str(empty_run), "--out", str(out)])
     line = _one_error(err)
     assert rc == 2 and f"no complete checkpoint in run folder '{empty_run}'" in line
     assert "checkpoints/, config.yaml, metrics.jsonl" in line and ".tmp-step_00000002/" in line
     assert not out.exists()
 
     (tmp_path / "bare").mkdir()
-    rc, _, err = _cli(capsys, ["export", str(tmp_path / "bare"), "--out", str(out)])
+    rc, _, err = run_cli(capsys, ["export", str(tmp_path / "bare"), "--out", str(out)])
     assert rc == 2 and f"'{tmp_path / 'bare'}' holds nothing" in _one_error(err)
     assert f"there is no '{tmp_path / 'bare' / 'checkpoints'}'" in err
-    rc, _, err = _cli(capsys, ["export", str(tmp_path / "gone"), "--out", str(out)])
+    rc, _, err = run_cli(capsys, ["export", str(tmp_path / "gone"), "--out", str(out)])
     assert rc == 2 and "does not exist" in _one_error(err)
     assert not out.exists()
 
@@ -134,7 +128,7 @@ def test_export_says_what_it_wrote(run, tmp_path, capsys) -> None:
     }
     for name, (extra, kind, file) in cases.items():
         out = tmp_path / name
-        rc, printed, _ = _cli(capsys, ["export", str(checkpoint), "--out", str(out), *extra])
+        rc, printed, _ = run_cli(capsys, ["export", str(checkpoint), "--out", str(out), *extra])
         assert rc == 0, name
         assert "(partition 'transformer': the pipeline's transformer/ folder)" in printed.splitlines()[0]
         report = _report(printed)
@@ -160,7 +154,7 @@ def test_name_names_the_lora_file(run, tmp_path, capsys) -> None:
     checkpoint = checkpoint_dir(run, 3)
     for extra, default in (([], DIFFUSERS_WEIGHT_NAME), (["--format", "comfyui"], COMFYUI_WEIGHT_NAME)):
         named, plain = tmp_path / f"named{len(extra)}", tmp_path / f"plain{len(extra)}"
-        rc, out, _ = _cli(
+        rc, out, _ = run_cli(
             capsys, ["export", str(checkpoint), "--out", str(named), "--name", "my_lora.safetensors", *extra]
         )
         assert rc == 0 and _report(out)["path"] == str(named / "my_lora.safetensors")
@@ -192,6 +186,6 @@ def test_name_names_the_lora_file(run, tmp_path, capsys) -> None:
 )
 def test_a_bad_name_is_one_line_before_any_work(run, tmp_path, capsys, extra: list[str], says: str) -> None:
     out = tmp_path / "lora"
-    rc, _, err = _cli(capsys, ["export", str(checkpoint_dir(run, 3)), "--out", str(out), *extra])
+    rc, _, err = run_cli(capsys, ["export", str(checkpoint_dir(run, 3)), "--out", str(out), *extra])
     assert rc == 2 and says in _one_error(err)
     assert not out.exists()

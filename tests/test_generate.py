@@ -27,7 +27,7 @@ from h3train.render.generate import TRACK_TITLES, Generator, Rendered, read_requ
 from h3train.render.side_by_side import bar_height, halves
 from h3train.render.sources import detect_source
 
-from reference import run_forked, train
+from reference import run_cli, run_forked, train
 
 STEPS = 2
 REQUEST = {"frames": 22, "resolution": "64x64", "seed": 3}
@@ -102,14 +102,6 @@ def renders(run: Path, components: Path, lora_file: Path, untrained_lora: Path) 
     }
 
 
-def _cli(capsys, args: list[str]) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main(args)
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err
-    return rc, out, err
-
-
 def _streams(path: Path) -> tuple[int, tuple[int, int], list[tuple[int, str]]]:
     """Decoded frame count, (height, width) and each audio stream's (channels, title) of an mp4."""
     with av.open(str(path)) as container:
@@ -120,7 +112,7 @@ def _streams(path: Path) -> tuple[int, tuple[int, int], list[tuple[int, str]]]:
 
 def test_a_lora_file_renders_a_playable_mp4_with_stereo_sound(tmp_path, capsys, components, lora_file) -> None:
     out = tmp_path / "clip.mp4"
-    rc, stdout, _ = _cli(
+    rc, stdout, _ = run_cli(
         capsys,
         ["generate", str(lora_file), "--components", str(components), "--prompt", PROMPT, "--out", str(out), *FLAGS],
     )
@@ -172,7 +164,7 @@ def test_compare_of_a_run_folder_writes_one_mp4_with_two_titled_stereo_streams_a
 ) -> None:
     out = tmp_path / "side.mp4"
     # The run's newest checkpoint, on the components its config names (model.pretrained).
-    rc, stdout, _ = _cli(capsys, ["generate", str(run), "--prompt", PROMPT, "--out", str(out), "--compare", *FLAGS])
+    rc, stdout, _ = run_cli(capsys, ["generate", str(run), "--prompt", PROMPT, "--out", str(out), "--compare", *FLAGS])
     assert rc == 0
     assert "step_00000002: the newest complete checkpoint" in stdout
     count, size, audio = _streams(out)
@@ -213,7 +205,7 @@ def test_a_bad_source_is_one_line_before_any_model_loads(tmp_path, capsys, compo
 
     monkeypatch.setattr(generate_module.Generator, "__init__", no_models)
     source = make(tmp_path, components)
-    rc, _, err = _cli(capsys, ["generate", str(source), "--components", str(components), "--prompt", PROMPT,
+    rc, _, err = run_cli(capsys, ["generate", str(source), "--components", str(components), "--prompt", PROMPT,
                                "--out", str(tmp_path / "x.mp4")])  # fmt: skip
     (line,) = err.strip().splitlines()
     assert rc == 2 and line.startswith("h3train: error: SOURCE ") and says in line, line
@@ -224,12 +216,12 @@ def test_a_bad_request_line_names_the_file_line_and_field(tmp_path, capsys, comp
     monkeypatch.setattr(generate_module.Generator, "__init__", lambda *a, **k: pytest.fail("a model was loaded"))
     requests = tmp_path / "requests.jsonl"
     requests.write_text('{"prompt": "fine"}\n\n{"prompt": "x", "frame": 22}\n')
-    rc, _, err = _cli(capsys, ["generate", str(lora_file), "--components", str(components), "--requests",
+    rc, _, err = run_cli(capsys, ["generate", str(lora_file), "--components", str(components), "--requests",
                                str(requests), "--out", str(tmp_path / "x.mp4")])  # fmt: skip
     (line,) = err.strip().splitlines()
     assert rc == 2 and f"'{requests}' line 3 field 'frame'" in line and "(did you mean 'frames'?)" in line, line
     requests.write_text('{"prompt": "x", "frames": 23}\n')
-    rc, _, err = _cli(capsys, ["generate", str(lora_file), "--components", str(components), "--requests",
+    rc, _, err = run_cli(capsys, ["generate", str(lora_file), "--components", str(components), "--requests",
                                str(requests), "--out", str(tmp_path / "x.mp4")])  # fmt: skip
     (line,) = err.strip().splitlines()
     assert rc == 2 and f"'{requests}' line 1 field 'frames' is 23" in line, line

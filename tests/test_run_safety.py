@@ -30,6 +30,7 @@ from reference import (
     checkpoint_dir,
     h3train_command,
     read_metrics,
+    run_cli,
     run_env,
     run_forked,
     run_h3train,
@@ -44,13 +45,6 @@ SP2 = ["parallel.sp=2"]
 
 def _train_args(log_dir: Path, *extra: str) -> list[str]:
     return tiny_args(log_dir, *COMMON, *extra)
-
-
-def _cli(capsys, args: list[str]) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main(args)
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def _one_error_line(err: str, torchrun: bool = False) -> str:
@@ -90,7 +84,7 @@ EVENT_LOGS = ("data_errors.jsonl", "loss_spikes.jsonl")
 
 def test_fresh_run_over_an_earlier_run_is_refused_and_changes_nothing(run_copy, capsys) -> None:
     before = _snapshot(run_copy)
-    rc, _, err = _cli(capsys, _train_args(run_copy, "checkpoint.resume=none"))
+    rc, _, err = run_cli(capsys, _train_args(run_copy, "checkpoint.resume=none"))
     assert rc == 2
     line = _one_error_line(err)
     assert f"'{run_copy}'" in line and "--overwrite" in line and "checkpoint.resume=auto" in line
@@ -101,7 +95,7 @@ def test_run_without_checkpoints_is_not_cut_by_a_second_run(tmp_path, capsys) ->
     run = tmp_path / "run"
     assert main(_train_args(run, "checkpoint.every=0", "train.steps=2")) == 0
     before = _snapshot(run)
-    rc, _, err = _cli(capsys, _train_args(run, "checkpoint.every=0", "train.steps=2"))
+    rc, _, err = run_cli(capsys, _train_args(run, "checkpoint.every=0", "train.steps=2"))
     assert rc == 2
     line = _one_error_line(err)
     assert "metrics.jsonl" in line and "--overwrite" in line and "checkpoint.resume=auto" not in line
@@ -110,7 +104,7 @@ def test_run_without_checkpoints_is_not_cut_by_a_second_run(tmp_path, capsys) ->
 
 def test_overwrite_moves_the_earlier_run_aside(run_copy, capsys) -> None:
     before = _snapshot(run_copy)
-    rc, out, _ = _cli(capsys, [*_train_args(run_copy, "checkpoint.resume=none", "train.steps=2"), "--overwrite"])
+    rc, out, _ = run_cli(capsys, [*_train_args(run_copy, "checkpoint.resume=none", "train.steps=2"), "--overwrite"])
     assert rc == 0
     assert f"moved the earlier run to {run_copy / 'previous-1'}" in out
     assert _snapshot(run_copy / "previous-1") == before
@@ -127,7 +121,7 @@ def test_resume_from_an_older_step_keeps_the_abandoned_history(run_copy, capsys)
         (run_copy / name).write_text("".join(json.dumps(r) + "\n" for r in records))
     resume = checkpoint_dir(run_copy, 2)
     # keep_last=1 would prune everything but the newest if abandoned checkpoints were candidates.
-    rc, out, _ = _cli(capsys, _train_args(run_copy, f"checkpoint.resume={resume}", "checkpoint.keep_last=1"))
+    rc, out, _ = run_cli(capsys, _train_args(run_copy, f"checkpoint.resume={resume}", "checkpoint.keep_last=1"))
     assert rc == 0 and "resumed from" in out
     assert (run_copy / "metrics.jsonl.abandoned-2").read_text().splitlines() == old_lines[2:]
     assert [m["step"] for m in read_metrics(run_copy)] == [1, 2, 3, 4]
@@ -189,7 +183,7 @@ DAMAGE = {
 def test_corrupt_newest_checkpoint_is_set_aside_and_the_older_one_resumed(run_copy, capsys, damage) -> None:
     newest = checkpoint_dir(run_copy, 4)
     what = DAMAGE[damage](newest)
-    rc, out, err = _cli(capsys, _train_args(run_copy, "train.steps=5"))
+    rc, out, err = run_cli(capsys, _train_args(run_copy, "train.steps=5"))
     assert rc == 0, err[-3000:]
     assert "Traceback" not in err
     warnings = [line for line in err.splitlines() if "skipped checkpoint" in line]
@@ -203,7 +197,7 @@ def test_corrupt_newest_checkpoint_is_set_aside_and_the_older_one_resumed(run_co
 def test_explicit_corrupt_checkpoint_is_one_line_and_exit_2(run_copy, capsys, damage) -> None:
     newest = checkpoint_dir(run_copy, 4)
     what = DAMAGE[damage](newest)
-    rc, _, err = _cli(capsys, _train_args(run_copy, f"checkpoint.resume={newest}", "train.steps=5"))
+    rc, _, err = run_cli(capsys, _train_args(run_copy, f"checkpoint.resume={newest}", "train.steps=5"))
     assert rc == 2
     line = _one_error_line(err)
     assert str(newest) in line and what in line
@@ -218,7 +212,7 @@ def test_unwritable_folder_is_found_before_training(tmp_path, capsys, key) -> No
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     for bad in ("/proc/h3c", str(a_file), str(a_file / "sub")):
-        rc, _, err = _cli(capsys, _train_args(tmp_path / "run", f"{key}={bad}"))
+        rc, _, err = run_cli(capsys, _train_args(tmp_path / "run", f"{key}={bad}"))
         assert rc == 2
         line = _one_error_line(err)
         assert f"'{key}'" in line and bad in line
@@ -230,7 +224,7 @@ def test_unwritable_folder_is_found_before_training(tmp_path, capsys, key) -> No
 
 def test_changed_schedule_on_resume_runs_what_config_yaml_records(run_copy, capsys) -> None:
     overrides = ["optim.lr=1e-2", "train.steps=8", "optim.warmup_steps=3"]
-    rc, out, _ = _cli(capsys, _train_args(run_copy, *overrides))
+    rc, out, _ = run_cli(capsys, _train_args(run_copy, *overrides))
     assert rc == 0
     lines = [line for line in out.splitlines() if line.startswith("resume:")]
     assert len(lines) == 1
@@ -327,7 +321,7 @@ def test_a_second_ctrl_c_during_the_save_is_one_line_and_keeps_the_last_checkpoi
     assert [p.name for p in committed_checkpoints(run / CKPTS)] == ["step_00000001", "step_00000002"]
     assert [p.name for p in complete_checkpoints(run / CKPTS)] == ["step_00000001", "step_00000002"]
 
-    rc, out, _ = _cli(capsys, args)
+    rc, out, _ = run_cli(capsys, args)
     assert rc == 0 and f"resumed from {checkpoint_dir(run, 2)}" in out
     assert not partial.exists()
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
@@ -387,11 +381,11 @@ def test_sp2_checkpoints_reexport_only_with_overwrite(sp2_run, tmp_path, capsys)
 
     out = tmp_path / "export"
     step2, step4 = checkpoint_dir(sp2_run, 2), checkpoint_dir(sp2_run, 4)
-    assert _cli(capsys, ["export", str(step4), "--out", str(out)])[0] == 0
+    assert run_cli(capsys, ["export", str(step4), "--out", str(out)])[0] == 0
     before = _snapshot(out)
-    rc, _, err = _cli(capsys, ["export", str(step2), "--out", str(out)])
+    rc, _, err = run_cli(capsys, ["export", str(step2), "--out", str(out)])
     assert rc == 2 and "--overwrite" in _one_error_line(err) and _snapshot(out) == before
-    assert _cli(capsys, ["export", str(step2), "--out", str(out), "--overwrite"])[0] == 0
+    assert run_cli(capsys, ["export", str(step2), "--out", str(out), "--overwrite"])[0] == 0
     # The folder holds step 2's weights, as the sp=2 ranks saved them, and nothing of step 4's export.
     reader = FileSystemReader(str(step2))
     meta = reader.read_metadata().state_dict_metadata
@@ -490,7 +484,7 @@ def test_checkpoint_without_a_component_of_this_run_is_exit_2_and_kept(run_copy)
 
 
 def test_an_ema_switched_on_at_resume_starts_from_the_resumed_weights(run_copy, capsys) -> None:
-    rc, out, _ = _cli(capsys, _train_args(run_copy, "train.steps=5", "train.ema.decay=0.9"))
+    rc, out, _ = run_cli(capsys, _train_args(run_copy, "train.steps=5", "train.ema.decay=0.9"))
     assert rc == 0 and "step_00000004 holds no ema; it starts from the resumed weights" in out
 
 
