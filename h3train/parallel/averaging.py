@@ -50,7 +50,9 @@ def averaged(kind: str, group: dist.ProcessGroup, device: torch.device) -> float
     value = float(dist.get_rank(group) + 1)
     if kind == "reduce-scatter":
         out = torch.zeros(1, device=device)
-        dist.reduce_scatter_tensor(out, torch.full((n,), value, device=device), op=dist.ReduceOp.AVG, group=group)
+        # The call FSDP2 makes: `reduce_scatter_single` where torch has it (its older name warns there).
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        reduce_scatter(out, torch.full((n,), value, device=device), op=dist.ReduceOp.AVG, group=group)
     else:
         out = torch.full((1,), value, device=device)
         dist.all_reduce(out, op=dist.ReduceOp.AVG, group=group)
