@@ -202,9 +202,10 @@ def start_in_session(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
 
 
 def signal_after_steps(
-    proc: subprocess.Popen, log_dir: Path, signum: int, steps: int = 1, timeout: float = 120
+    proc: subprocess.Popen, log_dir: Path, signum: int, steps: int = 1, timeout: float = 120, group: bool = False
 ) -> tuple[str, str]:
-    """Once `log_dir/metrics.jsonl` holds `steps` lines, send `signum` to `proc`; return its (stdout, stderr).
+    """Once `log_dir/metrics.jsonl` holds `steps` lines, send `signum` to `proc` (with `group`, to its whole
+    process group, as a terminal's Ctrl-C reaches torchrun and its workers); return its (stdout, stderr).
 
     On a timeout or a failed assertion the process's whole session is killed.
     """
@@ -214,7 +215,10 @@ def signal_after_steps(
         while not (metrics.is_file() and metrics.read_text().count("\n") >= steps):
             assert proc.poll() is None and time.monotonic() < deadline, "training never logged a step"
             time.sleep(0.1)
-        proc.send_signal(signum)
+        if group:
+            os.killpg(proc.pid, signum)
+        else:
+            proc.send_signal(signum)
         return proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:

@@ -281,11 +281,12 @@ def test_checkpoint_state_is_one_dict_of_named_components(sp1_run) -> None:
 # -- Ctrl-C ------------------------------------------------------------------------------------------
 
 
-def _stop_with(signum: int, log_dir: Path, nproc: int = 1, extra: tuple[str, ...] = ()):
-    """Start a long run (no periodic saves), wait for two logged steps, send `signum` to the launcher."""
+def _stop_with(signum: int, log_dir: Path, nproc: int = 1, extra: tuple[str, ...] = (), group: bool = False):
+    """Start a long run (no periodic saves), wait for two logged steps, send `signum` to the launcher (with
+    `group`, to the launcher and its workers, as a terminal's Ctrl-C does)."""
     cmd = h3train_command(tiny_args(log_dir, "train.steps=100000", "checkpoint.every=0", *extra), nproc=nproc)
     proc = start_in_session(cmd, run_env())
-    out, err = signal_after_steps(proc, log_dir, signum, steps=2)
+    out, err = signal_after_steps(proc, log_dir, signum, steps=2, group=group)
     saved = committed_checkpoints(log_dir / "checkpoints")
     assert len(saved) == 1 and int(saved[0].name[5:]) == read_metrics(log_dir)[-1]["step"]
     return proc.returncode, out, err
@@ -436,7 +437,8 @@ def test_sp2_unwritable_checkpoint_dir_is_found_at_start(tmp_path) -> None:
 def test_sp2_ctrl_c_and_sigterm_to_the_launcher_checkpoint(tmp_path) -> None:
     # torchrun passes the signal on to the ranks; they save the same step and rank 0 says why.
     # What the README says bare torchrun prints: its own SignalException traceback, and exit 1.
-    rc, out, err = _stop_with(signal.SIGINT, tmp_path / "int", nproc=2, extra=tuple(SP2))
+    # A Ctrl-C in the terminal reaches each worker twice (the terminal's and torchrun's): one keypress.
+    rc, out, err = _stop_with(signal.SIGINT, tmp_path / "int", nproc=2, extra=tuple(SP2), group=True)
     assert out.count("interrupted by SIGINT: stopped after step") == 1
     assert "[rank" not in err  # no rank raised: only torchrun's own report of the signal
     assert rc == 1 and "Received 2 death signal" in err and "SignalException" in err, err[-3000:]
@@ -491,14 +493,19 @@ def test_an_ema_switched_on_at_resume_starts_from_the_resumed_weights(run_copy, 
 def test_a_second_ctrl_c_is_noted_in_the_one_record_the_cli_reads() -> None:
     from h3train import cli
     from h3train.train.events import Interrupts
-    from h3train.train.preemption import Preemption
+    from h3train.train.preemption import INTERRUPT, Preemption
 
     assert Preemption().interrupts is cli._INTERRUPTS.record
-    record = Interrupts()
-    preempt = Preemption(record)
+    record, now = Interrupts(), [100.0]
+    preempt = Preemption(record, clock=lambda: now[0])
     preempt._handle(signal.SIGINT, None)
     # The first asks for a save after the step: nothing is raised, so nothing to mistake for an error.
     assert not record.noted and not record.caused(ValueError("x"))
+    # The same keypress again, forwarded by torchrun a moment later, is not a second Ctrl-C.
+    now[0] += 0.05
+    preempt._handle(signal.SIGINT, None)
+    assert not record.noted and preempt.flag == INTERRUPT
+    now[0] += 1.0
     with pytest.raises(KeyboardInterrupt):
         preempt._handle(signal.SIGINT, None)
     # What a save raises after it (DCP's CheckpointException is a BaseException) is the interrupt; an exit is not.

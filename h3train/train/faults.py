@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError, did_you_mean
 from ..parallel.fsdp import local_tensor
 from .hooks import MicroBatchEvent, TrainerHook, TrainerView
+from .preemption import SAME_KEYPRESS_S
 
 STEP_KINDS = ("nan_loss", "nan_grad", "kill", "sigterm", "sigint", "kill_in_save", "sigint_in_save")
 # How long `sigint_in_save` then holds the write of the shards: far longer than a run takes to stop,
@@ -90,6 +91,8 @@ class FaultInjector:
             return None
 
         def press_ctrl_c() -> None:
+            # A person's second press, not the first one delivered again (`preemption.SAME_KEYPRESS_S`).
+            time.sleep(SAME_KEYPRESS_S)
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             time.sleep(SLOW_DISK_S)
 
