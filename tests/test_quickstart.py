@@ -87,9 +87,11 @@ def test_the_editable_install_wins_over_a_folder_named_like_the_package(tmp_path
         f"the editable install does not put the checkout on sys.path (its .pth files: {pth} {lines}), so a "
         "folder named h3train in the working directory shadows the package: keep pyproject.toml's package-dir"
     )
-    # A .pth line joins sys.path after site-packages, at start-up; the working directory comes first.
+    # A .pth line joins sys.path at start-up, after the working directory, which always comes first. It
+    # goes in right after the working directory here, before the checkout this suite runs from (whose own
+    # editable install is on the path too), so that the package found is the copy's.
     code = (
-        f"import sys; sys.path.append({lines[0]!r}); "
+        f"import sys; sys.path.insert(1, {lines[0]!r}); "
         "from h3train.data.components import load_processor; import h3train; print(h3train.__file__)"
     )
     env = {k: v for k, v in run_env().items() if k != "PYTHONPATH"}
