@@ -437,8 +437,7 @@ def test_sp2_unwritable_checkpoint_dir_is_found_at_start(tmp_path) -> None:
 def test_sp2_ctrl_c_and_sigterm_to_the_launcher_checkpoint(tmp_path) -> None:
     # torchrun passes the signal on to the ranks; they save the same step and rank 0 says why.
     # What the README says bare torchrun prints: its own SignalException traceback, and exit 1.
-    # A Ctrl-C in the terminal reaches each worker twice (the terminal's and torchrun's): one keypress.
-    rc, out, err = _stop_with(signal.SIGINT, tmp_path / "int", nproc=2, extra=tuple(SP2), group=True)
+    rc, out, err = _stop_with(signal.SIGINT, tmp_path / "int", nproc=2, extra=tuple(SP2))
     assert out.count("interrupted by SIGINT: stopped after step") == 1
     assert "[rank" not in err  # no rank raised: only torchrun's own report of the signal
     assert rc == 1 and "Received 2 death signal" in err and "SignalException" in err, err[-3000:]
@@ -446,6 +445,12 @@ def test_sp2_ctrl_c_and_sigterm_to_the_launcher_checkpoint(tmp_path) -> None:
     assert out.count("preempted by SIGTERM: stopped after step") == 1 and "checkpoint saved" in out
     assert "[rank" not in err
     assert rc == 1 and "Received 15 death signal" in err and "SignalException" in err, err[-3000:]
+    # A Ctrl-C in the terminal reaches each worker twice, the terminal's and torchrun's: one keypress,
+    # so the ranks save (`_stop_with` checks the checkpoint) rather than stop at once. How torchrun
+    # itself then ends varies with its version (torch 2.8's aborts), so only the ranks are held here.
+    rc, out, err = _stop_with(signal.SIGINT, tmp_path / "tty", nproc=2, extra=tuple(SP2), group=True)
+    assert out.count("interrupted by SIGINT: stopped after step") == 1 and "checkpoint saved" in out, err[-3000:]
+    assert "[rank" not in err and "h3train: interrupted during" not in err, err[-3000:]
 
 
 def test_tiny_configs_checkpoint_what_the_readme_exports() -> None:
