@@ -3,14 +3,13 @@ defaults, which must hold the schema's (docs/config.md: `tests/test_config_refer
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from h3train.config import Config, get_key, leaf_types, load_config
-from h3train.tools.config_report import defaults_table
+from h3train.tools.config_reference import key_docs
 
 from reference import ROOT, TINY_FL2VA, run_cli
 
@@ -118,19 +117,8 @@ def test_a_bad_config_is_the_one_line_check_gives(capsys, args: list[str]) -> No
     assert run_cli(capsys, ["check", *args])[2] == err
 
 
-def _table_rows(text: str) -> dict[str, str]:
-    """`| key | default | ...` rows of a markdown table: key (without backticks) -> default cell as written."""
-    rows = {}
-    for line in text.splitlines():
-        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
-        if len(cells) < 2 or cells[0] == "key" or not cells[0].strip("-: "):
-            continue
-        rows[cells[0].strip("`")] = cells[1]
-    return rows
-
-
 def test_defaults_table_holds_each_schema_default() -> None:
-    rows = _table_rows(defaults_table())
+    rows = {doc.key: doc.default for doc in key_docs()}
     assert list(rows) == list(leaf_types())
     for key, cell in rows.items():
         written = cell.removeprefix("`").removesuffix("`").replace("\\|", "|")

@@ -96,6 +96,20 @@ class _DropNotices(logging.Filter):
 
 
 @contextmanager
+def diffusers_log_level(level: int) -> Iterator[None]:
+    """Inside the block diffusers logs only records of `level` or above (`logging.ERROR`, `logging.CRITICAL`);
+    for calls whose every notice below it is meant so (each use says why)."""
+    from diffusers.utils import logging as diffusers_logging
+
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity(level)
+    try:
+        yield
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+
+
+@contextmanager
 def known_notices() -> Iterator[None]:
     """Inside the block, the notices listed in this module's docstring are not shown; others are.
 

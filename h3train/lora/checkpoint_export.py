@@ -33,7 +33,6 @@ import os
 import shutil
 import struct
 import uuid
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,10 +60,6 @@ from .names import export_name, split_factor
 # `--format` -> what its export is, as `h3train export` reports it.
 FORMATS = {"diffusers": "diffusers LoRA file", "comfyui": "ComfyUI LoRA file"}
 
-
-# One process reads the checkpoint on purpose (no_dist=True, also inside a run: the adapter files of
-# each save); DCP warns about it on every read.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 # The folder inside a checkpoint that holds the adapter files `checkpoint.export` writes at each save:
 # inside the step folder, so `keep_last` prunes them and `keep_best` keeps them with it. The digests

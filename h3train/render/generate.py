@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import logging
 import os
 import tempfile
 import time
@@ -43,6 +44,7 @@ import torch
 
 from ..config import SAMPLE_FIELDS, SampleRequestConfig
 from ..errors import ConfigError, UsageError
+from ..infra.quiet import diffusers_log_level
 from ..tasks.table import partition_tasks
 from ..train.validation import MODALITIES, guidance_retention, guidance_sums
 from .requests import SampleRequest, parse_request
@@ -183,18 +185,13 @@ def _first_forward(model: torch.nn.Module, stop: bool) -> Iterator[list]:
             if stop:
                 raise _FirstForward(seen[0])
 
-    from diffusers.utils import logging as diffusers_logging
-
     handle = model.register_forward_hook(hook)
-    # Each modular block logs an exception that passes through it as an error; this one is ours.
-    verbosity = diffusers_logging.get_verbosity()
-    if stop:
-        diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)
+    # Each modular block logs an exception that passes through it as an error; the one that stops is ours.
     try:
-        yield seen
+        with diffusers_log_level(logging.CRITICAL) if stop else contextlib.nullcontext():
+            yield seen
     finally:
         handle.remove()
-        diffusers_logging.set_verbosity(verbosity)
 
 
 class Generator:
@@ -230,10 +227,14 @@ class Generator:
         self.compare = compare
 
     def _base(self) -> torch.nn.Module:
+        return self._transformer(self.components, subfolder=self.partition)
+
+    def _transformer(self, folder: Path, subfolder: str | None = None) -> torch.nn.Module:
+        """A frozen transformer from a diffusers folder, in eval mode on the device and dtype rendered with."""
         from diffusers import MiniMaxH3Transformer3DModel
 
         model = MiniMaxH3Transformer3DModel.from_pretrained(
-            self.components, subfolder=self.partition, torch_dtype=self.dtype, local_files_only=True
+            folder, subfolder=subfolder, torch_dtype=self.dtype, local_files_only=True
         )
         return model.to(self.device).eval().requires_grad_(False)
 
@@ -244,25 +245,19 @@ class Generator:
         if source.kind == "lora":
             self.lora, self.lora_file = True, source.path
             return self._base()
-        from diffusers import MiniMaxH3Transformer3DModel
-
-        model = MiniMaxH3Transformer3DModel.from_pretrained(source.path, torch_dtype=self.dtype, local_files_only=True)
-        return model.to(self.device).eval().requires_grad_(False)
+        return self._transformer(source.path)
 
     def _load_lora(self, file: Path) -> None:
-        from diffusers.utils import logging as diffusers_logging
-
         # Both pipeline slots hold the one partition loaded, so the loader's note that it chose one is moot.
-        verbosity = diffusers_logging.get_verbosity()
-        diffusers_logging.set_verbosity_error()
         try:
-            self.pipe.load_lora_weights(
-                str(file.parent), weight_name=file.name, load_into_transformer_ref=self.partition == "transformer_ref"
-            )
+            with diffusers_log_level(logging.ERROR):
+                self.pipe.load_lora_weights(
+                    str(file.parent),
+                    weight_name=file.name,
+                    load_into_transformer_ref=self.partition == "transformer_ref",
+                )
         except (ValueError, KeyError, RuntimeError) as exc:
             raise UsageError(f"SOURCE '{file}' does not load onto {self.components}/{self.partition}: {exc}") from None
-        finally:
-            diffusers_logging.set_verbosity(verbosity)
         self.pipe.transformer.eval().requires_grad_(False)
 
     @contextlib.contextmanager
@@ -317,11 +312,12 @@ class Generator:
         from .pipeline import decode, denoise
 
         model = pipe.transformer
+        if not self.compare:
+            frames, audio, rate = decode(pipe, denoise(pipe, cond, self.steps))
+            return frames, audio, rate, None
         with _first_forward(model, stop=False) as first:
             state = denoise(pipe, cond, self.steps)
         frames, audio, rate = decode(pipe, state)
-        if not self.compare:
-            return frames, audio, rate, None
         negative = dataclasses.replace(cond, prompt_embeds=cond.negative[0], text_token_tags=cond.negative[1])
         try:
             with _first_forward(model, stop=True):

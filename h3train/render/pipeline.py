@@ -15,6 +15,7 @@ generator, so the loop's inputs are identical on each and the gathered velocitie
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import os
 import uuid
@@ -28,12 +29,12 @@ from diffusers import MiniMaxH3Scheduler
 from diffusers.modular_pipelines import PipelineState
 from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3DecodeStep
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
-from diffusers.utils import logging as diffusers_logging
 from diffusers.video_processor import VideoProcessor
 from torch import nn
 
 from ..data.media import FPS, write_video
 from ..data.stand_in import AUDIO_SHIFT, VIDEO_SHIFT
+from ..infra.quiet import diffusers_log_level
 from ..tasks.table import DENOISE_BLOCKS_MODULE, SAMPLE_TASKS
 from .conditioning import Conditioning
 
@@ -130,12 +131,8 @@ def render_pipeline(
     if vae is not None:
         components.update(vae=vae, audio_vae=audio_vae)
     # Registering components made outside a `ComponentSpec` logs a notice per component; they are meant so.
-    verbosity = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()
-    try:
+    with diffusers_log_level(logging.ERROR):
         pipe.update_components(**components)
-    finally:
-        diffusers_logging.set_verbosity(verbosity)
     return pipe
 
 

@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import uuid
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,9 +60,6 @@ from .checkpoint import (
     validate_checkpoint,
 )
 from .metrics import CONFIG_FILE
-
-# One process reads the checkpoint on purpose (no_dist=True); DCP warns about it on every read.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 WEIGHTS_NAME = "diffusion_pytorch_model"
 # DCP key prefix of the EMA of the transformer's weights (`ema.py`): `ema.<fqn>` beside `model.<fqn>`.

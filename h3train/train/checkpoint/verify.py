@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
@@ -125,6 +126,11 @@ class _RecordingFileSystem(FileSystem):
         self.current = str(path)
         with super().create_stream(path, mode) as stream:
             yield stream
+
+
+# An export, the adapter files of each save and a verification read a checkpoint in one process on
+# purpose (`no_dist=True`, also inside a run); DCP warns about it on every such read.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class NamingReader(FileSystemReader):
