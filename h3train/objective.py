@@ -152,7 +152,8 @@ class TrainingInputs:
     """One micro-batch, unsharded and unpadded.
 
     `model_inputs` holds the ten `model.forward` arguments (batch dim 1 on the row tensors);
-    `uncond_inputs` the same rows under the negative text prefix when CFG is active, else None.
+    `uncond_inputs` the same rows under the negative text prefix when the run has CFG on (every
+    micro-batch, a dropped prompt's too, whose guidance scale is 1), else None.
     target_video `[N_v, 96]` / target_audio `[N_a, 32]`: velocity targets in the row order of
     `hidden_states` / `audio_hidden_states`; loss masks are 1 on target rows, 0 on conditioning rows.
     weight_video / weight_audio: loss weight times timestep weight (0 for audio without sound).
@@ -269,21 +270,26 @@ def make_training_inputs(
     xt_video = noise_rows(x0_video, noise_video, t_rows_video)
     xt_audio = noise_rows(x0_audio, noise_audio, t_rows_audio)
 
-    # A dropped prompt makes both CFG branches the same inputs: such a sample trains at s = 1 (one
-    # forward, plain flow matching under the negative prompt) rather than wasting the second forward
-    # and scaling its gradient by s^(1-k).
+    # A dropped prompt makes both CFG branches the same inputs: such a sample trains at s = 1 (plain
+    # flow matching under the negative prompt) rather than scaling its gradient by s^(1-k).
     if drop_text:
         guidance = Guidance(curvature_power=cfg.curvature_power)
     else:
         guidance = guidance_for(cfg, 1.0 - t_video, 1.0 - t_audio)
-    negative = negative_prompt(sample, cfg, shared_negative) if guidance.active or drop_text else None
+    # Under CFG every micro-batch runs the negative forward, whatever its own guidance (a dropped
+    # prompt, a `sigma` schedule at scale 1): the number of forwards, and with it the sharding
+    # group's all-gathers, is the run's, never the sample's.
+    with_negative = cfg_enabled(cfg)
+    negative = negative_prompt(sample, cfg, shared_negative) if with_negative or drop_text else None
+    uncond = None
+    if negative is not None:
+        uncond = forward_inputs(sample.layout_for(negative[1]), xt_video, xt_audio, negative[0], t_video, t_audio)
     if drop_text:
-        inputs = forward_inputs(sample.layout_for(negative[1]), xt_video, xt_audio, negative[0], t_video, t_audio)
+        inputs = uncond
     else:
         inputs = forward_inputs(layout, xt_video, xt_audio, sample.prompt_embeds, t_video, t_audio)
-    uncond = None
-    if guidance.active:
-        uncond = forward_inputs(sample.layout_for(negative[1]), xt_video, xt_audio, negative[0], t_video, t_audio)
+    if not with_negative:
+        uncond = None
 
     mask_video = torch.ones(x0_video.shape[0])
     mask_video[:ncv] = 0

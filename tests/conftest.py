@@ -9,6 +9,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+from ranks import COLLECTIVE_CHECKS  # noqa: E402
+
+# Every process group of the suite, in this process and in every rank it starts (spawned, forked or
+# under torchrun), checks each collective's op, shapes and dtypes across its ranks: a step that is
+# not the same collective sequence on every rank fails where it diverges. Set before torch is imported.
+os.environ.setdefault(COLLECTIVE_CHECKS, "DETAIL")
+
 
 @pytest.fixture(autouse=True)
 def _restore_diffusers_attention_backend():

@@ -32,6 +32,11 @@ PRELOAD = ["torch", "diffusers", "h3train.cli", "h3train.preflight", "h3train.tr
 # How long the other ranks get to stop after one failed, before they are killed.
 _GRACE_S = 10.0
 
+# The variable that makes torch's process groups check each collective's op and shapes across ranks.
+# torch reads it when `torch.distributed` is imported, which the server did before a rank's environment
+# was set: each rank reads it again.
+COLLECTIVE_CHECKS = "TORCH_DISTRIBUTED_DEBUG"
+
 # Set to 1 in a run's environment: its ranks' collectives sum where asked to average, as torch 2.8's
 # gloo reduce-scatter does (`h3train/parallel/averaging.py`).
 SUMS_AVERAGE = "H3TRAIN_TEST_SUMS_AVERAGE"
@@ -75,9 +80,11 @@ def _rank_main(args: list[str], env: dict[str, str], cwd: str, out: str, err: st
     os.environ.update(env)
     os.chdir(cwd)
     import torch
+    import torch.distributed
 
-    # The server imported torch before OMP_NUM_THREADS was set for this rank.
+    # The server imported torch before OMP_NUM_THREADS and the debug level were set for this rank.
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    torch.distributed.set_debug_level_from_env()
     if env.get(SUMS_AVERAGE) == "1":
         _sum_when_averaging()
     sys.argv = ["h3train", *args]

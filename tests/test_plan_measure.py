@@ -117,13 +117,16 @@ def _state(rank: int, world: int, log_dir: str) -> dict[str, dict[str, tuple[int
         cfg = _config(kind, STATE_WIDTH, f"logging.dir={log_dir}/{kind}", "train.grad_accum=1")
         trainer = build_trainer(cfg)
         try:
-            trainer.train_step(1)
+            # The gradients are measured between the step's halves: the update frees them.
+            step = trainer.forward_backward(1)
             params = list(trainer.model.parameters())
+            grads = _local_bytes(p.grad for p in params if p.grad is not None)
+            trainer.update(1, step)
             state = [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
             plan = estimate(model_dims(cfg), trainer.ctx.dims, cfg)
             out[kind] = {
                 "weights": (plan.master_weights_bytes, _local_bytes(params)),
-                "gradients": (plan.grads_bytes, _local_bytes(p.grad for p in params if p.grad is not None)),
+                "gradients": (plan.grads_bytes, grads),
                 "adamw": (plan.optimizer_bytes, _local_bytes(state)),
             }
         finally:

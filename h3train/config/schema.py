@@ -290,7 +290,8 @@ class DebugConfig:
     # Dump that step's inputs, weights and gradients to <logging.dir>/dump/step_N/ (null: none).
     dump_step: int | None = None
     # Fault injection for tests: `nan_loss@STEP`, `nan_grad@STEP:RANK`, `kill@STEP:RANK`,
-    # `sigterm@STEP`, `sigint@STEP`, `kill_in_save@STEP`, `sigint_in_save@STEP`, `corrupt_sample@ID`.
+    # `sigterm@STEP`, `sigint@STEP`, `kill_in_save@STEP`, `sigint_in_save@STEP`, `corrupt_sample@ID`,
+    # `rank_branch@STEP:RANK` (that rank runs one forward more than its peers).
     fault: list[str] = field(default_factory=list)
     # `[first, last]`: a torch.profiler trace of steps first..last per rank under <logging.dir>/profile.
     profile_steps: list[int] = field(default_factory=list)

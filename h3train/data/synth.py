@@ -147,24 +147,25 @@ def synthetic_sample(task: str, i: int, seed: int, text_dim: int) -> CachedSampl
     prompt_len = rng.randint(*PROMPT_TOKENS)
     tags = _presentation_tags(blocks, prompt_len)
     negative_tags = _presentation_tags([], NEGATIVE_TOKENS)
-    visual_tags = _presentation_tags(blocks, NEGATIVE_TOKENS) if blocks else None
+    prompt = torch.randn(len(tags), text_dim, generator=g)
+    negative = torch.randn(len(negative_tags), text_dim, generator=g)
+    # As the encoder writes them: without vision blocks (t2va) the visual negative is the text one.
+    visual_tags = _presentation_tags(blocks, NEGATIVE_TOKENS) if blocks else negative_tags
     return CachedSample(
         sample_id=f"synth-{i:06d}",
         task=sample_task_of("references" if references else "keyframes" if anchors else None),
         num_frames=num_frames,
         video_latents=video,
         audio_latents=audio,
-        prompt_embeds=torch.randn(len(tags), text_dim, generator=g),
+        prompt_embeds=prompt,
         text_token_tags=tags,
-        negative_prompt_embeds=torch.randn(len(negative_tags), text_dim, generator=g),
+        negative_prompt_embeds=negative,
         negative_text_token_tags=negative_tags,
         has_audio=has_audio,
         keyframe_anchors=anchors,
         keyframes=keyframes,
         references=references,
-        negative_visual_prompt_embeds=(
-            None if visual_tags is None else torch.randn(len(visual_tags), text_dim, generator=g)
-        ),
+        negative_visual_prompt_embeds=torch.randn(len(visual_tags), text_dim, generator=g) if blocks else negative,
         negative_visual_text_token_tags=visual_tags,
         source=f"synthetic(seed={seed}, index={i})",
     )

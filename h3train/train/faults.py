@@ -14,12 +14,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from ..errors import ConfigError, did_you_mean
 from ..parallel.fsdp import local_tensor
 from .hooks import MicroBatchEvent, TrainerHook, TrainerView
 from .preemption import SAME_KEYPRESS_S
 
-STEP_KINDS = ("nan_loss", "nan_grad", "kill", "sigterm", "sigint", "kill_in_save", "sigint_in_save")
+STEP_KINDS = (
+    "nan_loss",
+    "nan_grad",
+    "kill",
+    "sigterm",
+    "sigint",
+    "kill_in_save",
+    "sigint_in_save",
+    "rank_branch",
+)
 # How long `sigint_in_save` then holds the write of the shards: far longer than a run takes to stop,
 # so a checkpoint that gets committed all the same was not stopped; a run that does not stop still ends.
 SLOW_DISK_S = 60.0
@@ -102,6 +113,9 @@ class FaultInjector:
 class FaultHook(TrainerHook):
     """The step faults, at the points a real one strikes: `kill` / `sigterm` / `sigint` before the step,
     `nan_loss` on every micro-batch's loss before its backward, `nan_grad` on a gradient after it.
+    `rank_branch` is the bug class a distributed step must never have: the rank it names runs one more
+    forward (no gradient) than its peers, whose all-gathers its peers skip; the process groups'
+    collective checks must catch it.
 
     Runs first among the hooks, so a fault before the step comes before any other hook's work.
     """
@@ -117,6 +131,9 @@ class FaultHook(TrainerHook):
     def on_micro_batch(self, trainer: TrainerView, batch: MicroBatchEvent) -> None:
         if self.faults.active("nan_loss", batch.step):
             batch.loss = batch.loss * float("nan")
+        if self.faults.active("rank_branch", batch.step):
+            with torch.no_grad():
+                trainer.model(**batch.inputs.to(trainer.device).model_inputs)
 
     def after_backward(self, trainer: TrainerView, step: int) -> None:
         if self.faults.active("nan_grad", step):

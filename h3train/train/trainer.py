@@ -313,11 +313,13 @@ class Trainer:
             self.consecutive_skips = 0
         else:
             # No rank updates: weights, AdamW moments and the LR schedule stay as they were.
-            self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
             self.consecutive_skips += 1
             if self.consecutive_skips > cfg.train.max_consecutive_skips:
                 raise self._too_many_skips(step, grads.sample_ids)
+        # Gradients are dead once the step is taken or skipped: freed now, not at the next step's
+        # start, so validation, renders, the EMA and a checkpoint's staging never sit beside them.
+        self.optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - grads.started
         n = cfg.train.grad_accum * self.ctx.dims.dp
         # A mean over no clip is no number: a step without sound logs null, not a loss of 0.
