@@ -107,7 +107,16 @@ def _stop_at_once(trainer: Trainer) -> int:
     return 130
 
 
-_COLLECTIVE_FAILURE_MARKS = ("gloo", "nccl", "connection closed by peer", "timed out", "timeout")
+# The last two are torch's under TORCH_DISTRIBUTED_DEBUG=DETAIL, whose groups check every collective.
+_COLLECTIVE_FAILURE_MARKS = (
+    "gloo",
+    "nccl",
+    "connection closed by peer",
+    "timed out",
+    "timeout",
+    "failed to pass monitoredbarrier",
+    "mismatch between collectives",
+)
 
 
 def _is_collective_failure(exc: RuntimeError) -> bool:

@@ -155,8 +155,9 @@ def test_full_size_ref2va_cfg_config_loads_and_fits(tmp_path) -> None:
     assert plan.fits
 
 
-def test_dropped_prompt_trains_at_scale_one_with_one_forward() -> None:
-    """A dropped prompt makes both CFG branches identical: one forward, plain flow matching under the negative."""
+def test_dropped_prompt_trains_at_scale_one_with_the_runs_forwards() -> None:
+    """A dropped prompt makes both CFG branches identical: plain flow matching under the negative, with the
+    negative forward run all the same (no gradient), so its rank issues the collectives of a kept prompt."""
     cfg = load_config(TINY_FL2VA, ["cfg.scale=3", "cfg.curvature_power=0.5", "cfg.text_dropout=0.9"])
     model = build_model(cfg, seed=0)
     source = SyntheticSource(cfg.data.synthetic, model.config.text_dim, cfg.train.seed)
@@ -168,10 +169,10 @@ def test_dropped_prompt_trains_at_scale_one_with_one_forward() -> None:
             found.append(ti)
     assert found and negative is not None
     ti = found[0]
-    assert ti.uncond_inputs is None and (ti.guidance.scale_video, ti.guidance.scale_audio) == (1.0, 1.0)
+    assert ti.uncond_inputs is not None and (ti.guidance.scale_video, ti.guidance.scale_audio) == (1.0, 1.0)
     fwd = CountingForward(model)
     parts = compute_loss(fwd, ti)
-    assert (fwd.calls, fwd.grad_calls) == (1, 1)
+    assert (fwd.calls, fwd.grad_calls) == (2, 1)
     with torch.no_grad():
         video, audio = model(**ti.model_inputs, return_dict=False)
     plain = ti.weight_video * _mse(video, ti.target_video, ti.loss_mask_video) + ti.weight_audio * _mse(

@@ -186,7 +186,7 @@ def test_dropout_decision_does_not_depend_on_the_rank(monkeypatch: pytest.Monkey
     assert 0 < sum(dropped) < len(dropped)
 
 
-def test_dropped_prompt_has_no_second_branch() -> None:
+def test_dropped_prompt_trains_at_scale_one_on_the_negative_branch() -> None:
     sample = synthetic_sample("fl2va", 2, seed=3, text_dim=8).to_packed()
     cfg = CfgConfig(scale=3.0, curvature_power=0.5)
     kept = make_training_inputs(sample, torch.Generator().manual_seed(0), TimestepConfig(), LossWeights(), cfg)
@@ -194,7 +194,8 @@ def test_dropped_prompt_has_no_second_branch() -> None:
         sample, torch.Generator().manual_seed(0), TimestepConfig(), LossWeights(), cfg, drop_text=True
     )
     assert kept.uncond_inputs is not None and kept.guidance.active
-    assert dropped.uncond_inputs is None and not dropped.guidance.active
+    # The negative forward still runs (the run's forwards, not the sample's), on the same inputs.
+    assert dropped.uncond_inputs is dropped.model_inputs and not dropped.guidance.active
     assert dropped.full_weights() == (dropped.weight_video, dropped.weight_audio)
     assert torch.equal(dropped.model_inputs["hidden_states"], kept.uncond_inputs["hidden_states"])
     assert torch.equal(dropped.model_inputs["encoder_hidden_states"], kept.uncond_inputs["encoder_hidden_states"])

@@ -242,3 +242,27 @@ def test_wandb_that_hangs_holds_no_rank_under_torchrun_sp2(tmp_path) -> None:
     assert len(said) == 1 and "metrics.jsonl" in said[0], proc.stderr[-3000:]
     # wandb's own console lines stay out of the run's output.
     assert not any(line.startswith("wandb:") for line in (proc.stdout + proc.stderr).splitlines())
+
+
+@pytest.mark.slow
+def test_a_stop_signal_while_a_step_validates_stops_on_that_steps_save(tmp_path) -> None:
+    """SIGTERM to one rank after step 2's all-reduce, while it validates: both ranks save step 2 and stop,
+    without training step 3 (and saving again)."""
+    from h3train.data.synth import write_synthetic_dataset
+
+    heldout = write_synthetic_dataset(tmp_path / "heldout", task="fl2va", num_samples=3, seed=7, text_dim=16)
+    run = tmp_path / "run"
+    args = tiny_args(
+        run,
+        "parallel.sp=1",
+        "train.steps=6",
+        "checkpoint.every=0",
+        f"validation.dataset={heldout}",
+        "validation.every=2",
+        "validation.sigmas=[0.5]",
+        "debug.fault=[sigterm_after_step@2:1]",
+    )
+    proc = run_forked(args, nproc=2)
+    assert "preempted by a signal to another rank: stopped after step 2, checkpoint saved" in proc.stdout
+    assert [m["step"] for m in read_metrics(run) if m.get("kind") is None] == [1, 2]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [checkpoint_dir(run, 2).name]

@@ -291,7 +291,8 @@ class DebugConfig:
     dump_step: int | None = None
     # Fault injection for tests: `nan_loss@STEP`, `nan_grad@STEP:RANK`, `kill@STEP:RANK`,
     # `sigterm@STEP`, `sigint@STEP`, `kill_in_save@STEP`, `sigint_in_save@STEP`, `corrupt_sample@ID`,
-    # `rank_branch@STEP:RANK` (that rank runs one forward more than its peers).
+    # `rank_branch@STEP:RANK` (that rank runs one forward more than its peers), `sigterm_after_step@STEP`
+    # (while the step validates and saves).
     fault: list[str] = field(default_factory=list)
     # `[first, last]`: a torch.profiler trace of steps first..last per rank under <logging.dir>/profile.
     profile_steps: list[int] = field(default_factory=list)

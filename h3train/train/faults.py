@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +30,7 @@ STEP_KINDS = (
     "kill_in_save",
     "sigint_in_save",
     "rank_branch",
+    "sigterm_after_step",
 )
 # How long `sigint_in_save` then holds the write of the shards: far longer than a run takes to stop,
 # so a checkpoint that gets committed all the same was not stopped; a run that does not stop still ends.
@@ -86,10 +87,12 @@ class FaultInjector:
         return self.active(kind, step) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
 
     def maybe_die(self, kind: str, step: int) -> None:
-        """`kill` / `kill_in_save`: die at once as a crashed node would; `sigterm`: ask for preemption;
-        `sigint`: press Ctrl-C."""
+        """`kill` / `kill_in_save`: die at once as a crashed node would; `sigterm` / `sigterm_after_step`:
+        ask for preemption; `sigint`: press Ctrl-C."""
         if self._strikes(kind, step):
-            sent = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT}.get(kind, signal.SIGKILL)
+            sent = {"sigterm": signal.SIGTERM, "sigterm_after_step": signal.SIGTERM, "sigint": signal.SIGINT}.get(
+                kind, signal.SIGKILL
+            )
             os.kill(os.getpid(), sent)
 
     def before_write(self, step: int) -> Callable[[], None] | None:
@@ -113,9 +116,10 @@ class FaultInjector:
 class FaultHook(TrainerHook):
     """The step faults, at the points a real one strikes: `kill` / `sigterm` / `sigint` before the step,
     `nan_loss` on every micro-batch's loss before its backward, `nan_grad` on a gradient after it.
-    `rank_branch` is the bug class a distributed step must never have: the rank it names runs one more
-    forward (no gradient) than its peers, whose all-gathers its peers skip; the process groups'
-    collective checks must catch it.
+    `sigterm_after_step` asks for preemption after the step's all-reduce, while the step validates,
+    renders and saves. `rank_branch` is the bug class a distributed step must never have: the rank it
+    names runs one more forward (no gradient) than its peers, whose all-gathers its peers skip; the
+    process groups' collective checks must catch it.
 
     Runs first among the hooks, so a fault before the step comes before any other hook's work.
     """
@@ -134,6 +138,9 @@ class FaultHook(TrainerHook):
         if self.faults.active("rank_branch", batch.step):
             with torch.no_grad():
                 trainer.model(**batch.inputs.to(trainer.device).model_inputs)
+
+    def after_step(self, trainer: TrainerView, step: int, stats: Mapping[str, float]) -> None:
+        self.faults.maybe_die("sigterm_after_step", step)
 
     def after_backward(self, trainer: TrainerView, step: int) -> None:
         if self.faults.active("nan_grad", step):

@@ -104,6 +104,8 @@ class Trainer:
         # The logger while `fit` runs (opened at the step it starts from), else None.
         self._metrics: MetricsLogger | None = None
         self._pending_validation: list[tuple[int, dict[str, float]]] = []
+        # The last step after which this run validated or rendered (every rank logs both).
+        self._evaluated_at = -1
         # What this step's validation rows ask for (`guard.py`); the reason a guard stopped the run.
         self.watch = parts.watch
         self._verdict = Verdict()
@@ -161,6 +163,7 @@ class Trainer:
         Rows wait until the step's training row is written, so `metrics.jsonl` stays in step order.
         """
         self._pending_validation.append((step, dict(values)))
+        self._evaluated_at = step
         self._verdict.merge(self.watch.judge(step, values))
 
     def _flush_validation(self) -> None:
@@ -170,6 +173,7 @@ class Trainer:
 
     def log_videos(self, step: int, videos: Mapping[str, tuple[Path, str]]) -> None:
         """Log rendered clips (id -> (mp4, caption)) after step `step`; rank 0 sends them to the dashboards."""
+        self._evaluated_at = step
         for path, _ in videos.values():
             self._last_samples = Path(path).parent
         if self._metrics is not None:
@@ -381,6 +385,18 @@ class Trainer:
         n = len(scalars)
         return totals, rest[:n], rest[n:], stop
 
+    def _agree_stop(self) -> int:
+        """The stop any rank was asked for so far (`INTERRUPT` over `PREEMPT`), agreed in one all-reduce.
+
+        Collective: called by every rank at the same points of a step.
+        """
+        flag = self.preempt.flag
+        flags = torch.tensor([float(flag == PREEMPT), float(flag == INTERRUPT)], dtype=torch.float64)
+        flags = flags.to(self.device)
+        dist.all_reduce(flags)
+        preempting, interrupting = flags.tolist()
+        return INTERRUPT if interrupting > 0 else PREEMPT if preempting > 0 else NONE
+
     def _too_many_skips(self, step: int, sample_ids: list[str]) -> TrainingError:
         """The error that stops a run after too many skipped steps, naming every rank's samples of `step`.
 
@@ -456,9 +472,12 @@ class Trainer:
                 if self.ctx.is_main:
                     for line in verdict.lines:
                         print(line, file=sys.stderr, flush=True)
-                # Agreed in the step's all-reduce: a signal any rank got before the step ended.
+                # Agreed in the step's all-reduce: a signal any rank got before the step ended; and
+                # one that came while the step validated or rendered (every rank does both at the
+                # same steps), so that the run stops on this step's save, not after another step.
+                if not self.stop_request and self._evaluated_at == step:
+                    self.stop_request = self._agree_stop()
                 preempted = self.stop_request
-                self.interrupted = preempted == INTERRUPT
                 due = every and (step % every == 0 or step == cfg.train.steps)
                 if preempted or verdict.save or due:
                     self._finish_saves()
@@ -467,6 +486,10 @@ class Trainer:
                     if self.ctx.is_main:
                         background = self.checkpointer.async_save
                         print(f"{'saving' if background else 'saved'} checkpoint {path}", flush=True)
+                    if not preempted:
+                        # A signal during the save stops on the save just made.
+                        preempted = self.stop_request = self._agree_stop()
+                self.interrupted = preempted == INTERRUPT
                 if preempted:
                     self._finish_saves()
                     if self.ctx.is_main:
