@@ -260,3 +260,17 @@ def test_known_notices_are_silenced_only_inside_the_block() -> None:
     assert caught == ["another notice"]
     # The filter goes with the block.
     assert any("Attention backends" in r for r in _notices(set_backend)[0])
+
+
+def test_under_cfg_the_headline_is_the_flow_matching_loss_with_the_objective_beside_it(capsys) -> None:
+    from h3train.train.metrics.console_sink import ConsoleSink
+
+    sink = ConsoleSink(total_steps=2, progress=False)
+    sink.open(0)
+    row = {"loss": 40.0, "loss_video": 25.96, "loss_audio": None, "loss_video_fm": 1.6279, "loss_audio_fm": None}
+    sink.show(1, {**row, "grad_norm": 0.5, "lr": 1e-3})
+    line = capsys.readouterr().err.strip()
+    # The same number held-out reports as val/loss_video leads; the calibrated objective follows.
+    assert line.startswith("step 1/2 video=1.6279 audio=- cfg_video=25.9600 cfg_audio=- grad_norm=0.5 "), line
+    sink.show(2, {"loss": 3.0, "loss_video": 1.5, "loss_audio": 1.5, "grad_norm": 0.5})
+    assert " video=1.5000 audio=1.5000 grad_norm=" in capsys.readouterr().err

@@ -297,3 +297,15 @@ def test_heldout_loss_is_the_same_at_sp_2_at_dp_2_and_across_a_resume(tmp_path, 
     run_forked(["train", str(TINY_FL2VA), *_args(resumed, heldout, *common)])
     assert _rows(resumed, "validation")[-1] == reference[-1]
     shutil.rmtree(tmp_path)
+
+
+def test_a_resumed_runs_summary_compares_with_the_runs_first_evaluation(tmp_path, heldout, capsys) -> None:
+    common = ("validation.at_start=true", "validation.every=2", "checkpoint.every=2")
+    assert main(["train", str(TINY_FL2VA), *_args(tmp_path, heldout, *common, "train.steps=2")]) == 0
+    capsys.readouterr()
+    assert main(["train", str(TINY_FL2VA), *_args(tmp_path, heldout, *common, "checkpoint.resume=auto")]) == 0
+    out = capsys.readouterr().out
+    first, last = _rows(tmp_path, "validation")[0], _rows(tmp_path, "validation")[-1]
+    assert (first["step"], last["step"]) == (0, 4)
+    line = next(line for line in out.splitlines() if line.startswith("held-out loss"))
+    assert line.startswith(f"held-out loss (steps 0 -> 4): {first['val/loss']:.4g} -> {last['val/loss']:.4g}"), line

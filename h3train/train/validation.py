@@ -56,6 +56,7 @@ from ..objective import TrainingInputs, cfg_enabled, compute_loss, make_training
 from ..tasks.layout import PackedSample
 from .base_predictions import FOLDER, BasePredictions, fingerprint
 from .hooks import TrainerHook, TrainerView
+from .metrics import METRICS_FILE, first_row
 
 # Columns of the per-sigma sums: [video_fm, audio_fm, video_cfg, audio_cfg, samples, samples_with_audio],
 # then with retention, per modality (video, audio): drift MSE(p, p_base) and MSE(p_base, v), guidance
@@ -188,6 +189,11 @@ class HeldOutLoss(TrainerHook):
         return len(source) if not self.v.num_samples else min(self.v.num_samples, len(source))
 
     def on_fit_start(self, trainer: TrainerView) -> None:
+        if trainer.step > 0 and trainer.ctx.is_main:
+            # A resumed run's summary compares with the run's first evaluation, not this process's.
+            row = first_row(Path(self.cfg.logging.dir) / METRICS_FILE, "validation")
+            if row is not None and row["step"] <= trainer.step:
+                self.trail.record(row["step"], {k: v for k, v in row.items() if k.startswith("val/")})
         if self.v.retention:
             self.base = self._prepare_base(trainer)
         if self.v.at_start and trainer.step == 0:

@@ -7,7 +7,7 @@ sink per destination (`sink.MetricSink`), each in a file of its own.
 """
 
 from .console_sink import ConsoleSink, format_duration
-from .jsonl_sink import METRICS_FILE, JsonlSink, set_aside_later_lines
+from .jsonl_sink import METRICS_FILE, JsonlSink, first_row, set_aside_later_lines
 from .logger import MetricsLogger
 from .memory import peak_memory_gib, reset_peak_memory
 from .record import MEMORY_KEY, NONFINITE_KEY, RESUMED_KEY, strict_record
@@ -30,6 +30,7 @@ __all__ = [
     "TensorBoardSink",
     "WandbSink",
     "_TensorBoard",
+    "first_row",
     "format_duration",
     "peak_memory_gib",
     "reset_peak_memory",

@@ -17,8 +17,17 @@ from .sink import MetricSink
 # Without a TTY the bar is replaced by plain lines; this caps how many a run prints.
 _MAX_PLAIN_LINES = 50
 # The headline: each modality's loss (never their sum, which halves on a step without sound), in
-# this order, and the name each is shown under. `loss` only for rows that have neither.
+# this order, and the name each is shown under. `loss` only for rows that have neither. Under CFG the
+# headline is the flow-matching loss, the one held-out reports (`val/loss_video`), and the calibrated
+# objective the step trains on follows it.
 _LOSS_KEYS = {"loss_video": "video", "loss_audio": "audio"}
+_CFG_LOSS_KEYS = {
+    "loss_video_fm": "video",
+    "loss_audio_fm": "audio",
+    "loss_video": "cfg_video",
+    "loss_audio": "cfg_audio",
+}
+_TRACKED = (*_LOSS_KEYS, "loss_video_fm", "loss_audio_fm")
 # Keys shown after the losses, in this order, when present, and the name each is shown under.
 _CONSOLE_KEYS = {"grad_norm": "grad_norm", "lr": "lr", MEMORY_KEY: "peak_mem"}
 
@@ -46,12 +55,13 @@ class RecentLosses:
 
     def add(self, metrics: Mapping[str, Any]) -> None:
         """Take one step's row (`loss_video`, `loss_audio`; a missing or null one is a step without it)."""
-        self._steps.append({k: float(v) if _is_number(v := metrics.get(k)) else None for k in _LOSS_KEYS})
+        self._steps.append({k: float(v) if _is_number(v := metrics.get(k)) else None for k in _TRACKED})
 
     def means(self) -> dict[str, float | None]:
-        """`loss_video` and `loss_audio`: the mean over the window's steps that had it, None when none did."""
+        """`loss_video`, `loss_audio` (and under CFG `loss_video_fm`, `loss_audio_fm`): the mean over the
+        window's steps that had it, None when none did."""
         out: dict[str, float | None] = {}
-        for key in _LOSS_KEYS:
+        for key in _TRACKED:
             values = [v for step in self._steps if (v := step[key]) is not None]
             out[key] = sum(values) / len(values) if values else None
         return out
@@ -85,7 +95,9 @@ class ConsoleSink(MetricSink):
 
     `video` and `audio` are `RecentLosses` over the last steps as many as the plain lines are apart (one
     in a run of up to 50 steps; the bar uses the same window): `audio` averages only the steps with sound, and reads
-    `audio=-` when none of them had any. `grad_norm`, `lr` and `peak_mem` are the step's own. A row
+    `audio=-` when none of them had any. Under CFG they are the flow-matching losses (`loss_*_fm`, what
+    held-out reports), followed by the calibrated objective as `cfg_video` and `cfg_audio`.
+    `grad_norm`, `lr` and `peak_mem` are the step's own. A row
     without either modality loss shows its `loss`. Elapsed time counts from `start_clock` (the first
     step of this process, so a resumed run times its own steps) and the ETA extrapolates its mean time
     per step to `total_steps`. `show` prints a step's line as soon as the step is done; `log` prints it
@@ -136,7 +148,8 @@ class ConsoleSink(MetricSink):
         shown = [(k, metrics[k]) for k in _CONSOLE_KEYS if k in metrics]
         if any(k in metrics for k in _LOSS_KEYS):
             means = self._losses.means()
-            losses = [f"{name}={_format_value(k, means[k])}" for k, name in _LOSS_KEYS.items()]
+            keys = _CFG_LOSS_KEYS if "loss_video_fm" in metrics else _LOSS_KEYS
+            losses = [f"{name}={_format_value(k, means[k])}" for k, name in keys.items()]
         else:
             losses = [f"loss={_format_value('loss', metrics['loss'])}"] if "loss" in metrics else []
         if self._bar is not None:

@@ -46,6 +46,24 @@ def set_aside_later_lines(path: Path, step: int) -> Path | None:
     return aside
 
 
+def first_row(path: Path, kind: str | None) -> dict[str, Any] | None:
+    """The first row of JSONL log `path` whose `kind` is `kind` (None: training rows); None if none is.
+
+    Torn or foreign lines are passed over, as `set_aside_later_lines` sets them aside.
+    """
+    if not path.is_file():
+        return None
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row.get("kind") == kind:
+                return row
+    return None
+
+
 class JsonlSink(MetricSink):
     """Appends each row to `<log_dir>/metrics.jsonl`, flushed per line.
 
