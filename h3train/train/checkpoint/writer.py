@@ -210,8 +210,9 @@ class Checkpointer:
     read here, so they are already a snapshot) and rank 0's creation of the temporary folder; on a
     staging thread, started as `save()` returns, the copy of every tensor to host memory
     (`HeldStager`); on a writer thread, DCP's planning (over this checkpointer's own gloo group)
-    and the writes. Rank 0 commits on the writer thread as soon as the writes are complete
-    (`_commit_when_written`); `wait()` waits for all of it and lines the ranks up after it.
+    and the writes, then each rank's digests of its own files, gathered over that group; rank 0
+    commits there as soon as it has them (`_commit_when_written`); `wait()` waits for all of it and
+    lines the ranks up after it.
 
     The invariant the caller keeps: until `wait_staged()` has returned, nothing changes a tensor of
     the checkpoint state in place, or the checkpoint would hold part of a later state. The trainer
