@@ -108,7 +108,8 @@ def _staged_storages(calls: list[list[int]]) -> Any:
 
 
 def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Two background saves (the state changed between them) and one blocking save; what rank 0 read."""
+    """Two background saves (the state changed between them), one blocking save, then a background save
+    whose rank 2 cannot read its file back; what rank 0 read, where the writer found the tensors."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -136,10 +137,24 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
             if originals is not None:
                 builtins.open, io.open = originals
         reads.append(tally)
+    # Rank 2 cannot read back its own shard: every rank's wait raises, and nothing is committed.
+    if rank == 2:
+        from h3train.train.checkpoint import writer
+
+        def unreadable(path: Any) -> str:
+            raise OSError(f"Input/output error: '{path}'")
+
+        writer.digest_file = unreadable
+    background.save(components, info, 4)
+    try:
+        background.wait()
+        failure = None
+    except OSError as exc:
+        failure = str(exc)
     background.close()
     dist.barrier()
     live = sorted({state.w.to_local().untyped_storage().data_ptr(), state.b.untyped_storage().data_ptr()})
-    return {"reads": reads, "staged": staged, "live": live}
+    return {"reads": reads, "staged": staged[:3], "live": live, "failure": failure}
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +208,11 @@ def test_background_saves_copy_into_the_same_host_buffers(saved) -> None:
         folder = "blocking" if step == 3 else "background"
         w = checkpoint_tensors(root / folder / f"step_{step:08d}", "model.")["w"]
         torch.testing.assert_close(w, expected + added, rtol=0, atol=0)
+
+
+def test_a_rank_that_cannot_read_its_file_back_fails_the_save_on_every_rank(saved) -> None:
+    root, results = saved
+    failures = [result["failure"] for result in results]
+    assert all(f is not None and f.startswith("rank 2 could not read back") for f in failures), failures
+    assert len(set(failures)) == 1
+    assert not (root / "background" / "step_00000004").exists()
