@@ -1,10 +1,10 @@
 """A checkpoint's commit at four ranks: who reads which bytes, and where the staged copy lives.
 
 Four gloo ranks save a small sharded state (a DTensor, one shard per rank, plus a replicated
-tensor) with the `Checkpointer` itself: two background saves, then one blocking save. Rank 0
-counts every read of a file under the checkpoint folder while each save runs and commits (its
-`open` wrapped), and records where the writer found the staged tensors (the storage of each
-tensor DCP's planner hands to the file writer).
+tensor) with the `Checkpointer` itself: two background saves, one blocking save, then a background
+save that one rank cannot read back. Rank 0 counts every read of a file under the checkpoint
+folder while each save runs and commits (its `open` wrapped); every rank records where the writer
+found the tensors it wrote (the storage of each tensor DCP's planner hands to the file writer).
 """
 
 from __future__ import annotations
