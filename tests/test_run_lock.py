@@ -108,6 +108,67 @@ def test_a_live_lock_on_another_host_is_respected(tmp_path, capsys) -> None:
     assert json.loads(lock.read_text())["token"] == "another-writer"
 
 
+def _in_slurm_job(monkeypatch: pytest.MonkeyPatch, job: str | None, restart: int | None) -> None:
+    """This process as a step of Slurm job `job` at restart `restart` (None: the variable unset)."""
+    for name, value in (("SLURM_JOB_ID", job), ("SLURM_RESTART_COUNT", restart)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, str(value))
+
+
+def test_the_lock_records_the_slurm_job_and_its_restart(tmp_path, monkeypatch) -> None:
+    _in_slurm_job(monkeypatch, "4242", 3)
+    lock = RunLock([(tmp_path, "logging.dir")])
+    lock.acquire()
+    try:
+        record = json.loads((tmp_path / LOCK_NAME).read_text())
+    finally:
+        lock.release()
+    assert (record["slurm_job_id"], record["slurm_restart_count"]) == ("4242", 3)
+    _in_slurm_job(monkeypatch, None, None)
+    assert "slurm_job_id" not in writer_record("t") and "slurm_restart_count" not in writer_record("t")
+
+
+def test_a_requeued_slurm_job_takes_over_its_own_lock_from_another_host_at_once(tmp_path, capsys, monkeypatch) -> None:
+    """Killed before it released the lock, on a node whose pid cannot be checked from here, seconds ago."""
+    run = tmp_path / "run"
+    _write_lock(run, host="node-17", pid=1, heartbeat=time.time() - 5, slurm_job_id="4242", slurm_restart_count=0)
+    _in_slurm_job(monkeypatch, "4242", 1)
+    assert main(tiny_args(run, "train.steps=1", "checkpoint.every=0")) == 0
+    notes = [line for line in _lines(capsys) if "took over the lock" in line]
+    assert len(notes) == 1 and f"logging.dir '{run}'" in notes[0], notes
+    assert "left by restart 0 of this Slurm job 4242, now at restart 1" in notes[0]
+    assert [m["step"] for m in read_metrics(run)] == [1]
+    assert not (run / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [
+        (("4242", 1), ("9999", 0)),
+        (("4242", 1), ("4242", 1)),
+        (("4242", 1), ("4242", 2)),
+        ((None, None), ("4242", 0)),
+    ],
+    ids=["another_job", "same_job_same_restart", "same_job_later_restart", "not_under_slurm"],
+)
+def test_a_young_lock_on_another_host_is_respected_unless_it_is_our_jobs_earlier_restart(
+    tmp_path, capsys, monkeypatch, ours: tuple, theirs: tuple
+) -> None:
+    run = tmp_path / "run"
+    job, restart = theirs
+    lock = _write_lock(
+        run, host="node-17", pid=1, heartbeat=time.time() - 5, slurm_job_id=job, slurm_restart_count=restart
+    )
+    _in_slurm_job(monkeypatch, *ours)
+    assert main(tiny_args(run, "train.steps=1")) == 2
+    (line,) = _lines(capsys)
+    assert "is in use by another run (host node-17, pid 1" in line and str(lock) in line
+    assert f"Slurm job {job} restart {restart}" in line
+    assert json.loads(lock.read_text())["token"] == "another-writer"
+
+
 def test_start_up_removes_only_marked_leftovers_of_stopped_writers(finished: Path, tmp_path) -> None:
     run = Path(shutil.copytree(finished, tmp_path / "run"))
     ckpts = run / "checkpoints"

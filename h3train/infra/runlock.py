@@ -11,6 +11,12 @@ namespace) when its process is dead, elsewhere when its heartbeat is older than 
 writers that find the same stale lock race for `<lock>.takeover` (another exclusive create), so
 only one of them replaces it.
 
+Under Slurm the record also holds the job (`SLURM_JOB_ID`) and how many times it was restarted
+(`SLURM_RESTART_COUNT`, absent before the first requeue: 0). A requeued job, preempted or timed out
+before it released its lock, takes over its own earlier restart's lock at once, from any host:
+Slurm ends every step of a job before it runs it again, so that holder has stopped. A lock of the
+same job and restart (a second step started beside the first) is judged like any other.
+
 Temporary folders a holder writes carry `OWNER_NAME` with its token (`mark_owned`); once a writer
 holds the lock, such a folder with another token belongs to a writer that stopped, and only such
 folders are cleaned up (`owned_by_another`). Nothing without the marker is ever deleted.
@@ -73,8 +79,24 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def slurm_job() -> tuple[str, int] | None:
+    """This process's Slurm job id and restart count (`SLURM_JOB_ID`, `SLURM_RESTART_COUNT`, 0 when
+    unset); None outside a Slurm job."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if not job:
+        return None
+    try:
+        restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    except ValueError:
+        restart = 0
+    return job, restart
+
+
 def writer_record(token: str) -> dict[str, Any]:
-    """Who this process is, as a lock or a temporary folder's marker records it."""
+    """Who this process is, as a lock or a temporary folder's marker records it; under Slurm also its
+    job (`slurm_job_id`, `slurm_restart_count`)."""
+    job = slurm_job()
+    slurm = {} if job is None else {"slurm_job_id": job[0], "slurm_restart_count": job[1]}
     return {
         "token": token,
         "host": socket.gethostname(),
@@ -84,6 +106,7 @@ def writer_record(token: str) -> dict[str, Any]:
         "command": " ".join(sys.argv[:3])[:200],
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "heartbeat": time.time(),
+        **slurm,
     }
 
 
@@ -206,6 +229,9 @@ def stale_reason(holder: dict[str, Any]) -> str | None:
     """Why the lock of `holder` is stale, or None while its writer may still be writing."""
     if holder.get("token") == "?":
         return "its lock file is empty or unreadable"
+    earlier = _earlier_restart(holder)
+    if earlier is not None:
+        return earlier
     same_machine = holder.get("host") == socket.gethostname() and holder.get("pid_namespace") == _pid_namespace()
     if same_machine:
         pid = int(holder.get("pid", -1))
@@ -223,11 +249,27 @@ def stale_reason(holder: dict[str, Any]) -> str | None:
     return None
 
 
+def _earlier_restart(holder: dict[str, Any]) -> str | None:
+    """Why `holder` is an earlier restart of this very Slurm job (it has stopped), or None if it is not."""
+    job = slurm_job()
+    if job is None or str(holder.get("slurm_job_id", "")) != job[0]:
+        return None
+    try:
+        theirs = int(holder.get("slurm_restart_count", 0))
+    except (TypeError, ValueError):
+        return None
+    if theirs >= job[1]:
+        return None
+    return f"left by restart {theirs} of this Slurm job {job[0]}, now at restart {job[1]}"
+
+
 def describe(holder: dict[str, Any]) -> str:
     age = time.time() - float(holder.get("heartbeat", 0.0))
+    job = holder.get("slurm_job_id")
     return (
         f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {holder.get('started', '?')}, "
         f"last heartbeat {age:.0f} s ago"
+        + (f", Slurm job {job} restart {holder.get('slurm_restart_count', 0)}" if job else "")
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -23,13 +24,24 @@ try:  # torch >= 2.9: DCP can stage on a thread of its own
 except ImportError:  # torch 2.8: `dcp.async_save` copies to host memory on the calling thread
     DefaultStager = StagingOptions = None
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
 
 from ...errors import DiskFullError
 from ...infra.atomic import apply_file_mode, atomic_write_text, fsync_path, set_aside
 from ...infra.digest import ALGORITHM, digest_file
 from ...infra.diskspace import free_bytes, human_bytes, no_space
 from ...infra.runlock import OWNER_NAME, mark_owned, owned_by_another
-from .layout import DIGESTS_FIELD, STATE_FILE, _commit_key, committed_checkpoints, size_on_disk, step_dir_name, step_of
+from .layout import (
+    DIGESTS_FIELD,
+    METADATA_FILE,
+    STATE_FILE,
+    _commit_key,
+    committed_checkpoints,
+    size_on_disk,
+    step_dir_name,
+    step_of,
+)
 from .verify import complete_checkpoints
 
 # A failed save that leaves less than this free (and less than a checkpoint) ran out of space.
@@ -42,6 +54,34 @@ def room_needed(planned: int, root: Path) -> int:
     return max([planned, *(size_on_disk(p) for p in complete_checkpoints(root)[-1:])])
 
 
+def own_files(folder: Path, rank: int) -> list[Path]:
+    """The files rank `rank` wrote into a save's `folder`: its shards (`__<rank>_<n>.distcp`, DCP's
+    naming) and, on rank 0 (DCP's coordinator), `.metadata`."""
+    files = sorted(folder.glob(f"__{rank}_*.distcp"))
+    if rank == 0 and (folder / METADATA_FILE).is_file():
+        files.append(folder / METADATA_FILE)
+    return files
+
+
+def gather_digests(folder: Path, group: dist.ProcessGroup | None) -> dict[str, str]:
+    """Collective over `group` (None: the default one), once per save on every rank: each rank digests
+    the files it wrote (`own_files`), so no rank reads another's bytes; returns all of them by name.
+
+    A rank that cannot read its own file makes every rank raise the same `OSError`, naming it.
+    """
+    rank = dist.get_rank(group)
+    try:
+        mine: dict[str, str] | str = {p.name: digest_file(p) for p in own_files(folder, rank)}
+    except OSError as exc:
+        mine = f"rank {rank} could not read back what it wrote to '{folder}' ({exc})"
+    gathered: list[dict[str, str] | str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    failed = [part for part in gathered if isinstance(part, str)]
+    if failed:
+        raise OSError(failed[0])
+    return {name: digest for part in gathered if isinstance(part, dict) for name, digest in part.items()}
+
+
 # -- writing checkpoints --------------------------------------------------------------------------
 
 
@@ -49,17 +89,54 @@ class SaveAbandoned(RuntimeError):
     """A save stopped at once (`Checkpointer.abandon`): its temporary folder was not committed."""
 
 
-class _WriterWithHook(FileSystemWriter):
-    """DCP's file writer (what `checkpoint_id` alone chooses), running `before_write` where the shards
-    are about to be written: inside DCP's save, on the thread that writes (fault injection)."""
+class _Writer(FileSystemWriter):
+    """DCP's file writer (what `checkpoint_id` alone chooses) with two additions.
 
-    def __init__(self, path: Path, before_write: Callable[[], None]) -> None:
+    `before_write` (fault injection) runs where the shards are about to be written: inside DCP's
+    save, on the thread that writes. `stage` is torch 2.8's background staging (`dcp.async_save`
+    without `DefaultStager` calls it on the training thread): it copies the state into host buffers
+    kept from one save to the next, one copy of this rank's state (model and optimizer shards),
+    pinned when `pin`; a state whose tensors change layout gets new ones. One writer then serves
+    every save of a checkpointer, `dcp.async_save` pointing it at each save's folder.
+    """
+
+    def __init__(self, path: Path, before_write: Callable[[], None] | None = None, pin: bool = False) -> None:
         super().__init__(str(path))
-        self._before_write = before_write
+        self.before_write = before_write
+        self._pin = pin
+        self._buffers: dict[str, Any] | None = None
+        self._layout: tuple | None = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        layout = _tensor_layout(state_dict)
+        if self._buffers is None or layout != self._layout:
+            self._buffers = None  # freed before the new ones are allocated
+            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._pin)
+            self._layout = layout
+        return _copy_state_dict(state_dict, self._buffers, type_check=False)
+
+    def release(self) -> None:
+        """Free the staging buffers; a later `stage` allocates new ones."""
+        self._buffers = self._layout = None
 
     def write_data(self, plan: Any, planner: Any) -> Future:
-        self._before_write()
+        if self.before_write is not None:
+            self.before_write()
         return super().write_data(plan, planner)
+
+
+def _tensor_layout(state_dict: dict[str, Any]) -> tuple:
+    """What must not change for a staging buffer to be reused: the nesting, and each tensor's type,
+    local shape and dtype (a DTensor's local shard is what is copied)."""
+    leaves, spec = tree_flatten(state_dict)
+    shapes = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
+            shapes.append((type(leaf), tuple(local.shape), local.dtype))
+        else:
+            shapes.append(None)
+    return spec, tuple(shapes)
 
 
 @dataclass
@@ -133,8 +210,9 @@ class Checkpointer:
     read here, so they are already a snapshot) and rank 0's creation of the temporary folder; on a
     staging thread, started as `save()` returns, the copy of every tensor to host memory
     (`HeldStager`); on a writer thread, DCP's planning (over this checkpointer's own gloo group)
-    and the writes. Rank 0 commits on the writer thread as soon as the writes are complete
-    (`_commit_when_written`); `wait()` waits for all of it and lines the ranks up after it.
+    and the writes, then each rank's digests of its own files, gathered over that group; rank 0
+    commits there as soon as it has them (`_commit_when_written`); `wait()` waits for all of it and
+    lines the ranks up after it.
 
     The invariant the caller keeps: until `wait_staged()` has returned, nothing changes a tensor of
     the checkpoint state in place, or the checkpoint would hold part of a later state. The trainer
@@ -147,7 +225,8 @@ class Checkpointer:
     One stager serves every save of a checkpointer: it owns the staging thread and the host buffers
     (pinned on CUDA; one copy of this rank's shard of the state, kept between saves), which the next
     save copies into again; that is safe because a save first waits for the previous one's writes.
-    `close()` releases them.
+    On torch 2.8 (no `DefaultStager`) one `_Writer` keeps the buffers instead and the copy runs
+    inside `save()`. `close()` releases them.
 
     A second Ctrl-C stops the run at once (`abandon()`): the save in progress is never committed;
     its temporary folder stays, never read, until the next start removes it (`clean_incomplete`).
@@ -176,7 +255,11 @@ class Checkpointer:
         # interleave with the training loop's on the default group (and work beside NCCL).
         self._group = dist.new_group(backend="gloo") if async_save else None
         background_copy = async_save and DefaultStager is not None
-        self._stager = HeldStager(staging_options(device or torch.device("cpu"))) if background_copy else None
+        device = device or torch.device("cpu")
+        self._stager = HeldStager(staging_options(device)) if background_copy else None
+        # Without DefaultStager (torch 2.8) DCP stages with the writer: this one keeps its buffers.
+        pin = device.type == "cuda" and torch.cuda.is_available()
+        self._staging_writer = _Writer(root, pin=pin) if async_save and not background_copy else None
         # Checkpoints newer than the resume point that this run did not write are never pruned.
         # Resuming sets such later ones aside under another name, so this is a second guard.
         self.protected_after: int | None = None
@@ -245,9 +328,11 @@ class Checkpointer:
             mark_owned(tmp, self.owner)
         # No barrier: DCP's writer creates the folder on every rank, and no rank writes a file before
         # the plan exchange, which needs rank 0's plan, made after the lines above.
-        writer = None if before_write is None else _WriterWithHook(tmp, before_write)
+        writer = None if before_write is None else _Writer(tmp, before_write)
         if self.async_save:
             if self._stager is None:
+                writer = self._staging_writer
+                writer.before_write = before_write
                 # Staged before `async_save` returns: the snapshot is taken already.
                 written = dcp.async_save(
                     dict(components), checkpoint_id=str(tmp), storage_writer=writer, process_group=self._group
@@ -337,21 +422,23 @@ class Checkpointer:
         raise error from exc
 
     def _commit_when_written(self, written: Future, tmp: Path, final: Path, step: int, info: dict[str, Any]) -> Future:
-        """Rank 0 commits a background save as soon as it is written, on the writer thread.
+        """Every rank, on its writer thread once the save is written: digest its own files, gather the
+        digests over this checkpointer's group; rank 0 then commits.
 
         DCP's future completes on every rank only after the coordinator (rank 0 of the group) has
-        gathered every rank's write results and written the metadata, so rank 0's completion means
-        the whole checkpoint is on disk and no collective is needed. Committing then, not at the next
-        save, means a crash any time after the write finds this checkpoint.
+        gathered every rank's write results and written the metadata, so the whole checkpoint is on
+        disk; a failed write raises on every rank alike, so either all ranks gather or none does.
+        Committing then, not at the next save, means a crash any time after the write finds this
+        checkpoint.
         """
-        if not self.is_main:
-            return written
         committed: Future = Future()
 
         def commit(done: Future) -> None:
             try:
                 done.result()
-                self._rename_into_place(tmp, final, step, info)
+                digests = gather_digests(tmp, self._group)
+                if self.is_main:
+                    self._rename_into_place(tmp, final, step, info, digests)
                 committed.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the training thread
                 committed.set_exception(exc)
@@ -366,7 +453,7 @@ class Checkpointer:
             self._abandoned = True
 
     def close(self) -> None:
-        """Release the stager (its thread, its host buffers); no collective, so also after a failure.
+        """Release the stager (its thread) and the staging buffers; no collective, so also after a failure.
 
         A save still in flight commits on its own once written (rank 0's writer thread); `wait()`
         waits for that. After `abandon()` nothing waits for its copy to host memory either.
@@ -374,37 +461,30 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close(wait=not self._abandoned)
             self._stager = None
+        if self._staging_writer is not None:
+            self._staging_writer.release()
 
     def _commit(
         self, tmp: Path, final: Path, step: int, info: dict[str, Any], before_commit: Callable[[], None] | None
     ) -> None:
-        """Every rank's shards are in `tmp` once all ranks have gathered their digests: rank 0 commits it.
-
-        Each rank digests the shard files it wrote itself (`__<rank>_*.distcp`), in parallel.
-        """
-        rank, world = dist.get_rank(), dist.get_world_size()
-        mine = {p.name: digest_file(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
-        gathered: list[dict[str, str]] = [{} for _ in range(world)]
-        dist.all_gather_object(gathered, mine)
+        """Every rank's shards are in `tmp`: the ranks gather their digests and rank 0 commits it."""
+        digests = gather_digests(tmp, None)
         if before_commit is not None:
             before_commit()
         if self.is_main:
-            self._rename_into_place(tmp, final, step, info, {k: v for part in gathered for k, v in part.items()})
+            self._rename_into_place(tmp, final, step, info, digests)
         self.written.add(final.name)
         dist.barrier()
 
     def _rename_into_place(
-        self, tmp: Path, final: Path, step: int, info: dict[str, Any], digests: dict[str, str] | None = None
+        self, tmp: Path, final: Path, step: int, info: dict[str, Any], digests: dict[str, str]
     ) -> None:
         """Rank 0, no collective: write the record into the complete `tmp`, rename it to `final`, prune.
 
-        The record holds a digest of every file (`digests` gives those the ranks computed; rank 0
-        reads the rest, all of them for a background save, on the writer thread).
+        The record holds `digests`, every rank's of the files it wrote (`gather_digests`): nothing
+        here reads a file's bytes.
         """
-        files = dict(digests or {})
-        for file in sorted(tmp.iterdir()):
-            if file.is_file() and file.name not in files and file.name not in (STATE_FILE, OWNER_NAME):
-                files[file.name] = digest_file(file)
+        files = dict(sorted(digests.items()))
         record = {
             "step": step,
             "commit": self._next_commit(),
