@@ -131,7 +131,12 @@ class CachedData(DataSource):
         specs = dataset_specs(cfg.data)
         datasets = [
             CachedDataset(
-                spec.path, cfg.task.name, on_error=cfg.data.on_error, on_skip=on_skip, injected_corrupt=corrupt
+                spec.path,
+                cfg.task.name,
+                on_error=cfg.data.on_error,
+                on_skip=on_skip,
+                injected_corrupt=corrupt,
+                max_rows=cfg.data.max_rows,
             )
             for spec in specs
         ]

@@ -36,6 +36,7 @@ from .arithmetic import (
     RELEASED_MAX_ROWS,
     RELEASED_TEXT_ROWS,
     SHORTEST_CLIP_S,
+    EvaluationPlan,
     MemoryPlan,
     MeshSizes,
     ParameterCounts,
@@ -59,10 +60,12 @@ from .inputs import (
     checkpointed_layers,
     config_rows,
     config_sample_rows,
+    dropped_line,
     estimate,
+    refuse_over_plan,
     render_components_line,
 )
-from .report import format_plan
+from .report import format_plan, summary, verdict
 
 __all__ = [
     "GIB",
@@ -97,4 +100,9 @@ __all__ = [
     "checkpoint_bytes",
     "render_components_line",
     "format_plan",
+    "summary",
+    "verdict",
+    "EvaluationPlan",
+    "dropped_line",
+    "refuse_over_plan",
 ]
