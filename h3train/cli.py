@@ -29,9 +29,11 @@ if TYPE_CHECKING:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .preflight import load_checked
+    from .preflight import load_checked, preflight
 
     cfg = load_checked(args.config, args.overrides)
+    # The inputs first: the plan reads the data they check (the start-up checks them again, cheaply).
+    preflight(cfg)
     start_plan(cfg)
     from .train.assemble import build_trainer
 
