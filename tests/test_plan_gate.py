@@ -173,3 +173,28 @@ def test_the_evaluation_forward_is_the_peak_when_it_holds_more(tmp_path: Path) -
     device = (plan.total_bytes + evaluated.evaluation_bytes) / 2 / GIB
     assert replace(plan, device_bytes=int(device * GIB)).fits
     assert not replace(evaluated, device_bytes=int(device * GIB)).fits
+
+
+def test_train_refuses_the_longest_sample_by_name_and_max_rows_lets_it_start(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    from h3train.cli import start_plan
+    from h3train.data.dataset import CachedDataset
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    folder, lengths = _tiny_dataset(tmp_path)
+    longest = CachedDataset(folder, "fl2va").entries[lengths.index(max(lengths))].sample_id
+    cfg = load_config(TINY_FL2VA, ["data.source=cached", f"data.path={folder}"])
+    plan = estimate(model_dims(cfg), ParallelDims.from_config(cfg.parallel, 1), cfg)
+    # A device with room for the shortest sample, not the longest.
+    shorter = estimate(model_dims(cfg), ParallelDims.from_config(cfg.parallel, 1), cfg, rows=min(lengths))
+    device = (shorter.total_bytes + plan.total_bytes) / 2 / GIB
+    with pytest.raises(ConfigError, match=rf"'{longest}'.*set data.max_rows=\d+") as caught:
+        start_plan(cfg, "cuda", device)
+    bound = int(re.search(r"data.max_rows=(\d+)", str(caught.value))[1])
+    assert min(lengths) <= bound < max(lengths)
+    cfg.data.max_rows = bound
+    start_plan(cfg, "cuda", device)
+    out = capsys.readouterr().out
+    assert "memory plan: fits: yes" in out and f"data.max_rows={bound:,} drops" in out
