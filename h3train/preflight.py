@@ -68,7 +68,7 @@ def check_config(cfg: Config, planning: bool = False) -> None:
             f"config key 'validation.dataset': no dataset at '{v.dataset}' (no {INDEX_NAME}); "
             "encode one with 'h3train encode' or write one with 'h3train synth'"
         )
-    validate_samples(cfg, planning)
+    validate_samples(cfg)
 
 
 def _check_model_shape(cfg: Config) -> None:

@@ -66,9 +66,9 @@ def _evaluation_line(plan: MemoryPlan) -> str:
     e = plan.evaluation
     assert e is not None
     vaes = f", VAEs {_gib(e.components_bytes).strip()} on it to decode" if e.components_bytes else ""
-    peak = "  the peak:" if plan.evaluation_bytes > plan.total_bytes else ""
+    peak = "the peak; " if plan.evaluation_bytes > plan.total_bytes else ""
     return (
-        f"  between steps (no gradients)  {_gib(plan.evaluation_bytes)}{peak}  ({e.what}: no-grad forward over "
+        f"  between steps (no gradients)  {_gib(plan.evaluation_bytes)}  ({peak}{e.what}: no-grad forward over "
         f"{e.rows:,} rows, {e.local_rows:,} per rank, {_gib(e.activation_bytes).strip()}{vaes})"
     )
 

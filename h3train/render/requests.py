@@ -190,9 +190,8 @@ def served_tasks(cfg: Config) -> tuple[str, ...]:
     return partition_tasks(subfolder) if subfolder in PARTITIONS else tuple(SAMPLE_TASKS)
 
 
-def validate_samples(cfg: Config, planning: bool = False) -> None:
-    """`validation.samples`, `sample_every`, `components`, `num_inference_steps`, `reference_short_edge`;
-    `planning` (`h3train check` away from the run's machine): the components folder may be missing."""
+def validate_samples(cfg: Config) -> None:
+    """`validation.samples`, `sample_every`, `components`, `num_inference_steps`, `reference_short_edge`."""
     v = cfg.validation
     if v.sample_every < 0:
         raise ConfigError(f"config key 'validation.sample_every' must be >= 0 (0: off), got {v.sample_every}")
@@ -226,8 +225,7 @@ def validate_samples(cfg: Config, planning: bool = False) -> None:
     from ..data.components import ComponentsError, check_components_folder
 
     try:
-        if not planning or Path(v.components).exists():
-            check_components_folder(v.components)
+        check_components_folder(v.components)
     except ComponentsError as exc:
         raise ConfigError(f"config key 'validation.components': {exc}") from None
     served = served_tasks(cfg)
