@@ -186,7 +186,7 @@ class CachedData(DataSource):
         except SampleError:  # training skips or reports it (`data.on_error`); the plan assumes a released prefix
             text_rows = None
         name = sample[0].entries[sample[1]].sample_id
-        found = f"longest sample '{name}' in the dataset index" + ("es" if len(specs) > 1 else "")
+        found = "longest sample in the dataset index" + ("es" if len(specs) > 1 else "") + f": '{name}'"
         return lengths[longest], text_rows, found
 
 
