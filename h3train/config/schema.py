@@ -157,7 +157,7 @@ class TrainConfig:
     steps: int = 10
     # Micro-batches (one packed sequence each) per optimizer step on each DP rank.
     grad_accum: int = 1
-    # Start on a GPU even when the memory plan (`h3train check`) says the run does not fit it.
+    # Start on a GPU, and pass `h3train check`, even when the memory plan says the run does not fit.
     ignore_memory_plan: bool = False
     # Seeds the model's random init, the noise, timesteps and data order of every step.
     seed: int = 0

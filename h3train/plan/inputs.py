@@ -335,13 +335,14 @@ def dropped_line(cfg: Config) -> str | None:
 
 def refuse_over_plan(plan: MemoryPlan, device_type: str, ignored: bool) -> None:
     """Raise `ConfigError` when a run on `device_type` would not fit its plan: only on a GPU (`cuda`), whose
-    memory the plan is of, and unless `train.ignore_memory_plan` (`ignored`). The message names the fix."""
+    memory the plan is of, and unless `train.ignore_memory_plan` (`ignored`). The message names the fix.
+    `h3train check` plans for a GPU wherever it runs, so it passes `cuda`."""
     if plan.fits or device_type != "cuda" or ignored:
         return
     from ..errors import ConfigError
-    from .report import verdict
+    from .report import fixes
 
-    fix = verdict(plan).split(" over: ", 1)[1]
+    fix = fixes(plan)
     raise ConfigError(
         f"the memory plan needs {plan.peak_bytes / GIB:.2f} GiB per rank of the device's "
         f"{plan.device_bytes / GIB:.0f} GiB for {plan.rows:,} rows ({plan.rows_source}): {fix}; "

@@ -41,15 +41,20 @@ def _grads_note(plan: MemoryPlan) -> str:
     return f"  (grad_accum 1: {_gib(plan.peak_grads_bytes).strip()} of them in the total, beside the backward's peak)"
 
 
+def fixes(plan: MemoryPlan) -> str:
+    """What makes a plan that does not fit fit, the cheapest first: a bound on the rows when one fits."""
+    bound = f"set data.max_rows={plan.longest_fit} (drops longer samples), " if plan.longest_fit else ""
+    return (
+        f"{bound}shard over more ranks (dp_shard), raise sp, enable model.activation_checkpointing or "
+        "parallel.cpu_offload, or shorten the clips"
+    )
+
+
 def verdict(plan: MemoryPlan) -> str:
     """`fits: yes, ...` or `fits: NO, ...` with the fixes, over the run's peak (`MemoryPlan.peak_bytes`)."""
     if plan.fits:
         return f"fits: yes, {plan.headroom_bytes / GIB:.1f} GiB headroom"
-    bound = f"set data.max_rows={plan.longest_fit} (drops longer samples), " if plan.longest_fit else ""
-    return (
-        f"fits: NO, {-plan.headroom_bytes / GIB:.1f} GiB over: {bound}shard over more ranks (dp_shard), "
-        "raise sp, enable model.activation_checkpointing or parallel.cpu_offload, or shorten the clips"
-    )
+    return f"fits: NO, {-plan.headroom_bytes / GIB:.1f} GiB over: {fixes(plan)}"
 
 
 def summary(plan: MemoryPlan) -> str:
