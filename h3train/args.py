@@ -19,6 +19,7 @@ from .infra.diskspace import nearest_existing
 # flag -> (smallest, largest) it takes; None: unbounded above. Only flags a command defines are read.
 _RANGES: dict[str, tuple[float, float | None]] = {
     "world_size": (1, None),
+    "gpus_per_node": (1, None),
     "num_samples": (1, None),
     "text_dim": (1, None),
     "seed": (0, SEED_MAX),

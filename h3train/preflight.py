@@ -33,20 +33,21 @@ from .train.faults import parse_faults
 from .train.optim import optimizer_kind
 
 
-def load_checked(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Config:
+def load_checked(path: str | os.PathLike | None, overrides: Sequence[str] = (), planning: bool = False) -> Config:
     """`load_config` and `check_config`: a config every entry point can start from, or one `ConfigError`."""
     cfg = load_config(path, list(overrides))
-    check_config(cfg)
+    check_config(cfg, planning)
     return cfg
 
 
-def check_config(cfg: Config) -> None:
+def check_config(cfg: Config, planning: bool = False) -> None:
     """The config checks that read more than the values, in order; raises `ConfigError` on the first problem.
 
     The task table, whether `optim.name` can run here (torchao), the files `cfg.shared_negative_path`
     and `validation.dataset` name, `debug.fault`, the model's constructor kwargs and head count, the
     LoRA module names (on the model built on meta) and `lora.init_from`, then `validation.samples`.
     Away from the model folder the released architecture stands in, as in `planned_model_dims`.
+    `planning` (`h3train check`): a `validation.dataset` not here is planned for, not required.
     """
     if cfg.task.name not in TRAINING_TASKS:
         raise ConfigError(f"config key 'task.name' is {cfg.task.name!r}; {one_of(cfg.task.name, TRAINING_TASKS)}")
@@ -62,7 +63,7 @@ def check_config(cfg: Config) -> None:
     _check_model_shape(cfg)
     _check_lora(cfg)
     v = cfg.validation
-    if measures_held_out_loss(v) and not (Path(v.dataset) / INDEX_NAME).is_file():
+    if measures_held_out_loss(v) and not planning and not (Path(v.dataset) / INDEX_NAME).is_file():
         raise ConfigError(
             f"config key 'validation.dataset': no dataset at '{v.dataset}' (no {INDEX_NAME}); "
             "encode one with 'h3train encode' or write one with 'h3train synth'"
@@ -132,7 +133,7 @@ def preflight(cfg: Config, planning: bool = False) -> list[str]:
     cannot see here, the released architecture for a missing model folder and the longest released
     clip for a missing dataset, and returns a note for each such assumption; training needs both.
     """
-    check_config(cfg)
+    check_config(cfg, planning)
     notes: list[str] = []
     if planning:
         dims, note = planned_model_dims(cfg)
@@ -142,12 +143,30 @@ def preflight(cfg: Config, planning: bool = False) -> list[str]:
     if not notes:
         _check_builds(cfg, dims)
     notes += _check_dataset(cfg, dims, required=not planning)
+    v = cfg.validation
+    if measures_held_out_loss(v) and not (Path(v.dataset) / INDEX_NAME).is_file():
+        notes.append(f"validation: no dataset at '{v.dataset}' here; planned its samples as long as the training ones")
+    _check_max_rows(cfg)
     check_partition(cfg, data_source(cfg).sample_tasks)
     kind = device_type(cfg)
     resolve_attention_backend(cfg.model.attention_backend, kind, cfg.model.dtype)
     if cfg.model.dtype == "bfloat16" and kind == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("config key 'model.dtype' is 'bfloat16' but this GPU has no bf16 support; use float32")
     return notes
+
+
+def _check_max_rows(cfg: Config) -> None:
+    """A source that drops nothing (synthetic samples, one geometry) has no sample longer than `data.max_rows`."""
+    bound = cfg.data.max_rows
+    source = data_source(cfg)
+    if not bound or source.reads_folders:
+        return
+    found = source.longest(cfg)
+    if found is not None and found[0] > bound:
+        raise ConfigError(
+            f"config key 'data.max_rows' is {bound} but every {source.name} sample packs to {found[0]} rows; "
+            "raise data.max_rows or shrink data.synthetic"
+        )
 
 
 def _model_source(cfg: Config) -> str:
@@ -192,7 +211,8 @@ def _check_dataset(cfg: Config, dims: dict[str, Any], required: bool) -> list[st
                     f"config key '{dataset_key(specs, i)}': no dataset at '{spec.path}' (no {INDEX_NAME}); encode one "
                     "with 'h3train encode' or write a synthetic one with 'h3train synth'"
                 )
-            notes.append(f"data: no dataset at '{spec.path}' here; planned for the longest released clip")
+            planned = f"data.max_rows={data.max_rows}" if data.max_rows else "the longest released clip"
+            notes.append(f"data: no dataset at '{spec.path}' here; planned for {planned}")
         sizes.append(size)
     if not notes:
         epoch_draws(sizes, specs)

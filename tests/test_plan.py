@@ -55,11 +55,13 @@ def full_dims() -> dict:
 
 @pytest.fixture(scope="module")
 def pretrained_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A stand-in for /models/MiniMax-H3: only the transformer's config.json, default dims."""
+    """A stand-in for /models/MiniMax-H3: only the two transformers' config.json, default dims."""
     root = tmp_path_factory.mktemp("MiniMax-H3")
-    (root / "transformer").mkdir()
     cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in _defaults().items()}
-    (root / "transformer" / "config.json").write_text(json.dumps({"_class_name": "MiniMaxH3Transformer3DModel", **cfg}))
+    for partition in ("transformer", "transformer_ref"):
+        (root / partition).mkdir()
+        config = {"_class_name": "MiniMaxH3Transformer3DModel", **cfg}
+        (root / partition / "config.json").write_text(json.dumps(config))
     return root
 
 
@@ -210,7 +212,7 @@ def _load_cluster_config(name: str, folder: Path):
     return load_config(ROOT / "configs" / name, [f"model.pretrained={folder}"])
 
 
-@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
+@pytest.mark.parametrize("name", [*CLUSTER_CONFIGS, "h3_ref2va_cfg_a100.yaml"])
 def test_cluster_config_fits_per_the_plan(name: str, pretrained_folder: Path) -> None:
     """Each config states `# plan: world W, rows R, total T GiB`; the plan must reproduce it and fit."""
     from h3train.parallel.dims import ParallelDims
@@ -290,9 +292,11 @@ def test_a_t2va_plan_away_from_the_data_uses_the_released_clip_without_keyframes
 
     plans = {}
     for task in ("fl2va", "t2va"):
-        cfg = load_config(ROOT / "configs" / "h3_fl2va_a100.yaml", [f"task.name={task}", "data.path=/nowhere"])
+        cfg = load_config(
+            ROOT / "configs" / "h3_fl2va_a100.yaml", [f"task.name={task}", "data.path=/nowhere", "data.max_rows=0"]
+        )
         plans[task] = estimate(full_dims, ParallelDims.from_config(cfg.parallel, 64), cfg)
-        assert plans[task].rows_source.startswith("longest released clip")
+        assert plans[task].rows_source.startswith(f"longest released {task} clip")
     geometry = Geometry(*RELEASED_GEOMETRY)
     tags = torch.ones(plans["t2va"].text_rows, dtype=torch.long)
     # The same clip: the t2va layout (no keyframe rows) and the fl2va one (first and last).

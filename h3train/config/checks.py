@@ -73,6 +73,7 @@ def validate(cfg: Config) -> None:
         "train.loss_weights.audio",
         "data.prefetch",
         "data.bucket_size",
+        "data.max_rows",
     ):
         positive(key, allow_zero=True)
     if cfg.parallel.dp_shard == 0 or cfg.parallel.dp_shard < -1:

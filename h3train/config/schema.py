@@ -84,6 +84,9 @@ class DataConfig:
     prefetch: int = 2
     # Sort windows of this many samples by packed length (0: off), so DP ranks step together.
     bucket_size: int = 0
+    # Longest packed sequence trained, in rows (0: no bound). Longer cached samples are dropped when
+    # the dataset loads, and the memory plan takes this as the longest sample.
+    max_rows: int = 0
     # raise: stop on a corrupt sample, naming the file and field; skip: log it and take the next.
     on_error: str = "raise"
     # Tiny configs and demos: when `path` holds no dataset yet, write a synthetic one of
@@ -154,6 +157,8 @@ class TrainConfig:
     steps: int = 10
     # Micro-batches (one packed sequence each) per optimizer step on each DP rank.
     grad_accum: int = 1
+    # Start on a GPU, and pass `h3train check`, even when the memory plan says the run does not fit.
+    ignore_memory_plan: bool = False
     # Seeds the model's random init, the noise, timesteps and data order of every step.
     seed: int = 0
     # Gradients are clipped to this global norm (0: no clipping).

@@ -48,6 +48,8 @@ class CachedDataset:
     whose file fails validation (`SampleError`) by the next loadable one in index order, with a warning;
     the substitute is a function of the index alone, so every SP rank still gets the identical sample.
     I/O errors (`OSError`) always raise: they can be transient and differ between ranks.
+    `max_rows` (`data.max_rows`, 0: no bound) drops the entries that pack to more rows, listed in
+    `dropped` as (sample id, rows), before the samples are numbered.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class CachedDataset:
         on_error: str = "raise",
         on_skip: Callable[[str, str], None] | None = None,
         injected_corrupt: Iterable[str] = (),
+        max_rows: int = 0,
     ) -> None:
         if task_filter not in TRAINING_TASKS:
             raise DatasetError(f"task filter '{task_filter}' is not one of {', '.join(TRAINING_TASKS)}")
@@ -74,6 +77,15 @@ class CachedDataset:
                 f"dataset '{self.folder}' has no samples for task '{task_filter}' (it accepts "
                 f"{', '.join(accepted)}; the index lists {len(all_entries)} samples of tasks {', '.join(found)})"
             )
+        self.dropped: list[tuple[str, int]] = []
+        if max_rows > 0:
+            self.dropped = [(e.sample_id, e.seq_len) for e in self.entries if e.seq_len > max_rows]
+            self.entries = [e for e in self.entries if e.seq_len <= max_rows]
+            if not self.entries:
+                raise DatasetError(
+                    f"dataset '{self.folder}': every {task_filter} sample packs to more than data.max_rows={max_rows} "
+                    f"rows (the shortest {min(n for _, n in self.dropped)}); raise data.max_rows"
+                )
         self._skipped: set[int] = set()
         # Called as `on_skip(sample_id, reason)` for every sample `skip` passes over.
         self.on_skip = on_skip

@@ -131,7 +131,12 @@ class CachedData(DataSource):
         specs = dataset_specs(cfg.data)
         datasets = [
             CachedDataset(
-                spec.path, cfg.task.name, on_error=cfg.data.on_error, on_skip=on_skip, injected_corrupt=corrupt
+                spec.path,
+                cfg.task.name,
+                on_error=cfg.data.on_error,
+                on_skip=on_skip,
+                injected_corrupt=corrupt,
+                max_rows=cfg.data.max_rows,
             )
             for spec in specs
         ]
@@ -180,7 +185,8 @@ class CachedData(DataSource):
             text_rows = read_header(sample[0].path(sample[1])).specs["text_token_tags"].shape[0]
         except SampleError:  # training skips or reports it (`data.on_error`); the plan assumes a released prefix
             text_rows = None
-        found = "longest sample in the dataset index" + ("es" if len(specs) > 1 else "")
+        name = sample[0].entries[sample[1]].sample_id
+        found = "longest sample in the dataset index" + ("es" if len(specs) > 1 else "") + f": '{name}'"
         return lengths[longest], text_rows, found
 
 

@@ -16,6 +16,12 @@ Memory model of one rank (FSDP2 over `dp_shard x sp`, replicated over `dp_replic
   text refiner's over every text row, on every SP rank (`refiner_activation_bytes`).
 - A fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation.
 
+Between steps (`EvaluationPlan`), the held-out loss and the rendering of `validation.samples` hold the
+sharded state without gradients, the two unsharded blocks, one no-grad forward over their longest rows
+and, to decode, both VAEs; the plan's peak (`MemoryPlan.peak_bytes`) is the larger of that and a
+training step, and `fits` is over it. On the host: the copy `checkpoint.async_save` stages a rank's
+shards in (`staging_bytes`), any offloaded state and the VAEs, per rank and per node.
+
 A LoRA run (`lora.rank > 0`, `AdapterCounts`) changes the sharded state: the frozen base is 2 bytes per
 parameter in bfloat16 (4 in the float32 islands), with no gradient and no optimizer state; only the
 adapters and `lora.train_modules` take the 16 bytes. The all-gathered blocks carry their adapters,
@@ -36,6 +42,7 @@ from .arithmetic import (
     RELEASED_MAX_ROWS,
     RELEASED_TEXT_ROWS,
     SHORTEST_CLIP_S,
+    EvaluationPlan,
     MemoryPlan,
     MeshSizes,
     ParameterCounts,
@@ -59,10 +66,12 @@ from .inputs import (
     checkpointed_layers,
     config_rows,
     config_sample_rows,
+    dropped_line,
     estimate,
+    refuse_over_plan,
     render_components_line,
 )
-from .report import format_plan
+from .report import format_plan, summary, verdict
 
 __all__ = [
     "GIB",
@@ -97,4 +106,9 @@ __all__ = [
     "checkpoint_bytes",
     "render_components_line",
     "format_plan",
+    "summary",
+    "verdict",
+    "EvaluationPlan",
+    "dropped_line",
+    "refuse_over_plan",
 ]

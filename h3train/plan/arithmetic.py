@@ -59,6 +59,24 @@ class ParameterCounts:
 
 
 @dataclass(frozen=True)
+class EvaluationPlan:
+    """Device memory of the forwards run between steps: the held-out loss (`validation.dataset`) and the
+    rendering of `validation.samples`. No gradient is resident then (they are freed after each optimizer
+    step) and no forward keeps activations for a backward. Byte counts are per rank."""
+
+    # Packed rows of the longest such forward, and this rank's share of them.
+    rows: int
+    local_rows: int
+    # The most one forward holds at once (`evaluation_activation_bytes`).
+    activation_bytes: int
+    # The VAEs moved onto the device while a rendered clip decodes (0: nothing rendered, or their
+    # folder is not readable here); the decoder's own activations are not counted.
+    components_bytes: int
+    # What runs: "held-out loss", "rendering" or both, for the printout.
+    what: str
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """Per-rank parameters and memory of one training configuration. Byte counts are per rank."""
 
@@ -110,10 +128,29 @@ class MemoryPlan:
     # Of `grads_bytes`, what is resident at the backward's activation peak (`backward_grads_bytes`);
     # None: all of it (gradients accumulate over micro-batches).
     peak_grads_bytes: int | None = None
+    # Validation and rendering between steps, when the run does either.
+    evaluation: EvaluationPlan | None = None
+    # `checkpoint.async_save`: host memory per rank that holds a copy of the rank's checkpoint shards while
+    # the write goes on in the background (0: saves write from the device, tensor by tensor).
+    staging_bytes: int = 0
+    # Host memory per rank of the VAEs that render `validation.samples` (held on the CPU all run).
+    render_host_bytes: int = 0
+    # Ranks on one node, for the host memory a node needs (0: not planned).
+    ranks_per_node: int = 0
+    # `train.grad_accum`: micro-batches per optimizer step, for the global batch.
+    grad_accum: int = 1
+    # A plan that does not fit: the longest packed sequence a training step fits with here
+    # (`longest_fit_rows`), the bound `data.max_rows` would set; 0: not planned.
+    longest_fit: int = 0
 
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.sp
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step: one per DP group (`dp_replicate * dp_shard`) per micro-batch."""
+        return self.dp_replicate * self.dp_shard * self.grad_accum
 
     @property
     def shard_size(self) -> int:
@@ -144,12 +181,31 @@ class MemoryPlan:
         )
 
     @property
+    def evaluation_bytes(self) -> int:
+        """Device memory per rank while validation or rendering runs (0: neither does)."""
+        e = self.evaluation
+        if e is None:
+            return 0
+        state = 0 if self.cpu_offload else self.sharded_state_bytes - self.grads_bytes
+        return state + self.unsharded_params_bytes + e.activation_bytes + e.components_bytes + self.reserve_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """Device memory per rank at the run's peak: a training step's (`total_bytes`) or the evaluation's."""
+        return max(self.total_bytes, self.evaluation_bytes)
+
+    @property
+    def host_per_rank_bytes(self) -> int:
+        """Host memory one rank holds besides its process: offloaded state, checkpoint staging, the VAEs."""
+        return self.host_bytes + self.staging_bytes + self.render_host_bytes
+
+    @property
     def headroom_bytes(self) -> int:
-        return self.device_bytes - self.total_bytes
+        return self.device_bytes - self.peak_bytes
 
     @property
     def fits(self) -> bool:
-        return self.total_bytes <= self.device_bytes
+        return self.peak_bytes <= self.device_bytes
 
 
 def _dim(dims: Mapping[str, Any], key: str) -> int:
@@ -447,6 +503,21 @@ def activation_bytes(
     return local_rows * per_row + refiner + recompute
 
 
+def evaluation_activation_bytes(dims: Mapping[str, Any], local_rows: int, dtype: str, sp: int, text_rows: int) -> int:
+    """The most one no-grad forward over `local_rows` rows (and `text_rows` text rows) holds at once.
+
+    Under `no_grad` a block's intermediates are freed as the block goes on, so the forward holds the
+    residual stream (the block's input and output, 2bh per row) and at most what one block keeps for a
+    backward (`block_activation_row_bytes`, an upper bound of its live intermediates). The text refiner
+    runs first, over the text rows on every SP rank, never beside a transformer block.
+    """
+    b = _DTYPE_BYTES[dtype]
+    h = _dim(dims, "hidden_size")
+    stack = local_rows * (block_activation_row_bytes(dims, dtype, sp) + 2 * b * h)
+    refiner = text_rows * (refiner_block_row_bytes(dims, dtype) + 2 * b * h)
+    return max(stack, refiner)
+
+
 def plan_memory(
     dims: Mapping[str, Any],
     *,
@@ -632,15 +703,21 @@ def longest_fit_rows(dims: Mapping[str, Any], **kwargs: Any) -> int:
     return low * sp
 
 
-def rows_to_seconds(rows: int) -> float:
-    """Clip seconds of an FL2VA sample at the released 768x1344 canvas that packs to `rows` rows.
+# Rows of the two keyframes of an FL2VA clip at the released canvas (48 x 84 latents, 24 x 42 rows each).
+RELEASED_KEYFRAME_ROWS = 2 * 1_008
 
-    Linear between the released 5 s (`RELEASED_5S_ROWS`) and 15 s (`RELEASED_MAX_ROWS`) clips: each
-    second adds about 7,135 rows (about 7 latent frames of 1,008 rows and 80 audio rows); the fixed
-    part is the text prefix and the two keyframes. Negative below the fixed part: no clip fits.
+
+def rows_to_seconds(rows: int, keyframes: bool = True) -> float:
+    """Clip seconds at the released 768x1344 canvas of a sample that packs to `rows` rows.
+
+    Linear between the released 5 s (`RELEASED_5S_ROWS`) and 15 s (`RELEASED_MAX_ROWS`) FL2VA clips:
+    each second adds about 7,135 rows (about 7 latent frames of 1,008 rows and 80 audio rows); the
+    fixed part is the text prefix and, with `keyframes` (FL2VA's first and last), the two keyframes
+    (`RELEASED_KEYFRAME_ROWS`). Negative below the fixed part: no clip fits.
     """
     per_second = (RELEASED_MAX_ROWS - RELEASED_5S_ROWS) / 10.0
-    return 5.0 + (rows - RELEASED_5S_ROWS) / per_second
+    fixed = RELEASED_5S_ROWS - (0 if keyframes else RELEASED_KEYFRAME_ROWS)
+    return 5.0 + (rows - fixed) / per_second
 
 
 # The shortest clip the frame rule (17 n + 5 frames, n >= 1, at 24 fps) allows: 22 frames.
@@ -650,10 +727,9 @@ SHORTEST_CLIP_S = 22 / 24
 LORA_REFERENCE_SETUPS = (("8 x A100-80GB", 8, 8), ("1 x 80 GB GPU", 1, 1))
 
 
-def lora_fit_lines(dims: Mapping[str, Any], plan: MemoryPlan) -> tuple[str, ...]:
-    """Lines saying the longest clip that fits this mesh and each reference setup (`LORA_REFERENCE_SETUPS`)."""
-    heads = _dim(dims, "num_attention_heads")
-    common = {
+def fit_kwargs(plan: MemoryPlan) -> dict[str, Any]:
+    """The arguments of `plan_memory` that made `plan`, but for the mesh and the rows (`longest_fit_rows`)."""
+    return {
         "dtype": plan.dtype,
         "activation_checkpointing": plan.activation_checkpointing,
         "device_memory_gib": plan.device_bytes / GIB,
@@ -667,6 +743,15 @@ def lora_fit_lines(dims: Mapping[str, Any], plan: MemoryPlan) -> tuple[str, ...]
         "base_quant": plan.base_quant,
         "grad_accum": 1 if plan.peak_grads_bytes is not None else None,
     }
+
+
+def lora_fit_lines(dims: Mapping[str, Any], plan: MemoryPlan, clip: str = "FL2VA") -> tuple[str, ...]:
+    """Lines saying the longest clip that fits this mesh and each reference setup (`LORA_REFERENCE_SETUPS`).
+
+    `clip`: the task's clip the seconds are of (`T2VA`: no keyframe rows; any other: FL2VA's two).
+    """
+    heads = _dim(dims, "num_attention_heads")
+    common = fit_kwargs(plan)
     setups = [("this mesh", plan.dp_replicate, plan.dp_shard, plan.sp)]
     for label, ranks, sp in LORA_REFERENCE_SETUPS:
         sp = math.gcd(sp, heads)
@@ -678,9 +763,11 @@ def lora_fit_lines(dims: Mapping[str, Any], plan: MemoryPlan) -> tuple[str, ...]
     lines = []
     for label, dp_replicate, dp_shard, sp in setups:
         rows = longest_fit_rows(dims, dp_replicate=dp_replicate, dp_shard=dp_shard, sp=sp, **common)
-        seconds = rows_to_seconds(rows)
-        clip = f"~{seconds:.1f} s of 768x1344 FL2VA" if seconds >= SHORTEST_CLIP_S else "no clip of the released canvas"
-        lines.append(f"  {label:<28} {rows:>11,} rows" + (f"  ({clip})" if released else ""))
+        seconds = rows_to_seconds(rows, keyframes=clip != "T2VA")
+        said = "no clip of the released canvas"
+        if seconds >= SHORTEST_CLIP_S:
+            said = f"~{seconds:.1f} s of 768x1344 {clip}"
+        lines.append(f"  {label:<28} {rows:>11,} rows" + (f"  ({said})" if released else ""))
     return tuple(lines)
 
 

@@ -10,15 +10,21 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
+from ..data.format import INDEX_NAME
 from ..model.adapter import AdapterCounts
 from .arithmetic import (
     _FP32,
     DEFAULT_DEVICE_MEMORY_GIB,
+    GIB,
     RELEASED_MAX_ROWS,
     RELEASED_TEXT_ROWS,
+    EvaluationPlan,
     MemoryPlan,
     MeshSizes,
     _dim,
+    evaluation_activation_bytes,
+    fit_kwargs,
+    longest_fit_rows,
     lora_fit_lines,
     parameter_counts,
     plan_memory,
@@ -31,8 +37,9 @@ def config_rows(cfg: Config) -> tuple[int, str]:
     """Rows of the longest packed sample `cfg` trains on, and where that number comes from.
 
     Synthetic data: its one geometry, built with the layout builders. Cached data: the longest
-    entry of the dataset's `index.jsonl` when `data.path` exists here; planning away from the data
-    (a laptop, a login node) falls back to the longest released clip, `released_rows`.
+    entry of the dataset's `index.jsonl` when `data.path` exists here (of those `data.max_rows` keeps);
+    planning away from the data (a laptop, a login node) takes `data.max_rows` when set, else the
+    longest released clip, `released_rows`.
     """
     rows, _, source = config_sample_rows(cfg)
     return rows, source
@@ -43,6 +50,13 @@ def config_rows(cfg: Config) -> tuple[int, str]:
 RELEASED_GEOMETRY = (107, 48, 84, 603)
 
 
+def prompt_only_task(task_name: str) -> bool:
+    """Whether `task.name=task_name` trains only prompt-only clips (t2va): no keyframe rows."""
+    from ..tasks.table import TRAINING_TASKS, sample_task_of
+
+    return TRAINING_TASKS[task_name].sample_tasks == (sample_task_of(None),)
+
+
 def released_rows(task_name: str) -> int:
     """Packed rows of the longest released clip as `task.name=task_name` trains it: with first and last
     keyframes (`RELEASED_MAX_ROWS`) unless the task trains only prompt-only clips (t2va), which have no
@@ -50,13 +64,26 @@ def released_rows(task_name: str) -> int:
     import torch
 
     from ..tasks.layout import Geometry, build_layout
-    from ..tasks.table import TRAINING_TASKS, sample_task_of
+    from ..tasks.table import sample_task_of
 
-    prompt_only = sample_task_of(None)
-    if TRAINING_TASKS[task_name].sample_tasks != (prompt_only,):
+    if not prompt_only_task(task_name):
         return RELEASED_MAX_ROWS
     tags = torch.ones(RELEASED_TEXT_ROWS, dtype=torch.long)
-    return build_layout(prompt_only, tags, Geometry(*RELEASED_GEOMETRY)).seq_len
+    return build_layout(sample_task_of(None), tags, Geometry(*RELEASED_GEOMETRY)).seq_len
+
+
+def released_clip(task_name: str) -> str:
+    """The longest released clip as `task_name` packs it, in words (`released_rows`)."""
+    if prompt_only_task(task_name):
+        return f"longest released {task_name} clip: 15 s at 768x1344, no keyframes"
+    if task_name == "fl2va":
+        return "longest released fl2va clip: 15 s at 768x1344, first and last keyframes"
+    return f"longest released clip: 15 s at 768x1344, two keyframes' rows standing in for {task_name}'s conditioning"
+
+
+def clip_name(task_name: str) -> str:
+    """The clip the plan's seconds are of: T2VA for a prompt-only task, else FL2VA (`rows_to_seconds`)."""
+    return "T2VA" if prompt_only_task(task_name) else "FL2VA"
 
 
 def config_sample_rows(cfg: Config) -> tuple[int, int, str]:
@@ -69,8 +96,11 @@ def config_sample_rows(cfg: Config) -> tuple[int, int, str]:
 
     found = data_source(cfg).longest(cfg)
     if found is None:
+        bound = cfg.data.max_rows
+        if bound:
+            return bound, min(RELEASED_TEXT_ROWS, bound), "data.max_rows; data.path is not readable here"
         rows = released_rows(cfg.task.name)
-        return rows, RELEASED_TEXT_ROWS, "longest released clip; data.path is not readable here"
+        return rows, RELEASED_TEXT_ROWS, f"{released_clip(cfg.task.name)}; data.path is not readable here"
     rows, text_rows, where = found
     return rows, min(RELEASED_TEXT_ROWS, rows) if text_rows is None else text_rows, where
 
@@ -92,9 +122,15 @@ def estimate(
     rows: int | None = None,
     device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
     text_rows: int | None = None,
+    ranks_per_node: int = 0,
 ) -> MemoryPlan:
     """`plan_memory` for a loaded config on a resolved mesh; `rows` defaults to `config_rows(cfg)`,
-    `text_rows` to the text rows of the config's longest sample (`config_sample_rows`), at most `rows`."""
+    `text_rows` to the text rows of the config's longest sample (`config_sample_rows`), at most `rows`.
+
+    Also planned: the validation and rendering forwards between steps (`evaluation`), the host copy
+    `checkpoint.async_save` stages each save in (`staging_bytes`) and, with `ranks_per_node` (at most
+    the world size), the host memory of a node.
+    """
     rows_source = "given"
     if rows is None:
         rows, found_text, rows_source = config_sample_rows(cfg)
@@ -121,14 +157,92 @@ def estimate(
         base_quant=cfg.lora.base_quant,
         grad_accum=cfg.train.grad_accum,
     )
-    plan = replace(plan, checkpoint_bytes=checkpoint_bytes(dims, cfg, lora))
+    ckpt = checkpoint_bytes(dims, cfg, lora)
+    plan = replace(
+        plan,
+        checkpoint_bytes=ckpt,
+        staging_bytes=-(-ckpt // plan.shard_size) if cfg.checkpoint.async_save else 0,
+        ranks_per_node=min(ranks_per_node, plan.world_size),
+        grad_accum=cfg.train.grad_accum,
+    )
     if lora is not None:
-        plan = replace(plan, fit_lines=lora_fit_lines(dims, plan))
+        plan = replace(plan, fit_lines=lora_fit_lines(dims, plan, clip_name(cfg.task.name)))
     from ..config import measures_held_out_loss
 
     if cfg.validation.retention and measures_held_out_loss(cfg.validation):
         plan = replace(plan, retention_line=base_predictions_line(cfg))
-    return replace(plan, render_line=render_components_line(cfg)) if cfg.validation.samples else plan
+    plan = replace(plan, evaluation=evaluation_plan(dims, plan, cfg))
+    if not plan.fits:
+        mesh_kw = {"dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "sp": plan.sp}
+        plan = replace(plan, longest_fit=longest_fit_rows(dims, **mesh_kw, **fit_kwargs(plan)))
+    if not cfg.validation.samples:
+        return plan
+    return replace(plan, render_line=render_components_line(cfg), render_host_bytes=_vae_bytes(cfg))
+
+
+def _vae_bytes(cfg: Config) -> int:
+    """Bytes of the two VAEs that render `validation.samples` (float32), 0 when their folder is not readable here."""
+    from ..render.memory import component_bytes
+    from ..render.requests import text_encoder_dtype
+
+    found = component_bytes(cfg.validation.components, text_encoder_dtype(cfg).itemsize)
+    return 0 if found is None else found["vae"] + found["audio_vae"]
+
+
+def request_rows(cfg: Config) -> int:
+    """Packed rows of the longest request of `validation.samples`: its clip in the prompt-only layout with a
+    `RELEASED_TEXT_ROWS` text prefix, plus one latent frame's rows per keyframe or reference (a video
+    reference's further frames are not counted). 0 when there is none."""
+    import torch
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+        audio_latent_num_frames,
+        video_latent_num_frames,
+    )
+
+    from ..data.format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
+    from ..render.requests import parse_requests
+    from ..tasks.layout import Geometry, build_layout
+    from ..tasks.table import sample_task_of
+
+    tags = torch.ones(RELEASED_TEXT_ROWS, dtype=torch.long)
+    longest = 0
+    for request in parse_requests(cfg):
+        frames = video_latent_num_frames(request.num_frames, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK)
+        # The video VAE's 16x spatial factor: the latent canvas.
+        audio = audio_latent_num_frames(request.num_frames)
+        geometry = Geometry(frames, request.height // 16, request.width // 16, audio)
+        rows = build_layout(sample_task_of(None), tags, geometry).seq_len
+        extra = len(request.keyframes) + len(request.references)
+        longest = max(longest, rows + extra * geometry.video_rows() // geometry.num_latent_frames)
+    return longest
+
+
+def evaluation_plan(dims: Mapping[str, Any], plan: MemoryPlan, cfg: Config) -> EvaluationPlan | None:
+    """The forwards between steps (`EvaluationPlan`): over the longest held-out sample (its index, or the
+    training rows where `validation.dataset` is not readable here) and the longest rendered request, with
+    the VAEs on the device while a clip decodes. None when the run neither validates nor renders."""
+    from ..config import measures_held_out_loss
+
+    v = cfg.validation
+    held_out, rendered = measures_held_out_loss(v), bool(v.samples)
+    if not (held_out or rendered):
+        return None
+    rows = plan.rows
+    if held_out and (Path(v.dataset) / INDEX_NAME).is_file():
+        from ..data.dataset import CachedDataset
+
+        rows = max(rows, *CachedDataset(v.dataset, cfg.task.name).lengths)
+    if rendered:
+        rows = max(rows, request_rows(cfg))
+    local = -(-rows // plan.sp)
+    what = " and ".join(name for name, on in (("held-out loss", held_out), ("rendering", rendered)) if on)
+    return EvaluationPlan(
+        rows=rows,
+        local_rows=local,
+        activation_bytes=evaluation_activation_bytes(dims, local, plan.dtype, plan.sp, plan.text_rows),
+        components_bytes=_vae_bytes(cfg) if rendered else 0,
+        what=what,
+    )
 
 
 def base_predictions_line(cfg: Config) -> str:
@@ -139,6 +253,9 @@ def base_predictions_line(cfg: Config) -> str:
     from ..train.base_predictions import FOLDER, RELEASED_PAIR_BYTES, pair_bytes
 
     v = cfg.validation
+    if not (Path(v.dataset) / INDEX_NAME).is_file():
+        where = Path(cfg.logging.dir) / FOLDER
+        return f"base preds    held-out samples' predictions in {where}; '{v.dataset}' is not readable here"
     heldout = CachedDataset(v.dataset, cfg.task.name)
     n = len(heldout) if not v.num_samples else min(v.num_samples, len(heldout))
     per_sample = [pair_bytes(read_header(heldout.path(i)).geometry) for i in range(n)]
@@ -190,4 +307,44 @@ def render_components_line(cfg: Config) -> str:
     return (
         f"  validation.samples (host)     {_gib(found['vae'] + found['audio_vae'])}  per rank on the CPU "
         f"({parts}; text_encoder on rank 0 only while encoding the requests, VAEs on the device only to decode)"
+    )
+
+
+def dropped_line(cfg: Config) -> str | None:
+    """The summary of the cached samples `data.max_rows` drops, None when it drops none or the data is not here."""
+    from ..data.source import data_source
+
+    bound = cfg.data.max_rows
+    if not bound or not data_source(cfg).reads_folders:
+        return None
+    from ..config import dataset_specs
+
+    specs = dataset_specs(cfg.data)
+    if not specs or not all((Path(spec.path) / INDEX_NAME).is_file() for spec in specs):
+        return None
+    source = data_source(cfg).build(cfg, None, None)
+    dropped = [pair for dataset in getattr(source, "datasets", [source]) for pair in dataset.dropped]
+    if not dropped:
+        return None
+    longest = max(dropped, key=lambda pair: pair[1])
+    return (
+        f"data.max_rows={bound:,} drops {len(dropped):,} samples that pack to more rows "
+        f"(the longest '{longest[0]}', {longest[1]:,} rows)"
+    )
+
+
+def refuse_over_plan(plan: MemoryPlan, device_type: str, ignored: bool) -> None:
+    """Raise `ConfigError` when a run on `device_type` would not fit its plan: only on a GPU (`cuda`), whose
+    memory the plan is of, and unless `train.ignore_memory_plan` (`ignored`). The message names the fix.
+    `h3train check` plans for a GPU wherever it runs, so it passes `cuda`."""
+    if plan.fits or device_type != "cuda" or ignored:
+        return
+    from ..errors import ConfigError
+    from .report import fixes
+
+    fix = fixes(plan)
+    raise ConfigError(
+        f"the memory plan needs {plan.peak_bytes / GIB:.2f} GiB per rank of the device's "
+        f"{plan.device_bytes / GIB:.0f} GiB for {plan.rows:,} rows ({plan.rows_source}): {fix}; "
+        "or set train.ignore_memory_plan=true to start anyway"
     )

@@ -41,6 +41,63 @@ def _grads_note(plan: MemoryPlan) -> str:
     return f"  (grad_accum 1: {_gib(plan.peak_grads_bytes).strip()} of them in the total, beside the backward's peak)"
 
 
+def fixes(plan: MemoryPlan) -> str:
+    """What makes a plan that does not fit fit, the cheapest first: a bound on the rows when one fits."""
+    bound = f"set data.max_rows={plan.longest_fit} (drops longer samples), " if plan.longest_fit else ""
+    return (
+        f"{bound}shard over more ranks (dp_shard), raise sp, enable model.activation_checkpointing or "
+        "parallel.cpu_offload, or shorten the clips"
+    )
+
+
+def verdict(plan: MemoryPlan) -> str:
+    """`fits: yes, ...` or `fits: NO, ...` with the fixes, over the run's peak (`MemoryPlan.peak_bytes`)."""
+    if plan.fits:
+        return f"fits: yes, {plan.headroom_bytes / GIB:.1f} GiB headroom"
+    return f"fits: NO, {-plan.headroom_bytes / GIB:.1f} GiB over: {fixes(plan)}"
+
+
+def summary(plan: MemoryPlan) -> str:
+    """The plan in one line: the verdict word, the peak of the device, what the peak is."""
+    at = "validation / rendering" if plan.evaluation_bytes > plan.total_bytes else "training step"
+    word = "yes" if plan.fits else "NO"
+    return (
+        f"fits: {word}, {plan.peak_bytes / GIB:.2f} GiB of {plan.device_bytes / GIB:.0f} GiB per rank at the "
+        f"{at}, {plan.rows:,} rows"
+    )
+
+
+def _evaluation_line(plan: MemoryPlan) -> str:
+    e = plan.evaluation
+    assert e is not None
+    vaes = f", VAEs {_gib(e.components_bytes).strip()} on it to decode" if e.components_bytes else ""
+    peak = "the peak; " if plan.evaluation_bytes > plan.total_bytes else ""
+    return (
+        f"  between steps (no gradients)  {_gib(plan.evaluation_bytes)}  ({peak}{e.what}: no-grad forward over "
+        f"{e.rows:,} rows, {e.local_rows:,} per rank, {_gib(e.activation_bytes).strip()}{vaes})"
+    )
+
+
+def _host_lines(plan: MemoryPlan) -> list[str]:
+    """Host memory per rank (offloaded state, checkpoint staging, the VAEs) and per node."""
+    if plan.staging_bytes:
+        staging = f"checkpoint staging {_gib(plan.staging_bytes).strip()} (checkpoint.async_save: the rank's shards)"
+    else:
+        staging = "checkpoint staging none (checkpoint.async_save off: saves copy tensor by tensor)"
+    parts = [staging]
+    if plan.cpu_offload:
+        parts.append(f"offloaded state {_gib(plan.host_bytes).strip()} (parallel.cpu_offload)")
+    if plan.render_host_bytes:
+        parts.append(f"VAEs {_gib(plan.render_host_bytes).strip()} (validation.samples)")
+    lines = [f"host          {_gib(plan.host_per_rank_bytes).strip()} per rank: {', '.join(parts)}"]
+    if plan.ranks_per_node:
+        lines.append(
+            f"              {_gib(plan.host_per_rank_bytes * plan.ranks_per_node).strip()} per node of "
+            f"{plan.ranks_per_node} ranks, beside the processes, the OS, the page cache and data loading"
+        )
+    return lines
+
+
 def format_plan(plan: MemoryPlan) -> str:
     """A readable multi-line table of `plan`, one memory line per term, ending in the verdict."""
     p = plan.params
@@ -59,6 +116,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{p.num_refiner_layers} refiner x {p.refiner_block:,}, other {p.other:,}",
         f"sequence      {plan.rows:,} rows{f' ({plan.rows_source})' if plan.rows_source else ''}, "
         f"{plan.local_rows:,} per rank",
+        f"batch         {plan.global_batch:,} samples per optimizer step (dp {plan.dp_replicate * plan.dp_shard} x "
+        f"grad_accum {plan.grad_accum}), {plan.dp_replicate * plan.dp_shard} per micro-batch",
         f"compute       {plan.dtype}, gradient checkpointing {ckpt}",
     ]
     lora = plan.lora
@@ -96,15 +155,12 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  total                         {_gib(plan.total_bytes)} of {plan.device_bytes / GIB:.0f} GiB"
         + (f" on the device; {_gib(plan.host_bytes).strip()} in host memory" if plan.cpu_offload else ""),
     ]
+    if plan.evaluation is not None:
+        lines.append(_evaluation_line(plan))
     if plan.render_line:
         lines.append(plan.render_line)
-    if plan.fits:
-        lines.append(f"fits: yes, {plan.headroom_bytes / GIB:.1f} GiB headroom")
-    else:
-        lines.append(
-            f"fits: NO, {-plan.headroom_bytes / GIB:.1f} GiB over: shard over more ranks (dp_shard), "
-            "raise sp, enable model.activation_checkpointing or parallel.cpu_offload, or shorten the clips"
-        )
+    lines.append(verdict(plan))
+    lines += _host_lines(plan)
     if plan.checkpoint_bytes:
         lines.append(
             f"checkpoint    {_gib(plan.checkpoint_bytes).strip()} on disk each, all ranks together ({wdt} weights, "
