@@ -47,7 +47,8 @@ def check_config(cfg: Config, planning: bool = False) -> None:
     and `validation.dataset` name, `debug.fault`, the model's constructor kwargs and head count, the
     LoRA module names (on the model built on meta) and `lora.init_from`, then `validation.samples`.
     Away from the model folder the released architecture stands in, as in `planned_model_dims`.
-    `planning` (`h3train check`): a `validation.dataset` not here is planned for, not required.
+    `planning` (`h3train check`): a `validation.dataset` or `validation.components` not here is planned
+    for, not required.
     """
     if cfg.task.name not in TRAINING_TASKS:
         raise ConfigError(f"config key 'task.name' is {cfg.task.name!r}; {one_of(cfg.task.name, TRAINING_TASKS)}")
@@ -68,7 +69,7 @@ def check_config(cfg: Config, planning: bool = False) -> None:
             f"config key 'validation.dataset': no dataset at '{v.dataset}' (no {INDEX_NAME}); "
             "encode one with 'h3train encode' or write one with 'h3train synth'"
         )
-    validate_samples(cfg)
+    validate_samples(cfg, planning)
 
 
 def _check_model_shape(cfg: Config) -> None:

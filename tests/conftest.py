@@ -25,3 +25,14 @@ def _restore_diffusers_attention_backend():
     active = _AttentionBackendRegistry._active_backend
     yield
     _AttentionBackendRegistry.set_active_backend(active)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """An in-process run that fails leaves its process group as a failed rank does (`Trainer.close`):
+    the next test starts without it."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

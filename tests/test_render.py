@@ -199,7 +199,8 @@ def test_bad_requests_are_one_line_config_errors(tmp_path, components, assets, c
 def test_bad_render_keys_exit_2_with_one_line(tmp_path, components, assets, capsys) -> None:
     same = {**REQUESTS[1], "id": "same"}
     cases = [
-        (["validation.components=/nonexistent"], "validation.components"),
+        # `--strict`: a plain check plans for a components folder that is not on this machine.
+        (["--strict", "validation.components=/nonexistent"], "validation.components"),
         (["validation.num_inference_steps=1"], "num_inference_steps' must be >= 2"),
         (["validation.sample_every=0", "validation.at_start=false"], "never rendered"),
         ([f"validation.samples=[{json.dumps(same)}, {json.dumps(same)}]"], "already used"),

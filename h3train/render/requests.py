@@ -190,8 +190,12 @@ def served_tasks(cfg: Config) -> tuple[str, ...]:
     return partition_tasks(subfolder) if subfolder in PARTITIONS else tuple(SAMPLE_TASKS)
 
 
-def validate_samples(cfg: Config) -> None:
-    """`validation.samples`, `sample_every`, `components`, `num_inference_steps`, `reference_short_edge`."""
+def validate_samples(cfg: Config, planning: bool = False) -> None:
+    """`validation.samples`, `sample_every`, `components`, `num_inference_steps`, `reference_short_edge`.
+
+    `planning` (`h3train check` away from the run's files): a components folder not here is planned
+    for (the plan says it is not readable), not required.
+    """
     v = cfg.validation
     if v.sample_every < 0:
         raise ConfigError(f"config key 'validation.sample_every' must be >= 0 (0: off), got {v.sample_every}")
@@ -224,10 +228,11 @@ def validate_samples(cfg: Config) -> None:
         )
     from ..data.components import ComponentsError, check_components_folder
 
-    try:
-        check_components_folder(v.components)
-    except ComponentsError as exc:
-        raise ConfigError(f"config key 'validation.components': {exc}") from None
+    if not (planning and not Path(v.components).exists()):
+        try:
+            check_components_folder(v.components)
+        except ComponentsError as exc:
+            raise ConfigError(f"config key 'validation.components': {exc}") from None
     served = served_tasks(cfg)
     for request in parse_requests(cfg):
         if request.task not in served:
