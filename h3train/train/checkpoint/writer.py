@@ -29,6 +29,7 @@ from ...infra.atomic import apply_file_mode, atomic_write_text, fsync_path, set_
 from ...infra.digest import ALGORITHM, digest_file
 from ...infra.diskspace import free_bytes, human_bytes, no_space
 from ...infra.runlock import OWNER_NAME, mark_owned, owned_by_another
+from ...parallel.dims import new_group
 from .layout import DIGESTS_FIELD, STATE_FILE, _commit_key, committed_checkpoints, size_on_disk, step_dir_name, step_of
 from .verify import complete_checkpoints
 
@@ -174,7 +175,7 @@ class Checkpointer:
         self._pending: _PendingSave | None = None
         # Background writes plan over a gloo group of their own, so their collectives never
         # interleave with the training loop's on the default group (and work beside NCCL).
-        self._group = dist.new_group(backend="gloo") if async_save else None
+        self._group = new_group("gloo") if async_save else None
         background_copy = async_save and DefaultStager is not None
         self._stager = HeldStager(staging_options(device or torch.device("cpu"))) if background_copy else None
         # Checkpoints newer than the resume point that this run did not write are never pruned.
