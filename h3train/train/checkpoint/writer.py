@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,6 +33,12 @@ from ...infra.runlock import OWNER_NAME, mark_owned, owned_by_another
 from ...parallel.dims import new_group
 from .layout import DIGESTS_FIELD, STATE_FILE, _commit_key, committed_checkpoints, size_on_disk, step_dir_name, step_of
 from .verify import complete_checkpoints
+
+# torch 2.8's DCP file writer calls `tensor.storage()` on every tensor it writes, which warns once per
+# rank and save; the call is torch's own, and a stopped run's console should end with its own lines.
+warnings.filterwarnings(
+    "ignore", message="TypedStorage is deprecated", module="torch.distributed.checkpoint.filesystem"
+)
 
 # A failed save that leaves less than this free (and less than a checkpoint) ran out of space.
 _FULL_BELOW = 64 * 1024**2
