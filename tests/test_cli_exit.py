@@ -7,6 +7,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
+
+from reference import TINY_FL2VA, h3train_command, run_env, run_process_group
 
 
 @pytest.mark.parametrize("joined", [True, False], ids=["after_a_group", "without_a_group"])
@@ -77,3 +80,16 @@ def test_a_run_stopped_at_once_leaves_without_waiting_for_its_threads(tmp_path) 
     assert proc.returncode == 130, proc.stderr
     assert (tmp_path / "atexit").read_text() == "ran"
     assert not (tmp_path / "thread").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error needs a machine without CUDA")
+def test_under_torchrun_the_ranks_one_line_is_the_last_line(tmp_path) -> None:
+    """torchrun ends with its report and its own traceback; the rank's line is repeated after them."""
+    args = ["train", str(TINY_FL2VA), "parallel.backend=nccl", f"logging.dir={tmp_path / 'run'}"]
+    proc = run_process_group(h3train_command(args, nproc=2), run_env(), timeout=120)
+    assert proc.returncode != 0
+    assert "ChildFailedError" in proc.stderr  # torchrun's report is still there, before the line
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    expected = "h3train: error: config key 'parallel.backend' is 'nccl' but CUDA is not available; use gloo or auto"
+    assert lines[-1] == expected, proc.stderr[-3000:]
