@@ -137,7 +137,13 @@ def test_dockerfile_runtime_stage() -> None:
     assert not re.search(r"\b[\w-]+==", final), "versions belong in docker/versions.txt"
     # Every pip call leaves no cache behind in a layer.
     assert text.count("--no-cache-dir") == len(re.findall(r"pip (?:install|wheel|download)", text))
-    assert not re.search(r"apt-get install|build-essential|nvcc", text), "no build tools in the image"
+    # A C and C++ compiler for Triton and inductor, and no CUDA toolkit (the -runtime base, no -devel).
+    install = re.search(r"apt-get install -y --no-install-recommends ([^\\\n]+)", final)
+    assert install and {"gcc", "g++", "libc6-dev"} <= set(install[1].split()), "no compiler in the runtime stage"
+    assert "-runtime" in _dockerfile_args()["BASE_IMAGE"] and not re.search(r"build-essential|nvcc", text)
+    # The build runs the self-check that ships in the image, after the install and as the image's user.
+    assert final.index("RUN python -m h3train.tools.image_check\n") > final.index("USER ")
+    assert "COPY --chmod=0755 scripts/gpu_check.sh /opt/h3train/scripts/gpu_check.sh" in final
 
 
 def test_dockerfile_pins_equal_the_image_versions_file() -> None:
