@@ -127,12 +127,13 @@ def group_timeout(group: ProcessGroup | None = None) -> timedelta:
     return min(group._get_backend(device).options._timeout for device in group._device_types)
 
 
-def new_group(backend: str) -> ProcessGroup:
-    """A group of every rank on `backend`, with the default group's timeout (`parallel.timeout_s`).
+def new_group(backend: str | None = None, ranks: list[int] | None = None) -> ProcessGroup:
+    """A group of `ranks` (None: every rank) on `backend` (None: the default group's), with the
+    default group's timeout (`parallel.timeout_s`). Every rank calls it, in the same order.
 
     `dist.new_group` alone gives the backend's default timeout, not the job's.
     """
-    return dist.new_group(backend=backend, timeout=group_timeout())
+    return dist.new_group(ranks=ranks, backend=backend, timeout=group_timeout())
 
 
 def free_port() -> int:
