@@ -730,8 +730,7 @@ def _report(exc: H3TrainError) -> None:
 _SILENT_RANK_GRACE_S = 10.0
 
 # How long the repeated line waits for torchrun to exit: it stops the other ranks (30 s at most) and
-# reports; one still running after this restarts the ranks instead (`--max-restarts`), and the
-# line is dropped.
+# reports; one still running after this is stuck elsewhere (another node), and the line is dropped.
 _REPEAT_WAIT_S = 120.0
 
 # Run by `_repeat_after_launcher` as `python -c _REPEAT PID LINE SECONDS`: LINE on stderr once the
@@ -760,10 +759,16 @@ def _repeat_after_launcher(line: str) -> None:
     torchrun ends a failed run with its own report and a traceback of its own (about 40 lines): a
     tailed log would show `ChildFailedError` and not why. A process of its own (a session apart, so
     that torchrun's signals to the ranks miss it) waits for torchrun and repeats the line after
-    the report. Only under torchrun (`TORCHELASTIC_RUN_ID`); on a system without `/proc` the line
-    is repeated at once.
+    the report. Only under torchrun (`TORCHELASTIC_RUN_ID`), in its last attempt: with restarts
+    left it starts the ranks again, and a line repeated at its end would follow a later attempt's
+    output (a run that then succeeded). On a system without `/proc` the line is repeated at once.
     """
     if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    )
+    if restarts_left > 0:
         return
     import subprocess
 
