@@ -769,7 +769,9 @@ def _report(exc: H3TrainError) -> None:
     dist = sys.modules.get("torch.distributed")
     grouped = dist is not None and dist.is_available() and dist.is_initialized()
     if _reports_errors(exc):
-        print(f"h3train: error: {exc}", file=sys.stderr, flush=True)
+        line = f"h3train: error: {exc}"
+        print(line, file=sys.stderr, flush=True)
+        _repeat_after_launcher(line)
     elif not grouped:
         # A silent rank before the process group: its node's first rank meets the same error and
         # prints it. Leaving at once could let torchrun stop that rank before its line (a loaded
@@ -783,6 +785,57 @@ def _report(exc: H3TrainError) -> None:
 
 # How long a rank that does not print a start-up error waits before it exits.
 _SILENT_RANK_GRACE_S = 10.0
+
+# How long the repeated line waits for torchrun to exit: it stops the other ranks (30 s at most) and
+# reports; one still running after this is stuck elsewhere (another node), and the line is dropped.
+_REPEAT_WAIT_S = 120.0
+
+# Run by `_repeat_after_launcher` as `python -c _REPEAT PID LINE SECONDS`: LINE on stderr once the
+# process PID is gone (or a zombie: a parent that reads this process's output reaps it only then).
+_REPEAT = """
+import sys, time
+pid, line, deadline = sys.argv[1], sys.argv[2], time.monotonic() + float(sys.argv[3])
+
+def running():
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(") ")[2][:1] not in ("Z", "X")
+    except OSError:
+        return False
+
+while running() and time.monotonic() < deadline:
+    time.sleep(0.05)
+if not running():
+    print(line, file=sys.stderr, flush=True)
+"""
+
+
+def _repeat_after_launcher(line: str) -> None:
+    """Print `line` again once torchrun, this rank's parent, has exited, so that it is the last line.
+
+    torchrun ends a failed run with its own report and a traceback of its own (about 40 lines): a
+    tailed log would show `ChildFailedError` and not why. A process of its own (a session apart, so
+    that torchrun's signals to the ranks miss it) waits for torchrun and repeats the line after
+    the report. Only under torchrun (`TORCHELASTIC_RUN_ID`), in its last attempt: with restarts
+    left it starts the ranks again, and a line repeated at its end would follow a later attempt's
+    output (a run that then succeeded). On a system without `/proc` the line is repeated at once.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    )
+    if restarts_left > 0:
+        return
+    import subprocess
+
+    with contextlib.suppress(OSError):
+        subprocess.Popen(
+            [sys.executable, "-c", _REPEAT, str(os.getppid()), line, str(_REPEAT_WAIT_S)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 def _reports_errors(exc: H3TrainError) -> bool:

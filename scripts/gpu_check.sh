@@ -17,7 +17,7 @@
 #    optim_adamw8bit   one step with optim.name=adamw8bit (torchao, compiled), optim_adamw_bf16 with
 #                      adamw_bf16: finite loss, weights changed, the promised state, timed;
 #    lora_int8         LoRA steps on the lora.base_quant=int8 frozen base, lora_float8 on float8
-#                      ("unsupported on this device" below compute capability 8.9, e.g. an A100);
+#                      (weight-only: cast to bfloat16 before the matmul, so it runs on an A100 too);
 #    async_save        checkpoint.async_save: save, the next step at once, wait; the checkpoint
 #                      equals a blocking save of the same state; staged into pinned host buffers
 #                      (torch 2.8, without DCP's DefaultStager, copies on the training thread: said);

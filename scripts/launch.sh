@@ -65,6 +65,8 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 # Site-specific, so left unset here (set them in the sbatch file or the environment):
 #   NCCL_SOCKET_IFNAME  interface for bootstrap and socket traffic, e.g. ib0, bond0 or
 #                       ^docker0,lo; needed when the default route is not the cluster network.
+#   GLOO_SOCKET_IFNAME  the same for the gloo group of the background checkpoint save (and the
+#                       CPU ranks); copied from NCCL_SOCKET_IFNAME below when that names interfaces.
 #   NCCL_IB_HCA         HCAs to use, e.g. mlx5_0,mlx5_1,... (`ibv_devinfo` lists them); unset = all.
 #   NCCL_IB_GID_INDEX   3 on most RoCE fabrics; plain InfiniBand needs nothing.
 #   NCCL_IB_TIMEOUT     22 rides out short link flaps on large fabrics (the NCCL default is lower).
@@ -72,6 +74,23 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 # CUDA_DEVICE_MAX_CONNECTIONS stays unset (CUDA's default of 8 queues). Megatron sets it to 1 to
 # order tensor-parallel communication before compute; here one queue would serialise FSDP2's
 # all-gather and reduce-scatter streams with the compute stream and lose their overlap.
+#
+# gloo resolves its interface on its own and takes only exact names (NCCL also takes prefixes such
+# as `ib` and exclusions such as `^docker0`): a gloo group on the wrong interface connects, or hangs,
+# where NCCL works. So NCCL's setting is reused when it lists interfaces of this node.
+if [[ -z "${GLOO_SOCKET_IFNAME:-}" && -n "${NCCL_SOCKET_IFNAME:-}" ]]; then
+  gloo_ifnames=1
+  IFS=, read -r -a nccl_ifnames <<< "${NCCL_SOCKET_IFNAME#=}"
+  for ifname in "${nccl_ifnames[@]}"; do
+    [[ -n "$ifname" && -e "/sys/class/net/$ifname" ]] || gloo_ifnames=0
+  done
+  if [[ "$gloo_ifnames" == 1 ]]; then
+    export GLOO_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME#=}"
+  else
+    echo "launch.sh: NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME} is not a list of $(hostname)'s interfaces;" \
+      "set GLOO_SOCKET_IFNAME (exact names) for the gloo group of the background save" >&2
+  fi
+fi
 #
 # Expandable segments curb the fragmentation that packed samples of a different length every step
 # cause in the caching allocator; the memory plan's 4 GiB reserve assumes them.
@@ -82,9 +101,13 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # A bad config or input is one line and exit 2 here, before torchrun starts a rank: the same
 # checks `train` runs first (config, mesh against NNODES x GPUS_PER_NODE ranks, model folder,
 # dataset, device), without the launcher's per-rank failure report.
+# Its report is kept back unless the check fails: then all of it, in the order printed, ends with the
+# reason.
 status=0
-python -m h3train check --strict --world-size "$((NNODES * GPUS_PER_NODE))" "$config" "$@" >/dev/null || status=$?
+check_output="$(PYTHONUNBUFFERED=1 python -m h3train check --strict \
+  --world-size "$((NNODES * GPUS_PER_NODE))" "$config" "$@" 2>&1)" || status=$?
 if [[ "$status" -ne 0 ]]; then
+  printf '%s\n' "$check_output" >&2
   exit "$status"
 fi
 
@@ -101,6 +124,11 @@ echo "launch.sh: $(hostname) node ${NODE_RANK}/${NNODES}, ${GPUS_PER_NODE} GPUs,
 # cleanly. So torchrun ignores them too (TORCHELASTIC_SIGNALS_TO_HANDLE keeps its handlers for HUP
 # and QUIT), the ranks get TERM, save and exit 0, torchrun exits 0, and this script exits 0 for a
 # TERM and 130 for a Ctrl-C. A second Ctrl-C reaches the ranks as INT: they stop at once.
+# torch 2.8's torchrun installs its TERM and INT handlers whatever their disposition (2.13 reads
+# TORCHELASTIC_SIGNALS_TO_HANDLE), so torchrun also runs in a process group of its own (`set -m`):
+# a terminal's Ctrl-C, sent to the foreground process group, then reaches this script alone. HUP
+# and QUIT from the terminal are handed on to torchrun, which stops the ranks as before.
+set -m
 ( trap '' USR1 TERM INT; TORCHELASTIC_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT exec torchrun \
   --nnodes="${NNODES}" \
   --nproc-per-node="${GPUS_PER_NODE}" \
@@ -111,6 +139,7 @@ echo "launch.sh: $(hostname) node ${NODE_RANK}/${NNODES}, ${GPUS_PER_NODE} GPUs,
   --max-restarts="${MAX_RESTARTS}" \
   -m h3train train "$config" "$@" ) &
 torchrun_pid=$!
+set +m
 
 # The ranks run in sessions of their own, so a process-group signal would miss them: find them by
 # parent pid in /proc (no procps needed in the image).
@@ -147,6 +176,12 @@ on_int() {
   echo "launch.sh: Ctrl-C on $(hostname): asking the ranks to checkpoint and exit (Ctrl-C again to stop at once)" >&2
   signal_ranks TERM
 }
+# shellcheck disable=SC2329
+forward() {
+  kill -s "$1" "$torchrun_pid" 2>/dev/null || true
+}
+trap 'forward HUP' HUP
+trap 'forward QUIT' QUIT
 trap on_usr1 USR1
 trap on_term TERM
 trap on_int INT

@@ -129,11 +129,13 @@ def test_rank_prints_pre_group_errors_once_per_node(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LAUNCHED)
-def test_torchrun_prints_the_line_once(name: str, inputs: Path, tmp_path: Path) -> None:
+def test_torchrun_prints_the_line_once_and_again_last(name: str, inputs: Path, tmp_path: Path) -> None:
+    """One rank prints the line; it is repeated after torchrun's report, as the last line."""
     args, needles = CASES[name]
     proc = run_h3train(["train", *args(inputs), f"logging.dir={tmp_path / 'run'}"], nproc=2, check=False, timeout=120)
     ours = [line for line in proc.stderr.splitlines() if line.startswith("h3train: error: ")]
-    assert len(ours) == 1 and all(n in ours[0] for n in needles), proc.stderr[-3000:]
+    assert len(ours) == 2 and ours[0] == ours[1] and all(n in ours[0] for n in needles), proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == ours[0], proc.stderr[-3000:]
     assert "exitcode  : 2" in proc.stderr and proc.returncode != 0
     assert "[rank" not in proc.stderr  # no rank's traceback
 

@@ -137,7 +137,13 @@ def test_dockerfile_runtime_stage() -> None:
     assert not re.search(r"\b[\w-]+==", final), "versions belong in docker/versions.txt"
     # Every pip call leaves no cache behind in a layer.
     assert text.count("--no-cache-dir") == len(re.findall(r"pip (?:install|wheel|download)", text))
-    assert not re.search(r"apt-get install|build-essential|nvcc", text), "no build tools in the image"
+    # A C and C++ compiler for Triton and inductor, and no CUDA toolkit (the -runtime base, no -devel).
+    install = re.search(r"apt-get install -y --no-install-recommends ([^\\\n]+)", final)
+    assert install and {"gcc", "g++", "libc6-dev"} <= set(install[1].split()), "no compiler in the runtime stage"
+    assert "-runtime" in _dockerfile_args()["BASE_IMAGE"] and not re.search(r"build-essential|nvcc", text)
+    # The build runs the self-check that ships in the image, after the install and as the image's user.
+    assert final.index("RUN python -m h3train.tools.image_check\n") > final.index("USER ")
+    assert "COPY --chmod=0755 scripts/gpu_check.sh /opt/h3train/scripts/gpu_check.sh" in final
 
 
 def test_dockerfile_pins_equal_the_image_versions_file() -> None:
@@ -234,11 +240,16 @@ def test_launch_script_trains_two_cpu_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("signum", "code", "why"), [(signal.SIGTERM, 0, "TERM"), (signal.SIGINT, 130, "Ctrl-C")])
+@pytest.mark.parametrize(
+    ("signum", "code", "why", "group"),
+    [(signal.SIGTERM, 0, "TERM", False), (signal.SIGINT, 130, "Ctrl-C", True)],
+    ids=["term", "terminal_ctrl_c"],
+)
 def test_launch_script_stops_on_term_and_ctrl_c_with_a_checkpoint_and_no_traceback(
-    tmp_path: Path, signum: int, code: int, why: str
+    tmp_path: Path, signum: int, code: int, why: str, group: bool
 ) -> None:
-    """TERM / Ctrl-C at the launcher: the ranks save and exit 0, torchrun exits 0, no traceback."""
+    """TERM at the launcher, or a terminal's Ctrl-C (INT to its whole process group): the ranks save and
+    exit 0, torchrun exits 0, and the launcher says so in one line, without a traceback."""
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -250,10 +261,15 @@ def test_launch_script_stops_on_term_and_ctrl_c_with_a_checkpoint_and_no_traceba
     run = tmp_path / "run"
     args = tiny_overrides(run, "train.steps=500", "parallel.sp=2")
     proc = start_in_session([str(ROOT / "scripts" / "launch.sh"), "configs/tiny_fl2va.yaml", *args], env)
-    out, err = signal_after_steps(proc, run, signum)
+    out, err = signal_after_steps(proc, run, signum, group=group)
     assert proc.returncode == code, out[-2000:] + err[-4000:]
     assert f"launch.sh: {why} on" in err and "preempted by SIGTERM: stopped after step" in out
     assert "Traceback" not in err and "SignalException" not in err, err[-4000:]
+    # The launcher's start line, then its one line for the signal: nothing from torchrun or the ranks.
+    assert [line for line in err.splitlines() if line.strip() and not line.startswith("step ")] == [
+        next(line for line in err.splitlines() if line.startswith("launch.sh: ") and "rendezvous" in line),
+        next(line for line in err.splitlines() if line.startswith(f"launch.sh: {why} on")),
+    ], err[-4000:]
     assert any(p.name.startswith("step_") for p in (run / "checkpoints").iterdir())
 
 
@@ -301,6 +317,56 @@ def test_launch_script_hands_usr1_to_the_ranks(tmp_path: Path) -> None:
     _, stderr = proc.communicate(timeout=20)
     assert got.read_text() == "usr1", stderr
     assert proc.returncode == 3, stderr  # torchrun's own status, not the interrupted wait's
+
+
+def _stand_in_launch(tmp_path: Path, check: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """launch.sh with stand-ins for `python` (the check: `check` is its bash body) and torchrun (prints
+    GLOO_SOCKET_IFNAME, or `unset`), on one CPU rank."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _executable(bin_dir / "python", f"#!/usr/bin/env bash\n{check}\n")
+    _executable(bin_dir / "torchrun", '#!/usr/bin/env bash\necho "gloo=${GLOO_SOCKET_IFNAME:-unset}"\n')
+    base = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+    return subprocess.run(
+        [str(ROOT / "scripts" / "launch.sh"), "configs/tiny_fl2va.yaml"],
+        cwd=ROOT,
+        env={**base, "PATH": _path(bin_dir), "GPUS_PER_NODE": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_launch_script_prints_the_output_of_a_failed_check(tmp_path: Path) -> None:
+    """The check's report is kept back when it passes; when it fails, all of it, ending with the reason."""
+    check = 'echo "config ok: report line"; echo "h3train: error: the reason" >&2; exit 2'
+    out = _stand_in_launch(tmp_path, check, {})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == ["config ok: report line", "h3train: error: the reason"]
+    assert "gloo=" not in out.stdout  # torchrun never started
+
+
+@pytest.mark.parametrize(
+    ("env", "gloo", "warned"),
+    [
+        ({"NCCL_SOCKET_IFNAME": "lo"}, "lo", False),
+        ({"NCCL_SOCKET_IFNAME": "=lo"}, "lo", False),
+        ({"NCCL_SOCKET_IFNAME": "^docker0,lo"}, "unset", True),
+        ({"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "eth9"}, "eth9", False),
+        ({}, "unset", False),
+    ],
+    ids=["name", "exact_name", "exclusion", "gloo_set", "neither"],
+)
+def test_launch_script_gives_gloo_the_nccl_interface(
+    tmp_path: Path, env: dict[str, str], gloo: str, warned: bool
+) -> None:
+    """The background save's gloo group uses NCCL's interface when that names this node's interfaces."""
+    if not Path("/sys/class/net/lo").exists():
+        pytest.skip("needs Linux's /sys/class/net/lo")
+    out = _stand_in_launch(tmp_path, "exit 0", env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"gloo={gloo}"
+    assert ("set GLOO_SOCKET_IFNAME" in out.stderr) == warned, out.stderr
 
 
 def _fake_slurm(bin_dir: Path, log: Path) -> None:

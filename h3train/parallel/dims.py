@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup, distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..config import ParallelConfig
@@ -103,10 +104,36 @@ class ParallelContext:
         if dims.dp_replicate > 1:
             groups["dp_replicate"] = self.mesh["dp_replicate"].get_group()
         self.averaging: Averaging = check_averaging(groups, device)
+        # `init_device_mesh` and `_flatten` create their groups with the backend's default timeout
+        # (10 min on NCCL, 30 on gloo), and torch 2.8 has no argument to pass another: each group
+        # of the mesh gets the default group's, i.e. `parallel.timeout_s` (`init_distributed`).
+        timeout = group_timeout()
+        for mesh in (self.mesh, shard, self.dp_mesh):
+            for group in mesh.get_all_groups():
+                distributed_c10d._set_pg_timeout(timeout, group)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def group_timeout(group: ProcessGroup | None = None) -> timedelta:
+    """The collective timeout of `group` (None: the default group), as its backends hold it.
+
+    A group with backends for two devices (`cpu:gloo,cuda:nccl`) holds one timeout per backend: the
+    shortest is returned, the one a stalled collective meets first.
+    """
+    group = group if group is not None else dist.group.WORLD
+    return min(group._get_backend(device).options._timeout for device in group._device_types)
+
+
+def new_group(backend: str | None = None, ranks: list[int] | None = None) -> ProcessGroup:
+    """A group of `ranks` (None: every rank) on `backend` (None: the default group's), with the
+    default group's timeout (`parallel.timeout_s`). Every rank calls it, in the same order.
+
+    `dist.new_group` alone gives the backend's default timeout, not the job's.
+    """
+    return dist.new_group(ranks=ranks, backend=backend, timeout=group_timeout())
 
 
 def free_port() -> int:

@@ -25,8 +25,9 @@ seconds. A check that raises is `failed` with the error's first line; the others
   takes minutes on a CPU). Without torchao `adamw8bit` is skipped, with the install line.
 - `lora_int8`, `lora_float8` (`lora/quant.py`): LoRA steps on a weight-only quantized frozen base
   (`lora.base_quant`). Passed when the loss is finite, the adapters changed and the base's codes
-  did not. float8 (e4m3) needs compute capability 8.9 (H100, H200, L40S): on an A100 it is
-  skipped as unsupported on this device. int8 is skipped where the trainer refuses it
+  did not. Both run on an A100 as on an H100: the codes are cast to the compute dtype before the
+  matmul, so float8 needs no float8 matmul (`_scaled_mm`, compute capability 8.9), only its casts.
+  int8 is skipped where the trainer refuses it
   (`check_base_quant`: torch 2.8's FSDP2 cannot shard integer parameters).
 - `async_save` (`train/checkpoint/writer.py`): `checkpoint.async_save=true` stages on a background
   thread into host buffers, pinned on CUDA (`staging_options`). A step, a blocking save of the
@@ -98,8 +99,6 @@ QUANTIZED_STATE = "OptimState"
 # rehearsal and the plan must, `rehearse.TOLERANCE`): kernels' workspaces and allocator rounding are
 # outside what the rehearsal tracks.
 BLOCK_MEMORY_TOLERANCE = 0.10
-# float8 e4m3 arrives with compute capability 8.9 (Ada, Hopper); an A100 is 8.0.
-FLOAT8_CAPABILITY = (8, 9)
 
 
 @dataclass
@@ -397,21 +396,6 @@ def check_optimizer(kind: str) -> Callable[[CheckSetup, CheckResult], None]:
     return run
 
 
-def float8_unsupported(device: torch.device) -> str | None:
-    """Why float8 e4m3 cannot run on `device`, or None (any CPU; CUDA from compute capability 8.9)."""
-    if device.type != "cuda":
-        return None
-    capability = torch.cuda.get_device_capability(device)
-    if capability < FLOAT8_CAPABILITY:
-        need = ".".join(map(str, FLOAT8_CAPABILITY))
-        name = torch.cuda.get_device_name(device)
-        return (
-            f"unsupported on this device: {name} is compute capability {capability[0]}.{capability[1]}; "
-            f"float8 e4m3 needs {need} (H100, H200, L40S)"
-        )
-    return None
-
-
 def check_lora(base_quant: str) -> Callable[[CheckSetup, CheckResult], None]:
     """(c): LoRA steps on the `lora.base_quant` frozen base through the real trainer."""
 
@@ -419,9 +403,6 @@ def check_lora(base_quant: str) -> Callable[[CheckSetup, CheckResult], None]:
         from ..errors import ConfigError
         from ..lora.quant import check_base_quant
 
-        if base_quant == "float8" and (why := float8_unsupported(setup.device)):
-            res.status, res.reason = SKIPPED, why
-            return
         try:
             # The trainer's own refusal of a base this torch cannot shard (int8 on torch 2.8).
             check_base_quant(base_quant)

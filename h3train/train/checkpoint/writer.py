@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from ...infra.atomic import apply_file_mode, atomic_write_text, fsync_path, set_
 from ...infra.digest import ALGORITHM, digest_file
 from ...infra.diskspace import free_bytes, human_bytes, no_space
 from ...infra.runlock import OWNER_NAME, mark_owned, owned_by_another
+from ...parallel.dims import new_group
 from .layout import (
     DIGESTS_FIELD,
     METADATA_FILE,
@@ -43,6 +45,12 @@ from .layout import (
     step_of,
 )
 from .verify import complete_checkpoints
+
+# torch 2.8's DCP file writer calls `tensor.storage()` on every tensor it writes, which warns once per
+# rank and save; the call is torch's own, and a stopped run's console should end with its own lines.
+warnings.filterwarnings(
+    "ignore", message="TypedStorage is deprecated", module="torch.distributed.checkpoint.filesystem"
+)
 
 # A failed save that leaves less than this free (and less than a checkpoint) ran out of space.
 _FULL_BELOW = 64 * 1024**2
@@ -253,7 +261,7 @@ class Checkpointer:
         self._pending: _PendingSave | None = None
         # Background writes plan over a gloo group of their own, so their collectives never
         # interleave with the training loop's on the default group (and work beside NCCL).
-        self._group = dist.new_group(backend="gloo") if async_save else None
+        self._group = new_group("gloo") if async_save else None
         background_copy = async_save and DefaultStager is not None
         device = device or torch.device("cpu")
         self._stager = HeldStager(staging_options(device)) if background_copy else None
