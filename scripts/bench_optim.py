@@ -212,7 +212,11 @@ def measure(
                     wall[kind].append(time.perf_counter() - started)
                     loss[kind] = float(stats["loss"])
             for kind, trainer in trainers.items():
+                # Gradients live between a step's two halves (the update frees them): one more
+                # backward holds them while the row is measured.
+                trainer.forward_backward(warmup + steps + 1)
                 rows[kind] = _row(kind, trainer, timers[kind].seconds, wall[kind], loss[kind])
+                trainer.optimizer.zero_grad(set_to_none=True)
                 rows[kind]["first_loss"] = first_loss[kind]
         finally:
             # One process group serves every trainer; the last close leaves it.

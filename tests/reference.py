@@ -100,6 +100,18 @@ def run_h3train(
     return proc
 
 
+def torchrun_error_line(stderr: str) -> str:
+    """The one `h3train: error:` line of a run that torchrun launched and that failed cleanly.
+
+    A rank prints it once; after torchrun's own report (its traceback and table) it is printed again,
+    as the last line of stderr.
+    """
+    ours = [line for line in stderr.splitlines() if line.startswith("h3train: error: ")]
+    assert len(ours) == 2 and ours[0] == ours[1], stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == ours[0], stderr[-3000:]
+    return ours[0]
+
+
 # Mount a tmpfs of $1 bytes on $2, run the rest, then copy what the tmpfs holds to $3 (it goes with
 # the namespace) and exit with the run's code.
 _ON_SMALL_DISK = 'mount -t tmpfs -o size="$1" tmpfs "$2" || exit 97; d="$2"; k="$3"; shift 3; "$@"; rc=$?; ' + (

@@ -22,6 +22,7 @@ from reference import (
     run_env,
     start_in_session,
     tiny_args,
+    torchrun_error_line,
 )
 
 
@@ -221,8 +222,7 @@ def test_two_runs_started_at_once_into_one_folder_under_torchrun_sp2(tmp_path) -
     assert sorted(codes) == [0, 1] or sorted(codes) == [0, 2], outs
     winner = codes.index(0)
     loser_err = outs[1 - winner][1]
-    ours = [line for line in loser_err.splitlines() if line.startswith("h3train: error: ")]
-    assert len(ours) == 1 and f"logging.dir '{run}' is in use by another run" in ours[0], loser_err[-3000:]
+    assert f"logging.dir '{run}' is in use by another run" in torchrun_error_line(loser_err), loser_err[-3000:]
     assert "exitcode  : 2" in loser_err
     # The winner's history is whole and its own: every step once, its seed in config.yaml.
     assert [m["step"] for m in read_metrics(run)] == list(range(1, 41))

@@ -37,6 +37,7 @@ from reference import (
     signal_after_steps,
     start_in_session,
     tiny_args,
+    torchrun_error_line,
 )
 
 COMMON = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=0"]
@@ -50,10 +51,13 @@ def _train_args(log_dir: Path, *extra: str) -> list[str]:
 def _one_error_line(err: str, torchrun: bool = False) -> str:
     """The single `h3train: error:` line of a run that must fail cleanly (no rank's traceback).
 
-    torchrun adds its own report of a failed worker (a traceback of the launcher and a table).
+    torchrun adds its own report of a failed worker (a traceback of the launcher and a table), after
+    which the line is printed again, last.
     """
     assert ("[rank" if torchrun else "Traceback") not in err, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("h3train: error:")]
+    if torchrun:
+        return torchrun_error_line(err)
     assert len(errors) == 1, err[-3000:]
     return errors[0]
 

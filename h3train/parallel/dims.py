@@ -99,32 +99,50 @@ class ParallelContext:
         self.dp_rank = self.dp_mesh.get_local_rank()
         self.sp_rank = self.mesh["sp"].get_local_rank()
         self.rank = dist.get_rank()
-        # What FSDP2's gradient average really does on these groups (`parallel/averaging.py`).
-        groups = {"dp_shard_sp": shard.get_group()}
-        if dims.dp_replicate > 1:
-            groups["dp_replicate"] = self.mesh["dp_replicate"].get_group()
-        self.averaging: Averaging = check_averaging(groups, device)
         # `init_device_mesh` and `_flatten` create their groups with the backend's default timeout
         # (10 min on NCCL, 30 on gloo), and torch 2.8 has no argument to pass another: each group
         # of the mesh gets the default group's, i.e. `parallel.timeout_s` (`init_distributed`).
         timeout = group_timeout()
         for mesh in (self.mesh, shard, self.dp_mesh):
             for group in mesh.get_all_groups():
-                distributed_c10d._set_pg_timeout(timeout, group)
+                for backend in _backends(group):
+                    backend._set_default_timeout(timeout)
+        # What FSDP2's gradient average really does on these groups (`parallel/averaging.py`).
+        groups = {"dp_shard_sp": shard.get_group()}
+        if dims.dp_replicate > 1:
+            groups["dp_replicate"] = self.mesh["dp_replicate"].get_group()
+        self.averaging: Averaging = check_averaging(groups, device)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def group_timeout(group: ProcessGroup | None = None) -> timedelta:
-    """The collective timeout of `group` (None: the default group), as its backends hold it.
+def group_timeout(group: ProcessGroup | None = None) -> timedelta | None:
+    """The collective timeout of `group` (None: the default group), as its backends hold it (None: no
+    backend of it holds one).
 
     A group with backends for two devices (`cpu:gloo,cuda:nccl`) holds one timeout per backend: the
     shortest is returned, the one a stalled collective meets first.
     """
     group = group if group is not None else dist.group.WORLD
-    return min(group._get_backend(device).options._timeout for device in group._device_types)
+    return min((backend.options._timeout for backend in _backends(group)), default=None)
+
+
+def _backends(group: ProcessGroup) -> list[dist.Backend]:
+    """The backends that run `group`'s collectives and hold a timeout (gloo, NCCL), one per device type.
+
+    Under `TORCH_DISTRIBUTED_DEBUG=DETAIL` each is wrapped in one that checks every collective
+    across the ranks first; the timeout is the wrapped backend's. The rehearsal's fake backend
+    holds none.
+    """
+    kinds = tuple(
+        getattr(distributed_c10d, name)
+        for name in ("ProcessGroupGloo", "ProcessGroupNCCL")
+        if hasattr(distributed_c10d, name)
+    )
+    found = [group._get_backend(device) for device in group._device_types]
+    return [inner for backend in found if isinstance(inner := getattr(backend, "wrapped_pg", backend), kinds)]
 
 
 def new_group(backend: str | None = None, ranks: list[int] | None = None) -> ProcessGroup:

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 
 from ..config import Config
-from ..errors import UsageError
+from ..errors import ConfigError, UsageError
 from ..parallel.dims import ParallelContext, ParallelDims
 from ..parallel.fsdp import local_tensor
 from ..plan import GIB, RELEASED_MAX_ROWS, RELEASED_TEXT_ROWS, MemoryPlan, config_sample_rows, estimate
@@ -199,11 +199,18 @@ def fake_process_group(world_size: int) -> Iterator[list[str]]:
         notes.append(
             "c10d collectives: no meta kernels in this torch; torch.distributed._tools.fake_collectives registers them"
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    # A fake group has no peers to check collectives against: TORCH_DISTRIBUTED_DEBUG=DETAIL's
+    # wrapper would open a gloo group on the fake store, which cannot hold one.
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.OFF)
     try:
-        yield notes
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        try:
+            yield notes
+        finally:
+            dist.destroy_process_group()
     finally:
-        dist.destroy_process_group()
+        dist.set_debug_level(level)
         # torch 2.8 keeps flattened meshes by their layout across process groups: a later rehearsal
         # of the same layout would find the groups destroyed here.
         from torch.distributed import device_mesh
@@ -224,18 +231,38 @@ def planned_sample(cfg: Config, text_dim: int) -> tuple[Any, int, str]:
     from ..data.source import data_source
 
     rows, text_rows, source = config_sample_rows(cfg)
-    if rows == RELEASED_MAX_ROWS and source.startswith("longest released clip"):
+    released = source.startswith("longest released")
+    if rows == RELEASED_MAX_ROWS and released:
         sample = bench_sample(RELEASED_CLIP, text_dim, cfg.train.seed)
         source = "longest released clip (15 s 768x1344 FL2VA, synthetic latents); data.path is not readable here"
-    elif source.startswith("longest released clip"):
+    elif released:
         # A task of prompt-only clips (t2va): the same clip without its keyframes (`plan.released_rows`).
         sample = SyntheticSource(clip_data(RELEASED_CLIP), text_dim, cfg.train.seed, cfg.task.name)[0]
         source = "longest released clip (15 s 768x1344 T2VA, synthetic latents); data.path is not readable here"
+    elif source.startswith("data.max_rows"):
+        # Away from the data the plan takes the bound; the rehearsal runs the longest clip of the released
+        # canvas within it, and `rehearse` plans that clip's rows.
+        sample, frames = _released_within(rows, text_dim, cfg.train.seed)
+        source = (
+            f"longest {frames}-frame 768x1344 FL2VA clip within data.max_rows={rows} (synthetic latents); "
+            "data.path is not readable here"
+        )
+        return sample, RELEASED_TEXT_ROWS, source
     else:
         sample = data_source(cfg).longest_sample(cfg, text_dim)
     if sample.layout.seq_len != rows:
         raise RuntimeError(f"the rehearsed sample packs {sample.layout.seq_len} rows, the plan {rows}")
     return sample, text_rows, source
+
+
+def _released_within(bound: int, text_dim: int, seed: int) -> tuple[Any, int]:
+    """(sample, frames): the longest clip of the released canvas and prompt (`RELEASED_CLIP`, 17 n + 5
+    frames) that packs to at most `bound` rows."""
+    for frames in range(RELEASED_CLIP.frames, 4, -17):
+        sample = bench_sample(dataclasses.replace(RELEASED_CLIP, frames=frames), text_dim, seed)
+        if sample.layout.seq_len <= bound:
+            return sample, frames
+    raise ConfigError(f"config key 'data.max_rows' = {bound} holds no clip of the released canvas to rehearse")
 
 
 def rehearsal_config(cfg: Config, dims: dict[str, Any]) -> Config:
@@ -398,7 +425,6 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
     if num_layers is not None:
         dims = {**dims, "num_layers": num_layers}
     run_cfg = rehearsal_config(cfg, dims)
-    plan = estimate(dims, mesh, cfg)
     notes = [
         "values: the model is built on meta and materialized as the pretrained load allocates it; no weight is read",
         "micro-batch: built on the host before the fake mode (the layout builders call nonzero), real tensors",
@@ -407,6 +433,7 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
     ]
     optimizer_kind(cfg.optim.name).before_rehearsal()
     sample, text_rows, rows_source = planned_sample(cfg, int(dims["text_dim"]))
+    plan = estimate(dims, mesh, cfg, rows=sample.layout.seq_len, text_rows=text_rows)
     ti = micro_batch_inputs(run_cfg, sample, step=1, slot=0)
     micro_batches = min(cfg.train.grad_accum, MICRO_BATCHES)
     seconds["sample"] = time.perf_counter() - start
