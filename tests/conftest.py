@@ -9,12 +9,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
-from ranks import COLLECTIVE_CHECKS  # noqa: E402
+from ranks import collective_checks  # noqa: E402
 
 # Every process group of the suite, in this process and in every rank it starts (spawned, forked or
 # under torchrun), checks each collective's op, shapes and dtypes across its ranks: a step that is
 # not the same collective sequence on every rank fails where it diverges. Set before torch is imported.
-os.environ.setdefault(COLLECTIVE_CHECKS, "DETAIL")
+for _name, _value in collective_checks().items():
+    os.environ.setdefault(_name, _value)
 
 
 @pytest.fixture(autouse=True)

@@ -37,6 +37,19 @@ _GRACE_S = 10.0
 # was set: each rank reads it again.
 COLLECTIVE_CHECKS = "TORCH_DISTRIBUTED_DEBUG"
 
+
+def collective_checks() -> dict[str, str]:
+    """`{COLLECTIVE_CHECKS: "DETAIL"}` where this torch can check FSDP2's collectives on gloo; else empty.
+
+    torch 2.8's checking wrapper lacks the coalesced all-gather FSDP2's backward issues on gloo
+    (`allgather_into_tensor_coalesced`), so there the groups run unchecked.
+    """
+    from importlib.metadata import version
+
+    major, minor = (int(part) for part in version("torch").split(".")[:2])
+    return {COLLECTIVE_CHECKS: "DETAIL"} if (major, minor) > (2, 8) else {}
+
+
 # Set to 1 in a run's environment: its ranks' collectives sum where asked to average, as torch 2.8's
 # gloo reduce-scatter does (`h3train/parallel/averaging.py`).
 SUMS_AVERAGE = "H3TRAIN_TEST_SUMS_AVERAGE"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
-from ranks import COLLECTIVE_CHECKS, fork_ranks
+from ranks import collective_checks, fork_ranks
 from safetensors.torch import load_file
 
 from h3train.config import load_config
@@ -71,16 +71,17 @@ def run_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
     """The environment of a launched run: one thread per rank, wandb offline, unbuffered output, and
     process groups that check every collective across their ranks.
 
-    `TORCH_DISTRIBUTED_DEBUG=DETAIL` wraps each gloo group so that, before every collective, its ranks
-    compare the op, shapes and dtypes: a rank that issues a collective its peers do not fails there with
-    `Detected mismatch between collectives`, where NCCL on a cluster would hang.
+    `TORCH_DISTRIBUTED_DEBUG=DETAIL` (`ranks.collective_checks`) wraps each gloo group so that, before
+    every collective, its ranks compare the op, shapes and dtypes: a rank that issues a collective its
+    peers do not fails there with `Detected mismatch between collectives`, where NCCL on a cluster
+    would hang.
     """
     return {
         **(os.environ if base is None else base),
         "OMP_NUM_THREADS": "1",
         "WANDB_MODE": "offline",
         "PYTHONUNBUFFERED": "1",
-        COLLECTIVE_CHECKS: "DETAIL",
+        **collective_checks(),
         **extra,
     }
 

@@ -5,8 +5,9 @@ samples: loss and grad norm agree at every step. The DP ranks here get different
 (lengths, sound or none, t2va / fl2va / ref2va, dropped and kept prompts under CFG, a skipped
 unreadable sample, a non-finite step on one rank), with EMA, held-out loss and guidance retention. The
 process groups check each collective across their ranks (`TORCH_DISTRIBUTED_DEBUG=DETAIL`, which
-`conftest.py` and `reference.run_env` set), so a rank that issues a collective its peers do not fails
-the run where it diverges, and the fault test shows that check catching such a branch.
+`conftest.py` and `reference.run_env` set where torch can: `ranks.collective_checks`), so a rank that
+issues a collective its peers do not fails the run where it diverges, and the fault test shows that
+check catching such a branch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 from pathlib import Path
 
 import pytest
+from ranks import collective_checks
 
 from h3train.config import load_config
 from h3train.data.dataset import CachedDataset
@@ -149,6 +151,7 @@ def test_four_ranks_of_different_samples_equal_one_process(datasets, one_process
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not collective_checks(), reason="this torch's groups cannot check FSDP2's collectives on gloo")
 def test_a_rank_that_runs_one_more_forward_is_caught_where_it_diverges(tmp_path) -> None:
     args = tiny_args(tmp_path, "parallel.sp=1", "train.steps=3", "checkpoint.every=0", "debug.fault=[rank_branch@2:1]")
     proc = run_forked(args, nproc=2, check=False, timeout=120)
