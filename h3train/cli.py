@@ -29,12 +29,9 @@ if TYPE_CHECKING:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .preflight import load_checked, preflight
+    from .preflight import load_checked
 
     cfg = load_checked(args.config, args.overrides)
-    # The inputs first: the plan reads the data they check (the start-up checks them again, cheaply).
-    preflight(cfg)
-    start_plan(cfg)
     from .train.assemble import build_trainer
 
     try:
@@ -66,39 +63,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         return GUARD_EXIT
     return 130 if trainer.interrupted else 0
-
-
-def start_plan(cfg: Config, device_type: str | None = None, device_memory_gib: float | None = None) -> None:
-    """Print the memory plan's verdict for the data this run reads (rank 0), and on a GPU refuse a run that
-    does not fit it (`plan.refuse_over_plan`; `train.ignore_memory_plan` overrides). Every rank decides
-    alike from the same config and index, before any process group.
-
-    `device_type` / `device_memory_gib` default to this machine's (`preflight.device_type`, the GPU's
-    total memory); a test passes them to take the GPU's path on a CPU.
-    """
-    from .model.dims import planned_model_dims
-    from .parallel.dims import ParallelDims
-    from .plan import DEFAULT_DEVICE_MEMORY_GIB, GIB, dropped_line, estimate, refuse_over_plan, summary
-
-    if device_type is None:
-        from .preflight import device_type as this_device
-
-        device_type = this_device(cfg)
-    if device_memory_gib is None:
-        device_memory_gib = DEFAULT_DEVICE_MEMORY_GIB
-        if device_type == "cuda":
-            import torch
-
-            index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-            device_memory_gib = torch.cuda.get_device_properties(index).total_memory / GIB
-    mesh = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
-    plan = estimate(planned_model_dims(cfg)[0], mesh, cfg, device_memory_gib=device_memory_gib)
-    if int(os.environ.get("RANK", "0")) == 0:
-        dropped = dropped_line(cfg)
-        print(f"memory plan: {summary(plan)} ({plan.rows_source})", flush=True)
-        if dropped:
-            print(dropped, flush=True)
-    refuse_over_plan(plan, device_type, cfg.train.ignore_memory_plan)
 
 
 def _fit_failed(trainer: Trainer, cfg: Config, exc: BaseException) -> int | None:

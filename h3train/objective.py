@@ -280,16 +280,15 @@ def make_training_inputs(
     # prompt, a `sigma` schedule at scale 1): the number of forwards, and with it the sharding
     # group's all-gathers, is the run's, never the sample's.
     with_negative = cfg_enabled(cfg)
-    negative = negative_prompt(sample, cfg, shared_negative) if with_negative or drop_text else None
-    uncond = None
-    if negative is not None:
-        uncond = forward_inputs(sample.layout_for(negative[1]), xt_video, xt_audio, negative[0], t_video, t_audio)
+    negative_rows = None
+    if with_negative or drop_text:
+        embeds, tags = negative_prompt(sample, cfg, shared_negative)
+        negative_rows = forward_inputs(sample.layout_for(tags), xt_video, xt_audio, embeds, t_video, t_audio)
     if drop_text:
-        inputs = uncond
+        inputs = negative_rows
     else:
         inputs = forward_inputs(layout, xt_video, xt_audio, sample.prompt_embeds, t_video, t_audio)
-    if not with_negative:
-        uncond = None
+    uncond = negative_rows if with_negative else None
 
     mask_video = torch.ones(x0_video.shape[0])
     mask_video[:ncv] = 0

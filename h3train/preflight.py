@@ -26,6 +26,7 @@ from .errors import ConfigError, DatasetError, one_of
 from .lora.targets import meta_model, resolve_targets, resolve_train_modules
 from .model.dims import check_model_kwargs, model_dims, planned_model_dims, pretrained_config_file
 from .ops.attention import resolve_attention_backend
+from .parallel.dims import ParallelDims
 from .render.requests import validate_samples
 from .tasks.partition import check_partition
 from .tasks.table import TRAINING_TASKS, training_task_for
@@ -258,3 +259,35 @@ def _check_one_dataset(cfg: Config, dims: dict[str, Any], key: str, folder: Path
             )
         )
     return len(trained)
+
+
+def start_plan(
+    cfg: Config,
+    device_kind: str | None = None,
+    device_memory_gib: float | None = None,
+    dims: ParallelDims | None = None,
+) -> None:
+    """Print the memory plan's verdict for the data this run reads (rank 0), and on a GPU refuse a run that
+    does not fit it (`plan.refuse_over_plan`; `train.ignore_memory_plan` overrides). Every rank decides
+    alike from the same config and index, before any process group; after `preflight`, whose checks
+    of the data the plan reads come first. `dims`: the launch's mesh (default: from `WORLD_SIZE`).
+
+    `device_kind` / `device_memory_gib` default to this machine's (`device_type`, the GPU's total
+    memory); a test passes them to take the GPU's path on a CPU.
+    """
+    from .plan import DEFAULT_DEVICE_MEMORY_GIB, GIB, dropped_line, estimate, refuse_over_plan, summary
+
+    device_kind = device_kind or device_type(cfg)
+    if device_memory_gib is None:
+        device_memory_gib = DEFAULT_DEVICE_MEMORY_GIB
+        if device_kind == "cuda":
+            index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            device_memory_gib = torch.cuda.get_device_properties(index).total_memory / GIB
+    dims = dims or ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
+    plan = estimate(planned_model_dims(cfg)[0], dims, cfg, device_memory_gib=device_memory_gib)
+    if int(os.environ.get("RANK", "0")) == 0:
+        dropped = dropped_line(cfg)
+        print(f"memory plan: {summary(plan)} ({plan.rows_source})", flush=True)
+        if dropped:
+            print(dropped, flush=True)
+    refuse_over_plan(plan, device_kind, cfg.train.ignore_memory_plan)

@@ -76,12 +76,13 @@ def run_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
     peers do not fails there with `Detected mismatch between collectives`, where NCCL on a cluster
     would hang.
     """
+    env = os.environ if base is None else base
     return {
-        **(os.environ if base is None else base),
+        **collective_checks(),
+        **env,
         "OMP_NUM_THREADS": "1",
         "WANDB_MODE": "offline",
         "PYTHONUNBUFFERED": "1",
-        **collective_checks(),
         **extra,
     }
 

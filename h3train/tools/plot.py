@@ -10,7 +10,6 @@ Usage: `python -m h3train.tools.plot runs/x/metrics.jsonl runs/x/metrics.png`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -25,6 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from ..errors import UsageError
+from ..train.metrics import iter_rows
 
 # The loss panel's curves; a file with neither (no modality losses logged) draws `loss` instead.
 _LOSS_KEYS = ("loss_video", "loss_audio")
@@ -63,20 +63,8 @@ def read_metrics(metrics_path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         )
     if not path.is_file():
         raise UsageError(f"metrics file '{path}' does not exist; pass a run's <logging.dir>/metrics.jsonl")
-    records: list[dict[str, Any]] = []
     try:
-        # Undecodable bytes (a binary file, a torn write) become lines that fail to parse below.
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    # A line torn by a crash mid-write should not stop the rest from plotting.
-                    continue
-                if isinstance(record, dict) and isinstance(record.get("step"), int):
-                    records.append(record)
+        records = list(iter_rows(path))
     except OSError as exc:
         raise UsageError(f"metrics file '{path}' cannot be read: {exc.strerror or exc}") from None
     return records

@@ -47,7 +47,7 @@ from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
 from ..parallel.fsdp import apply_fsdp, shards_nothing
 from ..parallel.ulysses import SequenceParallel
 from ..plan import checkpoint_bytes
-from ..preflight import preflight
+from ..preflight import preflight, start_plan
 from .checkpoint import Checkpointer, checkpoint_root, room_needed
 from .dump import StepDump
 from .events import EventLog, Progress
@@ -128,6 +128,7 @@ def assemble(
     # The mesh is checked against the launch before any process group exists.
     dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
     preflight(cfg)
+    start_plan(cfg, dims=dims)
     log_dir = Path(cfg.logging.dir)
     ckpt_dir = checkpoint_root(cfg.checkpoint.dir, log_dir)
     # The run-folder policy (rundir.py), decided the same way on every rank from the shared folders.

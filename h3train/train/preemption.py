@@ -33,6 +33,13 @@ from .events import INTERRUPTS, Interrupts
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # Agreed across ranks with a MAX all-reduce, so the higher code wins.
 NONE, PREEMPT, INTERRUPT = 0, 1, 2
+
+
+def agreed_stop(preempting: float, interrupting: float) -> int:
+    """The stop the ranks agree on from how many asked for each: `INTERRUPT` over `PREEMPT` over `NONE`."""
+    return INTERRUPT if interrupting > 0 else PREEMPT if preempting > 0 else NONE
+
+
 # A SIGINT this soon after the first is the same Ctrl-C delivered twice (terminal and launcher); a
 # person's second press comes later.
 SAME_KEYPRESS_S = 0.5

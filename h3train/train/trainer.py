@@ -50,7 +50,7 @@ from .metrics import (
     reset_peak_memory,
     write_resolved_config,
 )
-from .preemption import INTERRUPT, NONE, PREEMPT, Preemption
+from .preemption import INTERRUPT, NONE, PREEMPT, Preemption, agreed_stop
 from .reduction import StepTotals
 
 if TYPE_CHECKING:
@@ -249,8 +249,8 @@ class Trainer:
         reset_peak_memory(self.device)
         accum = self.cfg.train.grad_accum
         zero = torch.zeros(len(StepTotals.loss_names()), dtype=torch.float64, device=self.device)
+        # No gradient is held here: `update` freed the last step's (a fresh model has none).
         grads = StepGradients(time.perf_counter(), zero)
-        self.optimizer.zero_grad(set_to_none=True)
         for micro in range(accum):
             self.phase = f"loading micro-batch {micro} of step {step}"
             sample, ti = self.batches.next(step, micro)
@@ -369,33 +369,32 @@ class Trainer:
         losses (spike detection). Returns (totals, scalars, micro-batch losses, agreed stop request).
         """
         lead = float(self.ctx.sp_rank == 0)
-        flag = self.preempt.flag
         counts = {name: value * lead for name, value in host_sums.items()}
         counts["data_errors"] = self.data_errors.count * lead
-        counts["preempting"] = float(flag == PREEMPT)
-        counts["interrupting"] = float(flag == INTERRUPT)
+        counts.update(self._stop_counts())
         reduced = StepTotals.pack(device_sums * lead, counts)
         dist.all_reduce(reduced)
         # The norm may live on the host (parameters offloaded to the CPU); the losses on the device.
         local = torch.stack([*(t.to(self.device, torch.float64) for t in scalars), *(loss.double() for loss in losses)])
         values = torch.cat([reduced, local]).tolist()
         totals = StepTotals.unpack(values)
-        stop = INTERRUPT if totals.interrupting > 0 else PREEMPT if totals.preempting > 0 else NONE
+        stop = agreed_stop(totals.preempting, totals.interrupting)
         rest = values[len(StepTotals.names()) :]
         n = len(scalars)
         return totals, rest[:n], rest[n:], stop
 
-    def _agree_stop(self) -> int:
-        """The stop any rank was asked for so far (`INTERRUPT` over `PREEMPT`), agreed in one all-reduce.
-
-        Collective: called by every rank at the same points of a step.
-        """
+    def _stop_counts(self) -> dict[str, float]:
+        """This rank's stop request as the step's all-reduce sums it (`StepTotals`)."""
         flag = self.preempt.flag
-        flags = torch.tensor([float(flag == PREEMPT), float(flag == INTERRUPT)], dtype=torch.float64)
-        flags = flags.to(self.device)
-        dist.all_reduce(flags)
-        preempting, interrupting = flags.tolist()
-        return INTERRUPT if interrupting > 0 else PREEMPT if preempting > 0 else NONE
+        return {"preempting": float(flag == PREEMPT), "interrupting": float(flag == INTERRUPT)}
+
+    def _agree_stop(self) -> int:
+        """The stop any rank was asked for so far (`INTERRUPT` over `PREEMPT`), in one all-reduce of the
+        step's stop counts. Collective: called by every rank at the same points of a step."""
+        counts = self._stop_counts()
+        summed = torch.tensor(list(counts.values()), dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed)
+        return agreed_stop(*summed.tolist())
 
     def _too_many_skips(self, step: int, sample_ids: list[str]) -> TrainingError:
         """The error that stops a run after too many skipped steps, naming every rank's samples of `step`.
@@ -472,14 +471,17 @@ class Trainer:
                 if self.ctx.is_main:
                     for line in verdict.lines:
                         print(line, file=sys.stderr, flush=True)
-                # Agreed in the step's all-reduce: a signal any rank got before the step ended; and
-                # one that came while the step validated or rendered (every rank does both at the
-                # same steps), so that the run stops on this step's save, not after another step.
-                if not self.stop_request and self._evaluated_at == step:
-                    self.stop_request = self._agree_stop()
+                # Agreed in the step's all-reduce: a signal any rank got before the step ended. One
+                # that comes while the step validates, renders (every rank does both at the same
+                # steps) or saves stops the run on this step's save, not after another step: agreed
+                # once more after the save, or after the evaluation when no save is due.
                 preempted = self.stop_request
                 due = every and (step % every == 0 or step == cfg.train.steps)
-                if preempted or verdict.save or due:
+                saving = bool(preempted or verdict.save or due)
+                if not saving and self._evaluated_at == step:
+                    preempted = self.stop_request = self._agree_stop()
+                    saving = bool(preempted)
+                if saving:
                     self._finish_saves()
                     self.phase = f"checkpoint save at step {step}"
                     path = self._last_checkpoint = self.save_checkpoint()

@@ -336,11 +336,13 @@ class Checkpointer:
             mark_owned(tmp, self.owner)
         # No barrier: DCP's writer creates the folder on every rank, and no rank writes a file before
         # the plan exchange, which needs rank 0's plan, made after the lines above.
-        writer = None if before_write is None else _Writer(tmp, before_write)
+        writer = self._staging_writer
+        if writer is not None:
+            writer.before_write = before_write
+        elif before_write is not None:
+            writer = _Writer(tmp, before_write)
         if self.async_save:
             if self._stager is None:
-                writer = self._staging_writer
-                writer.before_write = before_write
                 # Staged before `async_save` returns: the snapshot is taken already.
                 written = dcp.async_save(
                     dict(components), checkpoint_id=str(tmp), storage_writer=writer, process_group=self._group

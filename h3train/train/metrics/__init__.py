@@ -7,7 +7,7 @@ sink per destination (`sink.MetricSink`), each in a file of its own.
 """
 
 from .console_sink import ConsoleSink, format_duration
-from .jsonl_sink import METRICS_FILE, JsonlSink, first_row, set_aside_later_lines
+from .jsonl_sink import METRICS_FILE, JsonlSink, first_row, iter_rows, set_aside_later_lines
 from .logger import MetricsLogger
 from .memory import peak_memory_gib, reset_peak_memory
 from .record import MEMORY_KEY, NONFINITE_KEY, RESUMED_KEY, strict_record
@@ -32,6 +32,7 @@ __all__ = [
     "_TensorBoard",
     "first_row",
     "format_duration",
+    "iter_rows",
     "peak_memory_gib",
     "reset_peak_memory",
     "set_aside_later_lines",

@@ -27,7 +27,7 @@ _CFG_LOSS_KEYS = {
     "loss_video": "cfg_video",
     "loss_audio": "cfg_audio",
 }
-_TRACKED = (*_LOSS_KEYS, "loss_video_fm", "loss_audio_fm")
+_TRACKED = tuple(_CFG_LOSS_KEYS)
 # Keys shown after the losses, in this order, when present, and the name each is shown under.
 _CONSOLE_KEYS = {"grad_norm": "grad_norm", "lr": "lr", MEMORY_KEY: "peak_mem"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -46,22 +46,27 @@ def set_aside_later_lines(path: Path, step: int) -> Path | None:
     return aside
 
 
-def first_row(path: Path, kind: str | None) -> dict[str, Any] | None:
-    """The first row of JSONL log `path` whose `kind` is `kind` (None: training rows); None if none is.
+def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The rows of JSONL log `path`: each line that is a JSON object with an integer `step`, in order.
 
-    Torn or foreign lines are passed over, as `set_aside_later_lines` sets them aside.
+    Lines torn by a crash mid-write (undecodable bytes included) are passed over, as
+    `set_aside_later_lines` sets them aside. Raises `OSError` when the file cannot be read.
     """
-    if not path.is_file():
-        return None
-    with path.open(encoding="utf-8") as lines:
+    with path.open(encoding="utf-8", errors="replace") as lines:
         for line in lines:
             try:
                 row = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int) and row.get("kind") == kind:
-                return row
-    return None
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                yield row
+
+
+def first_row(path: Path, kind: str | None) -> dict[str, Any] | None:
+    """The first row of JSONL log `path` whose `kind` is `kind` (None: training rows); None if none is."""
+    if not path.is_file():
+        return None
+    return next((row for row in iter_rows(path) if row.get("kind") == kind), None)
 
 
 class JsonlSink(MetricSink):
