@@ -29,10 +29,10 @@ if TYPE_CHECKING:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .preflight import load_checked
+    from .run.preflight import load_checked
 
     cfg = load_checked(args.config, args.overrides)
-    from .train.assemble import build_trainer
+    from .run.assemble import build_trainer
 
     try:
         trainer = build_trainer(cfg, overwrite=args.overwrite)
@@ -128,7 +128,7 @@ def _is_collective_failure(exc: RuntimeError) -> bool:
 def _cmd_check(args: argparse.Namespace) -> int:
     from .model.dims import planned_model_dims
     from .parallel.dims import ParallelDims
-    from .preflight import load_checked, preflight
+    from .run.preflight import load_checked, preflight
 
     cfg = load_checked(args.config, args.overrides, planning=not args.strict)
 
@@ -184,7 +184,7 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .train.export import checkpoint_to_export, export_checkpoint
+    from .export.transformer import checkpoint_to_export, export_checkpoint
 
     checkpoint, chosen = checkpoint_to_export(Path(args.checkpoint))
     if chosen is not None:
@@ -228,7 +228,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .data.components import check_components_folder
 
     components = check_components_folder(components)
-    from .render.generate import announce, default_device, generate, read_requests, request_partition
+    from .run.generate import announce, default_device, generate, read_requests, request_partition
 
     flags = {"seed": args.seed, "frames": args.frames, "resolution": args.resolution}
     defaults = default_shape(source) if source is not None else {}

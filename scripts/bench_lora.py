@@ -26,10 +26,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from h3train.preflight import load_checked  # noqa: E402
+from h3train.run.assemble import build_trainer  # noqa: E402
+from h3train.run.preflight import load_checked  # noqa: E402
 from h3train.tasks.layout import Geometry  # noqa: E402
 from h3train.tools.bench import REDUCED_CLIP, REDUCED_DIMS, bench_sample  # noqa: E402
-from h3train.train.assemble import build_trainer  # noqa: E402
 
 
 def _overrides(tmp: Path, steps: int) -> list[str]:

@@ -78,14 +78,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from h3train.config import load_config, validate  # noqa: E402
-from h3train.lora.quant import INTEGER_CODES_SHARD  # noqa: E402
 from h3train.model.dims import model_kwargs, planned_model_dims  # noqa: E402
+from h3train.model.quant import INTEGER_CODES_SHARD  # noqa: E402
+from h3train.optim.kinds import state_bytes, state_bytes_per_value  # noqa: E402
 from h3train.parallel.dims import ParallelDims  # noqa: E402
 from h3train.plan import estimate  # noqa: E402
+from h3train.run.assemble import build_trainer  # noqa: E402
 from h3train.tools.bench import REDUCED_CLIP, REDUCED_DIMS, trainer_config  # noqa: E402
 from h3train.tools.gpu_checks import eager_torch_compile  # noqa: E402
-from h3train.train.assemble import build_trainer  # noqa: E402
-from h3train.train.optim import state_bytes, state_bytes_per_value  # noqa: E402
 
 KINDS = ("adamw", "adamw8bit", "adamw4bit", "adamw_bf16")
 REFERENCE = "adamw"

@@ -36,11 +36,11 @@ from h3train.config import WandbConfig  # noqa: E402
 from h3train.data.components import TINY_TEXT_HIDDEN, write_tiny_components  # noqa: E402
 from h3train.data.media import moving_pattern  # noqa: E402
 from h3train.data.synth import write_synthetic_dataset  # noqa: E402
-from h3train.preflight import load_checked  # noqa: E402
-from h3train.render.hook import SampleRenderer  # noqa: E402
 from h3train.render.pipeline import denoise  # noqa: E402
-from h3train.train.assemble import build_trainer  # noqa: E402
+from h3train.run.assemble import build_trainer  # noqa: E402
+from h3train.run.preflight import load_checked  # noqa: E402
 from h3train.train.metrics import MetricsLogger  # noqa: E402
+from h3train.train.render_hook import SampleRenderer  # noqa: E402
 from h3train.train.validation import HeldOutLoss  # noqa: E402
 
 # 22 frames -> 7 latent frames; a 96x64 canvas -> 4x6 latents, 2x3 rows per frame; 37 audio latents.

@@ -71,11 +71,11 @@ from h3train.model.dims import model_defaults  # noqa: E402
 from h3train.objective import micro_batch_inputs  # noqa: E402
 from h3train.parallel.collectives import count_collectives  # noqa: E402
 from h3train.parallel.dims import free_port  # noqa: E402
-from h3train.preflight import load_checked  # noqa: E402
+from h3train.run.assemble import build_trainer  # noqa: E402
+from h3train.run.preflight import load_checked  # noqa: E402
 from h3train.tools.bench import clip_data  # noqa: E402
 from h3train.tools.bench_memory import MEMORY_CLIP, MEMORY_DIMS, saved_activation_bytes  # noqa: E402
 from h3train.tools.host_syncs import SyncCounter  # noqa: E402
-from h3train.train.assemble import build_trainer  # noqa: E402
 
 # The report's model and sample, `h3train.tools.bench_memory`'s, as config overrides (what differs from the
 # defaults). 56 frames at 256x320 -> 17 latent frames of 16x20 (8 x 10 rows), both keyframes, 93

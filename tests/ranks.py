@@ -27,7 +27,14 @@ import time
 from pathlib import Path
 
 # What the server imports once: the command line and everything a training rank loads.
-PRELOAD = ["torch", "diffusers", "h3train.cli", "h3train.preflight", "h3train.train.assemble", "h3train.train.trainer"]
+PRELOAD = [
+    "torch",
+    "diffusers",
+    "h3train.cli",
+    "h3train.run.preflight",
+    "h3train.run.assemble",
+    "h3train.train.trainer",
+]
 
 # How long the other ranks get to stop after one failed, before they are killed.
 _GRACE_S = 10.0

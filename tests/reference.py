@@ -23,10 +23,10 @@ from diffusers import MiniMaxH3Transformer3DModel
 from ranks import collective_checks, fork_ranks
 from safetensors.torch import load_file
 
+from h3train.checkpoint import step_dir_name
 from h3train.config import load_config
 from h3train.data.source import build_sampler, build_source, load_shared_negative
 from h3train.objective import compute_loss, micro_batch_inputs
-from h3train.train.checkpoint import step_dir_name
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_FL2VA = ROOT / "configs" / "tiny_fl2va.yaml"

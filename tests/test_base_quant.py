@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from h3train.cli import main
 from h3train.config import load_config
-from h3train.lora.quant import INTEGER_CODES_SHARD, QuantizedLinear, dequantize, quantize_base, quantize_rows
 from h3train.model.build import build_model, fp32_island_names
+from h3train.model.quant import INTEGER_CODES_SHARD, QuantizedLinear, dequantize, quantize_base, quantize_rows
 
 from reference import ROOT, checkpoint_tensors, dump_dir, lora_parity_run, tiny_args
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3train.lora.quant import INTEGER_CODES_SHARD
+from h3train.model.quant import INTEGER_CODES_SHARD
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_optim.py"
 

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from h3train.train.checkpoint import complete_checkpoints, step_dir_name
+from h3train.checkpoint import complete_checkpoints, step_dir_name
 
 from reference import (
     TINY_FL2VA,
@@ -166,7 +166,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path) -> None:
 
 
 def _fake_checkpoint(root, step: int, commit: int, mtime: float):
-    from h3train.train.checkpoint import STATE_FILE
+    from h3train.checkpoint import STATE_FILE
 
     path = root / step_dir_name(step)
     path.mkdir()
@@ -183,7 +183,7 @@ def _join_prune_threads() -> None:
 
 
 def test_commit_order_comes_from_the_commit_record_not_mtimes(tmp_path) -> None:
-    from h3train.train.checkpoint import Checkpointer
+    from h3train.checkpoint import Checkpointer
 
     # Resumed from step 100 while 200 and 300 existed: 150 is the newest commit. The mtimes run the
     # other way, as after copying the run folder.
@@ -197,7 +197,7 @@ def test_commit_order_comes_from_the_commit_record_not_mtimes(tmp_path) -> None:
 
 
 def test_prune_never_retires_later_checkpoints_this_run_did_not_write(tmp_path) -> None:
-    from h3train.train.checkpoint import Checkpointer
+    from h3train.checkpoint import Checkpointer
 
     # Resumed from step 100 while 200 existed (an explicit resume would have renamed it aside).
     for commit, step in enumerate((100, 200, 110, 120), start=1):
@@ -221,7 +221,7 @@ def _held_staging(monkeypatch, release: threading.Event, timeout: float = 1.0) -
     `DefaultStager` (torch 2.8) the copy is taken on the calling thread inside `save()`: there is no
     background copy to hold, and the tests using this hold that fallback to the same checkpoint.
     """
-    from h3train.train.checkpoint import writer as checkpoint
+    from h3train.checkpoint import writer as checkpoint
 
     DefaultStager = checkpoint.DefaultStager
     if DefaultStager is None:
@@ -237,7 +237,7 @@ def _held_staging(monkeypatch, release: threading.Event, timeout: float = 1.0) -
 
 def _in_process_trainer(log_dir, hooks):
     from h3train.config import load_config
-    from h3train.train.assemble import build_trainer
+    from h3train.run.assemble import build_trainer
 
     overrides = tiny_overrides(log_dir, "train.steps=4", "checkpoint.async_save=true")
     return build_trainer(load_config(TINY_FL2VA, [*overrides, "checkpoint.keep_last=0"]), hooks=hooks)
@@ -245,7 +245,7 @@ def _in_process_trainer(log_dir, hooks):
 
 def _sync_copy(trainer, root):
     """The checkpoint state as it is now, written by a plain (blocking) save of its own."""
-    from h3train.train.checkpoint import Checkpointer
+    from h3train.checkpoint import Checkpointer
 
     path = Checkpointer(root, keep_last=0, is_main=True).save(trainer.checkpoint_state, {}, trainer.step)
     return checkpoint_tensors(path)
@@ -309,7 +309,7 @@ def test_async_save_holds_the_weights_not_the_ema_swapped_in_before_the_next_upd
 
 def test_async_save_without_a_background_stager_holds_the_state_at_the_save(tmp_path, monkeypatch) -> None:
     """Without DefaultStager (torch 2.8) `dcp.async_save` copies on the calling thread: the same checkpoint."""
-    from h3train.train.checkpoint import writer as checkpoint
+    from h3train.checkpoint import writer as checkpoint
 
     monkeypatch.setattr(checkpoint, "DefaultStager", None)
     trainer = _in_process_trainer(tmp_path / "run", hooks=[])

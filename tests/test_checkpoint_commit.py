@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
+from h3train.checkpoint import file_digest_problem, read_trainer_state
 from h3train.infra.digest import digest_file
 from h3train.tools.bench_memory import run_ranks
-from h3train.train.checkpoint import file_digest_problem, read_trainer_state
 
 from reference import checkpoint_tensors
 
@@ -113,7 +113,7 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from h3train.train.checkpoint import Checkpointer
+    from h3train.checkpoint import Checkpointer
 
     mesh = init_device_mesh("cpu", (world,))
     state = _State(mesh, rank)
@@ -139,7 +139,7 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
         reads.append(tally)
     # Rank 2 cannot read back its own shard: every rank's wait raises, and nothing is committed.
     if rank == 2:
-        from h3train.train.checkpoint import writer
+        from h3train.checkpoint import writer
 
         def unreadable(path: Any) -> str:
             raise OSError(f"Input/output error: '{path}'")

@@ -18,15 +18,15 @@ from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
 from safetensors.torch import load_file
 
+from h3train.checkpoint import complete_checkpoints, read_trainer_state, step_of
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.errors import ConfigError
+from h3train.export.adapter import SAVE_FOLDER
 from h3train.lora.base import random_base_state
-from h3train.lora.checkpoint_export import SAVE_FOLDER
 from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
-from h3train.preflight import check_config
+from h3train.run.preflight import check_config
 from h3train.train.adapter_files import AdapterFiles
-from h3train.train.checkpoint import complete_checkpoints, read_trainer_state, step_of
 
 from reference import ROOT, checkpoint_dir, read_metrics, run_forked, tiny_args
 

@@ -8,7 +8,7 @@ from h3train.cli import main
 from h3train.config import load_config
 from h3train.errors import ConfigError
 from h3train.parallel.dims import ParallelDims
-from h3train.preflight import load_checked
+from h3train.run.preflight import load_checked
 
 from reference import ROOT, TINY_FL2VA, run_forked
 

@@ -23,13 +23,13 @@ import pytest
 import torch
 from tqdm import tqdm
 
+from h3train.checkpoint import step_dir_name
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.data.format import SAMPLE_SUFFIX, read_cached_sample
 from h3train.data.synth import write_synthetic_dataset
 from h3train.infra.quiet import known_notices
 from h3train.tools.plot import metrics_figure
-from h3train.train.checkpoint import step_dir_name
 from h3train.train.hooks import TrainerHook, TrainerView
 from h3train.train.metrics import MEMORY_KEY, TENSORBOARD_DIR, format_duration
 
@@ -196,7 +196,7 @@ class _Announcer(TrainerHook):
 def test_hook_lines_follow_their_steps_line_and_the_summary_names_the_samples(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from h3train.train.assemble import build_trainer
+    from h3train.run.assemble import build_trainer
 
     samples = tmp_path / "run" / "samples"
     cfg = load_config(TINY_FL2VA, tiny_args(tmp_path / "run", "train.steps=3", "checkpoint.every=0")[2:])

@@ -13,14 +13,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
 from h3train.config import load_config
 from h3train.model.build import build_model
+from h3train.model.fsdp import apply_fsdp
 from h3train.model.sp_forward import SequenceParallelH3
 from h3train.objective import compute_loss, micro_batch_inputs
+from h3train.optim.kinds import build_optimizer
 from h3train.parallel.dims import ParallelContext, ParallelDims
-from h3train.parallel.fsdp import apply_fsdp
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.tasks.synthetic import SyntheticSource
 from h3train.tools.bench_memory import run_ranks
-from h3train.train.optim import build_optimizer
 
 from reference import TINY_FL2VA
 

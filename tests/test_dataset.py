@@ -291,7 +291,7 @@ def test_micro_batch_positions_refuse_a_micro_batch_outside_the_step() -> None:
 def test_trainer_noises_micro_batches_on_the_prefetch_thread(tmp_path: Path, monkeypatch) -> None:
     """`micro_batch_inputs` runs on the prefetch thread with the (step, slot) the loop trains them as."""
     from h3train.config import load_config
-    from h3train.train import assemble as trainer_module
+    from h3train.run import assemble as trainer_module
 
     from reference import TINY_FL2VA, tiny_overrides
 

@@ -15,7 +15,7 @@ import pytest
 from h3train.cli import main
 from h3train.config import SampleRequestConfig, load_config
 from h3train.errors import ConfigError, did_you_mean, did_you_mean_each, nearest
-from h3train.preflight import load_checked
+from h3train.run.preflight import load_checked
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_FL2VA = ROOT / "configs" / "tiny_fl2va.yaml"
@@ -119,10 +119,10 @@ def test_a_choice_near_nothing_gets_no_guess() -> None:
 
 
 def test_the_extension_tables_name_the_nearest_kind() -> None:
+    from h3train.debug.faults import parse_faults
     from h3train.lora.kinds import config_kind
     from h3train.ops.attention import resolve_attention_backend
-    from h3train.train.faults import parse_faults
-    from h3train.train.optim import optimizer_kind
+    from h3train.optim.kinds import optimizer_kind
 
     lora = load_config(TINY_LORA).lora
     lora.kind = "lohha"

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
+from h3train.checkpoint import complete_checkpoints, verify_file_digests
 from h3train.config import load_config
 from h3train.errors import ConfigError
 from h3train.infra.diskspace import check_room, free_bytes, no_space
 from h3train.model.dims import model_dims
 from h3train.plan import checkpoint_bytes
-from h3train.train.checkpoint import complete_checkpoints, verify_file_digests
 
 from reference import TINY_FL2VA, checkpoint_tensor_bytes, on_small_disk, read_metrics, torchrun_error_line
 

@@ -68,9 +68,9 @@ def test_planned_checkpoint_size_counts_the_ema(every_step) -> None:
 @pytest.mark.parametrize("lora", [False, True])
 def test_planned_per_rank_memory_holds_the_ema_shadows_the_trainer_keeps(lora: bool, tmp_path) -> None:
     from h3train.parallel.dims import ParallelDims
-    from h3train.parallel.fsdp import local_tensor
+    from h3train.parallel.shards import local_tensor
     from h3train.plan import estimate
-    from h3train.train.assemble import build_trainer
+    from h3train.run.assemble import build_trainer
     from h3train.train.ema import EmaHook
 
     extra = ["lora.rank=4"] if lora else []

@@ -27,8 +27,8 @@ from h3train.lora import kinds
 from h3train.lora.export import DIFFUSERS_WEIGHT_NAME
 from h3train.model.dims import model_dims
 from h3train.ops import attention
+from h3train.optim import kinds as optim
 from h3train.plan import checkpoint_bytes
-from h3train.train import optim
 
 from reference import (
     ROOT,

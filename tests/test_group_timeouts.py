@@ -32,8 +32,8 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     )
     import torch.distributed as dist
 
+    from h3train.checkpoint.writer import Checkpointer
     from h3train.parallel.dims import ParallelContext, ParallelDims, init_distributed
-    from h3train.train.checkpoint.writer import Checkpointer
 
     init_distributed("gloo", TIMEOUT_S)
     try:

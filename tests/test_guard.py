@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from h3train.checkpoint import complete_checkpoints, step_of
 from h3train.cli import main
 from h3train.config import GuardConfig, load_config
 from h3train.data.synth import write_synthetic_dataset
 from h3train.errors import ConfigError
-from h3train.train.checkpoint import complete_checkpoints, step_of
 from h3train.train.guard import GUARD_EXIT, ValidationWatch
 
 from reference import TINY_FL2VA, read_metrics

@@ -41,8 +41,8 @@ from h3train.lora.export import (
 from h3train.lora.names import export_name
 from h3train.model.build import build_meta_model, build_model, fp32_island_names
 from h3train.objective import micro_batch_inputs
-from h3train.preflight import load_checked
-from h3train.train.assemble import build_trainer
+from h3train.run.assemble import build_trainer
+from h3train.run.preflight import load_checked
 
 from reference import ROOT
 
@@ -167,7 +167,7 @@ def test_presets_name_the_modules_of_each_modality() -> None:
 
 
 def test_full_fine_tuning_has_no_transform() -> None:
-    from h3train.train.transforms import model_transforms
+    from h3train.lora.transforms import model_transforms
 
     assert model_transforms(load_config(ROOT / "configs" / "tiny_fl2va.yaml")) == []
     assert len(model_transforms(_cfg())) == 1

@@ -25,12 +25,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
+from h3train.checkpoint import read_trainer_state
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
 from h3train.model.dims import model_dims
 from h3train.plan import checkpoint_bytes
-from h3train.train.checkpoint import read_trainer_state
 
 from reference import (
     ROOT,

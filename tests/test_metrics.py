@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
+from h3train.checkpoint.run_config import write_resolved_config
 from h3train.config import WandbConfig
 from h3train.tools.plot import plot_metrics
-from h3train.train.metrics import MetricsLogger, write_resolved_config
+from h3train.train.metrics import MetricsLogger
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import pytest
 
 from h3train.config import OptimConfig, load_config
 from h3train.model.build import build_model
-from h3train.train.optim import build_optimizer, lr_factor
+from h3train.optim.kinds import build_optimizer, lr_factor
 
 from reference import TINY_FL2VA, tiny_overrides
 
@@ -47,7 +47,7 @@ def test_warmup_then_schedule(schedule: str) -> None:
 def test_the_update_sees_gradients_clipped_to_max_grad_norm(tmp_path, max_norm, implementation) -> None:
     import torch
 
-    from h3train.train.assemble import build_trainer
+    from h3train.run.assemble import build_trainer
 
     overrides = tiny_overrides(tmp_path, "checkpoint.every=0", "train.steps=1")
     overrides += [f"train.max_grad_norm={max_norm}", f"optim.implementation={implementation}"]

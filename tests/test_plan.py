@@ -250,7 +250,7 @@ def test_cluster_configs_plan_without_the_model_folder_but_train_needs_it(tmp_pa
     """Away from the folder the plan is the released architecture's; training refuses to start."""
     from h3train.errors import ConfigError
     from h3train.model.dims import planned_model_dims
-    from h3train.preflight import preflight
+    from h3train.run.preflight import preflight
 
     cfg = _load_cluster_config("h3_a100_16gpu.yaml", tmp_path)
     dims, note = planned_model_dims(cfg)

@@ -30,18 +30,18 @@ import torch.distributed as dist
 from h3train.config import load_config
 from h3train.data.source import build_source
 from h3train.infra.quiet import known_notices
-from h3train.lora.quant import INTEGER_CODES_SHARD
+from h3train.lora.transforms import model_transforms
 from h3train.model.build import build_model, fp32_island_names
 from h3train.model.dims import model_dims
+from h3train.model.quant import INTEGER_CODES_SHARD
 from h3train.model.sp_forward import SequenceParallelH3
 from h3train.objective import micro_batch_inputs
 from h3train.ops.attention import resolve_attention_backend
 from h3train.parallel.dims import ParallelDims
-from h3train.parallel.fsdp import local_tensor
+from h3train.parallel.shards import local_tensor
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.plan import estimate
 from h3train.tools.bench_memory import run_ranks, saved_activation_bytes
-from h3train.train.transforms import model_transforms
 
 from reference import ROOT, TINY_FL2VA
 
@@ -109,7 +109,7 @@ def _local_bytes(tensors) -> int:
 
 def _state(rank: int, world: int, log_dir: str) -> dict[str, dict[str, tuple[int, int]]]:
     """Planned and held bytes of weights, gradients and AdamW state on this rank, after one step."""
-    from h3train.train.assemble import build_trainer
+    from h3train.run.assemble import build_trainer
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     out = {}
@@ -152,7 +152,7 @@ def _recompute_bytes(forward: SequenceParallelH3, inputs: dict) -> int:
 
 
 def _as_computed(transformer: torch.nn.Module, dtype: str) -> None:
-    """The parameters in the dtypes FSDP2's mixed precision computes with (`parallel/fsdp.py`): `model.dtype`,
+    """The parameters in the dtypes FSDP2's mixed precision computes with (`model/fsdp.py`): `model.dtype`,
     the float32 islands float32, whatever they are stored in (a LoRA run's base is bfloat16)."""
     islands = tuple(f"{name}." for name in fp32_island_names(transformer))
     for name, param in transformer.named_parameters():

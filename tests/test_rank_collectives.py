@@ -175,7 +175,7 @@ def test_cfg_with_text_dropout_at_two_dp_ranks_equals_one_process(tmp_path) -> N
 
 
 def test_no_gradient_is_alive_while_validation_runs(datasets, tmp_path, monkeypatch) -> None:
-    from h3train.train.assemble import build_trainer
+    from h3train.run.assemble import build_trainer
     from h3train.train.validation import HeldOutLoss
 
     seen: list[int] = []

@@ -27,8 +27,8 @@ from h3train.data.media import load_still, moving_pattern
 from h3train.data.stand_in import TINY_TRANSFORMER
 from h3train.errors import ConfigError
 from h3train.model.build import build_model
-from h3train.preflight import load_checked
 from h3train.render.pipeline import denoising_steps, render_line, write_clip
+from h3train.run.preflight import load_checked
 from h3train.train.metrics import MetricsLogger
 
 from reference import read_metrics, run_forked

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from h3train.checkpoint import committed_checkpoints, complete_checkpoints
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.infra.atomic import atomic_save_file, file_mode
-from h3train.train.checkpoint import committed_checkpoints, complete_checkpoints
-from h3train.train.optim import lr_factor
+from h3train.optim.kinds import lr_factor
 
 from reference import (
     ROOT,
@@ -469,7 +469,7 @@ def test_checkpoint_without_a_component_of_this_run_is_exit_2_and_kept(run_copy)
     import torch.distributed as dist
 
     from h3train.errors import CheckpointError
-    from h3train.train.assemble import build_trainer
+    from h3train.run.assemble import build_trainer
     from h3train.train.hooks import TrainerHook
 
     class Counter(TrainerHook):

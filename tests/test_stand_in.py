@@ -19,6 +19,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import resolve_canv
 from safetensors.torch import load_file
 from transformers.utils import is_torchvision_available
 
+from h3train.checkpoint import read_trainer_state
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.data.components import (
@@ -32,7 +33,6 @@ from h3train.data.encode import EncodeSettings
 from h3train.data.stand_in import ENCODE_PRESET_FILE, PARTITIONS, TINY_ENCODE_PRESET
 from h3train.model.sp_forward import FORWARD_ARGS
 from h3train.render.pipeline import AUDIO_SHIFT, VIDEO_SHIFT
-from h3train.train.checkpoint import read_trainer_state
 
 from reference import ROOT, checkpoint_dir, dump_dir, tiny_args
 

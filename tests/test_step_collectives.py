@@ -1,4 +1,4 @@
-"""Collectives per training step under the FSDP2 unit plan (`parallel/fsdp.py`), counted, not timed.
+"""Collectives per training step under the FSDP2 unit plan (`model/fsdp.py`), counted, not timed.
 
 Two gloo ranks at sp = 2 train the tiny FL2VA model (2 blocks, 1 refiner block); the second step's
 collectives are counted by wrapping the `torch.distributed` and functional-collective entry points.
@@ -40,10 +40,10 @@ def _stale_worker(rank: int, world: int) -> dict[str, float]:
 
     from h3train.config import load_config
     from h3train.model.build import build_model
+    from h3train.model.fsdp import apply_fsdp
     from h3train.model.sp_forward import SequenceParallelH3
     from h3train.objective import compute_loss, micro_batch_inputs
     from h3train.parallel.dims import ParallelContext, ParallelDims
-    from h3train.parallel.fsdp import apply_fsdp
     from h3train.parallel.ulysses import SequenceParallel
     from h3train.tasks.synthetic import SyntheticSource
 
@@ -86,7 +86,7 @@ def test_one_rank_run_keeps_fsdp2_only_where_it_casts(tmp_path, dtype, lora_rank
     from torch.distributed.tensor import DTensor
 
     from h3train.config import load_config
-    from h3train.train.assemble import build_trainer
+    from h3train.run.assemble import build_trainer
 
     overrides = tiny_overrides(tmp_path, "checkpoint.every=0", "train.steps=1")
     cfg = load_config(TINY_FL2VA, [*overrides, f"model.dtype={dtype}", f"lora.rank={lora_rank}"])

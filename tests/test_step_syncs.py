@@ -14,8 +14,8 @@ from collections import Counter
 import torch.distributed as dist
 
 from h3train.config import load_config
+from h3train.run.assemble import build_trainer
 from h3train.tools.host_syncs import SyncCounter
-from h3train.train.assemble import build_trainer
 
 from reference import TINY_FL2VA, tiny_overrides
 

@@ -17,6 +17,7 @@ import pytest
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import align_num_frames
 from safetensors import safe_open
 
+from h3train.checkpoint import read_trainer_state, step_dir_name
 from h3train.cli import build_parser, main
 from h3train.config import load_config
 from h3train.data import format as data_format
@@ -25,7 +26,7 @@ from h3train.data.format import read_index
 from h3train.data.manifest import ManifestError, read_manifest
 from h3train.data.synth import write_synthetic_dataset
 from h3train.errors import ConfigError
-from h3train.lora.checkpoint_export import trained_partition
+from h3train.export.adapter import trained_partition
 from h3train.lora.export import DIFFUSERS_WEIGHT_NAME
 from h3train.render.pipeline import core_step
 from h3train.render.requests import _frames
@@ -41,7 +42,6 @@ from h3train.tasks.table import (
     sample_task_of,
     training_task_for,
 )
-from h3train.train.checkpoint import read_trainer_state, step_dir_name
 
 from reference import ROOT, TINY_FL2VA
 

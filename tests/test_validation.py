@@ -11,6 +11,7 @@ from diffusers import MiniMaxH3Transformer3DModel
 
 from h3train.cli import main
 from h3train.config import CfgConfig, load_config
+from h3train.data.base_predictions import pair_bytes
 from h3train.data.dataset import CachedDataset
 from h3train.data.format import INDEX_NAME, SAMPLE_SUFFIX, read_header, write_index
 from h3train.data.sampler import assigned_indices
@@ -18,9 +19,8 @@ from h3train.data.synth import write_synthetic_dataset
 from h3train.model.build import build_model
 from h3train.objective import make_training_inputs
 from h3train.plan import base_predictions_line
+from h3train.run.assemble import build_trainer
 from h3train.tools.plot import metrics_figure
-from h3train.train.assemble import build_trainer
-from h3train.train.base_predictions import pair_bytes
 from h3train.train.validation import HeldOutLoss, heldout_generator, sigma_label
 
 from reference import TINY_FL2VA, read_metrics, run_forked

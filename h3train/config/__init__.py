@@ -6,7 +6,7 @@ the CLI turns it into exit code 2 before any process group or model exists.
 
 The package imports nothing from h3train but `errors`, so every other module can read the schema.
 Checks that need more than the values (the task table, the model's module names, files the config
-names) are `h3train.preflight.check_config`; `h3train.preflight.load_checked` loads and runs both.
+names) are `h3train.run.preflight.check_config`; `h3train.run.preflight.load_checked` loads and runs both.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Value checks of a loaded config that the type system cannot express, each a one-line `ConfigError`.
 
-Only the values are read: no file, no model, no other h3train module (`h3train.preflight` does the rest).
+Only the values are read: no file, no model, no other h3train module (`h3train.run.preflight` does the rest).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def validate(cfg: Config) -> None:
     """Value checks the type system cannot express. Raises `ConfigError` on the first problem.
 
     Only the values themselves are read: no file, no model, no other h3train module, so the
-    config stays a leaf every module can import (`h3train.preflight.check_config` does the rest).
+    config stays a leaf every module can import (`h3train.run.preflight.check_config` does the rest).
     """
     _check_numbers(cfg)
     for key, choices in _CHOICES.items():

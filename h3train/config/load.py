@@ -240,7 +240,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     """Load YAML (if given) over the schema defaults, apply overrides, normalise, check values, return a `Config`.
 
     Checks that read other files or build the model (module names, media paths, the partition) are
-    `h3train.preflight.check_config`; `h3train.preflight.load_checked` runs both.
+    `h3train.run.preflight.check_config`; `h3train.run.preflight.load_checked` runs both.
     """
     schema = _schema()
     layers = [OmegaConf.create(layer) for layer in config_layers(path, overrides)]

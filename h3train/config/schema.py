@@ -194,7 +194,7 @@ class OptimConfig:
     warmup_steps: int = 0
     # Floor of cosine / linear decay, as a fraction of `lr`.
     min_lr_ratio: float = 0.0
-    # What AdamW keeps per trainable parameter (`train/optim.py`): `adamw` float32 weights and moments
+    # What AdamW keeps per trainable parameter (`optim/kinds.py`): `adamw` float32 weights and moments
     # (16 B with the gradient); `adamw8bit` / `adamw4bit` torchao's block-wise quantized moments
     # (about 10 / 9 B); `adamw_bf16` bfloat16 weights, gradients and moments, the update stochastically
     # rounded onto the weights (8 B). The float32 islands keep float32 weights under every choice.
@@ -333,7 +333,7 @@ class LoraConfig:
     # DoRA: a LoRA whose update is split into a learned per-output magnitude and a direction.
     use_dora: bool = False
     # The frozen base's Linear weights: `none` (bfloat16), `int8` (A100) or `float8` (e4m3, H100/H200),
-    # weight-only with one scale per output row (`lora/quant.py`); 1 byte per weight instead of 2.
+    # weight-only with one scale per output row (`model/quant.py`); 1 byte per weight instead of 2.
     base_quant: str = "none"
 
 
@@ -437,7 +437,7 @@ class Config:
 
 
 # The values of each enumerated key. Those of an extension table (`lora.kind`: `lora/kinds.py`,
-# `optim.name`: `train/optim.py`, `data.source`: `data/source.py`, `model.attention_backend`:
+# `optim.name`: `optim/kinds.py`, `data.source`: `data/source.py`, `model.attention_backend`:
 # `ops/attention.py`) are listed here so the config validates alone; each table registers its entries
 # (`register_entry`), so a kind added from outside the package is a valid choice, and a test holds the
 # built-in lists equal to the tables.

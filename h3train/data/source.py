@@ -124,10 +124,10 @@ class CachedData(DataSource):
     reads_folders = True
 
     def build(self, cfg: Config, text_dim: int | None, on_skip: OnSkip | None) -> SampleSource:
-        from ..train.faults import FaultInjector
+        from ..debug.faults import corrupt_samples
         from .dataset import CachedDataset
 
-        corrupt = FaultInjector(cfg.debug.fault, rank=0).corrupt_samples()
+        corrupt = corrupt_samples(cfg.debug.fault)
         specs = dataset_specs(cfg.data)
         datasets = [
             CachedDataset(

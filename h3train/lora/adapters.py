@@ -60,11 +60,11 @@ from ..config import Config, LoraConfig
 from ..errors import CheckpointError
 from ..model.adapter import AdapterCounts
 from ..model.build import fp32_island_names, meta_transformer, pretrained_folder
+from ..model.quant import quantize_base
 from ..parallel.shards import fill_from_full
 from .base import BASE_DTYPE, BASE_KEY, base_record, check_same_base, read_record
 from .kinds import config_kind, record_kind, zero_factors
 from .names import ADAPTER_NAME, MAGNITUDE, export_name, is_adapter_param, split_factor
-from .quant import quantize_base
 from .targets import resolve_targets, resolve_train_modules
 
 ROOT_PREFIX = "transformer."

@@ -1,18 +1,25 @@
 """The interface of a model adapter: a transform that adds parameters of its own (LoRA and kin).
 
 An adapter is one class (`lora.adapters.LoraTransform`, for every peft kind h3train trains) that is both a model
-transform (`train/hooks.ModelTransform`: it edits the bare transformer before sharding) and a
+transform (`ModelTransform`: it edits the bare transformer before sharding) and a
 `ModelAdapter`: it owns what checkpoints of the adapted model are and what it adds to the memory
 plan. The build, the trainer, resume and the planner ask it; none of them branches on the kind.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from diffusers import MiniMaxH3Transformer3DModel
 from torch import nn
+
+from ..config import Config
+
+ModelTransform = Callable[[MiniMaxH3Transformer3DModel, Config], None]
+"""`transform(transformer, cfg)`: edit the unsharded transformer in place before sharding."""
 
 
 @dataclass(frozen=True)

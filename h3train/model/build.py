@@ -1,13 +1,14 @@
 """Build `diffusers.MiniMaxH3Transformer3DModel`: from a local pretrained folder or a config.
 
 Master weights are float32 whatever `model.dtype` says; the compute dtype is applied by FSDP2's
-mixed-precision policy (see `parallel/fsdp.py`), which keeps the `_keep_in_fp32_modules` islands
+mixed-precision policy (see `model/fsdp.py`), which keeps the `_keep_in_fp32_modules` islands
 in float32.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,9 @@ from torch import nn
 
 from ..config import Config
 from ..errors import ConfigError
-from ..lora.names import pretrained_key
-from ..lora.quant import fill_quantized
 from ..parallel.shards import fill_from_full
 from .dims import default_subfolder, model_config_dict
+from .quant import fill_quantized
 
 
 def build_model(cfg: Config, seed: int) -> MiniMaxH3Transformer3DModel:
@@ -117,18 +117,26 @@ def materialize(model: nn.Module, device: torch.device, prefix: str = "transform
 
 
 @torch.no_grad()
-def load_pretrained_shards(model: nn.Module, folder: Path, device: torch.device, prefix: str = "transformer.") -> None:
+def load_pretrained_shards(
+    model: nn.Module,
+    folder: Path,
+    device: torch.device,
+    pretrained_key: Callable[[str], str | None],
+    prefix: str = "transformer.",
+) -> None:
     """Materialise a meta-initialised, FSDP-sharded model and fill each rank's shards from safetensors.
 
     Every rank reads only the rows of each tensor it owns (`get_slice`), so no rank ever holds the
     whole model. Weights are cast to each parameter's dtype (float32 master weights, bfloat16 under
     `adamw_bf16` or for a LoRA's base), and a quantized base layer's rows are quantized as they load.
+    `pretrained_key(name)` is the file's key of a live parameter path, None for one the files do not
+    hold (an adapter's: `lora/names.pretrained_key`).
     """
     materialize(model, device, prefix)
     files = _weight_files(folder)
     handles: dict[Path, Any] = {}
     params = dict(model.named_parameters())
-    # A quantized base layer (`lora/quant.py`) holds its file weight as codes and row scales.
+    # A quantized base layer (`model/quant.py`) holds its file weight as codes and row scales.
     quantized = {n.removesuffix(".qweight") for n in params if n.endswith(".qweight")}
     try:
         for name, param in params.items():

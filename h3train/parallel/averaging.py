@@ -10,7 +10,7 @@ So at start-up each rank runs one tiny reduce-scatter and one all-reduce of know
 group FSDP2 reduces over: rank `r` of an `n`-rank group contributes `r + 1` everywhere, whose average
 is `(n + 1) / 2` and whose sum is `n (n + 1) / 2`. Where a backend sums, the run tells FSDP2 to
 reduce by SUM and divide by the data-parallel size itself (`set_force_sum_reduction_for_comms`,
-applied in `parallel/fsdp.py`), which is the same average computed without the backend's AVG. A
+applied in `model/fsdp.py`), which is the same average computed without the backend's AVG. A
 backend that gives neither value is refused. A one-rank group averages trivially; a fake process
 group (a rehearsal) moves no values and is not probed.
 """

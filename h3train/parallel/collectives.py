@@ -132,7 +132,7 @@ def count_collectives(functional: bool = False) -> Iterator[CollectiveCounts]:
 
 
 def fsdp_units(num_layers: int, num_refiner_layers: int) -> int:
-    """FSDP2 units of `parallel/fsdp.py`'s plan: every block, one for the float32 islands, the root."""
+    """FSDP2 units of `model/fsdp.py`'s plan: every block, one for the float32 islands, the root."""
     return num_layers + num_refiner_layers + 2
 
 

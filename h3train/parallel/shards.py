@@ -9,6 +9,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view of its storage), or `t` itself when it is a plain tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 @torch.no_grad()
 def fill_from_full(param: torch.Tensor, read: Callable[[tuple[slice, ...]], torch.Tensor]) -> None:
     """Give `param` (this rank's shard of a DTensor, or a plain tensor) its part of a full value.

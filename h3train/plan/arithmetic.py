@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..lora.quant import CODES, base_bytes_per_weight
 from ..model.adapter import AdapterCounts
-from ..train.lowbit import QUANT_BLOCK
-from ..train.optim import state_bytes_per_value
+from ..model.quant import CODES, base_bytes_per_weight
+from ..optim.kinds import state_bytes_per_value
+from ..optim.lowbit import QUANT_BLOCK
 
 GIB = 1024**3
 
@@ -117,9 +117,9 @@ class MemoryPlan:
     checkpoint_bytes: int = 0
     # `train.ema.decay > 0`: the EMA's float32 shadow of every trainable parameter, sharded like it.
     ema_bytes: int = 0
-    # `optim.name`: what the optimizer keeps per trainable parameter (`train/lowbit.py`).
+    # `optim.name`: what the optimizer keeps per trainable parameter (`optim/lowbit.py`).
     optimizer: str = "adamw"
-    # `lora.base_quant`: how the frozen base's matrices are stored (`lora/quant.py`).
+    # `lora.base_quant`: how the frozen base's matrices are stored (`model/quant.py`).
     base_quant: str = "none"
     # Text rows of the sample, which the refiner runs over on every SP rank, and what it keeps of
     # `activation_bytes` (`refiner_activation_bytes`), for the printout.

@@ -248,9 +248,9 @@ def evaluation_plan(dims: Mapping[str, Any], plan: MemoryPlan, cfg: Config) -> E
 def base_predictions_line(cfg: Config) -> str:
     """The plan's line for `<logging.dir>/base_predictions/`: bytes per held-out pair and in all, from
     the held-out samples' headers, beside a released clip's for scale."""
+    from ..data.base_predictions import FOLDER, RELEASED_PAIR_BYTES, pair_bytes
     from ..data.dataset import CachedDataset
     from ..data.format import read_header
-    from ..train.base_predictions import FOLDER, RELEASED_PAIR_BYTES, pair_bytes
 
     v = cfg.validation
     if not (Path(v.dataset) / INDEX_NAME).is_file():
@@ -270,8 +270,8 @@ def base_predictions_line(cfg: Config) -> str:
 
 def adapter_counts(dims: Mapping[str, Any], cfg: Config) -> AdapterCounts | None:
     """What the adapter `cfg` asks for adds (`ModelAdapter.plan_counts`: its own arithmetic); None without one."""
+    from ..lora.transforms import model_transforms
     from ..model.adapter import ModelAdapter
-    from ..train.transforms import model_transforms
 
     adapter = next((t for t in model_transforms(cfg) if isinstance(t, ModelAdapter)), None)
     return adapter.plan_counts(dims) if adapter is not None else None

@@ -4,7 +4,7 @@ Detection reads names, folder listings, a `config.json` and safetensors headers,
 SOURCE that is none of the kinds is a one-line `UsageError` before any model loads.
 
 - `run`: a run folder (`logging.dir`, it holds `config.yaml`): its newest complete checkpoint
-  (`train/export.py: checkpoint_to_export`).
+  (`export/transformer.py: checkpoint_to_export`).
 - `checkpoint`: a checkpoint folder (`.../checkpoints/step_0000000N`).
 - `lora`: a LoRA file in the diffusers format (`pytorch_lora_weights.safetensors`: keys under
   `transformer.` or `transformer_ref.`) or one diffusers converts on load (the ComfyUI format,
@@ -66,14 +66,14 @@ def detect_source(path: str | Path) -> Source:
         raise UsageError(f"SOURCE '{path}' is a file but no LoRA file (no LoRA factors in it); pass {EXPECTED}")
     if _is_transformer_folder(path):
         return Source("transformer", path)
-    from ..train.checkpoint import METADATA_FILE, STATE_FILE, STEP_DIR
-    from ..train.metrics import CONFIG_FILE
+    from ..checkpoint import METADATA_FILE, STATE_FILE, STEP_DIR
+    from ..checkpoint.run_config import CONFIG_FILE
 
     marked = STEP_DIR.match(path.name) or (path / STATE_FILE).exists() or (path / METADATA_FILE).exists()
     if marked or (path / CONFIG_FILE).is_file():
-        from ..lora.checkpoint_export import trained_partition
-        from ..train.checkpoint import is_complete, read_trainer_state
-        from ..train.export import checkpoint_to_export
+        from ..checkpoint import is_complete, read_trainer_state
+        from ..export.adapter import trained_partition
+        from ..export.transformer import checkpoint_to_export
 
         checkpoint, chosen = checkpoint_to_export(path)
         if not is_complete(checkpoint):
@@ -114,7 +114,7 @@ def saved_config(source: Source) -> dict[str, Any]:
     """The config a run or checkpoint was trained with (`trainer_state.json`'s copy); {} for files."""
     if source.checkpoint is None:
         return {}
-    from ..train.checkpoint import read_trainer_state
+    from ..checkpoint import read_trainer_state
 
     try:
         return yaml.safe_load(read_trainer_state(source.checkpoint).get("config_yaml") or "") or {}

@@ -41,7 +41,7 @@ from ..model.sp_forward import SequenceParallelH3
 from ..objective import TrainingInputs, compute_loss, make_training_inputs
 from ..parallel.collectives import CollectiveCounts
 from ..parallel.dims import free_port
-from ..parallel.fsdp import local_tensor
+from ..parallel.shards import local_tensor
 from ..parallel.ulysses import SequenceParallel
 from .bench import REDUCED_DIMS, Clip, bench_sample, build_bench_model
 
@@ -219,12 +219,12 @@ def _collectives_worker(
     """Collectives of the second of two FSDP2 steps (forward, backward, clip, AdamW) of `config`."""
     from ..data.source import build_source
     from ..model.build import build_model
+    from ..model.fsdp import apply_fsdp
     from ..objective import micro_batch_inputs
+    from ..optim.kinds import build_optimizer
     from ..parallel.collectives import count_collectives
     from ..parallel.dims import ParallelContext, ParallelDims
-    from ..parallel.fsdp import apply_fsdp
-    from ..preflight import load_checked
-    from ..train.optim import build_optimizer
+    from ..run.preflight import load_checked
 
     cfg = load_checked(config, overrides)
     ctx = ParallelContext(ParallelDims(1, world // sp, sp, world), torch.device("cpu"))

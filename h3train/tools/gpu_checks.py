@@ -17,19 +17,19 @@ seconds. A check that raises is `failed` with the error's first line; the others
   GPU gives a world of 1 (NCCL refuses two ranks on one device), where the mean equals the sum:
   this shows NCCL runs AVG on this machine with exact values, not that it divides; the
   multi-rank probe, which tells the two apart, runs at every real training start.
-- `optim_adamw8bit`, `optim_adamw_bf16` (`train/lowbit.py`): one timed step with `optim.name` set
+- `optim_adamw8bit`, `optim_adamw_bf16` (`optim/lowbit.py`): one timed step with `optim.name` set
   (on CUDA after a warm-up step, which compiles). Passed when the loss and grad norm are finite,
   the step was not skipped, trainable weights changed, and the state is what the kind promises
   (quantized 8-bit moments for `adamw8bit`; bfloat16 moments for `adamw_bf16`). torchao's step is
   compiled on CUDA, the path training takes; on the CPU it runs eager (inductor's C++ build of it
   takes minutes on a CPU). Without torchao `adamw8bit` is skipped, with the install line.
-- `lora_int8`, `lora_float8` (`lora/quant.py`): LoRA steps on a weight-only quantized frozen base
+- `lora_int8`, `lora_float8` (`model/quant.py`): LoRA steps on a weight-only quantized frozen base
   (`lora.base_quant`). Passed when the loss is finite, the adapters changed and the base's codes
   did not. Both run on an A100 as on an H100: the codes are cast to the compute dtype before the
   matmul, so float8 needs no float8 matmul (`_scaled_mm`, compute capability 8.9), only its casts.
   int8 is skipped where the trainer refuses it
   (`check_base_quant`: torch 2.8's FSDP2 cannot shard integer parameters).
-- `async_save` (`train/checkpoint/writer.py`): `checkpoint.async_save=true` stages on a background
+- `async_save` (`checkpoint/writer.py`): `checkpoint.async_save=true` stages on a background
   thread into host buffers, pinned on CUDA (`staging_options`). A step, a blocking save of the
   state (what the checkpoint must hold), the async save, the next step at once (its optimizer
   step waits for the copy), then the wait; passed when the async checkpoint equals the blocking
@@ -73,7 +73,7 @@ import torch.distributed as dist
 from ..config import Config, validate
 from ..model.dims import model_kwargs
 from ..parallel import averaging
-from ..parallel.fsdp import local_tensor
+from ..parallel.shards import local_tensor
 from . import bench
 
 PASSED, FAILED, SKIPPED, NOT_RUN = "passed", "failed", "skipped", "not run"
@@ -170,7 +170,7 @@ def check_config(
 @contextmanager
 def _trainer(setup: CheckSetup, name: str, overrides: dict[str, Any]) -> Iterator[Any]:
     """A built `Trainer` for one check, closed (process group left) afterwards."""
-    from ..train.assemble import build_trainer
+    from ..run.assemble import build_trainer
 
     trainer = build_trainer(check_config(setup, name, overrides), hooks=[])
     try:
@@ -367,8 +367,8 @@ def check_optimizer(kind: str) -> Callable[[CheckSetup, CheckResult], None]:
     """(b): one step with `optim.name=kind` through the real trainer."""
 
     def run(setup: CheckSetup, res: CheckResult) -> None:
-        from ..train.lowbit import QUANT_BLOCK
-        from ..train.optim import optimizer_kind
+        from ..optim.kinds import optimizer_kind
+        from ..optim.lowbit import QUANT_BLOCK
 
         missing = optimizer_kind(kind).missing()
         if missing:
@@ -401,7 +401,7 @@ def check_lora(base_quant: str) -> Callable[[CheckSetup, CheckResult], None]:
 
     def run(setup: CheckSetup, res: CheckResult) -> None:
         from ..errors import ConfigError
-        from ..lora.quant import check_base_quant
+        from ..model.quant import check_base_quant
 
         try:
             # The trainer's own refusal of a base this torch cannot shard (int8 on torch 2.8).
@@ -453,7 +453,7 @@ def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[s
 
 def _staging(trainer: Any) -> dict[str, Any]:
     """How the save copied the state to host memory: DCP's background stager and its buffers, or the fallback."""
-    from ..train.checkpoint import staging_options
+    from ..checkpoint import staging_options
 
     stager = trainer.checkpointer._stager
     if stager is None:
@@ -479,7 +479,7 @@ def _staging(trainer: Any) -> dict[str, Any]:
 
 def check_async_save(setup: CheckSetup, res: CheckResult) -> None:
     """(d): an async save equals a blocking save of the same state although the next step follows at once."""
-    from ..train.checkpoint import Checkpointer
+    from ..checkpoint import Checkpointer
 
     overrides = {"checkpoint.async_save": True, "checkpoint.keep_last": 0}
     with _trainer(setup, res.name, overrides) as trainer:
@@ -564,7 +564,7 @@ def check_block_memory_vs_rehearsal(setup: CheckSetup, res: CheckResult) -> None
     cfg = check_config(dataclasses.replace(setup, dtype="bfloat16"), res.name, {}, dims=dims, clip=clip)
     res.numbers.update(hidden_size=dims["hidden_size"], blocks=1)
     if full:
-        from ..train.assemble import build_trainer
+        from ..run.assemble import build_trainer
 
         trainer = build_trainer(cfg, hooks=[])
         try:

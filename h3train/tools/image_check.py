@@ -12,7 +12,7 @@ In order, each a condition of a run that otherwise fails minutes into a job on e
    AdamW steps stop with "Failed to find C compiler";
 3. one `torch.compile`d function on the CPU, in an empty inductor cache, so that it is built here by
    inductor's C++ compiler (`CXX`, else `g++`) and its result compared with eager;
-4. one `adamw8bit` step on the CPU through the trainer's own optimizer (`train/lowbit.py`), eager as
+4. one `adamw8bit` step on the CPU through the trainer's own optimizer (`optim/lowbit.py`), eager as
    in the CPU GPU-checks (inductor's C++ build of torchao's step takes minutes on a CPU): finite
    weights that moved, moments held as torchao's 8-bit states.
 
@@ -115,7 +115,7 @@ def check_lowbit_step() -> None:
     """One `adamw8bit` step (`train/lowbit.quantized_adamw`) on a 64 x 256 weight, eager."""
     import torch
 
-    from ..train.lowbit import QUANT_BLOCK, quantized_adamw
+    from ..optim.lowbit import QUANT_BLOCK, quantized_adamw
     from .gpu_checks import QUANTIZED_STATE, eager_torch_compile
 
     weight = torch.nn.Parameter(torch.randn(64, QUANT_BLOCK["adamw8bit"], generator=torch.Generator().manual_seed(0)))

@@ -51,11 +51,11 @@ from torch.distributed.tensor import DTensor
 
 from ..config import Config
 from ..errors import ConfigError, UsageError
+from ..optim.kinds import optimizer_kind
 from ..parallel.dims import ParallelContext, ParallelDims
-from ..parallel.fsdp import local_tensor
+from ..parallel.shards import local_tensor
 from ..plan import GIB, RELEASED_MAX_ROWS, RELEASED_TEXT_ROWS, MemoryPlan, config_sample_rows, estimate
 from ..tasks.synthetic import SyntheticSource
-from ..train.optim import optimizer_kind
 from .bench import Clip, bench_sample, clip_data
 from .memtrack import TRANSIENT, StorageTracker
 
@@ -289,8 +289,8 @@ def _build(cfg: Config, ctx: Any, tracker: StorageTracker | None, notes: list[st
     The transformer is built, transformed and sharded on `meta` outside the fake mode (module dtype
     conversions swap tensors, which fake tensors refuse), then materialized inside it.
     """
-    from ..train.assemble import wrap_and_shard
-    from ..train.transforms import model_transforms
+    from ..lora.transforms import model_transforms
+    from ..run.assemble import wrap_and_shard
 
     transforms = model_transforms(cfg)
     model = wrap_and_shard(cfg, ctx, transforms, from_meta=True)
@@ -303,8 +303,8 @@ def _materialized(
 ) -> _Built:
     """`_build` inside the fake mode: values, the tracker's categories, optimizer (state) and EMA."""
     from ..model.build import materialize
+    from ..optim.kinds import build_optimizer, build_scheduler
     from ..train.ema import EmaHook
-    from ..train.optim import build_optimizer, build_scheduler
 
     materialize(model, torch.device("cpu"))
     if any(callable(getattr(t, "after_load", None)) for t in transforms):
@@ -490,7 +490,7 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
 
 def _checkpoint_state(built: _Built) -> dict[str, Any]:
     """The state a checkpoint of the run saves (`Trainer.checkpoint_state`), the sampler's position aside."""
-    from ..train.checkpoint import ModelState, OptimizerState, ScheduleState
+    from ..checkpoint import ModelState, OptimizerState, ScheduleState
 
     state = {
         "model": ModelState(built.model, trainable_only=built.trainable_only).state_dict(),

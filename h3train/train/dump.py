@@ -32,9 +32,9 @@ from torch.distributed.tensor import DTensor
 
 from ..infra.atomic import atomic_save_file, atomic_write_text
 from ..lora.names import export_name
-from ..lora.quant import dequantize
+from ..model.quant import dequantize
 from ..objective import TrainingInputs
-from .hooks import MicroBatchEvent, TrainerHook, TrainerView
+from ..train.hooks import MicroBatchEvent, TrainerHook, TrainerView
 
 ROOT_PREFIX = "transformer."
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -58,7 +58,7 @@ def diffusers_state(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
         if src.dtype in FLOAT8:  # gloo gathers no float8 (a quantized base's codes)
             src = src.float()
         out[export_name(name.removeprefix(ROOT_PREFIX))] = full_tensor(src).float().cpu().contiguous()
-    # A quantized base layer (`lora/quant.py`) is written as the weight it computes with.
+    # A quantized base layer (`model/quant.py`) is written as the weight it computes with.
     for codes in [k for k in out if k.endswith(".qweight")]:
         module = codes.removesuffix(".qweight")
         out[f"{module}.weight"] = dequantize(out.pop(codes), out.pop(f"{module}.scale"))

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..parallel.fsdp import local_tensor
+from ..parallel.shards import local_tensor
 from .hooks import TrainerHook, TrainerView
 
 EMA_COMPONENT = "ema"

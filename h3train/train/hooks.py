@@ -30,14 +30,13 @@ hooks for `TrainerView.evaluation_weights` without knowing the EMA by name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
-from diffusers import MiniMaxH3Transformer3DModel
 
 from ..config import Config
 
@@ -46,9 +45,6 @@ if TYPE_CHECKING:
     from ..objective import TrainingInputs
     from ..parallel.dims import ParallelContext
     from ..tasks.layout import PackedSample
-
-ModelTransform = Callable[[MiniMaxH3Transformer3DModel, Config], None]
-"""`transform(transformer, cfg)`: edit the unsharded transformer in place before sharding."""
 
 
 class TrainerView(Protocol):

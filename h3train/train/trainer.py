@@ -25,12 +25,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from ..config import to_yaml
-from ..errors import TrainingError
-from ..objective import cfg_enabled, compute_loss
-from ..parallel.fsdp import local_tensor
-from .adapter_files import AdapterFiles
-from .checkpoint import (
+from ..checkpoint import (
     AttributeState,
     ModelState,
     OptimizerState,
@@ -39,6 +34,12 @@ from .checkpoint import (
     step_dir_name,
     step_of,
 )
+from ..checkpoint.run_config import write_resolved_config
+from ..config import to_yaml
+from ..errors import TrainingError
+from ..objective import cfg_enabled, compute_loss
+from ..parallel.shards import local_tensor
+from .adapter_files import AdapterFiles
 from .events import SpikeDetector
 from .guard import Verdict
 from .hooks import EvaluationWeights, MicroBatchEvent, TrainerHook
@@ -48,13 +49,12 @@ from .metrics import (
     format_duration,
     peak_memory_gib,
     reset_peak_memory,
-    write_resolved_config,
 )
 from .preemption import INTERRUPT, NONE, PREEMPT, Preemption, agreed_stop
 from .reduction import StepTotals
 
 if TYPE_CHECKING:
-    from .assemble import TrainingParts
+    from ..run.assemble import TrainingParts
 
 # FSDP2 warns about every Linear output that is a view; nothing here writes into one in place.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")

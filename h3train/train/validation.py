@@ -49,12 +49,12 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
+from ..data.base_predictions import FOLDER, BasePredictions, fingerprint
 from ..data.sampler import assigned_indices
 from ..errors import DatasetError, SampleError
 from ..infra.digest import digest_tensor
 from ..objective import TrainingInputs, cfg_enabled, compute_loss, make_training_inputs, negative_inputs
 from ..tasks.layout import PackedSample
-from .base_predictions import FOLDER, BasePredictions, fingerprint
 from .hooks import TrainerHook, TrainerView
 from .metrics import METRICS_FILE, first_row
 

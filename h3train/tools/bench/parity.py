@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...parallel.fsdp import local_tensor
+from ...parallel.shards import local_tensor
 
 REFERENCE_BACKEND = "native"
 

@@ -175,7 +175,7 @@ def run_case(
     Returns the reference gradients (for `REFERENCE_BACKEND`) or this backend's parity against
     `reference` (when there is one), read after step 1's `forward_backward`.
     """
-    from ...train.assemble import build_trainer
+    from ...run.assemble import build_trainer
 
     trainer = build_trainer(cfg, hooks=[])
     try:

@@ -11,13 +11,11 @@ from .jsonl_sink import METRICS_FILE, JsonlSink, first_row, iter_rows, set_aside
 from .logger import MetricsLogger
 from .memory import peak_memory_gib, reset_peak_memory
 from .record import MEMORY_KEY, NONFINITE_KEY, RESUMED_KEY, strict_record
-from .run_config import CONFIG_FILE, write_resolved_config
 from .sink import MetricSink
 from .tensorboard_sink import TENSORBOARD_DIR, TensorBoardSink, _TensorBoard
 from .wandb_sink import WandbSink
 
 __all__ = [
-    "CONFIG_FILE",
     "MEMORY_KEY",
     "METRICS_FILE",
     "NONFINITE_KEY",
@@ -37,5 +35,4 @@ __all__ = [
     "reset_peak_memory",
     "set_aside_later_lines",
     "strict_record",
-    "write_resolved_config",
 ]

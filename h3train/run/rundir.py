@@ -27,9 +27,9 @@ import os
 import uuid
 from pathlib import Path
 
+from ..checkpoint import committed_checkpoints, step_of
 from ..errors import ConfigError, UsageError
 from ..infra.atomic import set_aside
-from .checkpoint import committed_checkpoints, step_of
 
 # What h3train writes into `logging.dir` (besides checkpoints); `--overwrite` moves these aside.
 RUN_FILES = (

@@ -44,9 +44,8 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError, ConfigError, UsageError
-from ..tasks.table import PARTITIONS, TRAINING_TASKS
-from .base import as_trained, folder_digest, island_prefixes, random_base_state, read_record
-from .export import (
+from ..lora.base import as_trained, folder_digest, island_prefixes, random_base_state, read_record
+from ..lora.export import (
     COMFYUI_WEIGHT_NAME,
     DIFFUSERS_WEIGHT_NAME,
     adapter_groups,
@@ -54,8 +53,9 @@ from .export import (
     save_comfyui_lora,
     save_diffusers_lora,
 )
-from .kinds import record_kind
-from .names import export_name, split_factor
+from ..lora.kinds import record_kind
+from ..lora.names import export_name, split_factor
+from ..tasks.table import PARTITIONS, TRAINING_TASKS
 
 # `--format` -> what its export is, as `h3train export` reports it.
 FORMATS = {"diffusers": "diffusers LoRA file", "comfyui": "ComfyUI LoRA file"}
@@ -136,7 +136,7 @@ def read_trained(checkpoint: Path, reader, metadata, component: str) -> dict[str
     try:
         dcp.load(buffers, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any read failure: unreadable
-        from ..train.checkpoint import read_failure_reason
+        from ..checkpoint import read_failure_reason
 
         raise CheckpointError(f"checkpoint '{checkpoint}' cannot be read: {read_failure_reason(exc)}") from exc
     return {export_name(k.removeprefix(prefix)): v.float().contiguous() for k, v in buffers.items()}
@@ -253,8 +253,8 @@ def _write_merged(
     base: Path | None,
 ) -> None:
     from ..infra.atomic import apply_file_mode, atomic_save_file, atomic_write_text
+    from ..lora.export import merge_adapters
     from ..model.build import meta_transformer
-    from .export import merge_adapters
 
     model_config = state["model_config"]
     islands = island_prefixes(model_config)
@@ -299,8 +299,8 @@ def write_save_files(checkpoint: Path, setting: str) -> list[Path]:
     folder beside, renamed into place whole, so a crash midway leaves no file under its final name. An
     existing `lora/` is left as it is (`FileExistsError`).
     """
+    from ..checkpoint import NamingReader, read_trainer_state
     from ..infra.atomic import apply_file_mode, fsync_path
-    from ..train.checkpoint import NamingReader, read_trainer_state
 
     final = checkpoint / SAVE_FOLDER
     if final.exists():

@@ -30,13 +30,7 @@ import torch.distributed as dist
 import yaml
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..config import Config
-from ..errors import CheckpointError, ConfigError, H3TrainError, UsageError
-from ..infra.atomic import set_aside
-from ..lora.base import read_record
-from ..model.adapter import ModelAdapter
-from ..parallel.dims import ParallelContext
-from .checkpoint import (
+from ..checkpoint import (
     METADATA_FILE,
     STATE_FILE,
     STEP_DIR,
@@ -51,7 +45,13 @@ from .checkpoint import (
     validate_checkpoint,
     verify_file_digests,
 )
-from .metrics import set_aside_later_lines
+from ..config import Config
+from ..errors import CheckpointError, ConfigError, H3TrainError, UsageError
+from ..infra.atomic import set_aside
+from ..lora.base import read_record
+from ..model.adapter import ModelAdapter
+from ..parallel.dims import ParallelContext
+from ..train.metrics import set_aside_later_lines
 from .rundir import check_fresh_run, move_run_aside, set_aside_later_checkpoints
 
 

@@ -17,21 +17,21 @@ from typing import Any
 
 import torch
 
-from .config import Config, dataset_specs, load_config, measures_held_out_loss
-from .data.dataset import index_entries
-from .data.format import INDEX_NAME, read_header, resolve_in_folder
-from .data.mixture import dataset_key, epoch_draws
-from .data.source import data_source
-from .errors import ConfigError, DatasetError, one_of
-from .lora.targets import meta_model, resolve_targets, resolve_train_modules
-from .model.dims import check_model_kwargs, model_dims, planned_model_dims, pretrained_config_file
-from .ops.attention import resolve_attention_backend
-from .parallel.dims import ParallelDims
-from .render.requests import validate_samples
-from .tasks.partition import check_partition
-from .tasks.table import TRAINING_TASKS, training_task_for
-from .train.faults import parse_faults
-from .train.optim import optimizer_kind
+from ..config import Config, dataset_specs, load_config, measures_held_out_loss
+from ..data.dataset import index_entries
+from ..data.format import INDEX_NAME, read_header, resolve_in_folder
+from ..data.mixture import dataset_key, epoch_draws
+from ..data.source import data_source
+from ..debug.faults import parse_faults
+from ..errors import ConfigError, DatasetError, one_of
+from ..lora.targets import meta_model, resolve_targets, resolve_train_modules
+from ..model.dims import check_model_kwargs, model_dims, planned_model_dims, pretrained_config_file
+from ..ops.attention import resolve_attention_backend
+from ..optim.kinds import optimizer_kind
+from ..parallel.dims import ParallelDims
+from ..render.requests import validate_samples
+from ..tasks.partition import check_partition
+from ..tasks.table import TRAINING_TASKS, training_task_for
 
 
 def load_checked(path: str | os.PathLike | None, overrides: Sequence[str] = (), planning: bool = False) -> Config:
@@ -94,8 +94,8 @@ def _check_lora(cfg: Config) -> None:
     lora = cfg.lora
     if lora.rank == 0:
         return
-    from .lora.kinds import config_kind
-    from .lora.quant import check_base_quant
+    from ..lora.kinds import config_kind
+    from ..model.quant import check_base_quant
 
     config_kind(lora).check(lora)
     check_base_quant(lora.base_quant)
@@ -107,7 +107,7 @@ def _check_lora(cfg: Config) -> None:
     export = cfg.checkpoint.export != "none"
     if lora.init_from is None and not export:
         return
-    from .lora.adapters import adapter_config, adapter_values, add_adapters
+    from ..lora.adapters import adapter_config, adapter_values, add_adapters
 
     add_adapters(model, cfg)
     if lora.init_from is not None:
@@ -115,8 +115,8 @@ def _check_lora(cfg: Config) -> None:
         adapter_values(model, cfg)
     if export:
         # Whether each format of `checkpoint.export` holds these adapters, from their shapes alone.
-        from .lora.checkpoint_export import check_save_formats
-        from .lora.names import export_name, is_adapter_param
+        from ..export.adapter import check_save_formats
+        from ..lora.names import export_name, is_adapter_param
 
         shapes = {export_name(n): torch.zeros(p.shape) for n, p in model.named_parameters() if is_adapter_param(n)}
         check_save_formats(cfg.checkpoint.export, shapes, adapter_config(model))
@@ -275,7 +275,7 @@ def start_plan(
     `device_kind` / `device_memory_gib` default to this machine's (`device_type`, the GPU's total
     memory); a test passes them to take the GPU's path on a CPU.
     """
-    from .plan import DEFAULT_DEVICE_MEMORY_GIB, GIB, dropped_line, estimate, refuse_over_plan, summary
+    from ..plan import DEFAULT_DEVICE_MEMORY_GIB, GIB, dropped_line, estimate, refuse_over_plan, summary
 
     device_kind = device_kind or device_type(cfg)
     if device_memory_gib is None:

@@ -32,9 +32,9 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..model.build import fp32_island_names
-from ..model.sp_forward import SequenceParallelH3
-from .dims import ParallelContext
+from ..parallel.dims import ParallelContext
+from .build import fp32_island_names
+from .sp_forward import SequenceParallelH3
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -52,11 +52,6 @@ def _reshard_after_inference(model: nn.Module, args: object, output: object) -> 
         for unit in model.modules():
             if isinstance(unit, FSDPModule):
                 unit.reshard()
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a view of its storage), or `t` itself when it is a plain tensor."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def shards_nothing(model: nn.Module, ctx: ParallelContext, compute_dtype: str, cpu_offload: bool = False) -> bool:

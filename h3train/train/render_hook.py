@@ -33,8 +33,7 @@ from tqdm import tqdm
 from ..config import Config
 from ..data.sampler import assigned_indices
 from ..errors import ConfigError, H3TrainError
-from ..train.hooks import TrainerHook, TrainerView
-from .conditioning import (
+from ..render.conditioning import (
     Conditioning,
     encode_request,
     encode_settings,
@@ -42,8 +41,9 @@ from .conditioning import (
     request_digest,
     save_conditioning,
 )
-from .pipeline import LiveTransformer, decode, denoise, fresh_path, render_line, render_pipeline, write_clip
-from .requests import KEY, parse_requests, text_encoder_dtype
+from ..render.pipeline import LiveTransformer, decode, denoise, fresh_path, render_line, render_pipeline, write_clip
+from ..render.requests import KEY, parse_requests, text_encoder_dtype
+from .hooks import TrainerHook, TrainerView
 
 SAMPLES_DIR = "samples"
 REQUESTS_DIR = "requests"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ...infra.atomic import atomic_write_text
+from ..infra.atomic import atomic_write_text
 
 CONFIG_FILE = "config.yaml"
 

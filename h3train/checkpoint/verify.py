@@ -23,8 +23,8 @@ except ImportError:  # torch 2.8: `dcp.async_save` copies to host memory on the 
     DefaultStager = StagingOptions = None
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ...errors import CheckpointError
-from ...infra.digest import ALGORITHM, digest_file
+from ..errors import CheckpointError
+from ..infra.digest import ALGORITHM, digest_file
 from .layout import DIGESTS_FIELD, METADATA_FILE, STATE_FILE, committed_checkpoints, is_complete, read_trainer_state
 
 

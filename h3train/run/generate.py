@@ -45,10 +45,10 @@ import torch
 from ..config import SAMPLE_FIELDS, SampleRequestConfig
 from ..errors import ConfigError, UsageError
 from ..infra.quiet import diffusers_log_level
+from ..render.requests import SampleRequest, parse_request
+from ..render.sources import Source
 from ..tasks.table import partition_tasks
 from ..train.validation import MODALITIES, guidance_retention, guidance_sums
-from .requests import SampleRequest, parse_request
-from .sources import Source
 
 # `--compare`'s audio streams, in order.
 TRACK_TITLES = ("base", "fine-tune")
@@ -161,7 +161,7 @@ class Rendered:
         """What the mp4 holds: its frames, its audio streams, their titles."""
         if self.base_frames is None or self.base_audio is None:
             return self.frames, [self.audio], ()
-        from .side_by_side import side_by_side
+        from ..render.side_by_side import side_by_side
 
         return side_by_side(self.base_frames, self.frames), [self.base_audio, self.audio], TRACK_TITLES
 
@@ -207,8 +207,8 @@ class Generator:
         steps: int,
         compare: bool,
     ) -> None:
-        from .hook import load_vaes
-        from .pipeline import render_pipeline
+        from ..render.pipeline import render_pipeline
+        from ..train.render_hook import load_vaes
 
         self.components, self.device, self.dtype, self.steps = components, device, dtype, steps
         self.partition = partition
@@ -276,7 +276,7 @@ class Generator:
         from ..data.components import encode_preset, load_components
         from ..data.encode import build_pipeline
         from ..data.media import MediaError
-        from .conditioning import encode_request, encode_settings
+        from ..render.conditioning import encode_request, encode_settings
 
         short_edge = reference_short_edge or (encode_preset(self.components) or {}).get("reference_short_edge", 2048)
         components = load_components(self.components, self.device, self.dtype)
@@ -309,7 +309,7 @@ class Generator:
 
     def _render(self, pipe, cond) -> tuple:
         """Frames, audio, rate and, comparing, `g` per modality at the first step (float64, CPU)."""
-        from .pipeline import decode, denoise
+        from ..render.pipeline import decode, denoise
 
         model = pipe.transformer
         if not self.compare:
@@ -332,9 +332,9 @@ class Generator:
 def _exported(source: Source, tmp: Path) -> Source:
     """A run's or checkpoint's export, in `tmp`: a diffusers LoRA file, or a transformer folder (a full
     fine-tune; a LoRA on a random base, merged into the base it rebuilds)."""
+    from ..checkpoint import read_trainer_state
+    from ..export.transformer import export_checkpoint
     from ..lora.base import read_record
-    from ..train.checkpoint import read_trainer_state
-    from ..train.export import export_checkpoint
 
     assert source.checkpoint is not None
     state = read_trainer_state(source.checkpoint)
@@ -387,8 +387,8 @@ def generate(
     reference_short_edge: int | None = None,
 ) -> list[Path]:
     """Render this rank's share of `requests` into files beside `out`; returns the files written."""
+    from ..render.pipeline import write_clip
     from ..train.metrics.console_sink import format_duration
-    from .pipeline import write_clip
 
     partition = request_partition(source, requests)
     mine, rank, world = rank_share(len(requests))

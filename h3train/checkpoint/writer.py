@@ -28,12 +28,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
-from ...errors import DiskFullError
-from ...infra.atomic import apply_file_mode, atomic_write_text, fsync_path, set_aside
-from ...infra.digest import ALGORITHM, digest_file
-from ...infra.diskspace import free_bytes, human_bytes, no_space
-from ...infra.runlock import OWNER_NAME, mark_owned, owned_by_another
-from ...parallel.dims import new_group
+from ..errors import DiskFullError
+from ..infra.atomic import apply_file_mode, atomic_write_text, fsync_path, set_aside
+from ..infra.digest import ALGORITHM, digest_file
+from ..infra.diskspace import free_bytes, human_bytes, no_space
+from ..infra.runlock import OWNER_NAME, mark_owned, owned_by_another
+from ..parallel.dims import new_group
 from .layout import (
     DIGESTS_FIELD,
     METADATA_FILE,

@@ -11,7 +11,7 @@ and renamed into place only once complete, so `--out` never holds a mix of two e
 export leaves nothing behind; one killed midway leaves its sibling, which the next export of the same
 `--out` removes once its writer's process is gone. A non-empty `--out` is refused unless `overwrite`,
 which replaces the folder whole: the old one is removed only after the new one is complete and in
-place. LoRA checkpoints take the same path (`h3train/lora/checkpoint_export.py` writes into the
+place. LoRA checkpoints take the same path (`h3train/export/adapter.py` writes into the
 temporary folder), and so does `--ema`, which writes the EMA weights in place of the trained ones.
 
 `h3train export` also takes a run folder (its `logging.dir`): `checkpoint_to_export` picks the newest
@@ -40,12 +40,7 @@ from diffusers import MiniMaxH3Transformer3DModel
 from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import CheckpointError, ConfigError, UsageError
-from ..infra.atomic import apply_file_mode, atomic_save_file, atomic_write_text
-from ..infra.diskspace import human_bytes
-from ..infra.runlock import OWNER_NAME, left_behind, mark_owned
-from ..model.build import meta_transformer
-from .checkpoint import (
+from ..checkpoint import (
     METADATA_FILE,
     MODEL_PREFIX,
     STATE_FILE,
@@ -59,7 +54,12 @@ from .checkpoint import (
     read_trainer_state,
     validate_checkpoint,
 )
-from .metrics import CONFIG_FILE
+from ..checkpoint.run_config import CONFIG_FILE
+from ..errors import CheckpointError, ConfigError, UsageError
+from ..infra.atomic import apply_file_mode, atomic_save_file, atomic_write_text
+from ..infra.diskspace import human_bytes
+from ..infra.runlock import OWNER_NAME, left_behind, mark_owned
+from ..model.build import meta_transformer
 
 WEIGHTS_NAME = "diffusion_pytorch_model"
 # DCP key prefix of the EMA of the transformer's weights (`ema.py`): `ema.<fqn>` beside `model.<fqn>`.
@@ -207,10 +207,10 @@ def export_checkpoint(
     A full checkpoint becomes a diffusers transformer folder. A LoRA checkpoint becomes a LoRA file
     in `fmt` (`diffusers`, the default, or `comfyui`) named `name` (default: the format's own file
     name), or with `merge` a transformer folder with the adapters folded in
-    (`h3train/lora/checkpoint_export.py`; `base` points at a moved pretrained base).
+    (`h3train/export/adapter.py`; `base` points at a moved pretrained base).
     `ema`: the EMA weights (component `ema`, same FQNs as `model`) in place of the trained ones.
     """
-    from ..lora.checkpoint_export import FORMATS, is_lora_checkpoint, trained_partition
+    from .adapter import FORMATS, is_lora_checkpoint, trained_partition
 
     checkpoint, out = Path(checkpoint), Path(out)
     if not is_complete(checkpoint):
@@ -280,7 +280,7 @@ def _kind(lora: bool, fmt: str, merge: bool, ema: bool) -> str:
     elif merge:
         kind = "diffusers transformer folder, the LoRA merged into its base"
     else:
-        from ..lora.checkpoint_export import FORMATS
+        from .adapter import FORMATS
 
         kind = FORMATS[fmt]
     return kind + (" (EMA weights)" if ema else "")
@@ -303,7 +303,7 @@ def _write_lora_export(
     name: str | None,
 ) -> str | None:
     """Write a LoRA checkpoint's export into `out`; the LoRA file's name, or None for a merged folder."""
-    from ..lora.checkpoint_export import read_trained, write_lora_export
+    from .adapter import read_trained, write_lora_export
 
     reader = NamingReader(checkpoint)
     metadata = reader.read_metadata().state_dict_metadata

@@ -23,14 +23,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint import Checkpointer, checkpoint_root, room_needed
 from ..config import Config, dataset_specs
 from ..data.mixture import DatasetMixture
 from ..data.source import MicroBatchStream, SampleSource, build_sampler, build_source, load_shared_negative
+from ..train.dump import StepDump
+from ..debug.faults import FaultInjector
 from ..infra.diskspace import check_room
 from ..infra.quiet import known_notices
 from ..infra.runlock import RunLock
-from ..lora.quant import check_base_quant
-from ..model.adapter import ModelAdapter
+from ..lora.names import pretrained_key
+from ..lora.transforms import model_transforms
+from ..model.adapter import ModelAdapter, ModelTransform
 from ..model.build import (
     build_meta_model,
     build_model,
@@ -40,25 +44,24 @@ from ..model.build import (
     store_trainable,
 )
 from ..model.dims import model_dims
+from ..model.fsdp import apply_fsdp, shards_nothing
+from ..model.quant import check_base_quant
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import micro_batch_inputs
 from ..ops.attention import resolve_attention_backend
+from ..optim.kinds import build_optimizer, build_scheduler, weights_dtype
 from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
-from ..parallel.fsdp import apply_fsdp, shards_nothing
 from ..parallel.ulysses import SequenceParallel
 from ..plan import checkpoint_bytes
-from ..preflight import preflight, start_plan
-from .checkpoint import Checkpointer, checkpoint_root, room_needed
-from .dump import StepDump
-from .events import EventLog, Progress
-from .faults import FaultHook, FaultInjector
-from .guard import ValidationWatch
-from .hooks import ModelTransform, TrainerHook
-from .metrics import MetricsLogger
-from .optim import build_optimizer, build_scheduler, weights_dtype
+from ..train.events import EventLog, Progress
+from ..train.faults import FaultHook
+from ..train.guard import ValidationWatch
+from ..train.hooks import TrainerHook
+from ..train.metrics import MetricsLogger
+from ..train.preemption import SAME_KEYPRESS_S
+from .preflight import preflight, start_plan
 from .resume import Resume
 from .rundir import probe_writable
-from .transforms import model_transforms
 
 
 @dataclass
@@ -107,7 +110,7 @@ def build_trainer(
     `transforms` / `hooks` default to what the config asks for (`model_transforms`, `step_hooks`).
     `overwrite`: start afresh, moving an earlier run in the run folders aside (`rundir.py`).
     """
-    from .trainer import Trainer
+    from ..train.trainer import Trainer
 
     parts = assemble(cfg, transforms, hooks, overwrite)
     try:
@@ -227,7 +230,7 @@ def _assemble(
         planned_bytes=planned_bytes,
     )
     checkpointer.clean_incomplete()
-    faults = FaultInjector(cfg.debug.fault, ctx.rank)
+    faults = FaultInjector(cfg.debug.fault, ctx.rank, keypress_gap_s=SAME_KEYPRESS_S)
     if hooks is None:
         hooks = step_hooks(cfg, ctx.rank, shared_negative=shared_negative)
     metrics = MetricsLogger(
@@ -285,7 +288,7 @@ def build_sharded_model(
     if restores_all:
         materialize(model, device)
     elif pretrained:
-        load_pretrained_shards(model, pretrained, device)
+        load_pretrained_shards(model, pretrained, device, pretrained_key)
     if not resumed:
         after_load(transforms, model)
     return model
@@ -388,19 +391,19 @@ def step_hooks(
     hooks: list[TrainerHook] = []
     if cfg.debug.profile_steps:
         first, last = cfg.debug.profile_steps
-        from .profile import ProfilerHook
+        from ..train.profile import ProfilerHook
 
         hooks.append(ProfilerHook(first, last, Path(cfg.logging.dir) / "profile", rank))
     if cfg.train.ema.decay:
-        from .ema import EmaHook
+        from ..train.ema import EmaHook
 
         hooks.append(EmaHook(cfg.train.ema.decay))
     if cfg.validation.dataset and (cfg.validation.every or cfg.validation.at_start):
-        from .validation import HeldOutLoss
+        from ..train.validation import HeldOutLoss
 
         hooks.append(HeldOutLoss(cfg, shared_negative=shared_negative))
     if cfg.validation.samples:
-        from ..render.hook import SampleRenderer
+        from ..train.render_hook import SampleRenderer
 
         hooks.append(SampleRenderer(cfg))
     return hooks
