@@ -196,3 +196,68 @@ def test_the_plan_arithmetic_reads_neither_a_config_nor_data() -> None:
             todo.append(name)
     assert not {name for name in reached if name.startswith("h3train.data")}
     assert "h3train.plan.inputs" not in reached and "h3train.plan.report" not in reached
+
+
+# The floors of the house, top first. A package imports only its own floor and those below it, and no
+# two packages import each other (directly or round a longer loop): so each floor can be read, tested
+# and changed with only what is beneath it.
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    ("commands", ("__main__", "args", "cli", "commands")),
+    ("tools", ("tools",)),
+    ("run", ("run",)),
+    ("loop", ("train",)),
+    ("services", ("checkpoint", "export", "optim", "plan", "render")),
+    ("data", ("data",)),
+    ("model", ("lora", "model", "objective")),
+    ("layout", ("ops", "parallel", "tasks")),
+    ("base", ("config", "debug", "errors", "infra")),
+]
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Top-level package (or top-level module) -> those it imports, from the module graph.
+
+    The root `__init__` is left out: it only quiets third-party loggers, and importing any
+    submodule runs it, so it is beneath every floor.
+    """
+    packages: dict[str, set[str]] = {_top(name): set() for name in graph if name != PACKAGE.name}
+    for name, targets in graph.items():
+        if name != PACKAGE.name:
+            packages[_top(name)].update(_top(t) for t in targets if t != PACKAGE.name and _top(t) != _top(name))
+    return packages
+
+
+def test_every_package_has_a_floor() -> None:
+    placed = [name for _, names in FLOORS for name in names]
+    assert len(placed) == len(set(placed)), "a package on two floors"
+    assert set(package_graph(import_graph())) == set(placed)
+
+
+def test_no_package_imports_a_higher_floor() -> None:
+    floor = {name: i for i, (_, names) in enumerate(FLOORS) for name in names}
+    graph = import_graph()
+    up = [
+        f"{module} -> {target}"
+        for module, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if PACKAGE.name not in (module, target) and floor[_top(target)] < floor[_top(module)]
+    ]
+    assert not up, "imports from a lower floor to a higher one: " + "; ".join(up)
+
+
+def test_no_cycle_among_packages() -> None:
+    packages = package_graph(import_graph())
+    cycles = [" -> ".join(_cycle_in(c, packages)) for c in strongly_connected(packages)]
+    assert not cycles, "package cycles: " + "; ".join(cycles)
+
+
+def test_the_loop_package_stays_the_loop() -> None:
+    """`train/` holds the loop, its hooks and metrics sinks; what grows past this moved in by mistake."""
+    lines = sum(len(path.read_text().splitlines()) for path in (PACKAGE / "train").rglob("*.py"))
+    assert lines < 3500, f"h3train/train/ has {lines} lines"
+
+
+def _top(module: str) -> str:
+    """`h3train.a.b` -> `a`; `h3train.cli` -> `cli`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
