@@ -18,7 +18,7 @@ temporary folder), and so does `--ema`, which writes the EMA weights in place of
 complete checkpoint of the run's checkpoint folder (`<run>/checkpoints`, or the `checkpoint.dir` its
 `config.yaml` names). `export_checkpoint` returns an `ExportSummary` of what it wrote.
 
-The export is of the partition the run trained (`lora.checkpoint_export.trained_partition`: its
+The export is of the partition the run trained (`export/adapter.trained_partition`: its
 `model.subfolder`, else its `task.name`'s in the task table, `transformer` for t2va / fl2va and
 `transformer_ref` for ref2va): a transformer folder goes in the pipeline's folder of that name, a
 diffusers LoRA file holds its keys under that name.

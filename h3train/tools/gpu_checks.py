@@ -3,7 +3,7 @@
 The bench times the plain AdamW step per attention backend. A GPU machine can still fail to train
 in ways the bench never reaches: a collective backend that does not average, a low-bit optimizer
 kernel, a quantized frozen base, the pinned host buffers of a background save. Each check below
-builds the real trainer (`bench.trainer_config` + `train.assemble.build_trainer`, one rank,
+builds the real trainer (`bench.trainer_config` + `run.assemble.build_trainer`, one rank,
 sp = 1) with a config override, runs the code path a training run would, and records a
 `CheckResult`: `passed` / `failed` / `skipped` (with the reason) / `not run`, its numbers, and its
 seconds. A check that raises is `failed` with the error's first line; the others still run.

@@ -1,7 +1,7 @@
 """`checkpoint.export`: a LoRA run's adapter files beside each checkpoint it saves.
 
 The checkpointer calls `AdapterFiles` on rank 0 with each checkpoint once it is committed (for a
-background save, on its writer thread), and `lora.checkpoint_export.write_save_files` writes the
+background save, on its writer thread), and `export/adapter.write_save_files` writes the
 files into the step folder's `lora/`. A checkpoint whose files cannot be written stays as it is: the
 run goes on and says so in one line, since `h3train export` can write them from it at any time.
 """

@@ -19,7 +19,7 @@ objective as `val/loss_cfg`, `val/loss_video_cfg`, `val/loss_audio_cfg`.
 Retention (`validation.retention`, on by default): how much of its base the fine-tune keeps, on the
 same pairs. The base's predictions are computed once, on a fresh run before the first step (a LoRA
 with its adapters disabled, a full fine-tune as loaded) and stored in the run folder
-(`base_predictions.py`); every validation, and a resumed run, reads them. Per modality:
+(`data/base_predictions.py`); every validation, and a resumed run, reads them. Per modality:
 
 - `val/drift_video` / `val/drift_audio`: `sum MSE(p, p_base) / sum MSE(p_base, v)` over the pairs,
   the prediction's move relative to the base's own error (0 while nothing has trained).

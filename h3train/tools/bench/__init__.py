@@ -1,6 +1,6 @@
 """`h3train bench`: the trainer's own training step per attention backend, timed half by half.
 
-Per backend it builds a `Trainer` (`train.assemble.build_trainer`, one rank, sp = 1) from a `Config`
+Per backend it builds a `Trainer` (`run.assemble.build_trainer`, one rank, sp = 1) from a `Config`
 made here (`trainer_config`) and times the two halves of `Trainer.train_step`: `forward_backward`
 (micro-batch, loss, backward) and `update` (grad norm, clip, the step's one all-reduce and
 device->host copy, AdamW, schedule), their sum being the step. It reports packed rows per second,
