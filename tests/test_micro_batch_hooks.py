@@ -40,7 +40,7 @@ def test_micro_batch_hooks_see_each_micro_batch_and_the_faults_before_them(tmp_p
     hook = MicroBatches()
     trainer = build_trainer(load_config(TINY_FL2VA, overrides), hooks=[hook])
     try:
-        assert [type(h) for h in trainer.hooks] == [FaultHook, StepDump, MicroBatches]
+        assert [type(h) for h in trainer.parts.hooks] == [FaultHook, StepDump, MicroBatches]
         trainer.fit()
     finally:
         trainer.close()
