@@ -154,8 +154,6 @@ def test_no_module_reaches_into_another_class_private_attributes() -> None:
     modules = _modules()
     private = package_private_names([p for p in modules if p.is_relative_to(PACKAGE)]) - DIFFUSERS_PROTOCOL
     found = [
-        hit
-        for path in modules
-        for hit in reach_ins(path.read_text(), private, str(path.relative_to(PACKAGE.parent)))
+        hit for path in modules for hit in reach_ins(path.read_text(), private, str(path.relative_to(PACKAGE.parent)))
     ]
     assert not found, f"{len(found)} private attributes reached from outside their class:\n" + "\n".join(found)
