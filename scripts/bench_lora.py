@@ -61,7 +61,7 @@ def _geometry(g: Geometry) -> list[str]:
 def _state_bytes(trainer) -> int:
     return sum(
         t.numel() * t.element_size()
-        for per_param in trainer.optimizer.state.values()
+        for per_param in trainer.parts.optimizer.state.values()
         for t in per_param.values()
         if torch.is_tensor(t)
     )

@@ -193,7 +193,7 @@ def measure(
                     cfg.optim = dataclasses.replace(cfg.optim, lr=lr, name=kind)
                 validate(cfg)
                 trainers[kind] = build_trainer(cfg, hooks=[])
-            timers = {kind: StepTimer(t.optimizer) for kind, t in trainers.items()}
+            timers = {kind: StepTimer(t.parts.optimizer) for kind, t in trainers.items()}
             first_loss: dict[str, float] = {}
             for kind, trainer in trainers.items():
                 started = time.perf_counter()
@@ -216,7 +216,7 @@ def measure(
                 # backward holds them while the row is measured.
                 trainer.forward_backward(warmup + steps + 1)
                 rows[kind] = _row(kind, trainer, timers[kind].seconds, wall[kind], loss[kind])
-                trainer.optimizer.zero_grad(set_to_none=True)
+                trainer.parts.optimizer.zero_grad(set_to_none=True)
                 rows[kind]["first_loss"] = first_loss[kind]
         finally:
             # One process group serves every trainer; the last close leaves it.
@@ -236,7 +236,7 @@ def measure(
 def _row(kind: str, trainer: Any, step_s: list[float], train_s: list[float], loss: float) -> dict[str, Any]:
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     count = sum(p.numel() for p in params)
-    held = optimizer_state_bytes(trainer.optimizer)
+    held = optimizer_state_bytes(trainer.parts.optimizer)
     weights = sum(tensor_bytes(p.detach()) for p in params)
     grads = sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
     by_dtype: dict[str, dict[str, float]] = {}
@@ -244,7 +244,7 @@ def _row(kind: str, trainer: Any, step_s: list[float], train_s: list[float], los
         group = [p for p in params if p.dtype == dtype]
         n = sum(p.numel() for p in group)
         group_bytes = sum(
-            tensor_bytes(v) for p in group for v in trainer.optimizer.state[p].values() if torch.is_tensor(v)
+            tensor_bytes(v) for p in group for v in trainer.parts.optimizer.state[p].values() if torch.is_tensor(v)
         )
         by_dtype[str(dtype).removeprefix("torch.")] = {
             "parameters": n,
@@ -258,7 +258,7 @@ def _row(kind: str, trainer: Any, step_s: list[float], train_s: list[float], los
     return {
         "kind": kind,
         "base_bytes": base,
-        "optimizer": type(trainer.optimizer).__name__,
+        "optimizer": type(trainer.parts.optimizer).__name__,
         "trainable_parameters": count,
         "parameter_tensors": len(params),
         "state_bytes": held,

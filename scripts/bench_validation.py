@@ -32,14 +32,12 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from h3train.config import WandbConfig  # noqa: E402
 from h3train.data.components import TINY_TEXT_HIDDEN, write_tiny_components  # noqa: E402
 from h3train.data.media import moving_pattern  # noqa: E402
 from h3train.data.synth import write_synthetic_dataset  # noqa: E402
 from h3train.render.pipeline import denoise  # noqa: E402
 from h3train.run.assemble import build_trainer  # noqa: E402
 from h3train.run.preflight import load_checked  # noqa: E402
-from h3train.train.metrics import MetricsLogger  # noqa: E402
 from h3train.train.render_hook import SampleRenderer  # noqa: E402
 from h3train.train.validation import HeldOutLoss  # noqa: E402
 
@@ -91,8 +89,7 @@ def main() -> int:
         heldout_loss, renderer = HeldOutLoss(cfg), SampleRenderer(cfg)
         trainer = build_trainer(cfg, hooks=[heldout_loss, renderer])
         try:
-            trainer._metrics = MetricsLogger(tmp / "run", False, WandbConfig(), {}, 1, progress=False)
-            renderer._prepare(trainer)
+            renderer.prepare(trainer)
             trainer.train_step(1)  # warm-up
             steps = [_timed(lambda s=s: trainer.train_step(s)) for s in range(2, args.repeats + 2)]
             heldout_loss.evaluate(trainer)  # warm-up (reads the dataset)

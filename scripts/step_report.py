@@ -124,7 +124,7 @@ def activation_bytes(trainer, ti: Any) -> dict[str, int]:
     from h3train.parallel.ulysses import SequenceParallel
 
     torch.manual_seed(0)
-    transformer = MiniMaxH3Transformer3DModel(**trainer.model_config)
+    transformer = MiniMaxH3Transformer3DModel(**trainer.parts.model_config)
     transformer.set_attention_backend("native")
     out: dict[str, int] = {}
     for mode in ("none", "full"):
@@ -152,8 +152,8 @@ def _trainer(run_dir: Path, sp: int, steps: int):
 
 
 def _inputs(trainer, step: int):
-    sample = trainer.source[0]
-    return sample, micro_batch_inputs(trainer.cfg, sample, step, 0, trainer.shared_negative).to(trainer.device)
+    sample = trainer.parts.source[0]
+    return sample, micro_batch_inputs(trainer.cfg, sample, step, 0, trainer.parts.shared_negative).to(trainer.device)
 
 
 def worker_sp1(run_dir: Path, repeats: int) -> dict[str, Any]:
@@ -165,7 +165,7 @@ def worker_sp1(run_dir: Path, repeats: int) -> dict[str, Any]:
     try:
         sample, ti = _inputs(trainer, 1)
         rows = int(ti.model_inputs["position_ids"].shape[0])
-        dims = {k: v for k, v in trainer.model_config.items()}
+        dims = {k: v for k, v in trainer.parts.model_config.items()}
         torch.manual_seed(0)
         bare = MiniMaxH3Transformer3DModel(**dims)
         bare.set_attention_backend("native")
@@ -255,7 +255,7 @@ def worker_sp2(run_dir: Path, repeats: int, counted: int) -> dict[str, Any]:
         assert trainer.step == first + counted, (trainer.step, first, counted)
 
         # Saves as the module docstring describes them; each at a step of its own.
-        ckpt = trainer.checkpointer
+        ckpt = trainer.parts.checkpointer
         waiter = next((getattr(ckpt, n) for n in ("wait", "finish", "join") if hasattr(ckpt, n)), None)
         waiter = waiter if callable(waiter) else (lambda: None)
         staged_waits: list[float] = []

@@ -247,7 +247,7 @@ def _sync_copy(trainer, root):
     """The checkpoint state as it is now, written by a plain (blocking) save of its own."""
     from h3train.checkpoint import Checkpointer
 
-    path = Checkpointer(root, keep_last=0, is_main=True).save(trainer.checkpoint_state, {}, trainer.step)
+    path = Checkpointer(root, keep_last=0, is_main=True).save(trainer.parts.checkpoint_state, {}, trainer.step)
     return checkpoint_tensors(path)
 
 
@@ -267,12 +267,12 @@ def test_async_save_holds_the_state_at_the_save_although_the_next_update_follows
         trainer.step = 1
         expected = _sync_copy(trainer, tmp_path / "expected")
         updated = threading.Event()
-        trainer.optimizer.register_step_post_hook(lambda *_: updated.set())
+        trainer.parts.optimizer.register_step_post_hook(lambda *_: updated.set())
         _held_staging(monkeypatch, updated)
         path = trainer.save_checkpoint()
         trainer.train_step(2)
         trainer.step = 2
-        trainer.checkpointer.wait()
+        trainer.parts.checkpointer.wait()
         later = _sync_copy(trainer, tmp_path / "later")
     finally:
         trainer.close()
@@ -298,9 +298,9 @@ def test_async_save_holds_the_weights_not_the_ema_swapped_in_before_the_next_upd
         path = trainer.save_checkpoint()
         with ema.swapped_in():
             swapped.set()
-            trainer.checkpointer.wait_staged()  # the copy, if still to come, sees the EMA in the weights
+            trainer.parts.checkpointer.wait_staged()  # the copy, if still to come, sees the EMA in the weights
             with_ema = _sync_copy(trainer, tmp_path / "with_ema")
-        trainer.checkpointer.wait()
+        trainer.parts.checkpointer.wait()
     finally:
         trainer.close()
     assert _differing(expected, checkpoint_tensors(path)) == []
@@ -314,14 +314,14 @@ def test_async_save_without_a_background_stager_holds_the_state_at_the_save(tmp_
     monkeypatch.setattr(checkpoint, "DefaultStager", None)
     trainer = _in_process_trainer(tmp_path / "run", hooks=[])
     try:
-        assert trainer.checkpointer._stager is None
+        assert trainer.parts.checkpointer.stager is None
         trainer.train_step(1)
         trainer.step = 1
         expected = _sync_copy(trainer, tmp_path / "expected")
         path = trainer.save_checkpoint()
         trainer.train_step(2)
         trainer.step = 2
-        assert trainer.checkpointer.wait() == path
+        assert trainer.parts.checkpointer.wait() == path
     finally:
         trainer.close()
     assert _differing(expected, checkpoint_tensors(path)) == []
@@ -334,12 +334,12 @@ def test_async_save_commits_once_written_without_waiting_for_the_next_save(tmp_p
         trainer.train_step(1)
         trainer.step = 1
         path = trainer.save_checkpoint()
-        pending = trainer.checkpointer._pending
+        pending = trainer.parts.checkpointer._pending
         pending.committed.result(timeout=60)
         # Nothing on the training thread has waited for the save: the writer thread committed it.
-        assert trainer.checkpointer._pending is pending
+        assert trainer.parts.checkpointer._pending is pending
         assert complete_checkpoints(path.parent) == [path]
         assert json.loads((path / "trainer_state.json").read_text())["step"] == 1
-        assert trainer.checkpointer.wait() == path
+        assert trainer.parts.checkpointer.wait() == path
     finally:
         trainer.close()

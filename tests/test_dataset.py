@@ -310,7 +310,7 @@ def test_trainer_noises_micro_batches_on_the_prefetch_thread(tmp_path: Path, mon
     order = [(1, 0), (1, 1), (2, 0), (2, 1)]
     trainer = trainer_module.build_trainer(cfg, hooks=[])
     try:
-        consumed = [trainer.batches.next(step, micro) for step, micro in order]
+        consumed = [trainer.parts.batches.next(step, micro) for step, micro in order]
     finally:
         trainer.close()
     trained = [(step, micro, sample.sample_id) for (step, micro), (sample, _) in zip(order, consumed)]

@@ -77,7 +77,7 @@ def test_planned_per_rank_memory_holds_the_ema_shadows_the_trainer_keeps(lora: b
     cfg = load_config(TINY_FL2VA, [f"train.ema.decay={DECAY}", f"logging.dir={tmp_path}", *extra])
     trainer = build_trainer(cfg)
     try:
-        (ema,) = [h for h in trainer.hooks if isinstance(h, EmaHook)]
+        (ema,) = [h for h in trainer.parts.hooks if isinstance(h, EmaHook)]
         held = sum(local_tensor(s).numel() * local_tensor(s).element_size() for s in ema.shadow.values())
     finally:
         trainer.close()

@@ -8,8 +8,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from h3train.config import load_config
-from h3train.train.dump import full_tensor
 from h3train.run.assemble import build_trainer
+from h3train.train.dump import full_tensor
 from h3train.train.hooks import TrainerHook, TrainerView
 from h3train.train.profile import trace_step_ranges
 
@@ -59,7 +59,7 @@ def test_model_transform_edits_the_bare_model_before_sharding(tmp_path) -> None:
         transformer = trainer.model.transformer
         before = _full(transformer)
         trainable = [p for p in trainer.model.parameters() if p.requires_grad]
-        in_optimizer = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+        in_optimizer = [p for group in trainer.parts.optimizer.param_groups for p in group["params"]]
         trainer.fit()
         after = _full(transformer)
     finally:

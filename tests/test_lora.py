@@ -234,7 +234,7 @@ def test_sharded_lora_run_trains_adapters_only(tmp_path) -> None:
     try:
         params = dict(trainer.model.named_parameters())
         trainable = {n for n, p in params.items() if p.requires_grad}
-        in_optimizer = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+        in_optimizer = {id(p) for g in trainer.parts.optimizer.param_groups for p in g["params"]}
         assert in_optimizer == {id(params[n]) for n in trainable}
         assert trainable and all(".lora_" in n for n in trainable)
         frozen_dtypes = {p.dtype for n, p in params.items() if n not in trainable and "blocks." in n}
@@ -243,7 +243,7 @@ def test_sharded_lora_run_trains_adapters_only(tmp_path) -> None:
         before = _full(trainer.model)
         trainer.fit()
         after = _full(trainer.model)
-        state = trainer.optimizer.state
+        state = trainer.parts.optimizer.state
         assert {id(p) for p in state} == in_optimizer, "optimizer state exists for a frozen parameter"
     finally:
         trainer.close()

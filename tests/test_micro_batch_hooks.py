@@ -7,8 +7,8 @@ import json
 import math
 
 from h3train.config import load_config
-from h3train.train.dump import StepDump
 from h3train.run.assemble import build_trainer
+from h3train.train.dump import StepDump
 from h3train.train.faults import FaultHook
 from h3train.train.hooks import MicroBatchEvent, TrainerHook, TrainerView
 
@@ -40,7 +40,7 @@ def test_micro_batch_hooks_see_each_micro_batch_and_the_faults_before_them(tmp_p
     hook = MicroBatches()
     trainer = build_trainer(load_config(TINY_FL2VA, overrides), hooks=[hook])
     try:
-        assert [type(h) for h in trainer.hooks] == [FaultHook, StepDump, MicroBatches]
+        assert [type(h) for h in trainer.parts.hooks] == [FaultHook, StepDump, MicroBatches]
         trainer.fit()
     finally:
         trainer.close()

@@ -60,7 +60,7 @@ def test_the_update_sees_gradients_clipped_to_max_grad_norm(tmp_path, max_norm, 
         seen["norm"] = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
         seen["kernel"] = (optimizer.defaults["fused"], optimizer.defaults["foreach"])
 
-    trainer.optimizer.register_step_pre_hook(before_update)
+    trainer.parts.optimizer.register_step_pre_hook(before_update)
     try:
         stats = trainer.train_step(1)
     finally:

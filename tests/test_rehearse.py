@@ -116,11 +116,11 @@ def test_plan_is_within_tolerance_of_the_rehearsed_peak(rehearsals: dict, name: 
 
 @pytest.mark.parametrize("name", [v[0] for v in VARIANTS])
 def test_sharded_state_is_the_plans(rehearsals: dict, name: str) -> None:
-    """Weights, gradients, optimizer state and EMA after the step: the state rows of the plan."""
+    """Weights, gradients, optimizer state and EMA as the update begins: the state rows of the plan."""
     r = _get(rehearsals, name)
     planned = plan_rows(r.plan)
     for category in (WEIGHTS, OPTIM, EMA, GRADS):
-        held = r.after_step[category]
+        held = r.at_update[category]
         if not planned[category]:
             assert held == 0, f"{name}: {category} holds {held:,} B, none planned"
             continue

@@ -15,9 +15,9 @@ A checkpoint is valid only once it has its final name: the rename is the commit,
 every rank's write is complete (after a barrier; a background save, as soon as DCP reports it done).
 `.tmp-*` folders are never read. Each carries its writer's marker (`runlock.mark_owned`); at start the
 run, holding the folder's lock, removes those of writers that stopped, and nothing without the marker.
-The checkpoint state is one dict of named `Stateful` components (`Trainer.checkpoint_state`): the
-model, the optimizer, the LR schedule position, the sampler, the step counters. A later
-feature joins it with `trainer.checkpoint_state["ema"] = ema`. Tensors are keyed by their FQN, so
+The checkpoint state is one dict of named `Stateful` components (`run.parts.checkpoint_components`):
+the model, the optimizer, the LR schedule position, the sampler, the step counters, the best
+validation value, each step hook with state (the EMA). Tensors are keyed by their FQN, so
 DCP reshards on load: a run resumes under another `dp_shard` / `sp` / `dp_replicate`.
 
 A LoRA run's `model` component holds the trainable parameters only (`ModelState(trainable_only=True)`:

@@ -202,6 +202,12 @@ class HeldStager(DefaultStager or object):
     def release(self) -> None:
         self._released.set()
 
+    def host_buffers(self) -> tuple[list[Any], int]:
+        """(the host storages the copies go to, kept between saves; the size from which DCP pins one)."""
+        inner = getattr(self, "_state_dict_stager", None)
+        cache = getattr(inner, "_cached_storage_mapping", None)
+        return list(cache.values()) if cache is not None else [], int(getattr(inner, "pin_memory_min_bytes", 1))
+
     def close(self, wait: bool = True) -> None:
         """Release the held copy and, with `wait`, wait for it and free the host buffers; without, a
         process on its way out leaves the copy in progress to end with it."""
@@ -249,6 +255,8 @@ class Checkpointer:
         device: torch.device | None = None,
         owner: str = "",
         planned_bytes: int = 0,
+        best_step: Callable[[], int | None] | None = None,
+        after_commit: Callable[[Path], None] | None = None,
     ) -> None:
         self.root = root
         # One checkpoint's planned size (`assemble.planned_checkpoint_bytes`), for a disk-full message.
@@ -273,15 +281,20 @@ class Checkpointer:
         self.protected_after: int | None = None
         self.written: set[str] = set()
         # The step of the best checkpoint so far (`checkpoint.keep_best`), never pruned; None: none.
-        self.best_step: Callable[[], int | None] = lambda: None
+        self.best_step: Callable[[], int | None] = best_step or (lambda: None)
         # Run by rank 0 with each checkpoint's final path once it is committed and pruned (no collective:
         # on the writer thread for a background save); None: nothing.
-        self.after_commit: Callable[[Path], None] | None = None
+        self.after_commit = after_commit
         # The step of the save begun and not yet complete (its background write included); None: none.
         self.saving: int | None = None
         # Held across the commit's decision and rename, so that after `abandon()` none follows.
         self._commit_lock = threading.Lock()
         self._abandoned = False
+
+    @property
+    def stager(self) -> HeldStager | None:
+        """The stager that copies a background save's state to host memory (None: the copy runs in `save()`)."""
+        return self._stager
 
     def clean_incomplete(self) -> None:
         """Remove the `.tmp-*` leftovers of saves that never committed (rank 0; others wait).

@@ -5,8 +5,9 @@ its transforms (adapters; `transforms.py` names them, so that the memory plan ca
 the optimizer and schedule, the sample source and its micro-batch stream, the step hooks (the
 debug ones too: fault injection, the step dump), the metrics logger, the checkpointer and the
 resume decision. `build_trainer` runs them in the order the start-up needs (checks before any
-process group, the resume decision before the model is built, FSDP2 before the optimizer) and
-hands the parts to `Trainer`, which only wires them into the loop.
+process group, the resume decision before the model is built, FSDP2 before the optimizer), hands
+the parts (`parts.py`) to `Trainer`, which only wires them into the loop, and restores the chosen
+checkpoint into them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,7 @@ from torch import nn
 from ..checkpoint import Checkpointer, checkpoint_root, room_needed
 from ..config import Config, dataset_specs
 from ..data.mixture import DatasetMixture
-from ..data.source import MicroBatchStream, SampleSource, build_sampler, build_source, load_shared_negative
-from ..train.dump import StepDump
+from ..data.source import MicroBatchStream, build_sampler, build_source, load_shared_negative
 from ..debug.faults import FaultInjector
 from ..infra.diskspace import check_room
 from ..infra.quiet import known_notices
@@ -53,50 +53,19 @@ from ..optim.kinds import build_optimizer, build_scheduler, weights_dtype
 from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
 from ..parallel.ulysses import SequenceParallel
 from ..plan import checkpoint_bytes
-from ..train.events import EventLog, Progress
+from ..train.adapter_files import AdapterFiles
+from ..train.dump import StepDump
+from ..train.events import EventLog, Progress, SpikeDetector
 from ..train.faults import FaultHook
 from ..train.guard import ValidationWatch
 from ..train.hooks import TrainerHook
 from ..train.metrics import MetricsLogger
-from ..train.preemption import SAME_KEYPRESS_S
+from ..train.preemption import SAME_KEYPRESS_S, Preemption
+from ..train.trainer import Trainer
+from .parts import TrainingParts
 from .preflight import preflight, start_plan
 from .resume import Resume
 from .rundir import probe_writable
-
-
-@dataclass
-class TrainingParts:
-    """Everything a `Trainer` runs, built and placed on the device.
-
-    `model` is sharded (FSDP2) and holds its start values (pretrained, seeded, or to be restored by
-    `resume`); `adapter` is the transform that owns what checkpoints of an adapted model record
-    (None in full fine-tuning); `batches` yields the micro-batches of `source`; `data_errors` and
-    `spike_log` are this rank's event logs (written by SP rank 0 of each group only), `progress` the
-    step counters they and the trainer share; `metrics` the logger `Trainer.fit` opens at the step it
-    starts from; `lock` the run folders' lock (rank 0; `close` releases it).
-    """
-
-    cfg: Config
-    ctx: ParallelContext
-    log_dir: Path
-    model: SequenceParallelH3
-    model_config: dict[str, Any]
-    adapter: ModelAdapter | None
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    source: SampleSource
-    batches: MicroBatchStream
-    shared_negative: tuple[torch.Tensor, torch.Tensor] | None
-    hooks: list[TrainerHook]
-    checkpointer: Checkpointer
-    resume: Resume
-    faults: FaultInjector
-    data_errors: EventLog
-    spike_log: EventLog
-    progress: Progress
-    watch: ValidationWatch
-    metrics: MetricsLogger
-    lock: RunLock | None = None
 
 
 def build_trainer(
@@ -104,17 +73,20 @@ def build_trainer(
     transforms: Sequence[ModelTransform] | None = None,
     hooks: Sequence[TrainerHook] | None = None,
     overwrite: bool = False,
-):
+) -> Trainer:
     """The `Trainer` of `cfg`, resumed where the config says (`resume.py`).
 
     `transforms` / `hooks` default to what the config asks for (`model_transforms`, `step_hooks`).
     `overwrite`: start afresh, moving an earlier run in the run folders aside (`rundir.py`).
+    The resume restores the checkpoint state once the trainer has attached its hooks: a hook's
+    state (the EMA's shadows) exists from then on, and the checkpoint is read into it.
     """
-    from ..train.trainer import Trainer
-
     parts = assemble(cfg, transforms, hooks, overwrite)
     try:
-        return Trainer(parts)
+        trainer = Trainer(parts)
+        if parts.resume is not None:
+            parts.resume.restore(parts)
+        return trainer
     except BaseException:
         if parts.lock is not None:
             parts.lock.release()
@@ -193,7 +165,7 @@ def _assemble(
     adapter = next((t for t in transforms if isinstance(t, ModelAdapter)), None)
     resumed = resume.choose(ctx, model_dims(cfg), adapter) is not None
     model = build_sharded_model(cfg, ctx, transforms, resumed, trainable_only=adapter is not None)
-    model_config = {k: v for k, v in dict(model.transformer.config).items() if not k.startswith("_")}
+    model_config = model_config_of(model)
     optimizer = build_optimizer(model, cfg.optim, cfg.train.seed)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
@@ -220,15 +192,10 @@ def _assemble(
         cfg.train.grad_accum,
         cfg.data.prefetch,
     )
-    checkpointer = Checkpointer(
-        ckpt_dir,
-        cfg.checkpoint.keep_last,
-        ctx.is_main,
-        async_save=cfg.checkpoint.async_save,
-        device=device,
-        owner=lock.token if lock is not None else "",
-        planned_bytes=planned_bytes,
-    )
+    watch = validation_watch(cfg)
+    adapter_files = export_files(cfg, adapter)
+    owner = lock.token if lock is not None else ""
+    checkpointer = build_checkpointer(cfg, ckpt_dir, ctx, watch, adapter_files, owner, planned_bytes)
     checkpointer.clean_incomplete()
     faults = FaultInjector(cfg.debug.fault, ctx.rank, keypress_gap_s=SAME_KEYPRESS_S)
     if hooks is None:
@@ -242,7 +209,7 @@ def _assemble(
         progress=cfg.logging.progress,
         tensorboard=cfg.logging.tensorboard,
     )
-    parts = TrainingParts(
+    return TrainingParts(
         cfg=cfg,
         ctx=ctx,
         log_dir=log_dir,
@@ -256,16 +223,59 @@ def _assemble(
         shared_negative=shared_negative,
         hooks=[*debug_hooks(cfg, faults, log_dir, model_config), *hooks],
         checkpointer=checkpointer,
-        resume=resume,
         faults=faults,
         data_errors=data_errors,
         spike_log=spike_log,
         progress=progress,
-        watch=ValidationWatch(cfg.checkpoint.keep_best, cfg.checkpoint.keep_best_mode, cfg.validation.guard),
+        spikes=SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window),
+        watch=watch,
+        preemption=Preemption(),
         metrics=metrics,
+        adapter_files=adapter_files,
+        resume=resume,
         lock=lock,
     )
-    return parts
+
+
+def model_config_of(model: SequenceParallelH3) -> dict[str, Any]:
+    """The transformer's constructor arguments (its diffusers config without the `_` entries)."""
+    return {k: v for k, v in dict(model.transformer.config).items() if not k.startswith("_")}
+
+
+def validation_watch(cfg: Config) -> ValidationWatch:
+    """The judge of the validation rows: `checkpoint.keep_best` and `validation.guard`."""
+    return ValidationWatch(cfg.checkpoint.keep_best, cfg.checkpoint.keep_best_mode, cfg.validation.guard)
+
+
+def export_files(cfg: Config, adapter: ModelAdapter | None) -> AdapterFiles | None:
+    """`checkpoint.export`: the writer of a LoRA run's adapter files into each committed checkpoint (None: none)."""
+    if adapter is None or cfg.checkpoint.export == "none":
+        return None
+    return AdapterFiles(cfg.checkpoint.export)
+
+
+def build_checkpointer(
+    cfg: Config,
+    ckpt_dir: Path,
+    ctx: ParallelContext,
+    watch: ValidationWatch,
+    adapter_files: AdapterFiles | None,
+    owner: str = "",
+    planned_bytes: int = 0,
+) -> Checkpointer:
+    """The run's checkpointer with its callbacks: it never prunes the best checkpoint (`watch`, when
+    `checkpoint.keep_best` names a metric) and rank 0 writes `adapter_files` into each it commits."""
+    return Checkpointer(
+        ckpt_dir,
+        cfg.checkpoint.keep_last,
+        ctx.is_main,
+        async_save=cfg.checkpoint.async_save,
+        device=ctx.device,
+        owner=owner,
+        planned_bytes=planned_bytes,
+        best_step=(lambda: watch.best_checkpoint) if watch.metric is not None else None,
+        after_commit=adapter_files,
+    )
 
 
 def build_sharded_model(

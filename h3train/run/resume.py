@@ -3,8 +3,9 @@
 `Resume` is made before any process group (`checkpoint.resume` and the run folders are checked
 there, so a bad value is one line before heavy work), `choose()` agrees on a checkpoint once the
 group exists (the model build depends on it: a resumed run reads every value from the checkpoint
-and never builds a full model), and `restore(trainer)` is the one call the trainer makes: validate,
-fall back to an older checkpoint, load every component, report what changed.
+and never builds a full model), and `restore(parts)` loads it into the run's parts once the trainer
+has attached its hooks (`assemble.build_trainer`): validate, fall back to an older checkpoint, load
+every component, report what changed.
 
 - `checkpoint.resume=auto`: the newest complete checkpoint of `checkpoint.dir`. One that cannot be
   loaded is reported in one line, renamed `step_N.corrupt` (never deleted) and the next older one
@@ -51,18 +52,21 @@ from ..infra.atomic import set_aside
 from ..lora.base import read_record
 from ..model.adapter import ModelAdapter
 from ..parallel.dims import ParallelContext
+from ..train.events import Progress
 from ..train.metrics import set_aside_later_lines
 from .rundir import check_fresh_run, move_run_aside, set_aside_later_checkpoints
 
 
 class Restorable(Protocol):
-    """The trainer as `restore` sees it."""
+    """The run's parts as `restore` sees them (`parts.TrainingParts`)."""
 
-    step: int
+    progress: Progress
     scheduler: torch.optim.lr_scheduler.LambdaLR
     checkpoint_state: dict[str, Stateful]
     checkpointer: Checkpointer
-    event_logs: list[Path | None]
+
+    @property
+    def event_logs(self) -> list[Path | None]: ...
 
 
 def check_full_checkpoint(saved: dict[str, Any], path: Path) -> None:
@@ -122,8 +126,8 @@ class Resume:
         self.path = self._agree(first=True)
         return self.path
 
-    def restore(self, trainer: Restorable) -> Path | None:
-        """Load every component of `trainer.checkpoint_state` from the chosen checkpoint, if any.
+    def restore(self, parts: Restorable) -> Path | None:
+        """Load every component of `parts.checkpoint_state` from the chosen checkpoint, if any.
 
         Falls back to older checkpoints as `choose` does when the read fails; components the
         checkpoint lacks start afresh (`start_fresh`); later checkpoints and event-log lines of
@@ -137,7 +141,7 @@ class Resume:
             # The ranks read the files' digests in parallel first: flipped bytes are a damaged checkpoint.
             code, failure, _ = self._agreed_attempt(verify_file_digests, path)
             if code == 0:
-                code, failure, components = self._agreed_attempt(check_components, path, trainer.checkpoint_state)
+                code, failure, components = self._agreed_attempt(check_components, path, parts.checkpoint_state)
             if code == 0:
                 code, failure, saved = self._agreed_attempt(read_components, path, components)
             if code == 0:
@@ -171,14 +175,14 @@ class Resume:
         code, failure, _ = self._agreed_attempt(apply)
         if code:
             self._agreed_error(failure or CheckpointError(f"checkpoint '{path}' does not fit this run on another rank"))
-        for name, component in trainer.checkpoint_state.items():
+        for name, component in parts.checkpoint_state.items():
             if name not in components:
                 component.start_fresh()
                 if ctx.is_main:
                     fresh = getattr(component, "fresh_start", "it starts from the resumed weights")
                     print(f"resume: {path.name} holds no {name}; {fresh}", flush=True)
         self.path = path
-        self._report(trainer, path)
+        self._report(parts, path)
         dist.barrier()
         return path
 
@@ -282,21 +286,22 @@ class Resume:
 
     # -- after the load ------------------------------------------------------------------------
 
-    def _report(self, trainer: Restorable, path: Path) -> None:
+    def _report(self, parts: Restorable, path: Path) -> None:
         changes = schedule_changes(read_trainer_state(path).get("config_yaml", ""), self.cfg)
+        step = parts.progress.step
         # Later history is kept, under names that no resume or prune picks up.
-        trainer.checkpointer.protected_after = trainer.step
+        parts.checkpointer.protected_after = step
         if not self._context().is_main:
             return
-        for moved in set_aside_later_checkpoints(self.ckpt_dir, trainer.step):
+        for moved in set_aside_later_checkpoints(self.ckpt_dir, step):
             print(f"kept the abandoned later checkpoint as {moved}", flush=True)
         # The event logs of the steps about to be redone are kept beside them, as metrics.jsonl's.
-        for log in trainer.event_logs:
+        for log in parts.event_logs:
             if log is not None:
-                set_aside_later_lines(log, trainer.step)
-        print(f"resumed from {path} at step {trainer.step}", flush=True)
+                set_aside_later_lines(log, step)
+        print(f"resumed from {path} at step {step}", flush=True)
         if changes:
-            sched = trainer.scheduler
+            sched = parts.scheduler
             print(
                 f"resume: {', '.join(changes)} since {path.name}: the LR schedule is rebuilt from this "
                 f"config at update {sched.last_epoch} (next lr {sched.get_last_lr()[0]:.3e})",

@@ -380,9 +380,9 @@ def check_optimizer(kind: str) -> Callable[[CheckSetup, CheckResult], None]:
         with eager_torch_compile() if eager else nullcontext(), _trainer(setup, res.name, {"optim.name": kind}) as t:
             before = _steps(setup, t, res)
             _weights_changed(t, before, res, "weights")
-            moments = _moment_kinds(t.optimizer)
+            moments = _moment_kinds(t.parts.optimizer)
             res.numbers["moments"] = moments
-            res.numbers["optimizer"] = type(t.optimizer).__name__
+            res.numbers["optimizer"] = type(t.parts.optimizer).__name__
             if kind == "adamw_bf16":
                 dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in before.values()})
                 res.numbers["weight_dtypes"] = dtypes
@@ -455,16 +455,13 @@ def _staging(trainer: Any) -> dict[str, Any]:
     """How the save copied the state to host memory: DCP's background stager and its buffers, or the fallback."""
     from ..checkpoint import staging_options
 
-    stager = trainer.checkpointer._stager
+    stager = trainer.parts.checkpointer.stager
     if stager is None:
         return {
             "staging": f"synchronous copy on the training thread inside save() (torch {torch.__version__} "
             "has no DCP DefaultStager)"
         }
-    inner = getattr(stager, "_state_dict_stager", None)
-    cache = getattr(inner, "_cached_storage_mapping", None)
-    storages = list(cache.values()) if cache is not None else []
-    smallest = int(getattr(inner, "pin_memory_min_bytes", 1))
+    storages, smallest = stager.host_buffers()
     large = [s for s in storages if s.nbytes() >= smallest]
     return {
         "staging": "background thread (DCP DefaultStager)",
@@ -495,7 +492,7 @@ def check_async_save(setup: CheckSetup, res: CheckResult) -> None:
             """The checkpoint state as it is now, through a plain (blocking) save of its own."""
             start = time.perf_counter()
             saver = Checkpointer(setup.root / name, keep_last=0, is_main=True)
-            path = saver.save(trainer.checkpoint_state, {}, trainer.step)
+            path = saver.save(trainer.parts.checkpoint_state, {}, trainer.step)
             return checkpoint_tensors(path), time.perf_counter() - start
 
         # AdamW's moments exist from the first step on; on CUDA it also warms up, and the next is timed.
@@ -508,7 +505,7 @@ def check_async_save(setup: CheckSetup, res: CheckResult) -> None:
         res.numbers["save_call_s"] = time.perf_counter() - start
         res.numbers["step_after_save_s"] = step(trainer.step + 1)
         start = time.perf_counter()
-        committed = trainer.checkpointer.wait()
+        committed = trainer.parts.checkpointer.wait()
         res.numbers["wait_s"] = time.perf_counter() - start
         res.numbers.update(_staging(trainer))
         later, _ = blocking_copy("later")

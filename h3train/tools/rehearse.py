@@ -9,15 +9,19 @@ What runs is the trainer's own code, on rank 0's share of the work:
   FSDP2's plan (`wrap_and_shard`), then `materialize`, the allocation `load_pretrained_shards`
   makes before it reads (no file is read), and the transforms' `after_load`. The architecture is
   the pretrained folder's `config.json`, or away from it the released one (`planned_model_dims`);
-- the optimizer `optim.name` builds, the LR schedule, and the EMA (`EmaHook`) when configured;
-- the step as `Trainer.forward_backward` and `Trainer.update` run it, in the state of every step
-  after the first (optimizer state and EMA resident): `min(grad_accum, 2)` micro-batches of the
-  longest planned sample, each `objective.compute_loss` (with the CFG forward) and its backward,
-  then the grad norm and clip (`Trainer._grad_norm`, `_clip_coefficient`), the optimizer step, the
+- the rest of the run's parts (`run.parts.TrainingParts`) by the composition root's builders: the
+  optimizer `optim.name` builds, the LR schedule, the step hooks (the EMA, `EmaHook`, when
+  configured), the checkpointer, and a `Trainer` over them;
+- the trainer's own step, `Trainer.run_step` (`forward_backward`, `update` and the hooks around
+  them), in the state of every step after the first (optimizer state and EMA resident):
+  `min(grad_accum, 2)` micro-batches of the longest planned sample, each `objective.compute_loss`
+  (with the CFG forward) and its backward, then the grad norm and clip, the optimizer step, the
   schedule step and the EMA update. Micro-batches after the second repeat its memory exactly
-  (the same sample, gradients already accumulated), so they are not run;
-- the checkpoint: the trainer's components (`ModelState`, `OptimizerState`, the schedule, the step
-  counters, the EMA) through DCP's own `DefaultSavePlanner`, nothing written (`SavePlanSummary`).
+  (the same sample, gradients already accumulated), so they are not run. The step's all-reduce,
+  whose values fake tensors cannot bring to the host, is the one part given in its place
+  (`_unread_reduction`);
+- the checkpoint: the trainer's components (`run.parts.checkpoint_components`) through DCP's own
+  `DefaultSavePlanner`, nothing written (`SavePlanSummary`).
 
 Memory is counted by `memtrack.StorageTracker` from the moment the model is built: per category
 (`CATEGORIES`), each category's peak over the step and the split at the step's overall peak, set
@@ -39,6 +43,7 @@ import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +61,9 @@ from ..parallel.dims import ParallelContext, ParallelDims
 from ..parallel.shards import local_tensor
 from ..plan import GIB, RELEASED_MAX_ROWS, RELEASED_TEXT_ROWS, MemoryPlan, config_sample_rows, estimate
 from ..tasks.synthetic import SyntheticSource
+from ..train.hooks import MicroBatchEvent, TrainerHook, TrainerView
+from ..train.reduction import ReducedStep, StepTotals
+from ..train.trainer import Trainer
 from .bench import Clip, bench_sample, clip_data
 from .memtrack import TRANSIENT, StorageTracker
 
@@ -132,8 +140,9 @@ class Rehearsal:
     at_peak: dict[str, int]
     peak_bytes: int
     peak_phase: str
-    # Live bytes per category once the step is done: the state every step starts from.
-    after_step: dict[str, int]
+    # Live bytes per category as the update begins, its gradients complete: the sharded state of every step
+    # (weights, optimizer state, EMA) and the gradients, which the update frees.
+    at_update: dict[str, int]
     save: SavePlanSummary | None
     notes: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -266,25 +275,109 @@ def _released_within(bound: int, text_dim: int, seed: int) -> tuple[Any, int]:
 
 
 def rehearsal_config(cfg: Config, dims: dict[str, Any]) -> Config:
-    """`cfg` with the architecture `dims` stated (`model.config`) and no pretrained folder to read."""
+    """`cfg` with the architecture `dims` stated (`model.config`) and no pretrained folder to read, and without
+    what runs beside the step rather than in it: no held-out loss, rendered samples or profiler among its
+    hooks, no background save (none is written: the plan is DCP's, `plan_save`)."""
     model = dataclasses.replace(cfg.model, pretrained=None, config={k: v for k, v in dims.items() if k[:1] != "_"})
-    return dataclasses.replace(cfg, model=model)
+    validation = dataclasses.replace(cfg.validation, dataset=None, samples=[])
+    checkpoint = dataclasses.replace(cfg.checkpoint, async_save=False)
+    debug = dataclasses.replace(cfg.debug, profile_steps=[])
+    return dataclasses.replace(cfg, model=model, validation=validation, checkpoint=checkpoint, debug=debug)
 
 
 # -- building -------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Built:
-    model: Any
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    ema: Any
-    trainable_only: bool
+class _PlannedMicroBatch:
+    """The step's micro-batches as a rehearsal has them: each is the planned sample and its inputs (built on
+    the host before the fake mode, since the layout builders call nonzero); no position to keep."""
+
+    def __init__(self, sample: Any = None, inputs: Any = None) -> None:
+        self.sample, self.inputs = sample, inputs
+
+    def next(self, step: int, slot: int) -> tuple[Any, Any]:
+        if self.inputs is None:
+            raise RuntimeError("this rehearsal builds the run's state only and has no micro-batch to step on")
+        return self.sample, self.inputs
+
+    def close(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
-def _build(cfg: Config, ctx: Any, tracker: StorageTracker | None, notes: list[str], mode: Any) -> _Built:
-    """The run's parts on `ctx`'s fake group, their values fake tensors of `mode`, the optimizer state allocated.
+def _unread_reduction(
+    device_sums: torch.Tensor,
+    counts: Any,
+    scalars: list[torch.Tensor],
+    losses: list[torch.Tensor],
+) -> ReducedStep:
+    """The step's reduction on a fake group, whose values cannot be read on the host: a finite step of zero
+    losses whose clip coefficient is under 1, so the update scales the gradients (in place: no memory)
+    and takes the step, as a clipped step does."""
+    totals = StepTotals.unpack([0.0] * len(StepTotals.names()))
+    return ReducedStep(totals, [1.0, 0.5][: len(scalars)], [0.0] * len(losses))
+
+
+class _Phases(TrainerHook):
+    """Names where the step is for the tracker (what a peak is recorded during), from the trainer's hook points,
+    the model's forward and the optimizer's step; takes the tracker's classification after each backward."""
+
+    def __init__(self, tracker: StorageTracker, ema: bool) -> None:
+        self.tracker = tracker
+        self.ema = ema
+        self.micro = 0
+        self.backward_done = False
+        # Live bytes per category as the update begins (`Rehearsal.at_update`).
+        self.at_update: dict[str, int] = {}
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        model.register_forward_pre_hook(self._forward, with_kwargs=True)
+        optimizer.register_step_pre_hook(lambda *_: setattr(self.tracker, "phase", "optimizer step"))
+
+    def _after_backward(self) -> None:
+        if self.backward_done:
+            self.tracker.refresh()
+            self.backward_done = False
+
+    def _forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        self._after_backward()
+        what = "forward" if torch.is_grad_enabled() else "forward of the CFG negative (no grad)"
+        self.tracker.phase = f"{what}, micro-batch {self.micro + 1}"
+
+    def before_step(self, trainer: TrainerView, step: int) -> None:
+        self.micro = 0
+
+    def on_micro_batch(self, trainer: TrainerView, batch: MicroBatchEvent) -> None:
+        self.micro = batch.index + 1
+        self.tracker.phase = f"backward, micro-batch {self.micro}"
+        self.backward_done = True
+
+    def after_backward(self, trainer: TrainerView, step: int) -> None:
+        self._after_backward()
+        self.at_update = {c: self.tracker.live.get(c, 0) for c in CATEGORIES}
+        self.tracker.phase = "grad norm and clip"
+
+    def after_step(self, trainer: TrainerView, step: int, stats: Any) -> None:
+        # The hooks after this one update what they keep (the EMA).
+        self.tracker.phase = "EMA update" if self.ema else "after the step"
+
+
+def _build(
+    cfg: Config,
+    ctx: Any,
+    tracker: StorageTracker | None,
+    notes: list[str],
+    mode: Any,
+    batches: _PlannedMicroBatch,
+    hooks: list[TrainerHook],
+) -> Trainer:
+    """The run's trainer on `ctx`'s fake group, its parts built by the composition root's own builders, their
+    values fake tensors of `mode`, the optimizer state allocated; `hooks` run before the config's.
 
     The transformer is built, transformed and sharded on `meta` outside the fake mode (module dtype
     conversions swap tensors, which fake tensors refuse), then materialized inside it.
@@ -295,16 +388,29 @@ def _build(cfg: Config, ctx: Any, tracker: StorageTracker | None, notes: list[st
     transforms = model_transforms(cfg)
     model = wrap_and_shard(cfg, ctx, transforms, from_meta=True)
     with mode, tracker if tracker is not None else _nothing():
-        return _materialized(cfg, model, transforms, tracker, notes)
+        return _materialized(cfg, ctx, model, transforms, tracker, notes, batches, hooks)
 
 
 def _materialized(
-    cfg: Config, model: Any, transforms: list, tracker: StorageTracker | None, notes: list[str]
-) -> _Built:
-    """`_build` inside the fake mode: values, the tracker's categories, optimizer (state) and EMA."""
+    cfg: Config,
+    ctx: Any,
+    model: Any,
+    transforms: list,
+    tracker: StorageTracker | None,
+    notes: list[str],
+    batches: _PlannedMicroBatch,
+    hooks: list[TrainerHook],
+) -> Trainer:
+    """`_build` inside the fake mode: values, the tracker's categories, optimizer (state), the parts, the trainer."""
+    from ..checkpoint import checkpoint_root
+    from ..debug.faults import FaultInjector
+    from ..model.adapter import ModelAdapter
     from ..model.build import materialize
     from ..optim.kinds import build_optimizer, build_scheduler
-    from ..train.ema import EmaHook
+    from ..run.assemble import build_checkpointer, export_files, model_config_of, step_hooks, validation_watch
+    from ..run.parts import TrainingParts
+    from ..train.events import EventLog, Progress, SpikeDetector
+    from ..train.preemption import Preemption
 
     materialize(model, torch.device("cpu"))
     if any(callable(getattr(t, "after_load", None)) for t in transforms):
@@ -313,20 +419,45 @@ def _materialized(
             "adapter init (the transforms' after_load) reads this rank's mesh coordinate from a tensor: not run; "
             "it gives values only (its seeded full adapter tensors live on the host while it runs)"
         )
-    adapter = next((t for t in transforms if getattr(t, "trainable_only", False)), None)
+    adapter = next((t for t in transforms if isinstance(t, ModelAdapter)), None)
     if tracker is not None:
         tracker.adopt((local_tensor(p) for p in model.parameters()), WEIGHTS)
         tracker.adopt((local_tensor(b) for b in model.buffers()), OTHER)
     optimizer = build_optimizer(model, cfg.optim, cfg.train.seed)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     with tracker.attributing(OPTIM) if tracker is not None else _nothing():
         _allocate_optimizer_state(model, optimizer, cfg.optim.name, notes)
-    ema = None
-    if cfg.train.ema.decay > 0:
-        ema = EmaHook(cfg.train.ema.decay)
-        with tracker.attributing(EMA) if tracker is not None else _nothing():
-            ema.on_attach(types.SimpleNamespace(model=model))
-    return _Built(model, optimizer, scheduler, ema, adapter is not None)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    log_dir = Path(cfg.logging.dir)
+    watch = validation_watch(cfg)
+    adapter_files = export_files(cfg, adapter)
+    parts = TrainingParts(
+        cfg=cfg,
+        ctx=ctx,
+        log_dir=log_dir,
+        model=model,
+        model_config=model_config_of(model),
+        adapter=adapter,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        source=None,
+        batches=batches,
+        shared_negative=None,
+        hooks=[*hooks, *step_hooks(cfg, ctx.rank)],
+        checkpointer=build_checkpointer(cfg, checkpoint_root(cfg.checkpoint.dir, log_dir), ctx, watch, adapter_files),
+        faults=FaultInjector([], ctx.rank, keypress_gap_s=0.0),
+        data_errors=EventLog(None),
+        spike_log=EventLog(None),
+        progress=Progress(),
+        spikes=SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window),
+        watch=watch,
+        preemption=Preemption(),
+        metrics=None,
+        adapter_files=adapter_files,
+        reduction=_unread_reduction,
+    )
+    # The hooks attach to the trainer: the EMA's shadows are allocated there.
+    with tracker.attributing(EMA) if tracker is not None else _nothing():
+        return Trainer(parts)
 
 
 @contextmanager
@@ -334,12 +465,16 @@ def _nothing() -> Iterator[None]:
     yield
 
 
+def _update_not_run(self: torch.optim.Optimizer, closure: Any = None) -> None:
+    """The optimizer step of a kind whose update fake tensors cannot run (`OptimizerKind.fake_update`)."""
+
+
 def _allocate_optimizer_state(model: Any, optimizer: torch.optim.Optimizer, name: str, notes: list[str]) -> None:
     """Give every trainable parameter the state a step after the first finds.
 
     A kind whose update runs on fake tensors runs its first update over zero gradients (the state as
     torch allocates it). The others read values on the host in their update (`OptimizerKind.fake_update`
-    says how), so their own `init_state` allocates the state and `_optimizer_step` leaves the update out.
+    says how), so their own `init_state` allocates the state and their `step` is left out (`_update_not_run`).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     what = optimizer_kind(name).fake_update
@@ -351,59 +486,13 @@ def _allocate_optimizer_state(model: Any, optimizer: torch.optim.Optimizer, name
         return
     for p in params:
         optimizer.init_state(p)
+    # Bound before the schedule is built, which wraps the optimizer's `step` as it finds it.
+    optimizer.step = types.MethodType(_update_not_run, optimizer)  # type: ignore[method-assign]
     notes.append(
         f"optimizer update: {what}; its state is allocated by its own init_state (as its first step does, "
         "exact) and the update arithmetic is not run: its temporaries (one parameter shard's float32 values "
         "at a time) are not counted"
     )
-
-
-# -- the step -------------------------------------------------------------------------------------
-
-
-def _rehearse_step(cfg: Config, built: _Built, ti: Any, tracker: StorageTracker, micro_batches: int) -> None:
-    """`Trainer.forward_backward` and `Trainer.update` of one step, as far as fake tensors go."""
-    from ..objective import compute_loss
-    from ..train.trainer import Trainer
-
-    model, optimizer = built.model, built.optimizer
-    accum = cfg.train.grad_accum
-    trainer = types.SimpleNamespace(model=model, cfg=cfg, skipped_steps=0)
-    optimizer.zero_grad(set_to_none=True)
-    micro = 0
-
-    def label(module: Any, args: Any, kwargs: Any) -> None:
-        what = "forward" if torch.is_grad_enabled() else "forward of the CFG negative (no grad)"
-        tracker.phase = f"{what}, micro-batch {micro + 1}"
-
-    handle = model.register_forward_pre_hook(label, with_kwargs=True)
-    try:
-        for micro in range(micro_batches):
-            if cfg.parallel.dp_replicate > 1:
-                # HSDP: the replicas all-reduce on the step's last micro-batch only.
-                model.set_requires_all_reduce(micro == micro_batches - 1)
-            parts = compute_loss(model, ti)
-            tracker.phase = f"backward, micro-batch {micro + 1}"
-            (parts.loss / accum).backward()
-            del parts
-            tracker.refresh()
-    finally:
-        handle.remove()
-    tracker.phase = "grad norm and clip"
-    grads, norm = Trainer._grad_norm(trainer)
-    coef = Trainer._clip_coefficient(trainer, norm)
-    # The trainer multiplies only when the coefficient is under 1, a value the host reads; in place either way.
-    torch._foreach_mul_([local_tensor(g) for g in grads], coef)
-    del grads, norm, coef
-    tracker.phase = "optimizer step"
-    if optimizer_kind(cfg.optim.name).fake_update is None:
-        optimizer.step()
-    built.scheduler.step()
-    if built.ema is not None:
-        tracker.phase = "EMA update"
-        built.ema.after_step(trainer, 1, {})
-    tracker.phase = "after the step"
-    tracker.refresh()
 
 
 def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_plan: bool = True) -> Rehearsal:
@@ -424,43 +513,51 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
     dims, _ = planned_model_dims(cfg)
     if num_layers is not None:
         dims = {**dims, "num_layers": num_layers}
+    micro_batches = min(cfg.train.grad_accum, MICRO_BATCHES)
     run_cfg = rehearsal_config(cfg, dims)
+    # The trainer's step runs `train.grad_accum` micro-batches: those rehearsed.
+    run_cfg = dataclasses.replace(run_cfg, train=dataclasses.replace(run_cfg.train, grad_accum=micro_batches))
     notes = [
         "values: the model is built on meta and materialized as the pretrained load allocates it; no weight is read",
         "micro-batch: built on the host before the fake mode (the layout builders call nonzero), real tensors",
-        "step all-reduce and its copy to the host (Trainer._reduce_step) read values: not run; the clip is "
-        "applied unconditionally (in place: the same memory)",
+        "step all-reduce and its copy to the host (the trainer's StepReduction) read values: not run; the step "
+        "is taken as a clipped one (the clip in place: the same memory)",
     ]
     optimizer_kind(cfg.optim.name).before_rehearsal()
     sample, text_rows, rows_source = planned_sample(cfg, int(dims["text_dim"]))
     plan = estimate(dims, mesh, cfg, rows=sample.layout.seq_len, text_rows=text_rows)
     ti = micro_batch_inputs(run_cfg, sample, step=1, slot=0)
-    micro_batches = min(cfg.train.grad_accum, MICRO_BATCHES)
     seconds["sample"] = time.perf_counter() - start
 
     with fake_process_group(world_size) as pg_notes, known_notices():
         notes[:0] = pg_notes
         # The mesh computes its coordinates with nonzero: before the fake mode.
         ctx = ParallelContext(mesh, torch.device("cpu"))
-        built: _Built | None = None
+        trainer: Trainer | None = None
         fsdp_params: list[Any] = []
-        tracker = StorageTracker(reclassify=lambda: _owned(built, fsdp_params))
+        tracker = StorageTracker(reclassify=lambda: _owned(trainer, fsdp_params))
         mode = FakeTensorMode(allow_non_fake_inputs=True)
+        phases = _Phases(tracker, ema=run_cfg.train.ema.decay > 0)
         t = time.perf_counter()
-        built = _build(run_cfg, ctx, tracker, notes, mode)
-        fsdp_params = _fsdp_params(built.model)
+        trainer = _build(run_cfg, ctx, tracker, notes, mode, _PlannedMicroBatch(sample, ti), [phases])
+        phases.attach(trainer.model, trainer.parts.optimizer)
+        fsdp_params = _fsdp_params(trainer.model)
         seconds["build"] = time.perf_counter() - t
         t = time.perf_counter()
         with mode, tracker:
             tracker.adopt(_tensors(ti), BATCH)
             tracker.reset_peaks()
-            _rehearse_step(run_cfg, built, ti, tracker, micro_batches)
+            # The trainer's own step, as `fit` runs it (its hooks around it), in the state of every step after
+            # the first: the optimizer state and the EMA are resident.
+            trainer.run_step(1)
+            tracker.phase = "after the step"
+            tracker.refresh()
             seconds["step"] = time.perf_counter() - t
         summary = None
         if save_plan:
             t = time.perf_counter()
             with mode:
-                state = _checkpoint_state(built)
+                state = _checkpoint_state(trainer)
             summary = plan_save(state, cfg.optim.name)
             notes.append(
                 "checkpoint: the sampler's position (a few numbers) is left out of the save plan; other ranks' "
@@ -480,7 +577,7 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
         category_peaks={c: tracker.category_peaks.get(c, 0) for c in CATEGORIES},
         at_peak={c: tracker.peak.by_category.get(c, 0) for c in CATEGORIES},
         peak_bytes=tracker.peak.total,
-        after_step={c: tracker.live.get(c, 0) for c in CATEGORIES},
+        at_update=phases.at_update,
         peak_phase=tracker.peak.phase,
         save=summary,
         notes=notes,
@@ -488,19 +585,9 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
     )
 
 
-def _checkpoint_state(built: _Built) -> dict[str, Any]:
-    """The state a checkpoint of the run saves (`Trainer.checkpoint_state`), the sampler's position aside."""
-    from ..checkpoint import ModelState, OptimizerState, ScheduleState
-
-    state = {
-        "model": ModelState(built.model, trainable_only=built.trainable_only).state_dict(),
-        "optim": OptimizerState(built.model, built.optimizer).state_dict(),
-        "schedule": ScheduleState(built.scheduler).state_dict(),
-        "progress": {"step": 1, "skipped_steps": 0},
-    }
-    if built.ema is not None:
-        state["ema"] = built.ema.state_dict()
-    return state
+def _checkpoint_state(trainer: Trainer) -> dict[str, Any]:
+    """The state a checkpoint of the run saves (`checkpoint_components`), the sampler's position aside."""
+    return {name: c.state_dict() for name, c in trainer.parts.checkpoint_state.items() if name != "sampler"}
 
 
 def _built_state(cfg: Config, world_size: int, num_layers: int | None, use: Any) -> Any:
@@ -518,9 +605,9 @@ def _built_state(cfg: Config, world_size: int, num_layers: int | None, use: Any)
     with fake_process_group(world_size), known_notices():
         ctx = ParallelContext(mesh, torch.device("cpu"))
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        built = _build(rehearsal_config(cfg, dims), ctx, None, [], mode)
+        trainer = _build(rehearsal_config(cfg, dims), ctx, None, [], mode, _PlannedMicroBatch(), [])
         with mode:
-            state = _checkpoint_state(built)
+            state = _checkpoint_state(trainer)
         return use(state)
 
 
@@ -566,13 +653,13 @@ def _fsdp_params(model: Any) -> list[Any]:
     return found
 
 
-def _owned(built: _Built | None, fsdp_params: list[Any]) -> dict[str, list[torch.Tensor]]:
+def _owned(trainer: Trainer | None, fsdp_params: list[Any]) -> dict[str, list[torch.Tensor]]:
     """What belongs to a category by its owner now: each parameter's gradient (FSDP2 sets it after its
     reduce-scatter) and each unit's all-gathered parameters (FSDP2's `all_gather_outputs`)."""
-    if built is None:
+    if trainer is None:
         return {}
     return {
-        GRADS: [p.grad for p in built.model.parameters() if p.grad is not None],
+        GRADS: [p.grad for p in trainer.model.parameters() if p.grad is not None],
         UNSHARDED: [t for fp in fsdp_params for t in getattr(fp, "all_gather_outputs", None) or ()],
     }
 

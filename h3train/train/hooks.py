@@ -15,7 +15,7 @@ A feature that watches or follows training (evaluation, EMA, profiling) is a **s
 `TrainerHook` whose methods the loop calls on every rank, in registration order. Hooks may run
 collectives, since every rank calls them at the same points. A hook with state to keep across a
 resume also implements `state_dict()` / `load_state_dict()` (DCP's `Stateful`) and joins the
-checkpoint under its `name`: `Trainer.add_hook` registers it in `Trainer.checkpoint_state`.
+checkpoint under its `name` (`run.parts.checkpoint_components`).
 
 A hook may also follow each micro-batch: `on_micro_batch` sees its inputs and loss after the forward
 and may replace the loss before the backward (a debug fault), and `after_backward` runs once the

@@ -1,7 +1,7 @@
 """SIGTERM / SIGUSR1 (Slurm's warning before a time limit) / SIGINT (Ctrl-C) -> finish the step, save, stop.
 
 The handler only sets a flag; at the end of each step the ranks agree on it inside the step's one
-all-reduce (`Trainer._reduce_step`), so every rank saves the same step even if the signal reached
+all-reduce (`reduction.StepReduction`), so every rank saves the same step even if the signal reached
 only some of them.
 The agreed value says which kind of signal arrived: an interrupt (SIGINT) outranks a preemption,
 and a run stopped by one exits 130 (as an interrupted program does), one stopped by a preemption

@@ -2,14 +2,18 @@
 
 `StepTotals` says what each entry of the reduced tensor holds: `pack` lays the named values out in
 one flat float64 tensor, `unpack` reads them back by the same names, so no caller indexes it.
+`StepReduction` is the step's reduction as the trainer is given it: `all_reduce_to_host` on a real
+process group; a rehearsal on fake tensors, which cannot be read on the host, gives its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 # Marks a field summed on the device; the others are counted on the host.
 _ON_DEVICE = {"device": True}
@@ -77,3 +81,48 @@ class StepTotals:
         if len(values) < len(names):
             raise ValueError(f"a packed step reduction has {len(names)} values, got {len(values)}")
         return cls(**dict(zip(names, values)))
+
+
+@dataclass(frozen=True)
+class ReducedStep:
+    """What the step's reduction brings to the host: `totals` over every rank, `scalars` and this rank's
+    micro-batch `losses` as they were given (unreduced), in the same order."""
+
+    totals: StepTotals
+    scalars: list[float]
+    losses: list[float]
+
+
+class StepReduction(Protocol):
+    """The step's one reduction and its one device->host copy (`all_reduce_to_host` says what each input is)."""
+
+    def __call__(
+        self,
+        device_sums: torch.Tensor,
+        counts: Mapping[str, float],
+        scalars: Sequence[torch.Tensor],
+        losses: Sequence[torch.Tensor],
+    ) -> ReducedStep: ...
+
+
+def all_reduce_to_host(
+    device_sums: torch.Tensor,
+    counts: Mapping[str, float],
+    scalars: Sequence[torch.Tensor],
+    losses: Sequence[torch.Tensor],
+) -> ReducedStep:
+    """`StepTotals.pack(device_sums, counts)` summed over every rank of the default group (one all-reduce),
+    then read back with `scalars` and `losses` in one copy to the host.
+
+    `device_sums` float64 `[len(StepTotals.loss_names())]` on the device; `counts` by their
+    `StepTotals.count_names()`; `scalars` 0-d tensors (they may live on the host: parameters offloaded
+    to the CPU) and `losses` 0-d, both copied unreduced.
+    """
+    reduced = StepTotals.pack(device_sums, counts)
+    dist.all_reduce(reduced)
+    device = device_sums.device
+    local = torch.stack([*(t.to(device, torch.float64) for t in scalars), *(loss.double() for loss in losses)])
+    values = torch.cat([reduced, local]).tolist()
+    rest = values[len(StepTotals.names()) :]
+    n = len(scalars)
+    return ReducedStep(StepTotals.unpack(values), rest[:n], rest[n:])

@@ -83,7 +83,7 @@ class SampleRenderer(TrainerHook):
     # -- start-up --------------------------------------------------------------------------------
 
     def on_fit_start(self, trainer: TrainerView) -> None:
-        self._prepare(trainer)
+        self.prepare(trainer)
         if self.v.at_start and trainer.step == 0:
             self.render(trainer, 0)
 
@@ -91,7 +91,8 @@ class SampleRenderer(TrainerHook):
         if self.v.sample_every and step % self.v.sample_every == 0:
             self.render(trainer, step)
 
-    def _prepare(self, trainer: TrainerView) -> None:
+    def prepare(self, trainer: TrainerView) -> None:
+        """Encode the requests (rank 0, those not cached yet), load them on every rank, build the pipeline."""
         from ..data.components import components_fingerprint
 
         trainer.phase = f"encoding {KEY}"

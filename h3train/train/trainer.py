@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,27 +22,18 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint import (
-    AttributeState,
-    ModelState,
-    OptimizerState,
-    ScheduleState,
-    complete_checkpoints,
-    step_dir_name,
-    step_of,
-)
+from ..checkpoint import complete_checkpoints, step_dir_name, step_of
 from ..checkpoint.run_config import write_resolved_config
-from ..config import to_yaml
+from ..config import Config, to_yaml
 from ..errors import TrainingError
+from ..model.sp_forward import SequenceParallelH3
 from ..objective import cfg_enabled, compute_loss
+from ..parallel.dims import ParallelContext
 from ..parallel.shards import local_tensor
-from .adapter_files import AdapterFiles
-from .events import SpikeDetector
 from .guard import Verdict
-from .hooks import EvaluationWeights, MicroBatchEvent, TrainerHook
+from .hooks import EvaluationWeights, MicroBatchEvent
 from .metrics import (
     MEMORY_KEY,
     MetricsLogger,
@@ -50,11 +41,11 @@ from .metrics import (
     peak_memory_gib,
     reset_peak_memory,
 )
-from .preemption import INTERRUPT, NONE, PREEMPT, Preemption, agreed_stop
-from .reduction import StepTotals
+from .preemption import INTERRUPT, NONE, PREEMPT, agreed_stop
+from .reduction import ReducedStep, StepTotals
 
 if TYPE_CHECKING:
-    from ..run.assemble import TrainingParts
+    from ..run.parts import TrainingParts
 
 # FSDP2 warns about every Linear output that is a view; nothing here writes into one in place.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -81,25 +72,13 @@ class Trainer:
     """Runs the loop over the parts `assemble` built; `fit()` trains; `close()` leaves the process group."""
 
     def __init__(self, parts: TrainingParts) -> None:
-        self.cfg = cfg = parts.cfg
-        self.ctx, self.device = parts.ctx, parts.ctx.device
-        self.log_dir = parts.log_dir
-        self.model, self.model_config, self.adapter = parts.model, parts.model_config, parts.adapter
-        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
-        self.source, self.batches = parts.source, parts.batches
-        self.shared_negative = parts.shared_negative
-        self.checkpointer, self.faults, self.progress = parts.checkpointer, parts.faults, parts.progress
-        self.metrics = parts.metrics
-        self.data_errors, self.spike_log = parts.data_errors, parts.spike_log
-        self.lock = parts.lock
-        self.event_logs = [self.data_errors.path, self.spike_log.path]
-        self.spikes = SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window)
-        self.cfg_enabled = cfg_enabled(cfg.cfg)
+        """Wire `parts` into the loop: each hook attaches (before any resume restores its state)."""
+        self.parts = parts
+        self.cfg_enabled = cfg_enabled(parts.cfg.cfg)
         # What this rank is doing, so a failed collective can say what it waited for.
         self.phase = "start-up"
         self.consecutive_skips = 0
         self.stop_request = NONE
-        self.preempt = Preemption()
         self.interrupted = False
         # The logger while `fit` runs (opened at the step it starts from), else None.
         self._metrics: MetricsLogger | None = None
@@ -107,55 +86,48 @@ class Trainer:
         # The last step after which this run validated or rendered (every rank logs both).
         self._evaluated_at = -1
         # What this step's validation rows ask for (`guard.py`); the reason a guard stopped the run.
-        self.watch = parts.watch
         self._verdict = Verdict()
         self.guard_stop: str | None = None
         # For the closing summary: this run's last checkpoint and the folder of its last rendered samples.
         self._last_checkpoint: Path | None = None
         self._last_samples: Path | None = None
-        # Everything a checkpoint holds, by name; a later feature adds its own component here
-        # (`trainer.checkpoint_state["ema"] = ema`). Loaded in this order: the optimizer after the
-        # model, the schedule after the optimizer (it sets the learning rate of each group).
-        trainable_only = self.adapter is not None and self.adapter.trainable_only
-        self.checkpoint_state: dict[str, Stateful] = {
-            "model": ModelState(self.model, trainable_only=trainable_only),
-            "optim": OptimizerState(self.model, self.optimizer),
-            "schedule": ScheduleState(self.scheduler),
-            "sampler": self.batches,
-            "progress": AttributeState(self.progress, ("step", "skipped_steps")),
-        }
-        if self.watch.metric is not None:
-            self.checkpoint_state["best"] = self.watch
-            self.checkpointer.best_step = lambda: self.watch.best_checkpoint
-        # `checkpoint.export`: rank 0 writes a LoRA run's adapter files into each committed checkpoint.
-        self.adapter_files: AdapterFiles | None = None
-        if self.adapter is not None and cfg.checkpoint.export != "none":
-            self.adapter_files = AdapterFiles(cfg.checkpoint.export)
-            self.checkpointer.after_commit = self.adapter_files
-        self.hooks: list[TrainerHook] = []
         for hook in parts.hooks:
-            self.add_hook(hook)
-        self.resume = parts.resume
-        self.resume_from = self.resume.restore(self)
+            hook.on_attach(self)
+
+    # -- what hooks see (`hooks.TrainerView`) ---------------------------------------------------
+
+    @property
+    def cfg(self) -> Config:
+        return self.parts.cfg
+
+    @property
+    def ctx(self) -> ParallelContext:
+        return self.parts.ctx
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.ctx.device
+
+    @property
+    def model(self) -> SequenceParallelH3:
+        return self.parts.model
 
     @property
     def step(self) -> int:
         """Optimizer steps done (0 before training; restored by a resume)."""
-        return self.progress.step
+        return self.parts.progress.step
 
     @step.setter
     def step(self, value: int) -> None:
-        self.progress.step = value
+        self.parts.progress.step = value
 
     @property
     def skipped_steps(self) -> int:
-        return self.progress.skipped_steps
+        return self.parts.progress.skipped_steps
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self.progress.skipped_steps = value
-
-    # -- what hooks see (`hooks.TrainerView`) ---------------------------------------------------
+        self.parts.progress.skipped_steps = value
 
     def log_validation(self, step: int, values: Mapping[str, float]) -> None:
         """Log held-out values after step `step` (0: before training) as a validation row (rank 0 writes).
@@ -164,7 +136,7 @@ class Trainer:
         """
         self._pending_validation.append((step, dict(values)))
         self._evaluated_at = step
-        self._verdict.merge(self.watch.judge(step, values))
+        self._verdict.merge(self.parts.watch.judge(step, values))
 
     def _flush_validation(self) -> None:
         for step, values in self._pending_validation:
@@ -183,43 +155,33 @@ class Trainer:
         """The weights evaluation runs with: the EMA's swapped in for the duration when `use_ema`."""
         if not use_ema:
             return nullcontext()
-        provider = next((h for h in self.hooks if isinstance(h, EvaluationWeights)), None)
+        provider = next((h for h in self.parts.hooks if isinstance(h, EvaluationWeights)), None)
         if provider is None:
             raise RuntimeError("validation.use_ema needs a hook that keeps evaluation weights (train.ema.decay > 0)")
         return provider.swapped_in()
 
     def wait_staged(self) -> None:
         """Wait for a background checkpoint's copy of the state before writing to the state."""
-        self.checkpointer.wait_staged()
-
-    def add_hook(self, hook: TrainerHook) -> None:
-        """Run `hook` at the loop's points; a hook with state joins the checkpoint under `hook.name`.
-
-        Hooks are added before the resume (in `__init__`), so a stateful hook's state is restored.
-        """
-        hook.on_attach(self)
-        if callable(getattr(hook, "state_dict", None)) and callable(getattr(hook, "load_state_dict", None)):
-            if not hook.name or hook.name in self.checkpoint_state:
-                raise ValueError(f"a stateful hook needs a unique name for the checkpoint, got {hook.name!r}")
-            self.checkpoint_state[hook.name] = hook
-        self.hooks.append(hook)
+        self.parts.checkpointer.wait_staged()
 
     # -- checkpoints ----------------------------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
+        """Save `parts.checkpoint_state` at the current step (in the background with `checkpoint.async_save`)."""
+        parts = self.parts
         info = {
-            "model_config": self.model_config,
+            "model_config": parts.model_config,
             "config_yaml": self._config_yaml(),
             "skipped_steps": self.skipped_steps,
         }
-        if self.adapter is not None:
-            info.update(self.adapter.checkpoint_info(self.model))
-        return self.checkpointer.save(
-            self.checkpoint_state,
+        if parts.adapter is not None:
+            info.update(parts.adapter.checkpoint_info(self.model))
+        return parts.checkpointer.save(
+            parts.checkpoint_state,
             info,
             self.step,
-            before_commit=lambda: self.faults.maybe_die("kill_in_save", self.step),
-            before_write=self.faults.before_write(self.step),
+            before_commit=lambda: parts.faults.maybe_die("kill_in_save", self.step),
+            before_write=parts.faults.before_write(self.step),
         )
 
     def _config_yaml(self) -> str:
@@ -253,12 +215,12 @@ class Trainer:
         grads = StepGradients(time.perf_counter(), zero)
         for micro in range(accum):
             self.phase = f"loading micro-batch {micro} of step {step}"
-            sample, ti = self.batches.next(step, micro)
+            sample, ti = self.parts.batches.next(step, micro)
             grads.sample_ids.append(sample.sample_id)
             self.phase = f"forward of step {step}"
             parts = compute_loss(self.model, ti.to(self.device))
             event = MicroBatchEvent(step, micro, sample, ti, parts.loss)
-            for hook in self.hooks:
+            for hook in self.parts.hooks:
                 hook.on_micro_batch(self, event)
             loss = event.loss
             self.phase = f"backward of step {step}"
@@ -283,7 +245,7 @@ class Trainer:
             }
             for name, value in counts.items():
                 grads.host_sums[name] = grads.host_sums.get(name, 0.0) + value
-        for hook in self.hooks:
+        for hook in self.parts.hooks:
             hook.after_backward(self, step)
         return grads
 
@@ -295,15 +257,15 @@ class Trainer:
         Returns the step's logged values; the audio losses are means over the micro-batches with
         sound, and None when no micro-batch of the step (on any DP rank) had sound.
         """
-        cfg = self.cfg
+        cfg, parts = self.cfg, self.parts
         self.phase = f"gradient norm of step {step}"
         params, norm = self._grad_norm()
         coef = self._clip_coefficient(norm)
         self.phase = f"step all-reduce of step {step}"
-        totals, (grad_norm, clip), loss_values, self.stop_request = self._reduce_step(
-            grads.device_sums, grads.host_sums, [norm, coef], grads.losses
-        )
-        lr = self.scheduler.get_last_lr()[0]
+        reduced = self._reduce_step(grads.device_sums, grads.host_sums, [norm, coef], grads.losses)
+        totals, (grad_norm, clip), loss_values = reduced.totals, reduced.scalars, reduced.losses
+        self.stop_request = agreed_stop(totals.preempting, totals.interrupting)
+        lr = parts.scheduler.get_last_lr()[0]
         finite = math.isfinite(grad_norm) and math.isfinite(totals.loss)
         if finite:
             if clip < 1.0:
@@ -311,9 +273,9 @@ class Trainer:
                 # it the coefficient is exactly 1. Shards scale as the whole gradient does.
                 torch._foreach_mul_([local_tensor(g) for g in params], coef)
             # The first write to the checkpoint state after a save: its background copy must be done.
-            self.checkpointer.wait_staged()
-            self.optimizer.step()
-            self.scheduler.step()
+            parts.checkpointer.wait_staged()
+            parts.optimizer.step()
+            parts.scheduler.step()
             self.consecutive_skips = 0
         else:
             # No rank updates: weights, AdamW moments and the LR schedule stay as they were.
@@ -323,7 +285,7 @@ class Trainer:
                 raise self._too_many_skips(step, grads.sample_ids)
         # Gradients are dead once the step is taken or skipped: freed now, not at the next step's
         # start, so validation, renders, the EMA and a checkpoint's staging never sit beside them.
-        self.optimizer.zero_grad(set_to_none=True)
+        parts.optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - grads.started
         n = cfg.train.grad_accum * self.ctx.dims.dp
         # A mean over no clip is no number: a step without sound logs null, not a loss of 0.
@@ -359,33 +321,23 @@ class Trainer:
         host_sums: Mapping[str, float],
         scalars: list[torch.Tensor],
         losses: list[torch.Tensor],
-    ) -> tuple[StepTotals, list[float], list[float], int]:
-        """The step's one all-reduce and its one device->host copy.
+    ) -> ReducedStep:
+        """The step's one all-reduce and its one device->host copy (`parts.reduction`).
 
-        Reduced over every rank (SUM), in one float64 tensor: the `StepTotals`, the loss sums and
-        counts from SP rank 0 of each group only (the other SP ranks hold the same values, and
-        adding zeros keeps the sum exact). Copied to the host with it, unreduced: `scalars` (the
-        global grad norm, already reduced, and the clip coefficient) and this rank's micro-batch
-        losses (spike detection). Returns (totals, scalars, micro-batch losses, agreed stop request).
+        Summed over every rank: the `StepTotals`, the loss sums and counts from SP rank 0 of each
+        group only (the other SP ranks hold the same values, and adding zeros keeps the sum exact),
+        this rank's data errors and stop request. Copied with it, unreduced: `scalars` (the global
+        grad norm, already reduced, and the clip coefficient) and this rank's micro-batch losses.
         """
         lead = float(self.ctx.sp_rank == 0)
         counts = {name: value * lead for name, value in host_sums.items()}
-        counts["data_errors"] = self.data_errors.count * lead
+        counts["data_errors"] = self.parts.data_errors.count * lead
         counts.update(self._stop_counts())
-        reduced = StepTotals.pack(device_sums * lead, counts)
-        dist.all_reduce(reduced)
-        # The norm may live on the host (parameters offloaded to the CPU); the losses on the device.
-        local = torch.stack([*(t.to(self.device, torch.float64) for t in scalars), *(loss.double() for loss in losses)])
-        values = torch.cat([reduced, local]).tolist()
-        totals = StepTotals.unpack(values)
-        stop = agreed_stop(totals.preempting, totals.interrupting)
-        rest = values[len(StepTotals.names()) :]
-        n = len(scalars)
-        return totals, rest[:n], rest[n:], stop
+        return self.parts.reduction(device_sums * lead, counts, scalars, losses)
 
     def _stop_counts(self) -> dict[str, float]:
         """This rank's stop request as the step's all-reduce sums it (`StepTotals`)."""
-        flag = self.preempt.flag
+        flag = self.parts.preemption.flag
         return {"preempting": float(flag == PREEMPT), "interrupting": float(flag == INTERRUPT)}
 
     def _agree_stop(self) -> int:
@@ -415,14 +367,15 @@ class Trainer:
         return error
 
     def _report_spikes(self, step: int, sample_ids: list[str], losses: list[float], step_loss: float) -> None:
-        median = self.spikes.median()
+        spikes = self.parts.spikes
+        median = spikes.median()
         for sample_id, value in zip(sample_ids, losses):
-            if self.spikes.is_spike(value):
-                self.spike_log.write(
+            if spikes.is_spike(value):
+                self.parts.spike_log.write(
                     step=step, sample_id=sample_id, loss=value, median=median, dp_rank=self.ctx.dp_rank
                 )
         if math.isfinite(step_loss):
-            self.spikes.update(step_loss)
+            spikes.update(step_loss)
 
     def _grad_norm(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The gradients and their global L2 norm (over every shard), on the device (no sync)."""
@@ -442,79 +395,97 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
 
     def fit(self) -> None:
-        cfg = self.cfg
+        """Train from the step after `self.step` to `train.steps`, or until a stop is agreed or a guard asks.
+
+        One way out: the loop ends, the background save in flight is committed, the reason for an
+        early stop is said, the hooks close, the summary is printed. An error leaves at once instead
+        (a peer may be gone, and a collective would hang).
+        """
+        cfg, parts = self.cfg, self.parts
         if self.ctx.is_main:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            write_resolved_config(self.log_dir, self._config_yaml())
-        every = cfg.checkpoint.every
-        with self.preempt, self.metrics.open(self.step) as metrics:
+            parts.log_dir.mkdir(parents=True, exist_ok=True)
+            write_resolved_config(parts.log_dir, self._config_yaml())
+        with parts.preemption, parts.metrics.open(self.step) as metrics:
             self._metrics = metrics
-            for hook in self.hooks:
+            for hook in parts.hooks:
                 hook.on_fit_start(self)
             self._flush_validation()
             first_step = self.step
             metrics.start_clock()
-            for step in range(self.step + 1, cfg.train.steps + 1):
-                for hook in self.hooks:
-                    hook.before_step(self, step)
-                stats = self.train_step(step)
-                self.step = step
-                # The step's console line before its hooks run, so what they print (validation,
-                # rendering) follows it; the row is written after them, with what they add.
-                metrics.show(step, stats)
-                for hook in self.hooks:
-                    self.phase = f"{type(hook).__name__} after step {step}"
-                    stats.update(hook.after_step(self, step, stats) or {})
-                metrics.log(step, stats)
-                self._flush_validation()
-                verdict, self._verdict = self._verdict, Verdict()
-                if self.ctx.is_main:
-                    for line in verdict.lines:
-                        print(line, file=sys.stderr, flush=True)
-                # Agreed in the step's all-reduce: a signal any rank got before the step ended. One
-                # that comes while the step validates, renders (every rank does both at the same
-                # steps) or saves stops the run on this step's save, not after another step: agreed
-                # once more after the save, or after the evaluation when no save is due.
-                preempted = self.stop_request
-                due = every and (step % every == 0 or step == cfg.train.steps)
-                saving = bool(preempted or verdict.save or due)
-                if not saving and self._evaluated_at == step:
-                    preempted = self.stop_request = self._agree_stop()
-                    saving = bool(preempted)
-                if saving:
-                    self._finish_saves()
-                    self.phase = f"checkpoint save at step {step}"
-                    path = self._last_checkpoint = self.save_checkpoint()
-                    if self.ctx.is_main:
-                        background = self.checkpointer.async_save
-                        print(f"{'saving' if background else 'saved'} checkpoint {path}", flush=True)
-                    if not preempted:
-                        # A signal during the save stops on the save just made.
-                        preempted = self.stop_request = self._agree_stop()
-                self.interrupted = preempted == INTERRUPT
-                if preempted:
-                    self._finish_saves()
-                    if self.ctx.is_main:
-                        print(self._stop_line(step, preempted), flush=True)
-                    break
-                if verdict.stop is not None:
-                    self._finish_saves()
-                    self.guard_stop = verdict.stop
-                    if self.ctx.is_main:
-                        print(
-                            f"h3train: stopped by {verdict.stop}; checkpoint {path} saved", file=sys.stderr, flush=True
-                        )
-                    break
+            while self.step < cfg.train.steps and not self.stop_request and self.guard_stop is None:
+                self._loop_step(self.step + 1, metrics)
             self._finish_saves()
-            for hook in self.hooks:
+            if self.ctx.is_main:
+                if self.stop_request:
+                    print(self._stop_line(self.step, self.stop_request), flush=True)
+                elif self.guard_stop is not None:
+                    line = f"h3train: stopped by {self.guard_stop}; checkpoint {self._last_checkpoint} saved"
+                    print(line, file=sys.stderr, flush=True)
+            for hook in parts.hooks:
                 hook.on_fit_end(self)
             if self.ctx.is_main:
                 print("\n".join(self._summary(first_step, metrics.elapsed_s)), flush=True)
 
+    def run_step(
+        self, step: int, show: Callable[[int, dict[str, float | None]], None] | None = None
+    ) -> dict[str, float | None]:
+        """Optimizer step `step` with its hooks: `before_step`, `train_step`, then each hook's `after_step`,
+        whose values join the returned row. `show(step, row)` runs before the hooks' `after_step`, so what
+        they print (validation, rendering) follows the step's console line."""
+        for hook in self.parts.hooks:
+            hook.before_step(self, step)
+        stats = self.train_step(step)
+        self.step = step
+        if show is not None:
+            show(step, stats)
+        for hook in self.parts.hooks:
+            self.phase = f"{type(hook).__name__} after step {step}"
+            stats.update(hook.after_step(self, step, stats) or {})
+        return stats
+
+    def _loop_step(self, step: int, metrics: MetricsLogger) -> None:
+        """`run_step`, its metrics row, the validation's verdict and, when due or asked for, a checkpoint.
+
+        Leaves `stop_request` set when a stop signal is agreed, else `guard_stop` when a guard asks.
+        """
+        every = self.cfg.checkpoint.every
+        metrics.log(step, self.run_step(step, metrics.show))
+        self._flush_validation()
+        verdict, self._verdict = self._verdict, Verdict()
+        if self.ctx.is_main:
+            for line in verdict.lines:
+                print(line, file=sys.stderr, flush=True)
+        # Agreed in the step's all-reduce: a signal any rank got before the step ended. One that comes
+        # while the step validates, renders (every rank does both at the same steps) or saves stops
+        # the run on this step's save, not after another step: agreed once more after the save, or
+        # after the evaluation when no save is due.
+        due = every and (step % every == 0 or step == self.cfg.train.steps)
+        saving = bool(self.stop_request or verdict.save or due)
+        if not saving and self._evaluated_at == step:
+            self.stop_request = self._agree_stop()
+            saving = bool(self.stop_request)
+        if saving:
+            self._save_at(step)
+            if not self.stop_request:
+                # A signal during the save stops on the save just made.
+                self.stop_request = self._agree_stop()
+        self.interrupted = self.stop_request == INTERRUPT
+        if not self.stop_request and verdict.stop is not None:
+            self.guard_stop = verdict.stop
+
+    def _save_at(self, step: int) -> None:
+        """Save at `step`, once the save before it (if still in flight) is committed and said."""
+        self._finish_saves()
+        self.phase = f"checkpoint save at step {step}"
+        path = self._last_checkpoint = self.save_checkpoint()
+        if self.ctx.is_main:
+            background = self.parts.checkpointer.async_save
+            print(f"{'saving' if background else 'saved'} checkpoint {path}", flush=True)
+
     def _finish_saves(self) -> None:
         """Commit the background save in flight, if any (every rank waits for its own write)."""
         self.phase = "waiting for the background checkpoint write"
-        path = self.checkpointer.wait()
+        path = self.parts.checkpointer.wait()
         if path is not None and self.ctx.is_main:
             print(f"saved checkpoint {path}", flush=True)
 
@@ -533,28 +504,29 @@ class Trainer:
             lines = [f"{steps} ({trained} step{'s' * (trained != 1)}) in {format_duration(elapsed_s)}"]
         else:
             lines = [f"done: nothing to train, the run is at step {self.step} of {cfg.train.steps}"]
-        checkpoint = self._last_checkpoint or (None if trained else self.resume_from)
+        checkpoint = self._last_checkpoint or (None if trained else self.parts.resumed_from)
         if checkpoint is None:
             lines.append("no checkpoint of this run to export (checkpoint.every=0)")
         else:
             out = Path(cfg.logging.dir) / "export" / Path(checkpoint).name
             lines.append(f"last checkpoint: {checkpoint}")
             lines.append(f"export it with: h3train export {shlex.quote(str(checkpoint))} --out {shlex.quote(str(out))}")
-        files = self.adapter_files.newest if self.adapter_files is not None else []
+        adapter_files, watch = self.parts.adapter_files, self.parts.watch
+        files = adapter_files.newest if adapter_files is not None else []
         if files:
             lines.append(f"adapter file{'s' * (len(files) > 1)}: {', '.join(map(str, files))}")
-        best = self.watch.describe()
+        best = watch.describe()
         if best is not None:
-            step = self.watch.best_checkpoint
-            lines.append(f"best checkpoint: {self.checkpointer.root / step_dir_name(step)} ({best})")
-        for hook in self.hooks:
+            step = watch.best_checkpoint
+            lines.append(f"best checkpoint: {self.parts.checkpointer.root / step_dir_name(step)} ({best})")
+        for hook in self.parts.hooks:
             lines += hook.summary_lines()
         if self._last_samples is not None:
             lines.append(f"samples: {self._last_samples}")
         return lines
 
     def _stop_line(self, step: int, kind: int) -> str:
-        sig = self.preempt.signal
+        sig = self.parts.preemption.signal
         name = signal.Signals(sig).name if sig is not None else "a signal to another rank"
         what = "interrupted" if kind == INTERRUPT else "preempted"
         return f"{what} by {name}: stopped after step {step}, checkpoint saved; resume with checkpoint.resume=auto"
@@ -565,10 +537,11 @@ class Trainer:
         The save in progress, if any, stays a temporary folder that no resume reads; the newest
         complete checkpoint is what `checkpoint.resume=auto` starts from.
         """
-        self.checkpointer.abandon()
-        saving = self.checkpointer.saving
+        checkpointer = self.parts.checkpointer
+        checkpointer.abandon()
+        saving = checkpointer.saving
         during = f"the save of step {saving}" if saving is not None else self.phase
-        root = self.checkpointer.root
+        root = checkpointer.root
         try:
             kept = complete_checkpoints(root)
         except OSError:
@@ -586,11 +559,11 @@ class Trainer:
         After a failure the group is left as it is: a peer may be dead or blocked in a collective,
         and tearing gloo down under it aborts this process before its error is reported.
         """
-        self.batches.close()
-        self.checkpointer.close()
+        self.parts.batches.close()
+        self.parts.checkpointer.close()
         if clean and dist.is_initialized():
             # Ranks leave together: one tearing down gloo while another still talks aborts it.
             dist.barrier()
             dist.destroy_process_group()
-        if self.lock is not None:
-            self.lock.release()
+        if self.parts.lock is not None:
+            self.parts.lock.release()

@@ -25,7 +25,7 @@ timer (`Clock`) takes every figure: CUDA events on the stream (no host wait adde
 Sync check (CUDA, first timed step; `timed_step`). `forward_backward` runs under
 `torch.cuda.set_sync_debug_mode("error")`: anything that would block the host on the device
 raises and is reported with its phase and frames; the timing then comes from the next steps.
-`update` holds the step's one designed read-back (`Trainer._reduce_step`), so it runs under "warn"
+`update` holds the step's one designed read-back (`reduction.all_reduce_to_host`), so it runs under "warn"
 with every sync counted (`read_back_syncs`): one is the design, more is reported as a sync.
 Exit status: 0 when every backend ran, made no extra sync and held parity; 1 otherwise; 2 for a bad option.
 
