@@ -117,6 +117,8 @@ def check_values(cfg: Config) -> None:
     positive("train.spike_window")
     positive("train.max_consecutive_skips", allow_zero=True)
     positive("checkpoint.keep_last", allow_zero=True)
+    # Each dataset of `data.path` is well formed; whether the data source reads it is the source's check.
+    dataset_specs(cfg.data)
     _validate_lora(cfg.lora)
     _validate_validation(cfg.validation)
     _validate_keep_best(cfg)
