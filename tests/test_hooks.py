@@ -8,8 +8,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from h3train.config import load_config
-from h3train.train.dump import full_tensor
 from h3train.run.assemble import build_trainer
+from h3train.train.dump import full_tensor
 from h3train.train.hooks import TrainerHook, TrainerView
 from h3train.train.profile import trace_step_ranges
 

@@ -7,8 +7,8 @@ import json
 import math
 
 from h3train.config import load_config
-from h3train.train.dump import StepDump
 from h3train.run.assemble import build_trainer
+from h3train.train.dump import StepDump
 from h3train.train.faults import FaultHook
 from h3train.train.hooks import MicroBatchEvent, TrainerHook, TrainerView
 
