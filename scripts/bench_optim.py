@@ -77,7 +77,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from h3train.config import load_config, validate  # noqa: E402
+from h3train.config import check_values, load_config  # noqa: E402
 from h3train.model.dims import model_kwargs, planned_model_dims  # noqa: E402
 from h3train.model.quant import INTEGER_CODES_SHARD  # noqa: E402
 from h3train.optim.kinds import state_bytes, state_bytes_per_value  # noqa: E402
@@ -191,7 +191,7 @@ def measure(
                     cfg.lora = dataclasses.replace(cfg.lora, rank=LORA_RANK, base_quant=kind)
                 else:
                     cfg.optim = dataclasses.replace(cfg.optim, lr=lr, name=kind)
-                validate(cfg)
+                check_values(cfg)
                 trainers[kind] = build_trainer(cfg, hooks=[])
             timers = {kind: StepTimer(t.parts.optimizer) for kind, t in trainers.items()}
             first_loss: dict[str, float] = {}

@@ -25,7 +25,7 @@ from h3train.errors import ConfigError
 from h3train.export.adapter import SAVE_FOLDER
 from h3train.lora.base import random_base_state
 from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
-from h3train.run.preflight import check_config
+from h3train.run.checks import check
 from h3train.train.adapter_files import AdapterFiles
 
 from reference import ROOT, checkpoint_dir, read_metrics, run_forked, tiny_args
@@ -227,11 +227,11 @@ def test_a_foreground_save_writes_the_chosen_format_alone(tmp_path: Path, capsys
 )
 def test_settings_no_file_can_hold_are_one_line_before_training(overrides: list[str], needle: str) -> None:
     with pytest.raises(ConfigError) as err:
-        check_config(load_config(TINY_LORA, ["checkpoint.export=diffusers", *overrides]))
+        check(load_config(TINY_LORA, ["checkpoint.export=diffusers", *overrides]))
     message = str(err.value)
     assert needle in message and "\n" not in message and "checkpoint.export" in message, message
 
 
 def test_a_format_that_holds_the_kind_passes_the_check() -> None:
-    check_config(load_config(TINY_LORA, ["checkpoint.export=comfyui", "lora.kind=loha"]))
-    check_config(load_config(TINY_LORA, ["checkpoint.export=diffusers", "lora.kind=lokr"]))
+    check(load_config(TINY_LORA, ["checkpoint.export=comfyui", "lora.kind=loha"]))
+    check(load_config(TINY_LORA, ["checkpoint.export=diffusers", "lora.kind=lokr"]))

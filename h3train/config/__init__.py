@@ -5,13 +5,14 @@ Every error here is a `ConfigError` whose message is one line naming the key and
 the CLI turns it into exit code 2 before any process group or model exists.
 
 The package imports nothing from h3train but `errors`, so every other module can read the schema.
-Checks that need more than the values (the task table, the model's module names, files the config
-names) are `h3train.run.preflight.check_config`; `h3train.run.preflight.load_checked` loads and runs both.
+Checks that need more than the values (the task table, each chosen extension-table entry, the model's
+module names, files the config names) are `h3train.run.checks.check`; `h3train.run.preflight.load_checked`
+loads and runs both.
 """
 
 from __future__ import annotations
 
-from .checks import SEED_MAX, TIMEOUT_MAX_S, DatasetSpec, dataset_specs, measures_held_out_loss, validate
+from .checks import SEED_MAX, TIMEOUT_MAX_S, DatasetSpec, check_values, dataset_specs, measures_held_out_loss
 from .load import TEXT_OR_LIST_KEYS, anchor_sample_paths, config_layers, load_config, parse_overrides, to_yaml
 from .schema import (
     SAMPLE_FIELDS,
@@ -79,7 +80,7 @@ __all__ = [
     "to_yaml",
     "TEXT_OR_LIST_KEYS",
     "anchor_sample_paths",
-    "validate",
+    "check_values",
     "SEED_MAX",
     "TIMEOUT_MAX_S",
     "DatasetSpec",

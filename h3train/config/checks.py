@@ -1,6 +1,7 @@
 """Value checks of a loaded config that the type system cannot express, each a one-line `ConfigError`.
 
-Only the values are read: no file, no model, no other h3train module (`h3train.run.preflight` does the rest).
+Only the values are read: no file, no model, no other h3train module, and no kind of an extension table
+(`h3train.run.checks.check` does the rest, and asks each chosen table entry to check itself).
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from .schema import (
 )
 
 
-def validate(cfg: Config) -> None:
+def check_values(cfg: Config) -> None:
     """Value checks the type system cannot express. Raises `ConfigError` on the first problem.
 
     Only the values themselves are read: no file, no model, no other h3train module, so the
-    config stays a leaf every module can import (`h3train.run.preflight.check_config` does the rest).
+    config stays a leaf every module can import (`h3train.run.checks.check` does the rest).
     """
     _check_numbers(cfg)
     for key, choices in _CHOICES.items():
@@ -116,13 +117,8 @@ def validate(cfg: Config) -> None:
     positive("train.spike_window")
     positive("train.max_consecutive_skips", allow_zero=True)
     positive("checkpoint.keep_last", allow_zero=True)
-    if cfg.data.source == "cached":
-        specs = dataset_specs(cfg.data)
-        if cfg.data.create_synthetic and len(specs) > 1:
-            raise ConfigError(
-                "config key 'data.create_synthetic' writes one dataset: give data.path one folder, "
-                "or write each dataset of the list with 'h3train synth'"
-            )
+    # Each dataset of `data.path` is well formed; whether the data source reads it is the source's check.
+    dataset_specs(cfg.data)
     _validate_lora(cfg.lora)
     _validate_validation(cfg.validation)
     _validate_keep_best(cfg)
@@ -164,11 +160,6 @@ def dataset_specs(data: DataConfig) -> list[DatasetSpec]:
     is a list of one). Empty for no `data.path`; a malformed entry is a `ConfigError` naming it."""
     given = data.path
     if given is None or given == "":
-        if data.source == "cached":
-            raise ConfigError(
-                "config key 'data.path' must name a cached dataset folder (or a list of them) when data.source is "
-                "'cached'"
-            )
         return []
     if isinstance(given, str):
         return [DatasetSpec(given)]
@@ -267,7 +258,7 @@ def measures_held_out_loss(v: ValidationConfig) -> bool:
 
 
 def _validate_validation(v: ValidationConfig) -> None:
-    """`validation.*` values; whether the dataset is there is `preflight.check_config`'s."""
+    """`validation.*` values; whether the dataset is there is `run.checks.check`'s."""
     if v.every < 0 or v.num_samples < 0:
         raise ConfigError("config keys 'validation.every' and 'validation.num_samples' must be >= 0")
     if not measures_held_out_loss(v):
@@ -328,7 +319,7 @@ def _validate_keep_best(cfg: Config) -> None:
 def _validate_export(cfg: Config) -> None:
     """`checkpoint.export` writes LoRA files: a LoRA run whose trained weights a LoRA file holds.
 
-    Which adapter kinds and modules a format holds is the adapter-kind table's: `preflight.check_config`
+    Which adapter kinds and modules a format holds is the adapter-kind table's: `run.checks.check`
     asks it once the modules are resolved.
     """
     fmt, lora = cfg.checkpoint.export, cfg.lora
@@ -347,7 +338,8 @@ def _validate_export(cfg: Config) -> None:
 
 
 def _validate_lora(lora: LoraConfig) -> None:
-    """`lora.*` values; the module names and the `init_from` file are `preflight.check_config`'s."""
+    """`lora.*` values; the module names, the `init_from` file and what the
+    adapter kind refuses are `run.checks.check`'s."""
     if lora.rank < 0:
         raise ConfigError(f"config key 'lora.rank' must be >= 0 (0 = full fine-tuning), got {lora.rank}")
     if lora.rank == 0:
@@ -361,10 +353,6 @@ def _validate_lora(lora: LoraConfig) -> None:
             if value:
                 raise ConfigError(f"config key 'lora.{key}' needs LoRA: set lora.rank > 0 (rank 0 is full fine-tuning)")
         return
-    if lora.use_dora and lora.kind != "lora":
-        raise ConfigError(
-            f"config key 'lora.use_dora' is a variant of lora.kind=lora, not of {lora.kind!r}: set one of them"
-        )
     if lora.alpha is not None and lora.alpha <= 0:
         raise ConfigError(f"config key 'lora.alpha' must be > 0 (default: lora.rank), got {lora.alpha}")
     if not 0.0 <= lora.dropout < 1.0:
@@ -372,7 +360,7 @@ def _validate_lora(lora: LoraConfig) -> None:
 
 
 def _validate_cfg(c: CfgConfig) -> None:
-    """`cfg.*` values; whether `cfg.shared_negative_path` exists is `preflight.check_config`'s."""
+    """`cfg.*` values; whether `cfg.shared_negative_path` exists is `run.checks.check`'s."""
     for key, value in (("cfg.scale", c.scale), ("cfg.video_scale", c.video_scale), ("cfg.audio_scale", c.audio_scale)):
         if value is not None and value < 1.0:
             raise ConfigError(f"config key '{key}' must be >= 1 (1 = no guidance), got {value}")

@@ -1,6 +1,6 @@
 """Loading a config: YAML layers over the schema's defaults, `key=value` overrides, one spelling per setting.
 
-Every error is a one-line `ConfigError` naming the key; the loaded config is checked (`checks.validate`).
+Every error is a one-line `ConfigError` naming the key; the loaded config is checked (`checks.check_values`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..errors import NEAR, ConfigError, did_you_mean, did_you_mean_each
-from .checks import validate
+from .checks import check_values
 from .schema import SAMPLE_FIELDS, SAMPLES_KEY, Config, get_key, leaf_types, sample_key
 
 
@@ -240,7 +240,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     """Load YAML (if given) over the schema defaults, apply overrides, normalise, check values, return a `Config`.
 
     Checks that read other files or build the model (module names, media paths, the partition) are
-    `h3train.run.preflight.check_config`; `h3train.run.preflight.load_checked` runs both.
+    `h3train.run.checks.check`; `h3train.run.preflight.load_checked` runs both.
     """
     schema = _schema()
     layers = [OmegaConf.create(layer) for layer in config_layers(path, overrides)]
@@ -251,7 +251,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from None
     _normalise(cfg)
-    validate(cfg)
+    check_values(cfg)
     return cfg
 
 
@@ -280,7 +280,7 @@ def _normalise(cfg: Config) -> None:
 
     `model.gradient_checkpointing` is the older spelling of `model.activation_checkpointing: full`:
     true turns `none` into `full`, and `full` sets it back to true for readers of the bool. Any other
-    pairing is left for `validate` to refuse.
+    pairing is left for `check_values` to refuse.
     """
     if isinstance(cfg.data.path, int) and not isinstance(cfg.data.path, bool):
         cfg.data.path = str(cfg.data.path)  # a folder named by a number, unquoted in YAML

@@ -42,7 +42,7 @@ class ModelConfig:
 class TaskConfig:
     """What the run trains: the task, and so the pretrained partition and the samples it takes."""
 
-    # A training task of `h3train/tasks/table.py` (`TRAINING_TASKS`), checked by `preflight.check_config`.
+    # A training task of `h3train/tasks/table.py` (`TRAINING_TASKS`), checked by `run.checks.check`.
     name: str = "fl2va"
 
 

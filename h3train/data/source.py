@@ -61,6 +61,9 @@ class DataSource:
     #: Whether its samples live in folders preflight reads before the run (`data.path`).
     reads_folders: ClassVar[bool] = False
 
+    def check(self, cfg: Config) -> None:
+        """What this source refuses in `cfg`, as a one-line `ConfigError` naming the key; before any model."""
+
     def build(self, cfg: Config, text_dim: int | None, on_skip: OnSkip | None) -> SampleSource:
         """The run's samples; `text_dim` (the model's prompt width) sizes made-up prompts."""
         raise NotImplementedError
@@ -122,6 +125,19 @@ class CachedData(DataSource):
 
     name = "cached"
     reads_folders = True
+
+    def check(self, cfg: Config) -> None:
+        specs = dataset_specs(cfg.data)
+        if not specs:
+            raise ConfigError(
+                "config key 'data.path' must name a cached dataset folder (or a list of them) when data.source is "
+                "'cached'"
+            )
+        if cfg.data.create_synthetic and len(specs) > 1:
+            raise ConfigError(
+                "config key 'data.create_synthetic' writes one dataset: give data.path one folder, "
+                "or write each dataset of the list with 'h3train synth'"
+            )
 
     def build(self, cfg: Config, text_dim: int | None, on_skip: OnSkip | None) -> SampleSource:
         from ..debug.faults import corrupt_samples

@@ -61,7 +61,8 @@ class AdapterKind:
     #: File-name suffixes (after `<module>.`) of its parameters; `zero_factors` start at zero.
     factors: ClassVar[tuple[str, ...]]
     zero_factors: ClassVar[tuple[str, ...]] = ()
-    #: What it refuses (`check`): peft dropout on the input, `lora.init_from`, a quantized base.
+    #: What it refuses (`check`): `lora.use_dora`, peft dropout on the input, `lora.init_from`, a quantized base.
+    takes_dora: ClassVar[bool] = False
     takes_dropout: ClassVar[bool] = True
     reads_init_from: ClassVar[bool] = True
     takes_quantized_base: ClassVar[bool] = False
@@ -91,6 +92,10 @@ class AdapterKind:
 
     def check(self, lora: Any) -> None:
         """What this kind cannot do with `lora`, as a one-line `ConfigError` naming the key; before any model."""
+        if not self.takes_dora and lora.use_dora:
+            raise ConfigError(
+                f"config key 'lora.use_dora' is a variant of lora.kind=lora, not of {lora.kind!r}: set one of them"
+            )
         if not self.takes_dropout and lora.dropout:
             raise ConfigError(
                 f"config key 'lora.dropout' is {lora.dropout}, and {self.setting} has no input dropout (peft's "
@@ -200,6 +205,7 @@ class DoraKind(LoraKind):
     name = "dora"
     label = "DoRA"
     factors = (*LoraKind.factors, MAGNITUDE)
+    takes_dora = True
     takes_quantized_base = False  # its magnitudes are row norms of the base layer's whole weight
 
     @property

@@ -1,264 +1,40 @@
-"""Checks that need the filesystem or the device, run before any process group or model exists.
+"""A start's checks, in the order a start runs them: load and check a config, check what it reads, plan it.
 
-Each failure is one line naming the key, file or sample and what to do (a `ConfigError`, or a
-`DatasetError` / `SampleError` for the data itself), exit code 2.
-
-`check_config` is the half of config checking that reads more than the values (`config.validate`
-does those): the task table, the model's constructor and module names, and the files the config
-names. It lives here, not in the config package, so that the config schema imports no other module.
+`load_checked` is where every entry point gets its config (`checks.check` after the value checks of
+`load_config`); `preflight` checks the inputs and the device before any process group or model
+(`checks.check_inputs`); `start_plan` prints the memory plan's verdict and refuses a run over it.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from ..config import Config, dataset_specs, load_config, measures_held_out_loss
-from ..data.dataset import index_entries
-from ..data.format import INDEX_NAME, read_header, resolve_in_folder
-from ..data.mixture import dataset_key, epoch_draws
-from ..data.source import data_source
-from ..debug.faults import parse_faults
-from ..errors import ConfigError, DatasetError, one_of
-from ..lora.targets import meta_model, resolve_targets, resolve_train_modules
-from ..model.dims import check_model_kwargs, model_dims, planned_model_dims, pretrained_config_file
-from ..ops.attention import resolve_attention_backend
-from ..optim.kinds import optimizer_kind
+from ..config import Config, load_config
+from ..model.dims import planned_model_dims
 from ..parallel.dims import ParallelDims
-from ..render.requests import validate_samples
-from ..tasks.partition import check_partition
-from ..tasks.table import TRAINING_TASKS, training_task_for
+from .checks import check, check_inputs, device_type
 
 
 def load_checked(path: str | os.PathLike | None, overrides: Sequence[str] = (), planning: bool = False) -> Config:
-    """`load_config` and `check_config`: a config every entry point can start from, or one `ConfigError`."""
+    """`load_config` and `check`: a config every entry point can start from, or one `ConfigError`.
+
+    `planning`: checked for planning away from the data (`h3train check` without `--strict`).
+    """
     cfg = load_config(path, list(overrides))
-    check_config(cfg, planning)
+    check(cfg, planning)
     return cfg
 
 
-def check_config(cfg: Config, planning: bool = False) -> None:
-    """The config checks that read more than the values, in order; raises `ConfigError` on the first problem.
-
-    The task table, whether `optim.name` can run here (torchao), the files `cfg.shared_negative_path`
-    and `validation.dataset` name, `debug.fault`, the model's constructor kwargs and head count, the
-    LoRA module names (on the model built on meta) and `lora.init_from`, then `validation.samples`.
-    Away from the model folder the released architecture stands in, as in `planned_model_dims`.
-    `planning` (`h3train check`): a `validation.dataset` or `validation.components` not here is planned
-    for, not required.
-    """
-    if cfg.task.name not in TRAINING_TASKS:
-        raise ConfigError(f"config key 'task.name' is {cfg.task.name!r}; {one_of(cfg.task.name, TRAINING_TASKS)}")
-    negative = cfg.cfg
-    if negative.negative == "shared" and not Path(negative.shared_negative_path).is_file():
-        raise ConfigError(
-            f"config key 'cfg.shared_negative_path': file '{negative.shared_negative_path}' does not exist"
-        )
-    parse_faults(cfg.debug.fault)
-    missing = optimizer_kind(cfg.optim.name).missing()
-    if missing:
-        raise ConfigError(missing)
-    _check_model_shape(cfg)
-    _check_lora(cfg)
-    v = cfg.validation
-    if measures_held_out_loss(v) and not planning and not (Path(v.dataset) / INDEX_NAME).is_file():
-        raise ConfigError(
-            f"config key 'validation.dataset': no dataset at '{v.dataset}' (no {INDEX_NAME}); "
-            "encode one with 'h3train encode' or write one with 'h3train synth'"
-        )
-    validate_samples(cfg, planning)
-
-
-def _check_model_shape(cfg: Config) -> None:
-    """`model.config` takes the constructor's arguments, and `parallel.sp` divides the attention heads."""
-    if cfg.model.config:
-        check_model_kwargs(cfg.model.config, "config key 'model.config.", strict_keys=True)
-    dims, _ = planned_model_dims(cfg)
-    heads = int(dims["num_attention_heads"])
-    if heads % cfg.parallel.sp:
-        raise ConfigError(
-            f"config key 'parallel.sp' = {cfg.parallel.sp} does not divide the model's "
-            f"{heads} attention heads; choose a divisor of {heads}"
-        )
-
-
-def _check_lora(cfg: Config) -> None:
-    """`lora.init_from` exists, the module names select modules of the model built on meta, and the file fits them.
-
-    The values themselves (rank, alpha, dropout) are checked when the config loads (`config.validate`).
-    """
-    lora = cfg.lora
-    if lora.rank == 0:
-        return
-    from ..lora.kinds import config_kind
-    from ..model.quant import check_base_quant
-
-    config_kind(lora).check(lora)
-    check_base_quant(lora.base_quant)
-    if lora.init_from is not None and not Path(lora.init_from).is_file():
-        raise ConfigError(f"config key 'lora.init_from': file '{lora.init_from}' does not exist")
-    model = meta_model(cfg)
-    targets = resolve_targets(model, lora.target_modules)
-    resolve_train_modules(model, lora.train_modules, targets)
-    export = cfg.checkpoint.export != "none"
-    if lora.init_from is None and not export:
-        return
-    from ..lora.adapters import adapter_config, adapter_values, add_adapters
-
-    add_adapters(model, cfg)
-    if lora.init_from is not None:
-        # The file's adapters must fit the configured ones: read and checked now, not after start-up.
-        adapter_values(model, cfg)
-    if export:
-        # Whether each format of `checkpoint.export` holds these adapters, from their shapes alone.
-        from ..export.adapter import check_save_formats
-        from ..lora.names import export_name, is_adapter_param
-
-        shapes = {export_name(n): torch.zeros(p.shape) for n, p in model.named_parameters() if is_adapter_param(n)}
-        check_save_formats(cfg.checkpoint.export, shapes, adapter_config(model))
-
-
-def device_type(cfg: Config) -> str:
-    return "cuda" if cfg.parallel.backend != "gloo" and torch.cuda.is_available() else "cpu"
-
-
 def preflight(cfg: Config, planning: bool = False) -> list[str]:
-    """Inputs and device capabilities the config names exist, before any model or process group.
+    """`check` (done already for a config from `load_checked`), then `check_inputs`: its notes.
 
-    `check_config` runs first, so a config from `load_config` alone is checked whole here.
-    Every check is cheap: the model is built on the meta device, and of the dataset only
-    `index.jsonl` and one sample header are read. `planning` (`h3train check`) plans for what it
-    cannot see here, the released architecture for a missing model folder and the longest released
-    clip for a missing dataset, and returns a note for each such assumption; training needs both.
+    A config from `load_config` alone is checked whole here.
     """
-    check_config(cfg, planning)
-    notes: list[str] = []
-    if planning:
-        dims, note = planned_model_dims(cfg)
-        notes += [note] if note else []
-    else:
-        dims = model_dims(cfg)
-    if not notes:
-        _check_builds(cfg, dims)
-    notes += _check_dataset(cfg, dims, required=not planning)
-    v = cfg.validation
-    if measures_held_out_loss(v) and not (Path(v.dataset) / INDEX_NAME).is_file():
-        notes.append(f"validation: no dataset at '{v.dataset}' here; planned its samples as long as the training ones")
-    _check_max_rows(cfg)
-    check_partition(cfg, data_source(cfg).sample_tasks)
-    kind = device_type(cfg)
-    resolve_attention_backend(cfg.model.attention_backend, kind, cfg.model.dtype)
-    if cfg.model.dtype == "bfloat16" and kind == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("config key 'model.dtype' is 'bfloat16' but this GPU has no bf16 support; use float32")
-    return notes
-
-
-def _check_max_rows(cfg: Config) -> None:
-    """A source that drops nothing (synthetic samples, one geometry) has no sample longer than `data.max_rows`."""
-    bound = cfg.data.max_rows
-    source = data_source(cfg)
-    if not bound or source.reads_folders:
-        return
-    found = source.longest(cfg)
-    if found is not None and found[0] > bound:
-        raise ConfigError(
-            f"config key 'data.max_rows' is {bound} but every {source.name} sample packs to {found[0]} rows; "
-            "raise data.max_rows or shrink data.synthetic"
-        )
-
-
-def _model_source(cfg: Config) -> str:
-    if cfg.model.config:
-        return "config key 'model.config'"
-    return f"config key 'model.pretrained' ('{pretrained_config_file(cfg)}')"
-
-
-def _check_builds(cfg: Config, dims: dict[str, Any]) -> None:
-    """The architecture builds: on the meta device, so a 33 B model costs no memory and a fraction of a second."""
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    try:
-        with torch.device("meta"):
-            MiniMaxH3Transformer3DModel(**dims)
-    except Exception as exc:  # noqa: BLE001 - any constructor failure is a bad model config
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(
-            f"{_model_source(cfg)} does not build a MiniMaxH3Transformer3DModel ({type(exc).__name__}: {first})"
-        ) from None
-
-
-def _check_dataset(cfg: Config, dims: dict[str, Any], required: bool) -> list[str]:
-    """Each cached dataset of `data.path` is there, lists samples of the task, and its text width is
-    the model's; a list's weights give every dataset at least one draw per epoch.
-
-    Reads each `index.jsonl` and the header of its first sample that trains: the samples of one
-    dataset come from one text encoder, so one header tells the width of all of them.
-    """
-    data = cfg.data
-    if not data_source(cfg).reads_folders:
-        return []
-    specs = dataset_specs(data)
-    sizes, notes = [], []
-    for i, spec in enumerate(specs):
-        size = _check_one_dataset(cfg, dims, dataset_key(specs, i), Path(spec.path))
-        if size is None:
-            if data.create_synthetic:
-                return []  # written at start-up, with the model's text width
-            if required:
-                raise ConfigError(
-                    f"config key '{dataset_key(specs, i)}': no dataset at '{spec.path}' (no {INDEX_NAME}); encode one "
-                    "with 'h3train encode' or write a synthetic one with 'h3train synth'"
-                )
-            planned = f"data.max_rows={data.max_rows}" if data.max_rows else "the longest released clip"
-            notes.append(f"data: no dataset at '{spec.path}' here; planned for {planned}")
-        sizes.append(size)
-    if not notes:
-        epoch_draws(sizes, specs)
-    return notes[:1]
-
-
-def _check_one_dataset(cfg: Config, dims: dict[str, Any], key: str, folder: Path) -> int | None:
-    """The number of samples dataset `folder` (config key `key`) trains, None where it has no index."""
-    index = folder / INDEX_NAME
-    if not index.is_file():
-        return None
-    try:
-        entries = index_entries(folder)
-    except DatasetError as exc:
-        raise DatasetError(f"{exc}; fix the line or rebuild the index with h3train.data.format.write_index") from None
-    if not entries:
-        raise DatasetError(
-            f"dataset '{folder}': '{index}' lists no samples; encode the data with 'h3train encode' "
-            "or rebuild the index with h3train.data.format.write_index"
-        )
-    accepted = TRAINING_TASKS[cfg.task.name].sample_tasks
-    trained = [e for e in entries if e.task in accepted]
-    if not trained:
-        found = {e.task for e in entries}
-        other = "remove it from data.path" if key != "data.path" else f"use a {cfg.task.name} dataset"
-        raise ConfigError(
-            f"config key 'task.name' is '{cfg.task.name}' (it trains {', '.join(accepted)} samples) but dataset "
-            f"'{folder}' ({key}) holds only {', '.join(sorted(found))} samples; use "
-            f"task.name={training_task_for(found)} or {other}"
-        )
-    sample = resolve_in_folder(folder, trained[0].file, f"index '{index}'")
-    width = read_header(sample).specs["prompt_embeds"].shape[-1]
-    text_dim = int(dims["text_dim"])
-    if width != text_dim:
-        raise ConfigError(
-            f"{_model_source(cfg)} gives text_dim={text_dim} but dataset '{folder}' holds prompt embeddings "
-            f"{width} wide (sample '{sample}'); "
-            + (
-                f"set model.config.text_dim={width} or encode the data with the matching text encoder"
-                if cfg.model.config
-                else "encode the data with this model's text encoder, or use the model it was encoded for"
-            )
-        )
-    return len(trained)
+    check(cfg, planning)
+    return check_inputs(cfg, planning)
 
 
 def start_plan(

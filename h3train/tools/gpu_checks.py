@@ -70,7 +70,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from ..config import Config, validate
+from ..config import Config, check_values
 from ..model.dims import model_kwargs
 from ..parallel import averaging
 from ..parallel.shards import local_tensor
@@ -145,7 +145,7 @@ def check_setup(device: torch.device, reduced: bool, seed: int, root: Path) -> C
     return CheckSetup(device, small, dims, clip, dtype, seed, root)
 
 
-def check_config(
+def bench_trainer_config(
     setup: CheckSetup,
     name: str,
     overrides: dict[str, Any],
@@ -163,7 +163,7 @@ def check_config(
         if not hasattr(part, attr):
             raise KeyError(f"no config key {key}")
         setattr(part, attr, value)
-    validate(cfg)
+    check_values(cfg)
     return cfg
 
 
@@ -172,7 +172,7 @@ def _trainer(setup: CheckSetup, name: str, overrides: dict[str, Any]) -> Iterato
     """A built `Trainer` for one check, closed (process group left) afterwards."""
     from ..run.assemble import build_trainer
 
-    trainer = build_trainer(check_config(setup, name, overrides), hooks=[])
+    trainer = build_trainer(bench_trainer_config(setup, name, overrides), hooks=[])
     try:
         yield trainer
     finally:
@@ -558,7 +558,7 @@ def check_block_memory_vs_rehearsal(setup: CheckSetup, res: CheckResult) -> None
     dims = model_kwargs({"num_layers": 1}) if full else {**setup.dims, "num_layers": 1}
     clip = bench.FULL_CLIP if full else setup.clip
     # In bfloat16 on the CPU too: the rehearsal stands in for a GPU run, FSDP2 and its casts included.
-    cfg = check_config(dataclasses.replace(setup, dtype="bfloat16"), res.name, {}, dims=dims, clip=clip)
+    cfg = bench_trainer_config(dataclasses.replace(setup, dtype="bfloat16"), res.name, {}, dims=dims, clip=clip)
     res.numbers.update(hidden_size=dims["hidden_size"], blocks=1)
     if full:
         from ..run.assemble import build_trainer

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ... import plan
-from ...config import Config, LossWeights, TimestepConfig, validate
+from ...config import Config, LossWeights, TimestepConfig, check_values
 from ...errors import ConfigError, did_you_mean
 from ...model.dims import model_kwargs
 from ...objective import make_training_inputs
@@ -155,7 +155,7 @@ def trainer_config(
     cfg.train = dataclasses.replace(cfg.train, steps=1000, grad_accum=1, seed=seed)
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=0, resume="none")
     cfg.logging = dataclasses.replace(cfg.logging, dir=str(log_dir), progress=False)
-    validate(cfg)
+    check_values(cfg)
     return cfg
 
 
