@@ -1,9 +1,10 @@
-"""The parser every command adds its arguments to, with the range each number takes and the check each path
-needs given where the argument is added, and checked once the command line is parsed, before any work.
+"""The parser every command adds its arguments to: the range a number takes and the check a path or a
+file name needs are given where the argument is added, and checked once the command line is parsed,
+before any work.
 
 Each failure is one `ConfigError` line naming the flag, what it holds and what it takes (exit 2); the
-config's own keys are `config.validate`'s. Only the standard library, `config`, `errors` and
-`infra.diskspace` are imported: a bad flag costs no torch import.
+config's own keys are `config.validate`'s. Only the standard library, `errors` and `infra.diskspace`
+are imported: a bad flag costs no torch import.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Range:
     above_zero: bool = False
 
     def check(self, flag: str, value: float) -> None:
+        """`ConfigError` naming `flag` if `value` is not what this range takes."""
         if not math.isfinite(value):
             raise ConfigError(f"{flag} is {value}; it takes a finite number")
         low, high = self.low, self.high
