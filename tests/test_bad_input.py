@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from h3train import cli
 from h3train.cli import main
+from h3train.commands import process
 from h3train.config import load_config
 from h3train.data.manifest import ManifestError, read_manifest
 from h3train.data.synth import write_synthetic_dataset
@@ -111,7 +111,7 @@ def test_a_value_for_a_list_or_section_names_the_key(capsys: pytest.CaptureFixtu
 
 def test_rank_prints_pre_group_errors_once_per_node(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     bad = ["check", str(TINY_FL2VA), "model.config.num_attention_heads=abc"]
-    monkeypatch.setattr(cli, "_SILENT_RANK_GRACE_S", 0.0)
+    monkeypatch.setattr(process, "_SILENT_RANK_GRACE_S", 0.0)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert main(bad) == 2

@@ -57,6 +57,7 @@ def test_a_run_stopped_at_once_leaves_without_waiting_for_its_threads(tmp_path) 
         f"""
         import atexit, pathlib, threading, time
         from h3train import cli
+        from h3train.commands import process
         from h3train.parallel import dims
 
         dims._joined_group = True
@@ -70,7 +71,7 @@ def test_a_run_stopped_at_once_leaves_without_waiting_for_its_threads(tmp_path) 
 
         def main():
             threading.Thread(target=slow_writer).start()
-            cli._INTERRUPTS.left_at_once = True
+            process.CTRL_C.left_at_once = True
             return 130
 
         cli.main = main
@@ -108,7 +109,7 @@ def test_under_torchrun_the_ranks_one_line_is_the_last_line(tmp_path) -> None:
 )
 def test_the_line_is_repeated_only_after_torchruns_last_attempt(monkeypatch, env, repeated) -> None:
     """With restarts left torchrun starts the ranks again: a repeated line would follow their output."""
-    from h3train import cli
+    from h3train.commands import process
 
     for key in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(key, raising=False)
@@ -116,7 +117,7 @@ def test_the_line_is_repeated_only_after_torchruns_last_attempt(monkeypatch, env
         monkeypatch.setenv(key, value)
     started: list[list[str]] = []
     monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kwargs: started.append(cmd))
-    cli._repeat_after_launcher("h3train: error: the reason")
+    process._repeat_after_launcher("h3train: error: the reason")
     assert bool(started) is repeated
     if repeated:
         assert started[0][-3:-1] == [str(os.getppid()), "h3train: error: the reason"]

@@ -500,11 +500,11 @@ def test_an_ema_switched_on_at_resume_starts_from_the_resumed_weights(run_copy, 
 
 
 def test_a_second_ctrl_c_is_noted_in_the_one_record_the_cli_reads() -> None:
-    from h3train import cli
+    from h3train.commands import process
     from h3train.train.events import Interrupts
     from h3train.train.preemption import INTERRUPT, Preemption
 
-    assert Preemption().interrupts is cli._INTERRUPTS.record
+    assert Preemption().interrupts is process.CTRL_C.record
     record, now = Interrupts(), [100.0]
     preempt = Preemption(record, clock=lambda: now[0])
     preempt._handle(signal.SIGINT, None)

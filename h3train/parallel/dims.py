@@ -180,7 +180,8 @@ def _attempt_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"h3train/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
-# Whether this process joined a process group: its gloo worker threads outlive the group's use (`cli.run`).
+# Whether this process joined a process group: its gloo worker threads outlive the group's use
+# (`commands.process.exit_after`).
 _joined_group = False
 
 

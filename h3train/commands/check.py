@@ -1,0 +1,72 @@
+"""`h3train check CONFIG [key=value ...]`: validate a config and its parallel plan; print memory per rank."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .arguments import Parser
+
+NAME = "check"
+HELP = "validate a config and its parallel plan; print memory per rank"
+
+
+def add_arguments(parser: Parser) -> None:
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--world-size", type=int, default=None, at_least=1, help="default: $WORLD_SIZE or 1")
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        at_least=1,
+        help="ranks on one node, for the host memory a node needs (default: $LOCAL_WORLD_SIZE or 8)",
+    )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="also require what training needs here: the model folder and the dataset (launchers use it)",
+    )
+    parser.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="also build the run and take one step at --world-size on a fake process group with fake tensors "
+        "(no GPU, no weights) and print its tracked memory beside the plan",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..model.dims import planned_model_dims
+    from ..parallel.dims import ParallelDims
+    from ..run.preflight import load_checked, preflight
+
+    cfg = load_checked(args.config, args.overrides, planning=not args.strict)
+
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    # Without --strict, what is not on this machine is planned for and named, not required.
+    notes = preflight(cfg, planning=not args.strict)
+    print(f"config ok: {args.config}")
+    for note in notes:
+        print(f"assumed: {note}")
+    print(dims.describe())
+    if cfg.data.source == "cached" and not isinstance(cfg.data.path, str) and not notes:
+        from ..data.mixture import DatasetMixture
+        from ..data.source import build_source
+
+        if isinstance(source := build_source(cfg), DatasetMixture):
+            print(source.describe())
+    from ..plan import dropped_line, estimate, format_plan, refuse_over_plan
+
+    per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "8"))
+    plan = estimate(planned_model_dims(cfg)[0], dims, cfg, ranks_per_node=per_node)
+    dropped = dropped_line(cfg)
+    if dropped:
+        print(dropped)
+    print(format_plan(plan), flush=True)
+    if args.rehearse:
+        from ..tools.rehearse import format_rehearsal, rehearse
+
+        print(format_rehearsal(rehearse(cfg, world)))
+    refuse_over_plan(plan, "cuda", cfg.train.ignore_memory_plan)
+    return 0

@@ -1,0 +1,22 @@
+"""`h3train plot METRICS --out FILE.png`: losses (smoothed), grad_norm and lr from metrics.jsonl."""
+
+from __future__ import annotations
+
+import argparse
+
+from .arguments import Parser, output_file
+
+NAME = "plot"
+HELP = "plot losses (smoothed), grad_norm and lr from metrics.jsonl to a PNG"
+
+
+def add_arguments(parser: Parser) -> None:
+    parser.add_argument("metrics")
+    parser.add_argument("--out", required=True, check=output_file)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..tools.plot import plot_metrics
+
+    print(f"wrote {plot_metrics(args.metrics, args.out)}")
+    return 0
