@@ -38,8 +38,8 @@ from ..conditioning import Reference, ReferenceLatents
 from ..format import CachedSample
 from ..manifest import ManifestEntry
 from ..media import (
-    Clip,
     MediaError,
+    TargetClip,
     fit_audio,
     load_clip,
     load_still,
@@ -317,8 +317,8 @@ def encode_entry(
     start: int = 0,
     max_frames: int | None = None,
     sample_id: str | None = None,
-) -> tuple[CachedSample, Clip]:
-    """Encode one manifest clip into a `CachedSample`; also returns the decoded clip (its canvas, its source).
+) -> tuple[CachedSample, TargetClip]:
+    """Encode one manifest clip into a `CachedSample`; also returns the decoded clip (its canvas, its file).
 
     The sample is the clip's window from 24 fps frame `start`, of at most `max_frames` frames (default
     `settings.max_frames`), with its soundtrack from the same instant; its id `sample_id` (default the
