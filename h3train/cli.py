@@ -208,7 +208,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .errors import UsageError
-    from .render.sources import default_components, default_shape, detect_source
+    from .render.weights import default_components, default_shape, detect_source
 
     # Every check is on names and files, before a model loads.
     source = detect_source(args.source) if args.source is not None else None
