@@ -296,7 +296,7 @@ def test_a_t2va_plan_away_from_the_data_uses_the_released_clip_without_keyframes
             ROOT / "configs" / "h3_fl2va_a100.yaml", [f"task.name={task}", "data.path=/nowhere", "data.max_rows=0"]
         )
         plans[task] = estimate(full_dims, ParallelDims.from_config(cfg.parallel, 64), cfg)
-        assert plans[task].rows_source.startswith(f"longest released {task} clip")
+        assert plans[task].rows_origin.startswith(f"longest released {task} clip")
     geometry = Geometry(*RELEASED_GEOMETRY)
     tags = torch.ones(plans["t2va"].text_rows, dtype=torch.long)
     # The same clip: the t2va layout (no keyframe rows) and the fl2va one (first and last).
