@@ -63,7 +63,8 @@ def released_rows(task_name: str) -> int:
     keyframe rows. Its `RELEASED_TEXT_ROWS` text prefix either way (an upper bound for a prompt alone)."""
     import torch
 
-    from ..tasks.layout import Geometry, build_layout
+    from ..tasks.layout import Geometry
+    from ..tasks.packed import build_layout
     from ..tasks.table import sample_task_of
 
     if not prompt_only_task(task_name):
@@ -201,7 +202,8 @@ def request_rows(cfg: Config) -> int:
 
     from ..data.format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
     from ..render.requests import parse_requests
-    from ..tasks.layout import Geometry, build_layout
+    from ..tasks.layout import Geometry
+    from ..tasks.packed import build_layout
     from ..tasks.table import sample_task_of
 
     tags = torch.ones(RELEASED_TEXT_ROWS, dtype=torch.long)
