@@ -31,7 +31,8 @@ import torch
 from diffusers import MiniMaxH3Scheduler
 
 from .config import CfgConfig, Config, LossWeights, TimestepConfig
-from .tasks.layout import CONDITION_VIDEO_T, REFERENCE_AUDIO_T, Layout, PackedSample, row_timesteps
+from .tasks.layout import CONDITION_VIDEO_T, REFERENCE_AUDIO_T, Layout, row_timesteps
+from .tasks.packed import PackedSample
 
 # The pipeline's forward process. `scale_noise` reads nothing of the scheduler's shift or schedule.
 _FORWARD_PROCESS = MiniMaxH3Scheduler()

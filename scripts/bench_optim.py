@@ -294,7 +294,7 @@ def plan_totals(
                     "kind": kind,
                     "key": key,
                     "rows": plan.rows,
-                    "rows_source": plan.rows_source,
+                    "rows_source": plan.rows_origin,
                     "sharded_state_bytes": plan.sharded_state_bytes,
                     "optimizer_bytes": plan.optimizer_bytes,
                     "total_bytes": plan.total_bytes,

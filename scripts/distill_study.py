@@ -47,8 +47,8 @@ from h3train.data.dataset import CachedDataset  # noqa: E402
 from h3train.data.format import CachedSample, write_index, write_sample  # noqa: E402
 from h3train.data.synth import _presentation_tags  # noqa: E402
 from h3train.objective import compute_loss, make_training_inputs, masked_mse  # noqa: E402
-from h3train.tasks.layout import PackedSample  # noqa: E402
-from h3train.tasks.synthetic import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS  # noqa: E402
+from h3train.tasks.layout import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS  # noqa: E402
+from h3train.tasks.packed import PackedSample  # noqa: E402
 from h3train.train.validation import heldout_generator  # noqa: E402
 
 TINY = yaml.safe_load((ROOT / "configs" / "tiny_fl2va.yaml").read_text())["model"]["config"]

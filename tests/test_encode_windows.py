@@ -115,7 +115,7 @@ def _ids(folder: Path) -> set[str]:
 def test_a_window_decodes_from_the_frame_and_sound_at_its_start(clips: Path) -> None:
     options = {"short_edge": 32, "max_pixels": 32 * 64, "canvas_multiple": 32, "min_frames": 0, "sample_rate": RATE}
     whole = load_clip(clips / "long.mp4", max_frames=10_000, **options)
-    assert whole.source is not None and whole.source.describe() == "64x48 8 fps 12.00 s"
+    assert whole.file is not None and whole.file.describe() == "64x48 8 fps 12.00 s"
     for start in (1, 3, 124, 160, 249):
         window = load_clip(clips / "long.mp4", max_frames=WINDOW, start=start, **options)
         assert window.num_frames == WINDOW

@@ -1,9 +1,10 @@
-"""The extension tables (adapter kinds, optimizer kinds, data sources, attention backends): the config's
-choices are the tables', and a kind registered from outside the package
+"""The extension tables (adapter kinds, optimizer kinds, data sources, attention backends, conditioning
+kinds): the config's choices are the tables', and a kind registered from outside the package
 (a few lines here) trains, resumes and exports like a built-in one.
 
-The outside kinds: rsLoRA (an adapter kind: LoRA with peft's `use_rslora`, output scale `alpha / sqrt(r)`)
-and AMSGrad (an optimizer kind: `torch.optim.AdamW(amsgrad=True)`, a third moment of float32 state).
+The outside kinds: rsLoRA (an adapter kind: LoRA with peft's `use_rslora`, output scale `alpha / sqrt(r)`),
+AMSGrad (an optimizer kind: `torch.optim.AdamW(amsgrad=True)`, a third moment of float32 state) and a
+first-frame conditioning kind (its own field, laid out and encoded by the entry's builder and recipe).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -29,6 +31,8 @@ from h3train.model.dims import model_dims
 from h3train.ops import attention
 from h3train.optim import kinds as optim
 from h3train.plan import checkpoint_bytes
+from h3train.tasks import conditioning
+from h3train.tasks import table as task_table
 
 from reference import (
     ROOT,
@@ -195,15 +199,67 @@ def test_outside_adapter_kind_exports_what_it_trained(registered, trained: Path,
 def test_every_conditioning_kind_has_its_task_encoder_and_request_field() -> None:
     """The conditioning kinds, the sample tasks that take them, the encoder's recipes and the request fields agree."""
     from h3train.config.schema import SAMPLE_FIELDS
-    from h3train.data.conditioning import CONDITIONING_KINDS
-    from h3train.data.encode.clip import CONDITIONING_ENCODERS
+    from h3train.data.encode.clip import conditioning_recipe
     from h3train.data.manifest import ManifestEntry
     from h3train.render.requests import SampleRequest
+    from h3train.tasks.conditioning import CONDITIONING_KINDS
     from h3train.tasks.table import SAMPLE_TASKS
 
     taken = {t.conditioning for t in SAMPLE_TASKS.values()} - {None}
-    assert set(CONDITIONING_KINDS) == taken == set(CONDITIONING_ENCODERS)
+    assert set(CONDITIONING_KINDS) == taken
     assert set(CONDITIONING_KINDS) <= set(SAMPLE_FIELDS)
     for name, kind in CONDITIONING_KINDS.items():
         assert kind.field == name and SAMPLE_TASKS[kind.sample_task].conditioning == name
         assert name in ManifestEntry.__dataclass_fields__ and name in SampleRequest.__dataclass_fields__
+        assert conditioning_recipe(kind).__module__ == "h3train.data.encode.clip"
+
+
+# -- an outside conditioning kind: the clip's own first frame under a field of its own -----------------
+
+
+class FirstFrameKind(conditioning.KeyframesKind):
+    field = "first_frame"
+    encoder = f"{__name__}:encode_first_frame"
+
+    def __init__(self) -> None:
+        self.layouts = 0
+
+    def build_layout(self, text_token_tags: torch.Tensor, geometry: Any, fields: Any, patch_size: Any) -> Any:
+        self.layouts += 1
+        return super().build_layout(text_token_tags, geometry, fields, patch_size)
+
+
+def encode_first_frame(pipe: Any, entry: Any, settings: Any, frames: Any) -> tuple[dict[str, Any], str]:
+    return {"keyframe_anchors": ("first",), "keyframes": (frames[:1],)}, f"prompts of a {entry.task} clip"
+
+
+@pytest.fixture
+def first_frame() -> Iterator[FirstFrameKind]:
+    """The outside kind and a sample task taking it, for one test; the tables as they were afterwards."""
+    saved = dict(conditioning.CONDITIONING_KINDS), dict(task_table.SAMPLE_TASKS)
+    kind = conditioning.register_conditioning_kind(FirstFrameKind())
+    task_table.SAMPLE_TASKS["ff2va"] = task_table.SampleTask(
+        "ff2va", "transformer", "MiniMaxH3FL2VACoreDenoiseStep", kind.field
+    )
+    yield kind
+    for live, before in zip((conditioning.CONDITIONING_KINDS, task_table.SAMPLE_TASKS), saved, strict=True):
+        live.clear()
+        live.update(before)
+
+
+def test_an_outside_conditioning_kind_is_one_registration(first_frame: FirstFrameKind) -> None:
+    """Its sample task is laid out by its builder and encoded by its recipe, which the entry names."""
+    from h3train.data.encode.clip import encode_conditioning
+    from h3train.tasks.layout import Geometry
+    from h3train.tasks.packed import build_layout
+
+    assert conditioning.conditioning_of("ff2va") is first_frame and first_frame.sample_task == "ff2va"
+    tags, geometry = torch.ones(7, dtype=torch.long), Geometry(7, 4, 6, 10)
+    layout = build_layout("ff2va", tags, geometry, ("first",))
+    assert first_frame.layouts == 1
+    assert torch.equal(layout.position_ids, build_layout("fl2va", tags, geometry, ("first",)).position_ids)
+    frames = torch.zeros(5, 8, 8, 3)
+    fields, prompts = encode_conditioning(None, SimpleNamespace(task="ff2va"), None, frames)
+    assert fields["keyframe_anchors"] == ("first",) and prompts == "prompts of a ff2va clip"
+    with pytest.raises(ValueError, match="conditioning kind 'first_frame' is already registered"):
+        conditioning.register_conditioning_kind(FirstFrameKind())

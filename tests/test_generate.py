@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from h3train.cli import main
 from h3train.data.components import write_tiny_components
 from h3train.render.side_by_side import bar_height, halves
-from h3train.render.sources import detect_source
+from h3train.render.weights import detect_source
 from h3train.run import generate as generate_module
 from h3train.run.generate import TRACK_TITLES, Generator, Rendered, read_requests, request_partition
 

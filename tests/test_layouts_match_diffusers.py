@@ -28,10 +28,11 @@ from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import (
 )
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
 
-from h3train.data.conditioning import ReferenceLatents
 from h3train.data.format import CachedSample, read_sample, write_sample
 from h3train.data.synth import synthetic_sample
-from h3train.tasks.layout import PackedSample, row_timesteps
+from h3train.tasks.conditioning import ReferenceLatents
+from h3train.tasks.layout import row_timesteps
+from h3train.tasks.packed import PackedSample
 
 VAE_SCALE = 16
 NUM_STEPS = 6

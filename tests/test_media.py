@@ -64,8 +64,8 @@ def test_a_clip_of_exactly_min_seconds_is_kept_at_any_frame_rate(fps: int, tmp_p
     path = write_video(tmp_path / f"five_{fps}.mp4", moving_pattern(5 * fps, 32, 48, fps), fps)
     clip = _clip(path, min_frames=EncodeSettings().min_frames, max_frames=EncodeSettings().max_frames)
     assert clip.num_frames == 107  # 5.00 s at 24 fps is 120 frames: the largest 17 n + 5 within it
-    assert clip.source is not None and clip.source.frames == 5 * fps and clip.source.fps == fps
-    assert clip.source.describe() == f"48x32 {fps} fps 5.00 s"
+    assert clip.file is not None and clip.file.frames == 5 * fps and clip.file.fps == fps
+    assert clip.file.describe() == f"48x32 {fps} fps 5.00 s"
 
 
 def test_a_too_short_clip_is_named_in_its_own_frames_and_rate(tmp_path: Path) -> None:

@@ -288,7 +288,8 @@ def test_estimate_uses_the_longest_cached_sample(tmp_path: Path) -> None:
 def test_a_t2va_plan_away_from_the_data_uses_the_released_clip_without_keyframes(full_dims: dict) -> None:
     from h3train.parallel.dims import ParallelDims
     from h3train.plan.inputs import RELEASED_GEOMETRY
-    from h3train.tasks.layout import Geometry, build_layout
+    from h3train.tasks.layout import Geometry
+    from h3train.tasks.packed import build_layout
 
     plans = {}
     for task in ("fl2va", "t2va"):
@@ -296,7 +297,7 @@ def test_a_t2va_plan_away_from_the_data_uses_the_released_clip_without_keyframes
             ROOT / "configs" / "h3_fl2va_a100.yaml", [f"task.name={task}", "data.path=/nowhere", "data.max_rows=0"]
         )
         plans[task] = estimate(full_dims, ParallelDims.from_config(cfg.parallel, 64), cfg)
-        assert plans[task].rows_source.startswith(f"longest released {task} clip")
+        assert plans[task].rows_origin.startswith(f"longest released {task} clip")
     geometry = Geometry(*RELEASED_GEOMETRY)
     tags = torch.ones(plans["t2va"].text_rows, dtype=torch.long)
     # The same clip: the t2va layout (no keyframe rows) and the fl2va one (first and last).

@@ -123,7 +123,7 @@ def test_max_rows_drops_longer_samples_and_bounds_the_plan(tmp_path: Path) -> No
     # Away from the data the bound is the longest sample, not the released clip.
     cfg.data.path = str(tmp_path / "elsewhere")
     plan = estimate(model_dims(cfg), mesh, cfg)
-    assert plan.rows == bound and plan.rows_source.startswith("data.max_rows")
+    assert plan.rows == bound and plan.rows_origin.startswith("data.max_rows")
     cfg.data.max_rows = 0
     assert estimate(model_dims(cfg), mesh, cfg).rows == RELEASED_MAX_ROWS
     with pytest.raises(ConfigError, match="data.max_rows"):

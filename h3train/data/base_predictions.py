@@ -30,8 +30,7 @@ from safetensors import safe_open
 from ..errors import SampleError
 from ..infra.atomic import atomic_save_file, atomic_write_text
 from ..infra.digest import ALGORITHM, digest_bytes, digest_file, digest_tensor
-from ..tasks.layout import PATCH_SIZE, Geometry
-from ..tasks.synthetic import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
+from ..tasks.layout import AUDIO_LATENT_CHANNELS, PATCH_SIZE, VIDEO_LATENT_CHANNELS, Geometry
 
 FOLDER = "base_predictions"
 # Floats per target row: a video row is a (1, 2, 2) patch of 24 latent channels, an audio row 32 wide.

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ..tasks.layout import PackedSample
+from ..tasks.packed import PackedSample
 from ..tasks.table import TRAINING_TASKS
 from .format import INDEX_NAME, DatasetError, IndexEntry, SampleError, read_index, read_sample, resolve_in_folder
 

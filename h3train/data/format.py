@@ -46,15 +46,16 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
 from ..errors import DatasetError, SampleError
 from ..infra.atomic import atomic_save_file, atomic_write_text
 from ..infra.digest import ALGORITHM, digest_bytes, digest_tensor
+from ..tasks.conditioning import CONDITIONING_KINDS, ReferenceLatents, merged
 from ..tasks.layout import (
     AUDIO_CHANNELS,
+    AUDIO_LATENT_CHANNELS,
+    VIDEO_LATENT_CHANNELS,
     Geometry,
-    PackedSample,
     audio_latents_to_rows,
-    build_layout,
     video_latents_to_rows,
 )
-from ..tasks.synthetic import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
+from ..tasks.packed import PackedSample, build_layout
 from ..tasks.table import (
     FRAME_RULE,
     SAMPLE_TASKS,
@@ -62,7 +63,6 @@ from ..tasks.table import (
     VAE_LATENTS_PER_CHUNK,
     is_frame_count,
 )
-from .conditioning import CONDITIONING_KINDS, ReferenceLatents, merged
 
 FORMAT_VERSION = 1
 METADATA_KEY = "h3train"

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, did_you_mean
+from ..tasks.conditioning import CONDITIONING_KINDS, Keyframe, Reference
 from ..tasks.table import SAMPLE_TASKS, sample_task_of
-from .conditioning import CONDITIONING_KINDS, Keyframe, Reference
 
 DEFAULT_NEGATIVE_PROMPT = " "
 _KEYS = {"video", "prompt", "task", "negative_prompt", "id", *CONDITIONING_KINDS}

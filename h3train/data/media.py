@@ -53,7 +53,7 @@ class ClipTooShort(MediaError):
 
 
 @dataclass(frozen=True)
-class Source:
+class MediaFile:
     """What a target clip's file holds, as far as it was decoded.
 
     `width` x `height` upright pixels at `fps`; `frames` decoded from the file's first frame, which is
@@ -82,18 +82,18 @@ class Source:
 
 
 @dataclass
-class Clip:
+class TargetClip:
     """A target clip on H3's geometry.
 
     frames `[T, H, W, 3]` uint8 at 24 fps on the canvas, `T = 17 n + 5`; audio `[2, N]` float32 at
-    `sample_rate` covering the clip from its start (None when the file has no audio track); `source`:
-    what the file held.
+    `sample_rate` covering the clip from its start (None when the file has no audio track); `file`: what
+    the file held.
     """
 
     frames: np.ndarray
     audio: torch.Tensor | None
     sample_rate: int
-    source: Source | None = None
+    file: MediaFile | None = None
 
     @property
     def num_frames(self) -> int:
@@ -190,7 +190,7 @@ def load_clip(
     max_frames: int,
     sample_rate: int,
     start: int = 0,
-) -> Clip:
+) -> TargetClip:
     """Decode a target clip onto 24 fps and its canvas, and its soundtrack onto `sample_rate` stereo.
 
     The canvas comes from the clip's own aspect ratio (upright; a non-square pixel aspect ratio is not
@@ -228,18 +228,18 @@ def load_clip(
         # Source index (within `frames`) of every 24 fps slot from `start` on: the whole clip's slots, cut.
         slots = fps_slots(decoded, fps)[start:] - first
         total = decoded if complete else _header_frames(container, stream, fps)
-        source = Source(size[0], size[1], fps, decoded, complete, len(slots), None if total is None else total / fps)
+        file = MediaFile(size[0], size[1], fps, decoded, complete, len(slots), None if total is None else total / fps)
         try:
             num_frames = aligned_frame_count(len(slots), min_frames, max_frames)
         except ClipTooShort as exc:
             # Said in the file's own frames and rate: that is what its owner knows about it.
             raise ClipTooShort(
-                f"clip too short: {source.frames} frames at {fps:g} fps ({source.seconds:.2f} s); the shortest kept "
+                f"clip too short: {file.frames} frames at {fps:g} fps ({file.seconds:.2f} s); the shortest kept "
                 f"is {exc.shortest / FPS:.2f} s",
                 exc.shortest,
             ) from None
         audio = _soundtrack(path, container, sample_rate, num_frames / FPS, start / FPS)
-    return Clip(np.stack([frames[i] for i in slots[:num_frames]]), audio, sample_rate, source)
+    return TargetClip(np.stack([frames[i] for i in slots[:num_frames]]), audio, sample_rate, file)
 
 
 def source_frame_at(slot: int, fps: float) -> int:

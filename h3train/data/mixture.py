@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from ..config import DatasetSpec
 from ..errors import ConfigError
-from ..tasks.layout import PackedSample
+from ..tasks.packed import PackedSample
 from .dataset import CachedDataset
 
 # The sampler holds an epoch's order in memory (8 bytes a draw, two epochs at a time).

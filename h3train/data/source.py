@@ -26,7 +26,7 @@ import torch
 
 from ..config import Config, dataset_specs, register_entry
 from ..errors import ConfigError
-from ..tasks.layout import PackedSample
+from ..tasks.packed import PackedSample
 from .prefetch import MicroBatchPosition, Prefetcher, micro_batch_positions
 from .sampler import DistributedSampler
 
@@ -104,7 +104,8 @@ class SyntheticData(DataSource):
         return Counter({made: cfg.data.synthetic.num_samples})
 
     def longest(self, cfg: Config) -> tuple[int, int, str] | None:
-        from ..tasks.layout import Geometry, build_layout
+        from ..tasks.layout import Geometry
+        from ..tasks.packed import build_layout
         from ..tasks.synthetic import synthetic_anchors
         from ..tasks.table import sample_task_of
 

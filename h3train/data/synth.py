@@ -27,9 +27,9 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     video_latent_num_frames,
 )
 
-from ..tasks.synthetic import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
-from ..tasks.table import SAMPLE_TASKS, TRAINING_TASKS, sample_task_of
-from .conditioning import ReferenceLatents
+from ..tasks.conditioning import ReferenceLatents, ReferencesKind, conditioning_of
+from ..tasks.layout import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
+from ..tasks.table import TRAINING_TASKS, sample_task_of
 from .format import (
     INDEX_NAME,
     SAMPLE_SUFFIX,
@@ -112,14 +112,16 @@ def _anchor_cycle(trained: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
 def synthetic_sample(task: str, i: int, seed: int, text_dim: int) -> CachedSample:
     """Sample `i` of a synthetic dataset of `task` (a `task.name`), one of the sample tasks it trains.
 
-    The layouts of those tasks (`packed` for t2va / fl2va, `ref2va`) take turns, in table order.
+    The layouts of those tasks (diffusers' packed one for t2va / fl2va, the ref2va one) take turns, in
+    table order.
     """
     rng = random.Random(seed * 1_000_003 + i)
     g = torch.Generator().manual_seed(seed * 1_000_003 + i)
     trained = TRAINING_TASKS[task].sample_tasks
-    layouts = tuple(dict.fromkeys(SAMPLE_TASKS[t].layout for t in trained))
-    layout = layouts[i % len(layouts)]
-    turn = i // len(layouts)
+    # Whether a turn's sample has references: t2va and fl2va samples share the packed layout's turns.
+    turns = tuple(dict.fromkeys(isinstance(conditioning_of(t), ReferencesKind) for t in trained))
+    with_references = turns[i % len(turns)]
+    turn = i // len(turns)
 
     num_frames = rng.choice(PIXEL_FRAMES)
     frames = video_latent_num_frames(num_frames, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK)
@@ -131,15 +133,15 @@ def synthetic_sample(task: str, i: int, seed: int, text_dim: int) -> CachedSampl
 
     anchors: tuple[str, ...] = ()
     references: tuple[ReferenceLatents, ...] = ()
-    if layout == "packed":
+    if with_references:
+        plan = REFERENCE_CYCLE[turn % len(REFERENCE_CYCLE)]
+        references = tuple(_reference(kind, with_sound, num_frames, rng, g) for kind, with_sound in plan)
+        blocks = _reference_blocks(references)
+    else:
         cycle = _anchor_cycle(trained)
         anchors = cycle[turn % len(cycle)]
         # "<Picture i>: " and a vision block per keyframe.
         blocks = [1] * len(anchors)
-    else:
-        plan = REFERENCE_CYCLE[turn % len(REFERENCE_CYCLE)]
-        references = tuple(_reference(kind, with_sound, num_frames, rng, g) for kind, with_sound in plan)
-        blocks = _reference_blocks(references)
     # Keyframe latents are the target's own first / last latent frame, as when encoded from the clip.
     frame_of = {"first": 0, "last": frames - 1}
     keyframes = tuple(video[:, frame_of[a] : frame_of[a] + 1] for a in anchors)

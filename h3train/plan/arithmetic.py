@@ -99,7 +99,7 @@ class MemoryPlan:
     reserve_bytes: int
     device_bytes: int
     # Where `rows` came from, for the printout.
-    rows_source: str = ""
+    rows_origin: str = ""
     # Host memory of the components that render `validation.samples` (not on the device), for the printout.
     render_line: str = ""
     # The base's stored held-out predictions (`validation.retention`), for the printout.
@@ -529,7 +529,7 @@ def plan_memory(
     rows: int,
     device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
     reserve_gib: float = DEFAULT_RESERVE_GIB,
-    rows_source: str = "",
+    rows_origin: str = "",
     lora: AdapterCounts | None = None,
     cpu_offload: bool = False,
     checkpointed_layers: int | None = None,
@@ -626,7 +626,7 @@ def plan_memory(
         activation_bytes=activations,
         reserve_bytes=int(reserve_gib * GIB),
         device_bytes=int(device_memory_gib * GIB),
-        rows_source=rows_source,
+        rows_origin=rows_origin,
         lora=lora,
         cpu_offload=cpu_offload,
         checkpointed_layers=checkpointed_layers,

@@ -63,7 +63,8 @@ def released_rows(task_name: str) -> int:
     keyframe rows. Its `RELEASED_TEXT_ROWS` text prefix either way (an upper bound for a prompt alone)."""
     import torch
 
-    from ..tasks.layout import Geometry, build_layout
+    from ..tasks.layout import Geometry
+    from ..tasks.packed import build_layout
     from ..tasks.table import sample_task_of
 
     if not prompt_only_task(task_name):
@@ -131,9 +132,9 @@ def estimate(
     `checkpoint.async_save` stages each save in (`staging_bytes`) and, with `ranks_per_node` (at most
     the world size), the host memory of a node.
     """
-    rows_source = "given"
+    rows_origin = "given"
     if rows is None:
-        rows, found_text, rows_source = config_sample_rows(cfg)
+        rows, found_text, rows_origin = config_sample_rows(cfg)
         text_rows = found_text if text_rows is None else text_rows
     elif text_rows is None:
         text_rows = config_sample_rows(cfg)[1]
@@ -147,7 +148,7 @@ def estimate(
         activation_checkpointing=cfg.model.activation_checkpointing,
         rows=rows,
         device_memory_gib=device_memory_gib,
-        rows_source=rows_source,
+        rows_origin=rows_origin,
         lora=lora,
         cpu_offload=cfg.parallel.cpu_offload,
         checkpointed_layers=checkpointed_layers(cfg, _dim(dims, "num_layers")),
@@ -201,7 +202,8 @@ def request_rows(cfg: Config) -> int:
 
     from ..data.format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
     from ..render.requests import parse_requests
-    from ..tasks.layout import Geometry, build_layout
+    from ..tasks.layout import Geometry
+    from ..tasks.packed import build_layout
     from ..tasks.table import sample_task_of
 
     tags = torch.ones(RELEASED_TEXT_ROWS, dtype=torch.long)
@@ -345,6 +347,6 @@ def refuse_over_plan(plan: MemoryPlan, device_type: str, ignored: bool) -> None:
     fix = fixes(plan)
     raise ConfigError(
         f"the memory plan needs {plan.peak_bytes / GIB:.2f} GiB per rank of the device's "
-        f"{plan.device_bytes / GIB:.0f} GiB for {plan.rows:,} rows ({plan.rows_source}): {fix}; "
+        f"{plan.device_bytes / GIB:.0f} GiB for {plan.rows:,} rows ({plan.rows_origin}): {fix}; "
         "or set train.ignore_memory_plan=true to start anyway"
     )

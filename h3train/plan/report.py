@@ -114,7 +114,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"parameters    {p.total:,} total ({_count(p.total)}); {plan.params_per_rank:,} per rank",
         f"              {p.num_layers} blocks x {p.block:,} (AdaLN {p.block_adaln:,}), "
         f"{p.num_refiner_layers} refiner x {p.refiner_block:,}, other {p.other:,}",
-        f"sequence      {plan.rows:,} rows{f' ({plan.rows_source})' if plan.rows_source else ''}, "
+        f"sequence      {plan.rows:,} rows{f' ({plan.rows_origin})' if plan.rows_origin else ''}, "
         f"{plan.local_rows:,} per rank",
         f"batch         {plan.global_batch:,} samples per optimizer step (dp {plan.dp_replicate * plan.dp_shard} x "
         f"grad_accum {plan.grad_accum}), {plan.dp_replicate * plan.dp_shard} per micro-batch",

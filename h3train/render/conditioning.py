@@ -27,7 +27,6 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from ..data.conditioning import ReferenceLatents, conditioning_of, merged
 from ..data.encode.clip import (
     ENCODER_VERSION,
     EncodeSettings,
@@ -36,6 +35,7 @@ from ..data.encode.clip import (
     encode_conditioning,
 )
 from ..infra.atomic import atomic_save_file
+from ..tasks.conditioning import ReferenceLatents, conditioning_of, merged
 from .requests import SampleRequest
 
 CACHE_KEY = "h3train_request"

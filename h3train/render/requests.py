@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import SAMPLES_KEY as KEY
 from ..config import sample_key as _where
-from ..data.conditioning import CONDITIONING_KINDS, Keyframe, Reference
 from ..data.manifest import ManifestEntry, MediaPath
 from ..errors import ConfigError, one_of
+from ..tasks.conditioning import CONDITIONING_KINDS, Keyframe, Reference
 from ..tasks.table import (
     FRAME_RULE,
     PARTITIONS,

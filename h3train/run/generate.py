@@ -1,6 +1,6 @@
 """`h3train generate`: render prompts with a trained result, alone or beside its base (`--compare`).
 
-The SOURCE (`sources.py`) is loaded onto the base of a pipeline folder (`--components`): a LoRA file
+The SOURCE (`render/weights.py`) is loaded onto the base of a pipeline folder (`--components`): a LoRA file
 through diffusers' own loader (`MiniMaxH3LoraLoaderMixin.load_lora_weights`, which converts the ComfyUI
 format on load), a transformer folder with `from_pretrained`; a run or checkpoint is first exported
 into a temporary folder (`export_checkpoint`) and loaded as that export. Without SOURCE the base alone
@@ -46,7 +46,7 @@ from ..config import SAMPLE_FIELDS, SampleRequestConfig
 from ..errors import ConfigError, UsageError
 from ..infra.quiet import diffusers_log_level
 from ..render.requests import SampleRequest, parse_request
-from ..render.sources import Source
+from ..render.weights import WeightsSource
 from ..tasks.table import partition_tasks
 from ..train.validation import MODALITIES, guidance_retention, guidance_sums
 
@@ -111,7 +111,7 @@ def _unique(requests: list[SampleRequest], where) -> list[SampleRequest]:
     return requests
 
 
-def request_partition(source: Source | None, requests: list[SampleRequest]) -> str:
+def request_partition(source: WeightsSource | None, requests: list[SampleRequest]) -> str:
     """The partition every request renders with: the source's, else the one the requests' tasks share."""
     from ..tasks.table import PARTITIONS
 
@@ -199,7 +199,7 @@ class Generator:
 
     def __init__(
         self,
-        source: Source | None,
+        source: WeightsSource | None,
         components: Path,
         partition: str,
         device: torch.device,
@@ -238,7 +238,7 @@ class Generator:
         )
         return model.to(self.device).eval().requires_grad_(False)
 
-    def _load(self, source: Source, tmp: Path) -> torch.nn.Module:
+    def _load(self, source: WeightsSource, tmp: Path) -> torch.nn.Module:
         """The model SOURCE makes, on the base; a LoRA file is loaded once the pipeline exists (`lora_file`)."""
         if source.kind in ("run", "checkpoint"):
             source = _exported(source, tmp)
@@ -329,7 +329,7 @@ class Generator:
         return frames, audio, rate, guide
 
 
-def _exported(source: Source, tmp: Path) -> Source:
+def _exported(source: WeightsSource, tmp: Path) -> WeightsSource:
     """A run's or checkpoint's export, in `tmp`: a diffusers LoRA file, or a transformer folder (a full
     fine-tune; a LoRA on a random base, merged into the base it rebuilds)."""
     from ..checkpoint import read_trainer_state
@@ -341,7 +341,7 @@ def _exported(source: Source, tmp: Path) -> Source:
     merge = state.get("lora") is not None and (read_record(state) or {}).get("kind") == "random"
     summary = export_checkpoint(source.checkpoint, tmp / "export", merge=merge)
     kind = "lora" if summary.path.is_file() else "transformer"
-    return Source(kind, summary.path, partition=summary.partition)
+    return WeightsSource(kind, summary.path, partition=summary.partition)
 
 
 # -- the command -------------------------------------------------------------------------------------
@@ -375,7 +375,7 @@ def guidance_line(rendered: Rendered) -> str:
 
 
 def generate(
-    source: Source | None,
+    source: WeightsSource | None,
     components: Path,
     requests: list[SampleRequest],
     out: Path,
@@ -416,7 +416,7 @@ def generate(
     return written
 
 
-def announce(source: Source | None, components: Path, requests: int, steps: int, compare: bool) -> str:
+def announce(source: WeightsSource | None, components: Path, requests: int, steps: int, compare: bool) -> str:
     """The line printed before the models load."""
     what = "the base" if source is None else f"{source.kind} '{source.path}'"
     if source is not None and source.chosen is not None:

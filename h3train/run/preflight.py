@@ -63,7 +63,7 @@ def start_plan(
     plan = estimate(planned_model_dims(cfg)[0], dims, cfg, device_memory_gib=device_memory_gib)
     if int(os.environ.get("RANK", "0")) == 0:
         dropped = dropped_line(cfg)
-        print(f"memory plan: {summary(plan)} ({plan.rows_source})", flush=True)
+        print(f"memory plan: {summary(plan)} ({plan.rows_origin})", flush=True)
         if dropped:
             print(dropped, flush=True)
     refuse_over_plan(plan, device_kind, cfg.train.ignore_memory_plan)

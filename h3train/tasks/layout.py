@@ -1,18 +1,19 @@
-"""One training sample as the model consumes it, and its packed layout.
+"""The packed layout: its geometry, its rows' conventions and diffusers' two layout builders.
 
-The layout is always built by diffusers' own builders (`MiniMaxH3PrepareLayoutStep.build_packed_sequence`
-for t2va / fl2va, `MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence` for ref2va), so a
-fine-tune sees exactly the sequences inference builds:
+The layout is always built by diffusers' own builders (`packed_layout`: `MiniMaxH3PrepareLayoutStep.
+build_packed_sequence`, for t2va / fl2va; `ref2va_layout`: `MiniMaxH3Ref2VAPrepareLayoutStep.
+build_ref2va_packed_sequence`), so a fine-tune sees exactly the sequences inference builds:
 
     [text | conditioning rows | target audio | target video]
 
 Row conventions (diffusers'): video rows are `patchify_video_latents` rows, conditioning rows first;
 audio rows are stereo channel-major (all left latents, then all right), reference rows first.
+Which builder a sample task's layout takes is its conditioning kind's (`tasks/conditioning.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -29,12 +30,13 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     MiniMaxH3ModularPipeline,
 )
 
-from .table import SAMPLE_TASKS
-
 PATCH_SIZE: tuple[int, int, int] = (1, 2, 2)
 AUDIO_CHANNELS: int = MINIMAX_H3_AUDIO_CHANNELS
 VIDEO_TAG: int = MINIMAX_H3_VIDEO_TAG
 AUDIO_TAG: int = MINIMAX_H3_AUDIO_TAG
+# Latent channels of H3's VAEs: video latents are [24, F, H, W], audio latents [2 (stereo), 32, F_a].
+VIDEO_LATENT_CHANNELS: int = 24
+AUDIO_LATENT_CHANNELS: int = 32
 
 
 def _pipeline_constant(name: str) -> float:
@@ -131,18 +133,16 @@ def row_timesteps(layout: Layout, video_t: float, audio_t: float) -> tuple[torch
     )
 
 
-def build_layout(
-    task: str,
+def packed_layout(
     text_token_tags: torch.Tensor,
     geometry: Geometry,
     keyframe_anchors: tuple[str, ...] = (),
-    references: tuple[ReferenceSpec, ...] = (),
     patch_size: tuple[int, int, int] = PATCH_SIZE,
 ) -> Layout:
-    """Build the packed layout with the diffusers builder of `task` (a `SAMPLE_TASKS` name: its `layout`)."""
-    builder = SAMPLE_TASKS[task].layout if task in SAMPLE_TASKS else None
-    if builder == "packed":
-        out = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+    """The t2va / fl2va layout (`build_packed_sequence`): text, the keyframes' rows in `keyframe_anchors`
+    order (none for t2va), target audio, target video."""
+    return Layout(
+        *MiniMaxH3PrepareLayoutStep.build_packed_sequence(
             text_token_tags,
             geometry.num_latent_frames,
             geometry.latent_height,
@@ -154,19 +154,28 @@ def build_layout(
             VIDEO_TAG,
             tuple(keyframe_anchors),
         )
-    elif builder == "ref2va":
-        # The builder reads only `.kind` / `.has_audio` of a reference and the shapes of the latents,
-        # so shape-only meta tensors stand in for them.
-        refs = [SimpleNamespace(kind=r.kind, has_audio=r.has_audio) for r in references]
-        visual = [
-            torch.empty(1, 1, r.latent_frames, r.latent_height, r.latent_width, device="meta")
-            for r in references
-            if r.is_visual
-        ]
-        audio = [
-            torch.empty(r.num_audio_latents * AUDIO_CHANNELS, 1, device="meta") for r in references if r.carries_audio
-        ]
-        out = MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
+    )
+
+
+def ref2va_layout(
+    text_token_tags: torch.Tensor,
+    geometry: Geometry,
+    references: tuple[ReferenceSpec, ...],
+    patch_size: tuple[int, int, int] = PATCH_SIZE,
+) -> Layout:
+    """The ref2va layout (`build_ref2va_packed_sequence`): text, the references' rows in request order,
+    target audio, target video."""
+    # The builder reads only `.kind` / `.has_audio` of a reference and the shapes of the latents,
+    # so shape-only meta tensors stand in for them.
+    refs = [SimpleNamespace(kind=r.kind, has_audio=r.has_audio) for r in references]
+    visual = [
+        torch.empty(1, 1, r.latent_frames, r.latent_height, r.latent_width, device="meta")
+        for r in references
+        if r.is_visual
+    ]
+    audio = [torch.empty(r.num_audio_latents * AUDIO_CHANNELS, 1, device="meta") for r in references if r.carries_audio]
+    return Layout(
+        *MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
             text_token_tags,
             refs,
             visual,
@@ -180,9 +189,7 @@ def build_layout(
             AUDIO_TAG,
             VIDEO_TAG,
         )
-    else:
-        raise ValueError(f"unknown task {task!r}; expected one of {tuple(SAMPLE_TASKS)}")
-    return Layout(*out)
+    )
 
 
 def audio_latents_to_rows(latents: torch.Tensor) -> torch.Tensor:
@@ -195,58 +202,3 @@ def audio_latents_to_rows(latents: torch.Tensor) -> torch.Tensor:
 def video_latents_to_rows(latents: torch.Tensor, patch_size: tuple[int, int, int] = PATCH_SIZE) -> torch.Tensor:
     """`[C, F, H, W]` latents -> `[F*H*W/4, C*4]` rows (diffusers' `patchify_video_latents`)."""
     return patchify_video_latents(latents[None], patch_size)
-
-
-@dataclass
-class PackedSample:
-    """One training sample before noising.
-
-    video_rows `[N_v, 24 * 4]`: clean conditioning rows (keyframes / visual references), then clean
-    target rows. audio_rows `[N_a, 32]`: clean reference rows, then target rows (zeros when the clip
-    has no sound; `has_audio = False` then zeroes the audio loss). prompt_embeds `[L, D]` with
-    text_token_tags `[L]` (vision tokens tagged 0); the negative pair is for CFG: the prompt " " as
-    text only, and optionally with the conditioning's vision blocks kept (`negative_visual_*`).
-    """
-
-    sample_id: str
-    task: str
-    geometry: Geometry
-    video_rows: torch.Tensor
-    audio_rows: torch.Tensor
-    prompt_embeds: torch.Tensor
-    text_token_tags: torch.Tensor
-    has_audio: bool = True
-    keyframe_anchors: tuple[str, ...] = ()
-    references: tuple[ReferenceSpec, ...] = ()
-    negative_prompt_embeds: torch.Tensor | None = None
-    negative_text_token_tags: torch.Tensor | None = None
-    negative_visual_prompt_embeds: torch.Tensor | None = None
-    negative_visual_text_token_tags: torch.Tensor | None = None
-    layout: Layout = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.layout = self.layout_for(self.text_token_tags)
-        nv, na = self.layout.video_indices.numel(), self.layout.audio_indices.numel()
-        for kind, rows, expected in (("video", self.video_rows, nv), ("audio", self.audio_rows, na)):
-            if rows.shape[0] != expected:
-                raise ValueError(f"sample {self.sample_id}: {rows.shape[0]} {kind} rows, layout has {expected}")
-
-    def layout_for(self, text_token_tags: torch.Tensor) -> Layout:
-        """The layout of this sample under another text prefix (the negative prompt for CFG)."""
-        return build_layout(self.task, text_token_tags, self.geometry, self.keyframe_anchors, self.references)
-
-    def meta(self) -> dict:
-        """Task and geometry: everything needed to rebuild the layout."""
-        return {
-            "sample_id": self.sample_id,
-            "task": self.task,
-            "num_latent_frames": self.geometry.num_latent_frames,
-            "latent_height": self.geometry.latent_height,
-            "latent_width": self.geometry.latent_width,
-            "num_audio_latents": self.geometry.num_audio_latents,
-            "has_audio": self.has_audio,
-            "keyframe_anchors": list(self.keyframe_anchors),
-            "references": [asdict(r) for r in self.references],
-            "text_len": int(self.text_token_tags.numel()),
-            "seq_len": self.layout.seq_len,
-        }

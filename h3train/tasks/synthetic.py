@@ -15,12 +15,15 @@ import torch
 
 from ..config import SyntheticDataConfig
 from ..errors import ConfigError
-from .layout import Geometry, PackedSample, audio_latents_to_rows, video_latents_to_rows
+from .layout import (
+    AUDIO_LATENT_CHANNELS,
+    VIDEO_LATENT_CHANNELS,
+    Geometry,
+    audio_latents_to_rows,
+    video_latents_to_rows,
+)
+from .packed import PackedSample
 from .table import TRAINING_TASKS, sample_task_of
-
-# Latent channels of H3's VAEs: video latents are [24, F, H, W], audio latents [2 (stereo), 32, F_a].
-VIDEO_LATENT_CHANNELS = 24
-AUDIO_LATENT_CHANNELS = 32
 
 
 def synthetic_anchors(cfg: SyntheticDataConfig, task: str) -> tuple[str, ...]:

@@ -3,15 +3,16 @@
 Two kinds of task, as in diffusers' MiniMax-H3 pipeline:
 
 - a **sample task** (`SAMPLE_TASKS`) is what one clip is: `t2va` (prompt only), `fl2va` (first /
-  last keyframes) or `ref2va` (image / video / audio references). It fixes the layout builder, the
-  conditioning fields of a manifest line, the partition inference serves it from and the core
-  denoise block that renders it;
+  last keyframes) or `ref2va` (image / video / audio references). It fixes its conditioning kind
+  (`conditioning.py`: the manifest fields, the encoder's recipe, the layout builder), the partition
+  inference serves it from and the core denoise block that renders it;
 - a **training task** (`TRAINING_TASKS`, `task.name`) is which sample tasks a run trains on and
   which released partition (`transformer` or `transformer_ref`) it fine-tunes. diffusers runs
   `t2va` and `fl2va` requests on `transformer` and `ref2va` on `transformer_ref`, so a fine-tune of
   one partition only helps the tasks inference routes to it.
 
-A new task is one entry here (and, for a new sample task, its layout builder in `layout.py`).
+A new task is one entry here (and, for a sample task with a new kind of conditioning, that kind in
+`conditioning.py`).
 This module imports nothing from h3train, so the config, the data and the renderer can all read it.
 """
 
@@ -35,16 +36,14 @@ class SampleTask:
     `partition`: the checkpoint partition diffusers runs it on. `denoise_block`: the class name of
     its core denoise step in `DENOISE_BLOCKS_MODULE`. `conditioning`: the manifest (and render
     request) field holding its conditioning, `keyframes`, `references` or None (prompt only); a
-    cached sample carries anchors / references exactly when its task takes that field.
-    `layout`: which diffusers builder packs it, `packed` (`build_packed_sequence`) or `ref2va`
-    (`build_ref2va_packed_sequence`).
+    cached sample carries anchors / references exactly when its task takes that field. The kind
+    lays the sample out; a prompt-only one takes diffusers' packed layout without conditioning rows.
     """
 
     name: str
     partition: str
     denoise_block: str
     conditioning: str | None
-    layout: str
 
 
 @dataclass(frozen=True)
@@ -65,9 +64,9 @@ class TrainingTask:
 SAMPLE_TASKS: dict[str, SampleTask] = {
     t.name: t
     for t in (
-        SampleTask("t2va", "transformer", "MiniMaxH3CoreDenoiseStep", None, "packed"),
-        SampleTask("fl2va", "transformer", "MiniMaxH3FL2VACoreDenoiseStep", "keyframes", "packed"),
-        SampleTask("ref2va", "transformer_ref", "MiniMaxH3Ref2VACoreDenoiseStep", "references", "ref2va"),
+        SampleTask("t2va", "transformer", "MiniMaxH3CoreDenoiseStep", None),
+        SampleTask("fl2va", "transformer", "MiniMaxH3FL2VACoreDenoiseStep", "keyframes"),
+        SampleTask("ref2va", "transformer_ref", "MiniMaxH3Ref2VACoreDenoiseStep", "references"),
     )
 }
 

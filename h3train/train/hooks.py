@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from ..model.sp_forward import SequenceParallelH3
     from ..objective import TrainingInputs
     from ..parallel.dims import ParallelContext
-    from ..tasks.layout import PackedSample
+    from ..tasks.packed import PackedSample
 
 
 class TrainerView(Protocol):

@@ -54,7 +54,7 @@ from ..data.sampler import assigned_indices
 from ..errors import DatasetError, SampleError
 from ..infra.digest import digest_tensor
 from ..objective import TrainingInputs, cfg_enabled, compute_loss, make_training_inputs, negative_inputs
-from ..tasks.layout import PackedSample
+from ..tasks.packed import PackedSample
 from .hooks import TrainerHook, TrainerView
 from .metrics import METRICS_FILE, first_row
 

@@ -32,14 +32,13 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
 from PIL import Image
 
 from ...errors import ConfigError
-from ...tasks.table import SAMPLE_TASKS
+from ...tasks.conditioning import ConditioningKind, Reference, ReferenceLatents, conditioning_of
 from ..components import Components, reads_videos
-from ..conditioning import Reference, ReferenceLatents
 from ..format import CachedSample
 from ..manifest import ManifestEntry
 from ..media import (
-    Clip,
     MediaError,
+    TargetClip,
     fit_audio,
     load_clip,
     load_still,
@@ -191,7 +190,7 @@ def _prompts(pipe: MiniMaxH3ModularPipeline, entry: ManifestEntry, visual_step: 
     return _Prompts(embeds, tags, *negative, *visual)
 
 
-def _keyframes(
+def encode_keyframes(
     pipe: MiniMaxH3ModularPipeline, entry: ManifestEntry, settings: EncodeSettings, frames: np.ndarray
 ) -> tuple[dict[str, Any], _Prompts]:
     """Keyframes (the clip's own first / last frame, or an image) -> anchors, latents `[24, 1, h, w]`, prompts."""
@@ -257,7 +256,7 @@ def _pipeline_reference(pipe: MiniMaxH3ModularPipeline, ref: Reference, seconds:
     return reference
 
 
-def _references(
+def encode_references(
     pipe: MiniMaxH3ModularPipeline, entry: ManifestEntry, settings: EncodeSettings, frames: np.ndarray
 ) -> tuple[dict[str, Any], _Prompts]:
     """References in request order -> their latents (visual `[24, f, h, w]`, audio `[2, 32, n]`) and prompts."""
@@ -285,22 +284,20 @@ def _references(
     return {"references": latents}, _prompts(pipe, entry, step, normalized_references=normalized)
 
 
-# The encoder's recipe per conditioning kind (`data/conditioning.py`): `(pipe, entry, settings, frames
-# [N, H, W, 3] uint8) -> (the sample's attributes of the kind, the prompts)`.
-CONDITIONING_ENCODERS: dict[str, Callable[..., tuple[dict[str, Any], _Prompts]]] = {
-    "keyframes": _keyframes,
-    "references": _references,
-}
+def conditioning_recipe(kind: ConditioningKind) -> Callable[..., tuple[dict[str, Any], _Prompts]]:
+    """The encoder's recipe of `kind`: the function its `encoder` names (`module:function`)."""
+    module, _, name = kind.encoder.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def encode_conditioning(
     pipe: MiniMaxH3ModularPipeline, entry: ManifestEntry, settings: EncodeSettings, frames: np.ndarray
 ) -> tuple[dict[str, Any], _Prompts]:
-    """The entry's conditioning by its task's recipe, and its prompts (the prompt alone for t2va)."""
-    kind = SAMPLE_TASKS[entry.task].conditioning
+    """The entry's conditioning by its kind's recipe, and its prompts (the prompt alone for t2va)."""
+    kind = conditioning_of(entry.task)
     if kind is None:
         return {}, _prompts(pipe, entry)
-    return CONDITIONING_ENCODERS[kind](pipe, entry, settings, frames)
+    return conditioning_recipe(kind)(pipe, entry, settings, frames)
 
 
 def check_video_references(pipe: EncodingPipeline, entry: ManifestEntry) -> None:
@@ -317,8 +314,8 @@ def encode_entry(
     start: int = 0,
     max_frames: int | None = None,
     sample_id: str | None = None,
-) -> tuple[CachedSample, Clip]:
-    """Encode one manifest clip into a `CachedSample`; also returns the decoded clip (its canvas, its source).
+) -> tuple[CachedSample, TargetClip]:
+    """Encode one manifest clip into a `CachedSample`; also returns the decoded clip (its canvas, its file).
 
     The sample is the clip's window from 24 fps frame `start`, of at most `max_frames` frames (default
     `settings.max_frames`), with its soundtrack from the same instant; its id `sample_id` (default the

@@ -374,12 +374,12 @@ def _encode_to_folder(
         _append_error(out, entry, window.sample_id, reason, kind)
         bar.write(f"h3train encode: {window.sample_id} (manifest line {entry.line}): {reason}", file=sys.stderr)
         return ClipRow(window.sample_id, outcome=f"failed: {kind}", clip=entry.sample_id, duration=duration)
-    source = clip.source
-    assert source is not None, "load_clip describes the source of every clip"
+    file = clip.file
+    assert file is not None, "load_clip describes the file of every clip"
     height, width = clip.frames.shape[1:3]
     row = ClipRow(
         window.sample_id,
-        source=source.describe(),
+        source=file.describe(),
         canvas=f"{width}x{height}",
         frames=sample.num_frames,
         seconds=sample.num_frames / FPS,
@@ -392,7 +392,7 @@ def _encode_to_folder(
     record = {
         "digest": digest,
         "inputs": entry.fingerprint(),
-        "length": {"slots": source.slots, "complete": source.complete, "frames": sample.num_frames},
+        "length": {"slots": file.slots, "complete": file.complete, "frames": sample.num_frames},
         "window": {"clip": entry.sample_id, "start": window.start, "frames": window.frames},
         "row": asdict(row),
     }

@@ -12,7 +12,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent
 from ...config import SyntheticDataConfig
 from ...data.format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
 from ...objective import TrainingInputs
-from ...tasks.layout import PackedSample
+from ...tasks.packed import PackedSample
 from ...tasks.synthetic import SyntheticSource
 
 REDUCED_DIMS: dict[str, Any] = {

@@ -38,7 +38,7 @@ EXPECTED = (
 
 
 @dataclass(frozen=True)
-class Source:
+class WeightsSource:
     """A detected SOURCE: its kind, its path, and what that kind knows before any weight is read.
 
     `checkpoint`: the checkpoint a `run` or `checkpoint` renders. `partition`: `transformer` or
@@ -53,7 +53,7 @@ class Source:
     chosen: str | None = None
 
 
-def detect_source(path: str | Path) -> Source:
+def detect_source(path: str | Path) -> WeightsSource:
     """The kind of `path` (module docstring); anything else is a one-line `UsageError` saying what was expected."""
     path = Path(path)
     if not path.exists():
@@ -62,10 +62,10 @@ def detect_source(path: str | Path) -> Source:
         if path.suffix == ".safetensors":
             partition = _lora_partition(path)
             if partition is not False:
-                return Source("lora", path, partition=partition)
+                return WeightsSource("lora", path, partition=partition)
         raise UsageError(f"SOURCE '{path}' is a file but no LoRA file (no LoRA factors in it); pass {EXPECTED}")
     if _is_transformer_folder(path):
-        return Source("transformer", path)
+        return WeightsSource("transformer", path)
     from ..checkpoint import METADATA_FILE, STATE_FILE, STEP_DIR
     from ..checkpoint.run_config import CONFIG_FILE
 
@@ -79,7 +79,7 @@ def detect_source(path: str | Path) -> Source:
         if not is_complete(checkpoint):
             raise UsageError(f"SOURCE '{checkpoint}' is not a complete h3train checkpoint folder; pass {EXPECTED}")
         partition = trained_partition(read_trainer_state(checkpoint))
-        return Source("checkpoint" if chosen is None else "run", path, checkpoint, partition, chosen)
+        return WeightsSource("checkpoint" if chosen is None else "run", path, checkpoint, partition, chosen)
     if (path / "vae").is_dir() and any((path / p).is_dir() for p in PARTITIONS):
         raise UsageError(f"SOURCE '{path}' is a pipeline folder: pass it as --components, and as SOURCE {EXPECTED}")
     raise UsageError(f"SOURCE '{path}' is a folder of none of the kinds generate takes; pass {EXPECTED}")
@@ -110,7 +110,7 @@ def _is_transformer_folder(folder: Path) -> bool:
     return isinstance(config, dict) and config.get("_class_name") == TRANSFORMER_CLASS and weights
 
 
-def saved_config(source: Source) -> dict[str, Any]:
+def saved_config(source: WeightsSource) -> dict[str, Any]:
     """The config a run or checkpoint was trained with (`trainer_state.json`'s copy); {} for files."""
     if source.checkpoint is None:
         return {}
@@ -122,7 +122,7 @@ def saved_config(source: Source) -> dict[str, Any]:
         return {}
 
 
-def default_shape(source: Source) -> dict[str, Any]:
+def default_shape(source: WeightsSource) -> dict[str, Any]:
     """The `frames` and `resolution` of the first of a run's `validation.samples` ({} if it has none):
     a run's renders default to the clip shape it was checked with, not the released model's 124 frames
     at 1344x768, which a stand-in's run never trained at."""
@@ -131,7 +131,7 @@ def default_shape(source: Source) -> dict[str, Any]:
     return {k: first[k] for k in ("frames", "resolution") if k in first}
 
 
-def default_components(source: Source) -> Path | None:
+def default_components(source: WeightsSource) -> Path | None:
     """The pipeline folder a run or checkpoint trained on or rendered with: `model.pretrained`, else
     `validation.components`, the first that is a components folder; None if it names none."""
     from ..data.components import ComponentsError, check_components_folder

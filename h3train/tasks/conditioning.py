@@ -3,11 +3,16 @@
 A sample task names its conditioning (`SampleTask.conditioning` in `tasks/table.py`): `keyframes`
 (fl2va: first / last frames) or `references` (ref2va: image, video and audio references); t2va has
 none. Each kind here says, for its own field, how a manifest line and a render request write it,
-what a cached sample's header and tensors hold of it, how it packs into conditioning rows, and what
-diffusers' core denoise blocks take from it. The manifest, the render requests, the cached-sample
-format and the renderer loop over `CONDITIONING_KINDS` instead of testing the task; the encoder's
-per-kind recipes sit in `data/encode/clip.py` (`CONDITIONING_ENCODERS`), the layout builders in
-`tasks/layout.py`.
+what a cached sample's header and tensors hold of it, how it packs into conditioning rows and which
+layout builder lays them out, how the encoder makes its latents from media (`encoder`), and what
+diffusers' core denoise blocks take from it. The manifest, the render requests, the encoder, the
+cached-sample format, the packed layout and the renderer loop over `CONDITIONING_KINDS` instead of
+testing the task, so a new kind is one entry, added with `register_conditioning_kind`, and the sample
+task that takes it (`tasks/table.py`).
+
+The table sits beneath its readers (the packed sample, the data, the renderer). The encoder's recipe
+runs media through diffusers' pipeline blocks with the data package's decoders, so an entry names it
+(`module:function`) and the encoder imports it, rather than this module importing upwards.
 
 `field` is both the manifest / request field and the name of the sample attribute holding the
 parsed items (`ManifestEntry.keyframes`, `CachedSample.references`, ...). Errors are made by the
@@ -18,24 +23,41 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
+from ..config.schema import register_entry
 from ..errors import did_you_mean_each, one_of
-from ..tasks.layout import AUDIO_CHANNELS, ReferenceSpec
-from ..tasks.synthetic import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
-from ..tasks.table import FRAME_RULE, SAMPLE_TASKS, VAE_LATENTS_PER_CHUNK, sample_task_of
-
-if TYPE_CHECKING:
-    from .manifest import MediaPath
+from .layout import (
+    AUDIO_CHANNELS,
+    AUDIO_LATENT_CHANNELS,
+    VIDEO_LATENT_CHANNELS,
+    Geometry,
+    Layout,
+    ReferenceSpec,
+    packed_layout,
+    ref2va_layout,
+)
+from .table import FRAME_RULE, SAMPLE_TASKS, VAE_LATENTS_PER_CHUNK, sample_task_of
 
 ANCHORS = ("first", "last")
 REFERENCE_KINDS = ("image", "video", "audio")
 
+
+class CheckedMedia(Protocol):
+    """A checked media file as the reader's `media` gives it (`data.manifest.MediaPath`)."""
+
+    relative: str
+    path: Path
+
+    def fingerprint(self) -> dict[str, Any]: ...
+
+
 # `fail(field, problem)`: the reader's one-line error for a field. `media(field, value)`: a checked file.
 Fail = Callable[[str, str], Exception]
-Media = Callable[[str, Any], "MediaPath"]
+Media = Callable[[str, Any], CheckedMedia]
 
 
 class Shapes(Protocol):
@@ -49,7 +71,7 @@ class Keyframe:
     """One fl2va anchor (`first` / `last`); `image` None means the clip's own first or last frame."""
 
     anchor: str
-    image: MediaPath | None = None
+    image: CheckedMedia | None = None
 
 
 @dataclass(frozen=True)
@@ -57,7 +79,7 @@ class Reference:
     """One ref2va reference: `kind` is `image | video | audio`."""
 
     kind: str
-    media: MediaPath
+    media: CheckedMedia
 
 
 @dataclass
@@ -82,10 +104,18 @@ class ConditioningKind:
 
     Sample objects (`CachedSample`, the renderer's `Conditioning`) hold the kind's items as attributes
     (`header_field` for what the header lists, `field` for the latents); the methods read those.
+    `encoder`: the encoder's recipe, `module:function`, called as `(pipe, entry, settings, frames
+    [N, H, W, 3] uint8) -> (the sample's attributes of the kind, the prompts)` (`data/encode/clip.py`).
     """
 
     field: str
     header_field: str
+    encoder: str
+
+    @property
+    def name(self) -> str:
+        """The kind's key in `CONDITIONING_KINDS`: its field."""
+        return self.field
 
     @property
     def sample_task(self) -> str:
@@ -137,6 +167,16 @@ class ConditioningKind:
         """`PackedSample` / `build_layout` keyword arguments of this kind."""
         raise NotImplementedError
 
+    def build_layout(
+        self,
+        text_token_tags: torch.Tensor,
+        geometry: Geometry,
+        fields: Mapping[str, Any],
+        patch_size: tuple[int, int, int],
+    ) -> Layout:
+        """The packed layout of a sample of this kind; `fields` holds its `layout_fields`."""
+        raise NotImplementedError
+
     def pipeline_inputs(self, sample: Any, device: torch.device) -> dict[str, Any]:
         """What diffusers' encoder blocks hand the task's core denoise blocks, on `device`."""
         raise NotImplementedError
@@ -147,6 +187,7 @@ class KeyframesKind(ConditioningKind):
 
     field = "keyframes"
     header_field = "keyframe_anchors"
+    encoder = "h3train.data.encode.clip:encode_keyframes"
 
     def parse_manifest(self, value: Any, media: Media, fail: Fail) -> tuple[Keyframe, ...]:
         expected = "expected 'first', 'last', 'both', a list of anchors or {anchor: image path or null}"
@@ -215,6 +256,15 @@ class KeyframesKind(ConditioningKind):
     def layout_fields(self, sample: Any) -> dict[str, Any]:
         return {"keyframe_anchors": tuple(sample.keyframe_anchors)}
 
+    def build_layout(
+        self,
+        text_token_tags: torch.Tensor,
+        geometry: Geometry,
+        fields: Mapping[str, Any],
+        patch_size: tuple[int, int, int],
+    ) -> Layout:
+        return packed_layout(text_token_tags, geometry, fields["keyframe_anchors"], patch_size)
+
     def pipeline_inputs(self, sample: Any, device: torch.device) -> dict[str, Any]:
         return {
             "keyframe_anchors": tuple(sample.keyframe_anchors),
@@ -227,6 +277,7 @@ class ReferencesKind(ConditioningKind):
 
     field = "references"
     header_field = "references"
+    encoder = "h3train.data.encode.clip:encode_references"
 
     def _checked(self, value: Any, media: Media, fail: Fail, expected: str) -> tuple[Reference, ...]:
         refs = []
@@ -319,6 +370,15 @@ class ReferencesKind(ConditioningKind):
             "references": tuple(reference_spec(r.kind, _shape(r.video), _shape(r.audio)) for r in sample.references)
         }
 
+    def build_layout(
+        self,
+        text_token_tags: torch.Tensor,
+        geometry: Geometry,
+        fields: Mapping[str, Any],
+        patch_size: tuple[int, int, int],
+    ) -> Layout:
+        return ref2va_layout(text_token_tags, geometry, fields["references"], patch_size)
+
     def pipeline_inputs(self, sample: Any, device: torch.device) -> dict[str, Any]:
         refs = sample.references
         return {
@@ -371,7 +431,16 @@ def reference_spec(
     )
 
 
-CONDITIONING_KINDS: dict[str, ConditioningKind] = {k.field: k for k in (KeyframesKind(), ReferencesKind())}
+CONDITIONING_KINDS: dict[str, ConditioningKind] = {}
+
+
+def register_conditioning_kind(kind: ConditioningKind) -> ConditioningKind:
+    """Add `kind` to the table under its field; a sample task takes it by naming that field."""
+    return register_entry(CONDITIONING_KINDS, kind, "conditioning kind", None)
+
+
+for _kind in (KeyframesKind(), ReferencesKind()):
+    register_conditioning_kind(_kind)
 
 
 def conditioning_of(task: str) -> ConditioningKind | None:
