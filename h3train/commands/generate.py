@@ -91,7 +91,7 @@ def add_arguments(parser: Parser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
-    from ..render.sources import default_components, default_shape, detect_source
+    from ..render.weights import default_components, default_shape, detect_source
 
     # Every check is on names and files, before a model loads.
     source = detect_source(args.source) if args.source is not None else None
