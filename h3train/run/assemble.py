@@ -27,7 +27,6 @@ from ..checkpoint import Checkpointer, checkpoint_root, room_needed
 from ..config import Config, dataset_specs
 from ..data.mixture import DatasetMixture
 from ..data.source import MicroBatchStream, SampleSource, build_sampler, build_source, load_shared_negative
-from ..train.dump import StepDump
 from ..debug.faults import FaultInjector
 from ..infra.diskspace import check_room
 from ..infra.quiet import known_notices
@@ -53,6 +52,7 @@ from ..optim.kinds import build_optimizer, build_scheduler, weights_dtype
 from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
 from ..parallel.ulysses import SequenceParallel
 from ..plan import checkpoint_bytes
+from ..train.dump import StepDump
 from ..train.events import EventLog, Progress
 from ..train.faults import FaultHook
 from ..train.guard import ValidationWatch

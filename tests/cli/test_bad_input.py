@@ -21,7 +21,8 @@ from h3train.config import load_config
 from h3train.data.manifest import ManifestError, read_manifest
 from h3train.data.synth import write_synthetic_dataset
 
-from reference import ROOT, TINY_FL2VA, run_env, run_h3train, run_process_group, torchrun_error_line
+from helpers.launch import run_env, run_h3train, run_process_group, torchrun_error_line
+from helpers.paths import ROOT, TINY_FL2VA
 
 TINY_TEXT_DIM = 16
 

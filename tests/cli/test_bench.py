@@ -8,7 +8,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +22,9 @@ from h3train.model.dims import model_kwargs
 from h3train.model.sp_forward import SequenceParallelH3
 from h3train.objective import compute_loss, make_training_inputs
 from h3train.parallel.ulysses import SequenceParallel
-from h3train.tools import bench, gpu_checks
+from h3train.tools import bench, gpu_checks, step_report
+
+from helpers.paths import ROOT
 
 
 def _training_inputs(clip: bench.Clip, dims: dict):
@@ -293,7 +294,7 @@ def test_unchecked_step_sets_no_sync_mode_and_counts_nothing(monkeypatch) -> Non
 @pytest.mark.slow
 def test_gpu_check_script_runs_the_reduced_check_on_cpu_and_prints_its_json(tmp_path) -> None:
     out = tmp_path / "check.json"
-    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+    script = ROOT / "scripts" / "gpu_check.sh"
     env = {**os.environ, "PYTHON": sys.executable}
     done = subprocess.run([str(script), "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -402,14 +403,6 @@ def test_float8_lora_runs_below_compute_capability_8_9(monkeypatch, tmp_path) ->
     assert res.status == "passed" and built and built[0]["lora.base_quant"] == "float8"
 
 
-def _step_report():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "step_report.py"
-    spec = importlib.util.spec_from_file_location("step_report", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_sync_counter_counts_host_reads_of_the_training_thread_once() -> None:
     import threading
 
@@ -435,7 +428,7 @@ def test_sync_counter_counts_host_reads_of_the_training_thread_once() -> None:
 
 
 def test_step_report_prints_every_row_of_its_table() -> None:
-    report = _step_report()
+    report = step_report
     sp1 = {"rows": 2058, "step_s": 1.0, "bare_step_s": 0.98, "step_ratio": 1.02, "step_ratio_fused_bare": 1.01,
            "activation_bytes": 200,
            "activation_bytes_checkpointed": 20, "activation_measure": "m", "load_s": 0.04, "noise_s": 0.01}  # fmt: skip

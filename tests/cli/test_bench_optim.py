@@ -1,31 +1,22 @@
-"""`scripts/bench_optim.py` at its smallest: every optimizer kind's row, its state bytes and times, and the plan."""
+"""`scripts/bench_optim.py` (`h3train.tools.bench_optim`) at its smallest: every optimizer kind's row, its
+state bytes and times, and the plan."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from h3train.model.quant import INTEGER_CODES_SHARD
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_optim.py"
-
-
-def _bench_optim():
-    spec = importlib.util.spec_from_file_location("bench_optim", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from h3train.tools import bench_optim
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     """One run: width 128, one block (its matrices quantize), one warm-up and one timed step, torchao eager."""
-    bench = _bench_optim()
+    bench = bench_optim
     out = tmp_path_factory.mktemp("bench_optim") / "optim.json"
     compile_before = torch.compile
     smallest = ["--width", "128", "--layers", "1", "--warmup", "1", "--steps", "1", "--eager"]

@@ -10,7 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from reference import TINY_FL2VA, h3train_command, run_env, run_process_group
+from helpers.launch import h3train_command, run_env, run_process_group
+from helpers.paths import TINY_FL2VA
 
 
 @pytest.mark.parametrize("joined", [True, False], ids=["after_a_group", "without_a_group"])

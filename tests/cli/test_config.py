@@ -10,7 +10,8 @@ from h3train.errors import ConfigError
 from h3train.parallel.dims import ParallelDims
 from h3train.run.preflight import load_checked
 
-from reference import ROOT, TINY_FL2VA, run_forked
+from helpers.launch import run_forked
+from helpers.paths import ROOT, TINY_FL2VA
 
 
 def test_tiny_config_loads_with_overrides() -> None:

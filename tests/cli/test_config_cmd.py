@@ -1,5 +1,5 @@
 """`h3train config`: the resolved config, every key with where its value came from, and the table of
-defaults, which must hold the schema's (docs/config.md: `tests/test_config_reference.py`)."""
+defaults, which must hold the schema's (docs/config.md: `tests/cli/test_config_reference.py`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import yaml
 from h3train.config import Config, get_key, leaf_types, load_config
 from h3train.tools.config_reference import key_docs
 
-from reference import ROOT, TINY_FL2VA, run_cli
+from helpers.launch import run_cli
+from helpers.paths import ROOT, TINY_FL2VA
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 

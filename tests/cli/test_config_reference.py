@@ -10,7 +10,7 @@ import yaml
 from h3train.config import Config, choices, get_key, leaf_types
 from h3train.tools.config_reference import REGENERATE, builtin_choices, field_comments, missing_meanings, reference
 
-from reference import ROOT
+from helpers.paths import ROOT
 
 DOC = ROOT / "docs" / "config.md"
 

@@ -17,7 +17,8 @@ from h3train.config import SampleRequestConfig, load_config
 from h3train.errors import ConfigError, did_you_mean, did_you_mean_each, nearest
 from h3train.run.preflight import load_checked
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.paths import ROOT
+
 TINY_FL2VA = ROOT / "configs" / "tiny_fl2va.yaml"
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 FAR = "zzzzzzzz"

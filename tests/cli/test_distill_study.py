@@ -1,26 +1,24 @@
-"""scripts/distill_study.py: its table is complete and measured, and it is deterministic under --seed."""
+"""scripts/distill_study.py and its models (`h3train.tools.distill_study`): its table is complete and
+measured, and it is deterministic under --seed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
-from reference import ROOT
+from h3train.tools import distill_study as study
 
+from helpers.paths import ROOT
 
-def _study():
-    spec = importlib.util.spec_from_file_location("distill_study", ROOT / "scripts" / "distill_study.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = ROOT / "scripts" / "distill_study.py"
 
 
 def test_teacher_and_student_are_the_same_under_the_same_seed(tmp_path: Path) -> None:
-    study = _study()
     world = study.World(3)
     samples = world.dataset(tmp_path / "data", 4, 5, styled=False)
     first = [study.train_teacher(samples, 6, seed=3) for _ in range(2)]
@@ -33,10 +31,10 @@ def test_teacher_and_student_are_the_same_under_the_same_seed(tmp_path: Path) ->
     assert any(not torch.equal(a, b) for a, b in zip(first[0].state_dict().values(), students[0].state_dict().values()))
 
 
-def test_the_study_writes_a_row_per_arm_from_what_the_runs_logged(tmp_path: Path, capsys) -> None:
-    study = _study()
+def test_the_study_writes_a_row_per_arm_from_what_the_runs_logged(tmp_path: Path) -> None:
     args = ["--out", str(tmp_path), "--teacher-steps", "8", "--distill-steps", "8", "--finetune-steps", "2"]
-    assert study.main([*args, "--clips", "4"]) == 0
+    done = subprocess.run([sys.executable, str(SCRIPT), *args, "--clips", "4"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((tmp_path / "distill_study.json").read_text())
     assert list(result["rows"]) == ["student", "plain_full", "cfg_full", "plain_lora", "cfg_lora"]
     for row in result["rows"].values():
@@ -50,5 +48,5 @@ def test_the_study_writes_a_row_per_arm_from_what_the_runs_logged(tmp_path: Path
         assert result["rows"][arm]["guidance_ratio_audio"] == last["val/guidance_ratio_audio"]
         assert result["rows"][arm]["val_loss"] == last["val/loss"]
     assert "cfg.scale=4.0" in " ".join(study.ARMS["cfg_full"][0]).format(scale=4.0, lora_lr=0.01)
-    out = capsys.readouterr().out
+    out = done.stdout
     assert out.count("\n") and "held-out loss" in out and "cfg_lora" in out

@@ -30,7 +30,6 @@ from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import (
     MiniMaxH3AutoVaeEncoderStep,
 )
 from PIL import Image
-from test_layouts_match_diffusers import TinyClipPipeline, _check_against_pipeline
 from transformers.utils import is_torchvision_available
 
 from h3train.cli import main
@@ -55,9 +54,10 @@ from h3train.infra.runlock import LOCK_NAME, RunLock
 from h3train.model.build import build_model
 from h3train.objective import compute_loss, micro_batch_inputs
 
-from reference import h3train_command, on_small_disk, run_env, run_forked, start_in_session
+from helpers.launch import h3train_command, on_small_disk, run_env, run_forked, start_in_session
+from helpers.paths import ROOT
+from helpers.pipeline import TinyClipPipeline, check_against_pipeline
 
-ROOT = Path(__file__).resolve().parents[1]
 # Small canvases keep the VAEs cheap: 3:2 clips land on 32x64 (2x4 latents), the 4:3 still on 32x32.
 SETTINGS = EncodeSettings(short_edge=32, max_pixels=32 * 64, reference_short_edge=32, min_seconds=0, max_seconds=2)
 # `load_clip`'s arguments for these settings: canvas, frame limits, the audio VAE's rate.
@@ -406,7 +406,7 @@ def test_encoded_samples_pack_as_the_pipeline_builds_them(
     sounds = [audio_rows_to_latents(rows) for rows in state.get("audio_condition_latents") or []]
     assert all(torch.equal(a, r.audio) for a, r in zip(sounds, [r for r in sample.references if r.has_audio]))
     # ... and it packs, positive and both negatives, to the layouts and rows the pipeline's blocks build.
-    _check_against_pipeline(sample, tmp_path)
+    check_against_pipeline(sample, tmp_path)
 
 
 def test_audio_rows_are_the_pipelines(encoded: Path, media: Path, components: Path) -> None:

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from h3train.cli import main
 from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
 
-from reference import ROOT, checkpoint_dir, run_cli, tiny_args, train
+from helpers.launch import checkpoint_dir, run_cli, tiny_args, train
+from helpers.paths import ROOT
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 

@@ -27,7 +27,7 @@ from h3train.render.sources import detect_source
 from h3train.run import generate as generate_module
 from h3train.run.generate import TRACK_TITLES, Generator, Rendered, read_requests, request_partition
 
-from reference import run_cli, run_forked, train
+from helpers.launch import run_cli, run_forked, train
 
 STEPS = 2
 REQUEST = {"frames": 22, "resolution": "64x64", "seed": 3}

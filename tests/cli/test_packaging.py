@@ -16,9 +16,9 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from reference import default_signals, signal_after_steps, start_in_session, tiny_overrides
+from helpers.launch import default_signals, signal_after_steps, start_in_session, tiny_overrides
+from helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 IMAGE_VERSIONS = ROOT / "docker" / "versions.txt"
 SCRIPTS = sorted([*ROOT.glob("scripts/*.sh"), *ROOT.glob("scripts/*.sbatch")])

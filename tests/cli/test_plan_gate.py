@@ -25,7 +25,8 @@ from h3train.plan import (
     refuse_over_plan,
 )
 
-from reference import ROOT, TINY_FL2VA, run_cli
+from helpers.launch import run_cli
+from helpers.paths import ROOT, TINY_FL2VA
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 HEADER = re.compile(r"^# plan: world (\d+)\b", re.MULTILINE)

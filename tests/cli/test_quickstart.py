@@ -26,7 +26,8 @@ from h3train.data.format import read_index
 from h3train.data.media import moving_pattern, sine_tone, write_video
 from h3train.render.side_by_side import bar_height
 
-from reference import ROOT, read_metrics, run_env
+from helpers.launch import read_metrics, run_env
+from helpers.paths import ROOT
 
 SECTION = "## Your first LoRA on your own clips"
 # (name, width, height, fps, seconds, sound) of the user's clips.

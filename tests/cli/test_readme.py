@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from reference import ROOT
+from helpers.paths import ROOT
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"

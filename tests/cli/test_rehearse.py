@@ -37,7 +37,7 @@ from h3train.tools.rehearse import (
     rehearse_resume,
 )
 
-from reference import ROOT
+from helpers.paths import ROOT
 
 pytestmark = pytest.mark.slow
 

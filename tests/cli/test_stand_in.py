@@ -34,7 +34,8 @@ from h3train.data.stand_in import ENCODE_PRESET_FILE, PARTITIONS, TINY_ENCODE_PR
 from h3train.model.sp_forward import FORWARD_ARGS
 from h3train.render.pipeline import AUDIO_SHIFT, VIDEO_SHIFT
 
-from reference import ROOT, checkpoint_dir, dump_dir, tiny_args
+from helpers.launch import checkpoint_dir, dump_dir, tiny_args
+from helpers.paths import ROOT
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 TINY_DEMO = ROOT / "configs" / "tiny_demo.yaml"

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from h3train.cli import main
 from h3train.config import SEED_MAX, TEXT_OR_LIST_KEYS, leaf_types, load_config
 
-from reference import TINY_FL2VA, read_metrics, tiny_args
+from helpers.launch import read_metrics, tiny_args
+from helpers.paths import TINY_FL2VA
 
 
 def _one_line(capsys: pytest.CaptureFixture) -> str:

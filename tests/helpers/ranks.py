@@ -10,7 +10,7 @@ process, and each rank is a fork of that server which sets what torchrun sets fo
 fails takes the others down with it.
 
 Tests about the launcher itself (signals sent from outside, restarts, what a node prints, the launch
-scripts) keep launching torchrun (`reference.run_h3train`).
+scripts) keep launching torchrun (`launch.run_h3train`).
 
 At its top this module imports only the standard library: the server unpickles `_rank_main` from it.
 """

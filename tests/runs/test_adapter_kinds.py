@@ -1,6 +1,6 @@
 """The adapter kinds beside LoRA, through peft: DoRA (`lora.use_dora`), LoKr and LoHa (`lora.kind`).
 
-Per kind, the module shares (made on first use, `KindRuns`):
+Per kind, the module shares (`KindRuns`, each trained once by `trained_runs`):
 
 - `parity`: forked ranks at sp=2 (LoKr: dp_shard=2 x sp=2, its small factors sharded four ways) with
   adapters in every kind of FSDP unit (blocks, refiner, the float32 proj_out island, the root's
@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import fields
-from functools import cached_property
 from pathlib import Path
 
 import pytest
@@ -39,21 +38,12 @@ from h3train.model.build import build_model
 from h3train.model.dims import model_dims
 from h3train.plan import checkpoint_bytes
 
-from reference import (
-    ROOT,
-    Parity,
-    _reference_backward,
-    checkpoint_dir,
-    checkpoint_tensor_bytes,
-    checkpoint_tensors,
-    dump_dir,
-    dump_forward_inputs,
-    forward_outputs,
-    read_metrics,
-    relative_l2,
-    tiny_args,
-    train,
-)
+from helpers.paths import ROOT
+
+from helpers.reference import Parity, peft_model_from_dump, reference_backward, dump_forward_inputs, forward_outputs, relative_l2
+
+from helpers.runs import TrainedRuns
+from helpers.launch import checkpoint_dir, checkpoint_tensor_bytes, checkpoint_tensors, dump_dir, read_metrics, tiny_args, train
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 TOL = 1e-5
@@ -78,56 +68,28 @@ WIDE_TARGETS = (
 # The parity runs' (ranks, data-parallel ranks): sp=2, and LoKr's small factors sharded over dp_shard=2 x sp=2.
 LAYOUTS = {"dora": (2, 1), "lokr": (4, 2), "loha": (2, 1)}
 TRAIN_KEYS = ("loss", "loss_video", "loss_audio", "grad_norm", "lr")
-_PEFT_CONFIGS = {"LORA": LoraConfig, "LOKR": LoKrConfig, "LOHA": LoHaConfig}
 
 
 # -- the single-process peft reference -------------------------------------------------------------
 
 
-def peft_model_from_dump(dump: Path) -> MiniMaxH3Transformer3DModel:
-    """The dumped step's model with diffusers and peft alone, float32, the dumped-gradient parameters trained.
-
-    `reference.reference_model_from_dump` for any peft kind: the recorded config's class is read from
-    its `peft_type`, and the adapter's tensors are the dumped weights the plain model does not have.
-    """
-    meta = json.loads((dump / "meta.json").read_text())
-    weights = load_file(dump / "weights.safetensors")
-    trained = set(load_file(dump / "grads.safetensors"))
-    record = meta["lora"]
-    cls = _PEFT_CONFIGS[record["peft_type"]]
-    names = {f.name for f in fields(cls)} - {"peft_type", "peft_version", "auto_mapping"}
-    model = MiniMaxH3Transformer3DModel(**meta["model_config"])
-    base = set(model.state_dict())
-    model.load_state_dict({k: v for k, v in weights.items() if k in base}, strict=True)
-    model.add_adapter(cls(**{k: v for k, v in record.items() if k in names}))
-    result = set_peft_model_state_dict(model, {k: v for k, v in weights.items() if k not in base})
-    assert not result.unexpected_keys, result.unexpected_keys
-    model.float()
-    for name, param in model.named_parameters():
-        param.requires_grad_(export_name(name) in trained)
-    assert {export_name(n) for n, p in model.named_parameters() if p.requires_grad} == trained
-    loaded = {export_name(n): p for n, p in model.named_parameters()}
-    assert all(torch.equal(loaded[k], v.float()) for k, v in weights.items() if k not in base), "a value not loaded"
-    return model
-
-
-def parity_run(kind: str, run_dir: Path, step: int = 2) -> Parity:
+def parity_run(trained_runs: TrainedRuns, kind: str, step: int = 2) -> Parity:
     """`reference.lora_parity_run` for any kind: `step` steps at sp=2 (`LAYOUTS`), the dump recomputed with peft."""
     nproc, dp = LAYOUTS[kind]
     overrides = [
         f"train.steps={step}",
         f"debug.dump_step={step}",
         "checkpoint.every=0",
-        f"data.path={run_dir / 'data'}",
+        f"data.path={trained_runs.root / kind / 'parity-data'}",
         "parallel.sp=2",
         WIDE_TARGETS,
         *KINDS[kind],
     ]
-    train(tiny_args(run_dir, *overrides, config=TINY_LORA), nproc=nproc)
+    run_dir = trained_runs.get(*overrides, config=TINY_LORA, nproc=nproc).dir
     dump = dump_dir(run_dir, step)
     cfg = load_config(TINY_LORA, overrides)
     meta = json.loads((dump / "meta.json").read_text())
-    ref_loss, grads, ref_norm = _reference_backward(cfg, meta, peft_model_from_dump(dump), dump, dp, step)
+    ref_loss, grads, ref_norm = reference_backward(cfg, meta, peft_model_from_dump(dump), dump, dp, step)
     metrics = read_metrics(run_dir)[step - 1]
     ref_grads = {export_name(k): v for k, v in grads.items()}
     return Parity(
@@ -150,42 +112,46 @@ def _curve(run: Path) -> list[list]:
     return [[m["step"], *(m[k] for k in TRAIN_KEYS)] for m in _rows(run)]
 
 
-class KindRuns:
-    """One kind's shared runs (module docstring), each made on first use."""
+HELDOUT = ("--task", "fl2va", "--num-samples", "2", "--text-dim", "16")
 
-    def __init__(self, runs: Runs, kind: str) -> None:
-        self.runs, self.kind, self.root = runs, kind, runs.root / kind
+
+class KindRuns:
+    """One kind's shared runs (module docstring), each trained once (`trained_runs`)."""
+
+    def __init__(self, trained_runs: TrainedRuns, kind: str) -> None:
+        self.trained_runs, self.kind, self.root = trained_runs, kind, trained_runs.root / kind
+
+    @property
+    def heldout(self) -> Path:
+        return self.trained_runs.dataset(*HELDOUT)
 
     @property
     def args(self) -> list[str]:
-        held_out = [f"validation.dataset={self.runs.heldout}", "validation.at_start=true"]
+        held_out = [f"validation.dataset={self.heldout}", "validation.at_start=true"]
         return [*COMMON, *KINDS[self.kind], *held_out, f"data.path={self.root / 'data'}"]
 
-    @cached_property
+    @property
     def parity(self) -> Parity:
-        return parity_run(self.kind, self.root / "parity")
+        return parity_run(self.trained_runs, self.kind)
 
-    @cached_property
+    @property
     def sp1(self) -> Path:
-        run = self.root / "sp1"
-        _train(run, *self.args, "debug.dump_step=3")
-        return run
+        return self.trained_runs.get(*self.args, "debug.dump_step=3", config=TINY_LORA).dir
 
-    @cached_property
+    @property
     def resumed(self) -> Path:
-        run = self.root / "resumed"
-        _train(run, *self.args, "debug.dump_step=3", f"checkpoint.resume={self.ckpt(2)}")
-        return run
+        resume = f"checkpoint.resume={self.ckpt(2)}"
+        return self.trained_runs.get(*self.args, "debug.dump_step=3", resume, config=TINY_LORA).dir
 
     def ckpt(self, step: int) -> Path:
         return checkpoint_dir(self.sp1, step)
 
-    @cached_property
+    @property
     def trained_model(self) -> MiniMaxH3Transformer3DModel:
         """The sp1 run's model at step 2 (the weights of step 3's dump), diffusers + peft alone."""
         return peft_model_from_dump(dump_dir(self.sp1, 3)).eval()
 
-    @cached_property
+    @property
     def inputs(self) -> dict[str, torch.Tensor]:
         return dump_forward_inputs(dump_dir(self.sp1, 3))
 
@@ -202,26 +168,9 @@ class KindRuns:
         return out
 
 
-class Runs:
-    """The module's runs: a held-out dataset and each kind's `KindRuns`."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.kinds: dict[str, KindRuns] = {}
-
-    @cached_property
-    def heldout(self) -> Path:
-        out = self.root / "heldout"
-        assert main(["synth", "--out", str(out), "--task", "fl2va", "--num-samples", "2", "--text-dim", "16"]) == 0
-        return out
-
-    def __getitem__(self, kind: str) -> KindRuns:
-        return self.kinds.setdefault(kind, KindRuns(self, kind))
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("adapter_kinds"))
+def runs(trained_runs: TrainedRuns) -> dict[str, KindRuns]:
+    return {kind: KindRuns(trained_runs, kind) for kind in KINDS}
 
 
 # -- the memory plan ---------------------------------------------------------------------------------
@@ -346,7 +295,7 @@ def test_held_out_drift_is_zero_at_start_and_the_trained_models_move(runs, kind:
     assert [row["step"] for row in rows] == [0, 2, 4]
     assert rows[0]["val/drift_video"] == 0.0 and rows[0]["val/drift_audio"] == 0.0
     assert 0 < rows[1]["val/drift_video"] < rows[2]["val/drift_video"] and rows[2]["val/drift_audio"] > 0
-    drift = _drift(load_config(TINY_LORA, r.args), r.runs.heldout, r.trained_model, r.base())
+    drift = _drift(load_config(TINY_LORA, r.args), r.heldout, r.trained_model, r.base())
     assert rows[1]["val/drift_video"] == pytest.approx(drift["video"], rel=1e-4)
     assert rows[1]["val/drift_audio"] == pytest.approx(drift["audio"], rel=1e-4)
 

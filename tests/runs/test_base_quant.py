@@ -18,7 +18,11 @@ from h3train.config import load_config
 from h3train.model.build import build_model, fp32_island_names
 from h3train.model.quant import INTEGER_CODES_SHARD, QuantizedLinear, dequantize, quantize_base, quantize_rows
 
-from reference import ROOT, checkpoint_tensors, dump_dir, lora_parity_run, tiny_args
+from helpers.paths import ROOT
+
+from helpers.launch import checkpoint_tensors, dump_dir, tiny_args
+
+from helpers.reference import lora_parity_run
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 TOL = 1e-5

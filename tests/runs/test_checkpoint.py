@@ -12,20 +12,10 @@ import pytest
 
 from h3train.checkpoint import complete_checkpoints, step_dir_name
 
-from reference import (
-    TINY_FL2VA,
-    checkpoint_dir,
-    checkpoint_tensors,
-    h3train_command,
-    read_metrics,
-    run_env,
-    run_forked,
-    signal_after_steps,
-    start_in_session,
-    tiny_args,
-    tiny_overrides,
-    train,
-)
+from helpers.paths import TINY_FL2VA
+
+from helpers.runs import TrainedRuns
+from helpers.launch import checkpoint_dir, checkpoint_tensors, h3train_command, read_metrics, run_env, run_forked, signal_after_steps, start_in_session, tiny_args, tiny_overrides, train
 
 COMMON = ["train.steps=6", "optim.schedule=cosine", "optim.warmup_steps=2"]
 SP2 = (2, ("parallel.sp=2",))
@@ -45,39 +35,29 @@ def _curve(log_dir) -> list[tuple[int, float, float]]:
 
 
 class Runs:
-    """Straight runs and runs preempted at step 3, each launched once per session and copied on use."""
+    """Straight runs and runs preempted at step 3 (`trained_runs`, each launched once), copied on use."""
 
-    def __init__(self, root) -> None:
-        self.root = root
-        self.done: dict = {}
-
-    def _get(self, kind: str, layout: tuple) -> object:
-        key = (kind, layout)
-        if key not in self.done:
-            nproc, overrides = layout
-            path = self.root / f"{kind}_{len(self.done)}"
-            if kind == "preempted":
-                extra = [*overrides, "debug.fault=[sigterm@3]"]
-            else:  # the sp=1 one saves every second step too: the async save is compared with it
-                extra = [*overrides, *(EVERY_2 if layout == SP1 else ())]
-            proc = _train(path, extra, nproc)
-            if kind == "preempted":
-                assert "preempted" in proc.stdout
-                assert [m["step"] for m in read_metrics(path)] == [1, 2, 3]
-            self.done[key] = path
-        return self.done[key]
+    def __init__(self, trained_runs: TrainedRuns) -> None:
+        self.trained_runs = trained_runs
 
     def straight(self, layout: tuple):
-        return self._get("straight", layout)
+        # The sp=1 one saves every second step too: the async save is compared with it.
+        nproc, overrides = layout
+        extra = [*overrides, *(EVERY_2 if layout == SP1 else ())]
+        return self.trained_runs.get(*COMMON, *extra, nproc=nproc, forked=True).dir
 
     def preempted_copy(self, layout: tuple, dest):
-        shutil.copytree(self._get("preempted", layout), dest)
+        nproc, overrides = layout
+        run = self.trained_runs.get(*COMMON, *overrides, "debug.fault=[sigterm@3]", nproc=nproc, forked=True)
+        assert "preempted" in run.stdout
+        assert [m["step"] for m in read_metrics(run.dir)] == [1, 2, 3]
+        shutil.copytree(run.dir, dest)
         return dest
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("runs"))
+def runs(trained_runs: TrainedRuns) -> Runs:
+    return Runs(trained_runs)
 
 
 @pytest.mark.slow

@@ -13,7 +13,11 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from reference import TINY_FL2VA, dump_dir, read_metrics, reference_step, relative_l2, run_env, run_h3train, tiny_args
+from helpers.paths import TINY_FL2VA
+
+from helpers.launch import dump_dir, read_metrics, run_env, run_h3train, tiny_args
+
+from helpers.reference import reference_step, relative_l2
 
 TOL = 1e-5
 

@@ -33,7 +33,9 @@ from h3train.tools.plot import metrics_figure
 from h3train.train.hooks import TrainerHook, TrainerView
 from h3train.train.metrics import MEMORY_KEY, TENSORBOARD_DIR, format_duration
 
-from reference import TINY_FL2VA, read_metrics, tiny_args
+from helpers.paths import TINY_FL2VA
+
+from helpers.launch import read_metrics, tiny_args
 
 STEPS = 6
 SAMPLES = 6

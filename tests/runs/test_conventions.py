@@ -31,7 +31,7 @@ from h3train.objective import make_training_inputs, micro_batch_inputs
 from h3train.tasks.layout import PATCH_SIZE
 from h3train.tasks.synthetic import SyntheticSource
 
-from reference import TINY_FL2VA
+from helpers.paths import TINY_FL2VA
 
 # The pipeline's two schedules, as its timestep step describes them (the video one is also the
 # scheduler's default; the audio one is the released `audio_scheduler` config).
@@ -295,7 +295,7 @@ def test_text_dropout_agrees_across_sp_ranks_in_training(tmp_path) -> None:
     from h3train.data.sampler import DistributedSampler
     from h3train.objective import text_dropped
 
-    from reference import parity_step
+    from helpers.reference import parity_step
 
     extra = ["parallel.sp=2", "cfg.scale=2", "cfg.text_dropout=0.5", "train.grad_accum=4", "train.seed=2"]
     sampler = DistributedSampler(load_config(TINY_FL2VA, extra).data.synthetic.num_samples, 0, 1, 2)

@@ -22,7 +22,7 @@ from h3train.parallel.ulysses import SequenceParallel
 from h3train.tasks.synthetic import SyntheticSource
 from h3train.tools.bench_memory import run_ranks
 
-from reference import TINY_FL2VA
+from helpers.paths import TINY_FL2VA
 
 
 def _train(ctx: ParallelContext, cpu_offload: bool) -> tuple[list[float], dict[str, torch.Tensor]]:

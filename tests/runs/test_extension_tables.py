@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
-from test_adapter_kinds import peft_model_from_dump
 
 from h3train import config
 from h3train.cli import main
@@ -30,18 +29,11 @@ from h3train.ops import attention
 from h3train.optim import kinds as optim
 from h3train.plan import checkpoint_bytes
 
-from reference import (
-    ROOT,
-    checkpoint_dir,
-    checkpoint_tensor_bytes,
-    checkpoint_tensors,
-    dump_dir,
-    dump_forward_inputs,
-    forward_outputs,
-    read_metrics,
-    relative_l2,
-    tiny_args,
-)
+from helpers.paths import ROOT
+
+from helpers.launch import checkpoint_dir, checkpoint_tensor_bytes, checkpoint_tensors, dump_dir, read_metrics, tiny_args
+
+from helpers.reference import peft_model_from_dump, dump_forward_inputs, forward_outputs, relative_l2
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 

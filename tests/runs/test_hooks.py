@@ -13,7 +13,7 @@ from h3train.run.assemble import build_trainer
 from h3train.train.hooks import TrainerHook, TrainerView
 from h3train.train.profile import trace_step_ranges
 
-from reference import TINY_FL2VA
+from helpers.paths import TINY_FL2VA
 
 
 def _config(tmp_path, *extra: str):

@@ -44,7 +44,7 @@ from h3train.objective import micro_batch_inputs
 from h3train.run.assemble import build_trainer
 from h3train.run.preflight import load_checked
 
-from reference import ROOT
+from helpers.paths import ROOT
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 DEFAULT_SUFFIXES = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")

@@ -5,14 +5,13 @@ saved run, and the held-out drift from the base.
 One sp=1 run (in-process) and one sp=2 run (torchrun) of tiny_lora are shared by the module: 6
 steps, a checkpoint every 3, an EMA and a held-out pass at start and every 3 steps. The sp=1 run
 dumps step 4, whose weights are those of the checkpoint at step 3: the reference "trained model",
-rebuilt with diffusers and peft alone (`reference.reference_model_from_dump`).
+rebuilt with diffusers and peft alone (`helpers.reference.reference_model_from_dump`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from functools import cached_property
 from pathlib import Path
 
 import pytest
@@ -32,19 +31,12 @@ from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
 from h3train.model.dims import model_dims
 from h3train.plan import checkpoint_bytes
 
-from reference import (
-    ROOT,
-    checkpoint_dir,
-    checkpoint_tensor_bytes,
-    dump_dir,
-    dump_forward_inputs,
-    forward_outputs,
-    read_metrics,
-    reference_model_from_dump,
-    relative_l2,
-    run_forked,
-    tiny_args,
-)
+from helpers.paths import ROOT
+
+from helpers.runs import TrainedRuns
+from helpers.launch import checkpoint_dir, checkpoint_tensor_bytes, dump_dir, read_metrics, run_forked, tiny_args
+
+from helpers.reference import dump_forward_inputs, forward_outputs, reference_model_from_dump, relative_l2
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
@@ -89,40 +81,37 @@ def _components(path: Path, prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
+HELDOUT = ("--task", "fl2va", "--num-samples", "2", "--text-dim", "16")
+
+
 class LoraRuns:
-    """The module's shared runs, each made on first use."""
+    """The module's shared runs, each trained once (`trained_runs`)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, trained_runs: TrainedRuns) -> None:
+        self.trained_runs = trained_runs
 
-    @cached_property
+    @property
     def heldout(self) -> Path:
-        out = self.root / "heldout"
-        assert main(["synth", "--out", str(out), "--task", "fl2va", "--num-samples", "2", "--text-dim", "16"]) == 0
-        return out
+        return self.trained_runs.dataset(*HELDOUT)
 
     @property
     def validation(self) -> list[str]:
         return [f"validation.dataset={self.heldout}", "validation.at_start=true"]
 
-    @cached_property
+    @property
     def sp1(self) -> Path:
-        run = self.root / "sp1"
-        _train(run, *COMMON, *self.validation, "debug.dump_step=4")
-        return run
+        return self.trained_runs.get(*COMMON, *self.validation, "debug.dump_step=4", config=TINY_LORA).dir
 
-    @cached_property
+    @property
     def sp2(self) -> Path:
-        run = self.root / "sp2"
-        run_forked(tiny_args(run, *COMMON, *self.validation, "parallel.sp=2", config=TINY_LORA), nproc=2)
-        return run
+        return self.trained_runs.get(*COMMON, *self.validation, "parallel.sp=2", config=TINY_LORA, nproc=2).dir
 
-    @cached_property
+    @property
     def trained_model(self) -> MiniMaxH3Transformer3DModel:
         """The sp=1 run's model at step 3 (the weights of step 4's dump), diffusers + peft alone."""
         return reference_model_from_dump(dump_dir(self.sp1, 4)).eval()
 
-    @cached_property
+    @property
     def inputs(self) -> dict[str, torch.Tensor]:
         return dump_forward_inputs(dump_dir(self.sp1, 4))
 
@@ -132,8 +121,8 @@ class LoraRuns:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> LoraRuns:
-    return LoraRuns(tmp_path_factory.mktemp("lora_runs"))
+def runs(trained_runs: TrainedRuns) -> LoraRuns:
+    return LoraRuns(trained_runs)
 
 
 def _base(runs: LoraRuns) -> MiniMaxH3Transformer3DModel:
@@ -467,7 +456,7 @@ def test_ema_export_of_a_lora_checkpoint_writes_the_ema_adapters(runs, tmp_path)
 
 
 def test_ema_export_of_a_full_checkpoint_loads_with_from_pretrained(tmp_path, capsys) -> None:
-    from reference import TINY_FL2VA
+    from helpers.paths import TINY_FL2VA
 
     run = tmp_path / "run"
     _train(run, "train.steps=2", "train.ema.decay=0.5", "checkpoint.every=2", config=TINY_FL2VA)

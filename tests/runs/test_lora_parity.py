@@ -11,7 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference import ROOT, lora_parity_run, read_metrics, tiny_args, train
+from helpers.paths import ROOT
+
+from helpers.reference import lora_parity_run
+
+from helpers.launch import read_metrics, tiny_args, train
 
 TOL = 1e-5
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"

@@ -12,7 +12,7 @@ from h3train.run.assemble import build_trainer
 from h3train.train.faults import FaultHook
 from h3train.train.hooks import MicroBatchEvent, TrainerHook, TrainerView
 
-from reference import TINY_FL2VA
+from helpers.paths import TINY_FL2VA
 
 
 class MicroBatches(TrainerHook):

@@ -5,7 +5,7 @@ samples: loss and grad norm agree at every step. The DP ranks here get different
 (lengths, sound or none, t2va / fl2va / ref2va, dropped and kept prompts under CFG, a skipped
 unreadable sample, a non-finite step on one rank), with EMA, held-out loss and guidance retention. The
 process groups check each collective across their ranks (`TORCH_DISTRIBUTED_DEBUG=DETAIL`, which
-`conftest.py` and `reference.run_env` set where torch can: `ranks.collective_checks`), so a rank that
+`conftest.py` and `launch.run_env` set where torch can: `ranks.collective_checks`), so a rank that
 issues a collective its peers do not fails the run where it diverges, and the fault test shows that
 check catching such a branch.
 """
@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 import pytest
-from ranks import collective_checks
+from helpers.ranks import collective_checks
 
 from h3train.config import load_config
 from h3train.data.dataset import CachedDataset
@@ -24,7 +24,9 @@ from h3train.data.sampler import DistributedSampler
 from h3train.data.synth import write_synthetic_dataset
 from h3train.objective import text_dropped
 
-from reference import TINY_FL2VA, read_metrics, run_forked, tiny_args
+from helpers.paths import TINY_FL2VA
+
+from helpers.launch import read_metrics, run_forked, tiny_args
 
 STEPS = 6
 SEED = 4

@@ -18,7 +18,6 @@ import torch
 from diffusers import MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel
 from PIL import Image
 from safetensors.torch import load_file
-from test_layouts_match_diffusers import TinyClipPipeline
 
 from h3train.cli import main
 from h3train.config import WandbConfig, load_config
@@ -31,7 +30,8 @@ from h3train.render.pipeline import denoising_steps, render_line, write_clip
 from h3train.run.preflight import load_checked
 from h3train.train.metrics import MetricsLogger
 
-from reference import read_metrics, run_forked
+from helpers.pipeline import TinyClipPipeline
+from helpers.launch import read_metrics, run_forked
 
 STEPS = 4  # sigma grid points: three forwards per render
 # fl2va: 22 frames (7 latent frames, the fewest the video VAE decodes) on a 96x64 canvas; t2va on 64x64.

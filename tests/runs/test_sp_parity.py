@@ -6,14 +6,18 @@ then recomputes the step with plain `MiniMaxH3Transformer3DModel.forward` in thi
 
 from __future__ import annotations
 
-from functools import cached_property
 from pathlib import Path
 
 import pytest
 import torch
-from ranks import SUMS_AVERAGE
+from helpers.ranks import SUMS_AVERAGE
 
-from reference import ROOT, TINY_FL2VA, Parity, parity_step, read_metrics, run_env, tiny_args, train
+from helpers.paths import ROOT, TINY_FL2VA
+
+from helpers.reference import Parity, parity_of, parity_overrides, parity_step
+
+from helpers.runs import TrainedRuns
+from helpers.launch import read_metrics, run_env, tiny_args, train
 
 TOL = 1e-5
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
@@ -53,23 +57,24 @@ CASES = {
 
 
 class SharedRuns:
-    """Runs that two tests read, each launched on first use."""
+    """Runs that two tests read, each launched once (`trained_runs`)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, trained_runs: TrainedRuns) -> None:
+        self.trained_runs = trained_runs
 
-    @cached_property
+    @property
     def fl2va_sp2(self) -> tuple[Path, Parity]:
         """tiny_fl2va at sp=2 for three steps, step 1 dumped: the `sp2_odd_seq` case and the sp=2 run of the
         tiny_fl2va CLI pair, one launch for both."""
-        run = self.root / "fl2va_sp2"
         nproc, extra, dp = CASES["sp2_odd_seq"]
-        return run, parity_step(TINY_FL2VA, extra, run, nproc, dp, steps=3)
+        overrides = parity_overrides(3, self.trained_runs.root / "fl2va_sp2-data", extra)
+        run = self.trained_runs.get(*overrides, nproc=nproc)
+        return run.dir, parity_of(TINY_FL2VA, overrides, run.dir, dp, run.stdout)
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory) -> SharedRuns:
-    return SharedRuns(tmp_path_factory.mktemp("shared"))
+def shared(trained_runs: TrainedRuns) -> SharedRuns:
+    return SharedRuns(trained_runs)
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ from h3train.tasks.table import (
     training_task_for,
 )
 
-from reference import ROOT, TINY_FL2VA
+from helpers.paths import ROOT, TINY_FL2VA
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 TINY_TEXT_DIM = 16

@@ -20,7 +20,7 @@ from h3train.ops import attention
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.tasks.synthetic import SyntheticSource
 
-from reference import TINY_FL2VA
+from helpers.paths import TINY_FL2VA
 
 
 def test_auto_and_native_resolve_to_sdpa_on_cpu() -> None:

@@ -1,7 +1,7 @@
 """The start-up probe of `ReduceOp.AVG` (`h3train/parallel/averaging.py`): average, sum, or refused.
 
 A whole run over collectives that sum is held against the unsharded reference in
-`tests/test_sp_parity.py`; here the probe's verdicts on the values a collective returns.
+`tests/runs/test_sp_parity.py`; here the probe's verdicts on the values a collective returns.
 """
 
 from __future__ import annotations

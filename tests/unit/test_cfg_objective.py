@@ -10,7 +10,7 @@ from h3train.model.build import build_model
 from h3train.objective import compute_loss, guidance_for, micro_batch_inputs
 from h3train.tasks.synthetic import SyntheticSource
 
-from reference import TINY_FL2VA
+from helpers.paths import TINY_FL2VA
 
 
 class CountingForward:

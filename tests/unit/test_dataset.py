@@ -293,7 +293,8 @@ def test_trainer_noises_micro_batches_on_the_prefetch_thread(tmp_path: Path, mon
     from h3train.config import load_config
     from h3train.run import assemble as trainer_module
 
-    from reference import TINY_FL2VA, tiny_overrides
+    from helpers.launch import tiny_overrides
+    from helpers.paths import TINY_FL2VA
 
     calls: list[tuple[str, int, int, str]] = []
     build = trainer_module.micro_batch_inputs

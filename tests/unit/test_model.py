@@ -12,7 +12,7 @@ from h3train.objective import micro_batch_inputs
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.tasks.synthetic import SyntheticSource
 
-from reference import TINY_FL2VA
+from helpers.paths import TINY_FL2VA
 
 
 def _inputs(cfg, text_dim: int, index: int = 0):

@@ -10,7 +10,8 @@ from h3train.config import OptimConfig, load_config
 from h3train.model.build import build_model
 from h3train.optim.kinds import build_optimizer, lr_factor
 
-from reference import TINY_FL2VA, tiny_overrides
+from helpers.launch import tiny_overrides
+from helpers.paths import TINY_FL2VA
 
 
 def test_norms_and_biases_are_not_decayed() -> None:

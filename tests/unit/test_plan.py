@@ -24,7 +24,8 @@ from h3train.plan import (
     plan_memory,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.paths import ROOT
+
 CLUSTER_CONFIGS = ["h3_fl2va_a100.yaml", "h3_a100_16gpu.yaml", "h3_a100_32gpu.yaml", "h3_a100_64gpu.yaml"]
 
 # A narrow model with the same module structure, for counting and for measuring activations.
@@ -421,8 +422,8 @@ def test_output_projection_adapters_keep_no_activations_in_the_stack(full_dims: 
 @pytest.mark.parametrize("preset", ["video_only", "audio_only"])
 def test_output_projection_adapter_activations_match_what_the_forward_keeps(preset: str) -> None:
     """The heads-only plan against `saved_activation_bytes` of the tiny model's forward and loss."""
-    from test_plan_measure import TOLERANCE, _activations
+    from helpers.activations import TOLERANCE, activations
 
-    planned, held = _activations(preset, "h256", "float32", "none", 1)
+    planned, held = activations(preset, "h256", "float32", "none", 1)
     # An upper bound (every row outside the text counted as predicted by each trained projection), and close.
     assert held <= planned <= held * (1 + TOLERANCE), (planned, held)
