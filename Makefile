@@ -13,7 +13,7 @@ IMAGE_VENV     := .venv-image
 IMAGE_VERSIONS := docker/versions.txt
 IMAGE_STAMP    := $(IMAGE_VENV)/.installed
 
-.PHONY: install install-image demo test lint docker clean
+.PHONY: install install-image demo test test-fast lint docker clean
 
 install: $(STAMP)
 
@@ -50,6 +50,12 @@ test: install install-image
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(IMAGE_VENV)/bin/python $(LANE_VERSIONS) image 2>/dev/null
 	H3TRAIN_TEST_LANE=image $(IMAGE_VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# The inner loop: lint and the tests not marked slow (no multi-rank launches), in .venv only.
+test-fast: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not slow"
 
 lint: install
 	$(BIN)/ruff check .

@@ -11,7 +11,7 @@
   `build_row_timesteps`, as the pipeline calls it).
 - Loss: per-modality mean squared error over target rows only.
 
-`tests/test_conventions.py` holds each of these to diffusers' own code, not to these functions.
+`tests/runs/test_conventions.py` holds each of these to diffusers' own code, not to these functions.
 
 CFG-calibrated target (the released checkpoints are CFG-distilled; plain flow matching slowly
 un-distills them): with guidance scale `s` and curvature power `k`, per modality

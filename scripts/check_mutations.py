@@ -39,12 +39,12 @@ class Mutation:
     slow: bool = False  # also run the `slow` tests among them (multi-process launches)
 
 
-CONVENTIONS = "tests/test_conventions.py"
-LAYOUTS = "tests/test_layouts_match_diffusers.py"
-CFG = "tests/test_cfg_objective.py"
-ENCODE_ROWS = "tests/test_encode.py::test_audio_rows_are_the_pipelines"
+CONVENTIONS = "tests/runs/test_conventions.py"
+LAYOUTS = "tests/unit/test_layouts_match_diffusers.py"
+CFG = "tests/unit/test_cfg_objective.py"
+ENCODE_ROWS = "tests/cli/test_encode.py::test_audio_rows_are_the_pipelines"
 # Two SP ranks under torchrun against the unsharded reference, text dropout on (slow).
-SP_DROPOUT = "tests/test_conventions.py::test_text_dropout_agrees_across_sp_ranks_in_training"
+SP_DROPOUT = "tests/runs/test_conventions.py::test_text_dropout_agrees_across_sp_ranks_in_training"
 TIMES = "t_video = 1.0 - shift_sigma(sigma, tcfg.video_shift)\n    t_audio = 1.0 - shift_sigma(sigma, tcfg.audio_shift)"
 
 MUTATIONS = (

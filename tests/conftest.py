@@ -1,15 +1,12 @@
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-# Tests import their shared helpers (`reference`) as top-level modules.
-sys.path.insert(0, str(Path(__file__).parent))
+from helpers.ranks import collective_checks
+from helpers.runs import TrainedRuns
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-
-from ranks import collective_checks  # noqa: E402
 
 # Every process group of the suite, in this process and in every rank it starts (spawned, forked or
 # under torchrun), checks each collective's op, shapes and dtypes across its ranks: a step that is
@@ -37,3 +34,9 @@ def _no_process_group_left_behind():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def trained_runs(tmp_path_factory: pytest.TempPathFactory) -> TrainedRuns:
+    """The runs the tests of this process share, each trained once (`helpers.runs`)."""
+    return TrainedRuns(tmp_path_factory.mktemp("trained_runs"))

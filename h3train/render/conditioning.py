@@ -7,7 +7,7 @@ a blank clip of its geometry (only its shape is read: keyframes are always image
 
 `Conditioning` holds what diffusers' core denoise blocks take from the encoder blocks, in the
 training cache's shapes (`[L, D]` prompt, `[24, 1, h, w]` keyframes, `ReferenceLatents`);
-`pipeline_inputs` gives them back in the pipeline's shapes, as `tests/test_layouts_match_diffusers.py`
+`pipeline_inputs` gives them back in the pipeline's shapes, as `tests/unit/test_layouts_match_diffusers.py`
 feeds a cached sample to those blocks.
 
 Cache: `<logging.dir>/samples/requests/<id>.safetensors`, with a digest of the request (media files

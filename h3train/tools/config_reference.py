@@ -9,7 +9,7 @@ Defaults are the values of `Config()`, written as `h3train config` writes them.
     python -m h3train.tools.config_reference --out docs/config.md    # regenerate
     python -m h3train.tools.config_reference                         # print it
 
-`tests/test_config_reference.py` fails when docs/config.md and the schema disagree.
+`tests/cli/test_config_reference.py` fails when docs/config.md and the schema disagree.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ class Rehearsal:
     num_layers: int
     rows: int
     text_rows: int
-    rows_source: str
+    rows_origin: str
     micro_batches: int
     grad_accum: int
     plan: MemoryPlan
@@ -524,7 +524,7 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
         "is taken as a clipped one (the clip in place: the same memory)",
     ]
     optimizer_kind(cfg.optim.name).before_rehearsal()
-    sample, text_rows, rows_source = planned_sample(cfg, int(dims["text_dim"]))
+    sample, text_rows, rows_origin = planned_sample(cfg, int(dims["text_dim"]))
     plan = estimate(dims, mesh, cfg, rows=sample.layout.seq_len, text_rows=text_rows)
     ti = micro_batch_inputs(run_cfg, sample, step=1, slot=0)
     seconds["sample"] = time.perf_counter() - start
@@ -570,7 +570,7 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
         num_layers=int(dims["num_layers"]),
         rows=sample.layout.seq_len,
         text_rows=text_rows,
-        rows_source=rows_source,
+        rows_origin=rows_origin,
         micro_batches=micro_batches,
         grad_accum=cfg.train.grad_accum,
         plan=plan,
@@ -862,7 +862,7 @@ def format_rehearsal(r: Rehearsal) -> str:
     lines = [
         f"rehearsal     {r.world_size} ranks on a fake process group (rank 0's share), FakeTensorMode; "
         f"mesh dp_replicate={m.dp_replicate} dp_shard={m.dp_shard} sp={m.sp}",
-        f"              {r.num_layers} blocks; {r.rows:,} rows ({r.text_rows:,} text; {r.rows_source}); "
+        f"              {r.num_layers} blocks; {r.rows:,} rows ({r.text_rows:,} text; {r.rows_origin}); "
         f"{r.micro_batches} of the step's {r.grad_accum} micro-batches rehearsed",
         "  per rank                                  plan   rehearsed peak    at the step's peak   plan row",
     ]

@@ -54,7 +54,7 @@ patch widths, D text_dim. Forward:
 The AdaLN projections run once per distinct timestep, not per row. Training counts each matmul
 three times (forward, input gradient, weight gradient), except the four that read data, not
 activations (`proj_in`, `audio_proj_in`, `context_embedder`, `time_embedder.linear_1`), which have
-no input gradient and count twice. `tests/test_bench.py` holds this count equal to
+no input gradient and count twice. `tests/cli/test_bench.py` holds this count equal to
 `torch.utils.flop_counter` on the reduced model. Recompute under gradient checkpointing is not
 model FLOPs and is not counted. MFU = FLOPs / step time / peak.
 """
