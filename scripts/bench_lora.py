@@ -26,8 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from h3train.config import load_config  # noqa: E402
 from h3train.run.assemble import build_trainer  # noqa: E402
-from h3train.run.preflight import load_checked  # noqa: E402
 from h3train.tasks.layout import Geometry  # noqa: E402
 from h3train.tools.bench import REDUCED_CLIP, REDUCED_DIMS, bench_sample  # noqa: E402
 
@@ -74,7 +74,7 @@ def measure(runs: dict[str, tuple[str, list[str]]], repeats: int) -> dict[str, d
     slows them alike; CPU time (`time.process_time`) is the steadier figure on a busy machine.
     """
     trainers = {
-        name: build_trainer(load_checked(ROOT / "configs" / config, o), hooks=[]) for name, (config, o) in runs.items()
+        name: build_trainer(load_config(ROOT / "configs" / config, o), hooks=[]) for name, (config, o) in runs.items()
     }
     out: dict[str, dict[str, float]] = {}
     try:

@@ -32,12 +32,12 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from h3train.config import load_config  # noqa: E402
 from h3train.data.components import TINY_TEXT_HIDDEN, write_tiny_components  # noqa: E402
 from h3train.data.media import moving_pattern  # noqa: E402
 from h3train.data.synth import write_synthetic_dataset  # noqa: E402
 from h3train.render.pipeline import denoise  # noqa: E402
 from h3train.run.assemble import build_trainer  # noqa: E402
-from h3train.run.preflight import load_checked  # noqa: E402
 from h3train.train.render_hook import SampleRenderer  # noqa: E402
 from h3train.train.validation import HeldOutLoss  # noqa: E402
 
@@ -69,7 +69,7 @@ def main() -> int:
         request = {"id": "bench", "task": "fl2va", "prompt": "a square drifts over a gradient",
                    "keyframes": {"first": str(tmp / "first.png"), "last": str(tmp / "last.png")},
                    "frames": 22, "resolution": "96x64", "seed": 0}  # fmt: skip
-        cfg = load_checked(
+        cfg = load_config(
             ROOT / "configs" / "tiny_fl2va.yaml",
             [
                 f"model.config.text_dim={TINY_TEXT_HIDDEN}",

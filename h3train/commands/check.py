@@ -36,16 +36,16 @@ def add_arguments(parser: Parser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..config import load_config
     from ..model.dims import planned_model_dims
     from ..parallel.dims import ParallelDims
-    from ..run.preflight import load_checked, preflight
+    from ..run.preflight import preflight
 
-    cfg = load_checked(args.config, args.overrides, planning=not args.strict)
-
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    dims = ParallelDims.from_config(cfg.parallel, world)
+    cfg = load_config(args.config, args.overrides)
     # Without --strict, what is not on this machine is planned for and named, not required.
     notes = preflight(cfg, planning=not args.strict)
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    dims = ParallelDims.from_config(cfg.parallel, world)
     print(f"config ok: {args.config}")
     for note in notes:
         print(f"assumed: {note}")

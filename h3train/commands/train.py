@@ -36,9 +36,10 @@ def add_arguments(parser: Parser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..run.preflight import load_checked
+    from ..config import load_config
 
-    cfg = load_checked(args.config, args.overrides)
+    # `build_trainer` checks the config (`run/preflight.preflight`) before any process group.
+    cfg = load_config(args.config, args.overrides)
     from ..run.assemble import build_trainer
 
     try:

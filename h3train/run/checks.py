@@ -1,8 +1,8 @@
 """The one owner of a config's checks beyond its values, run before any process group or model exists.
 
 A config's values are checked as it loads (`config.load_config` runs `config.check_values`, which
-knows no kind of any extension table). `check` runs the rest, once per config however many entry
-points ask (`preflight.load_checked`, then `preflight.preflight` in the same start): what reads the
+knows no kind of any extension table). `check` runs the rest, once per start (`preflight.preflight`, which
+`build_trainer` and `h3train check` run; `preflight.load_checked` for a caller that builds nothing): what reads the
 task table, the model's constructor and module names and the files the config names, and each chosen
 table entry's own check (the data source's, the optimizer kind's, the adapter kind's, the validation
 samples'). `check_inputs` then checks what a start reads: the model folder, the datasets, the device.
@@ -14,7 +14,6 @@ order in which a config with several faults reports them.
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +34,6 @@ from ..render.requests import validate_samples
 from ..tasks.partition import check_partition
 from ..tasks.table import TRAINING_TASKS, training_task_for
 
-# The configs `check` has passed in this process, by identity: id -> (the config, whether checked for
-# a start rather than for planning). A strict check covers a planning one, not the other way round.
-_CHECKED: dict[int, tuple[weakref.ref[Config], bool]] = {}
-
 
 def check(cfg: Config, planning: bool = False) -> None:
     """The checks of `cfg` beyond its values, in order; raises `ConfigError` on the first problem.
@@ -50,13 +45,7 @@ def check(cfg: Config, planning: bool = False) -> None:
     folder the released architecture stands in, as in `planned_model_dims`.
 
     `planning` (`h3train check` without `--strict`): the check plans a run away from its data, so a
-    `validation.dataset` or `validation.components` not on this machine is planned for, not required.
-    A config already checked (strictly, or for planning when `planning`) is not checked again: a
-    config is never changed after it loads.
-    """
-    held = _CHECKED.get(id(cfg))
-    if held is not None and held[0]() is cfg and (held[1] or planning):
-        return
+    `validation.dataset` or `validation.components` not on this machine is planned for, not required."""
     data_source(cfg).check(cfg)
     if cfg.task.name not in TRAINING_TASKS:
         raise ConfigError(f"config key 'task.name' is {cfg.task.name!r}; {one_of(cfg.task.name, TRAINING_TASKS)}")
@@ -78,9 +67,6 @@ def check(cfg: Config, planning: bool = False) -> None:
             "encode one with 'h3train encode' or write one with 'h3train synth'"
         )
     validate_samples(cfg, planning)
-    key = id(cfg)
-    # Dropped with the config, so that a later config at the same address is checked afresh.
-    _CHECKED[key] = (weakref.ref(cfg, lambda _: _CHECKED.pop(key, None)), not planning)
 
 
 def _check_model_shape(cfg: Config) -> None:

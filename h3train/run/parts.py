@@ -23,7 +23,7 @@ from ..model.adapter import ModelAdapter
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import TrainingInputs
 from ..parallel.dims import ParallelContext
-from ..tasks.layout import PackedSample
+from ..tasks.packed import PackedSample
 from ..train.adapter_files import AdapterFiles
 from ..train.events import EventLog, Progress, SpikeDetector
 from ..train.guard import ValidationWatch

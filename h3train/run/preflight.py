@@ -29,9 +29,9 @@ def load_checked(path: str | os.PathLike | None, overrides: Sequence[str] = (), 
 
 
 def preflight(cfg: Config, planning: bool = False) -> list[str]:
-    """`check` (done already for a config from `load_checked`), then `check_inputs`: its notes.
+    """`check`, then `check_inputs`: the notes of what was planned for rather than found.
 
-    A config from `load_config` alone is checked whole here.
+    Every start runs it once on a config from `load_config` (`build_trainer`, `h3train check`).
     """
     check(cfg, planning)
     return check_inputs(cfg, planning)

@@ -62,13 +62,12 @@ import torch
 import torch.distributed as dist
 
 import h3train
-from h3train.config import SyntheticDataConfig
+from h3train.config import SyntheticDataConfig, load_config
 from h3train.model.dims import model_defaults
 from h3train.objective import micro_batch_inputs
 from h3train.parallel.collectives import count_collectives
 from h3train.parallel.dims import free_port
 from h3train.run.assemble import build_trainer
-from h3train.run.preflight import load_checked
 from h3train.tools.bench import clip_data
 from h3train.tools.bench_memory import MEMORY_CLIP, MEMORY_DIMS, saved_activation_bytes
 from h3train.tools.host_syncs import SyncCounter
@@ -144,7 +143,7 @@ def _median_time(fn, repeats: int) -> float:
 def _trainer(run_dir: Path, sp: int, steps: int):
     # The checkout's tiny config (`scripts/step_report.py` runs from it).
     config = Path(__file__).resolve().parents[2] / "configs" / "tiny_fl2va.yaml"
-    return build_trainer(load_checked(config, overrides(run_dir, sp, steps)))
+    return build_trainer(load_config(config, overrides(run_dir, sp, steps)))
 
 
 def _inputs(trainer, step: int):

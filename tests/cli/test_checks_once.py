@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from reference import TINY_FL2VA, tiny_args
 
 from h3train.cli import main
 from h3train.config import load
 from h3train.data import source
 from h3train.run import checks
+
+from helpers.launch import tiny_args
+from helpers.paths import TINY_FL2VA
 
 
 def _counted(calls: Counter[str], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
