@@ -42,9 +42,9 @@ def run(args: argparse.Namespace) -> int:
     from ..run.preflight import preflight
 
     cfg = load_config(args.config, args.overrides)
-    # Without --strict, what is not on this machine is planned for and named, not required.
-    notes = preflight(cfg, planning=not args.strict)
     world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    # Without --strict, what is not on this machine is planned for and named, not required.
+    notes = preflight(cfg, planning=not args.strict, world_size=world)
     dims = ParallelDims.from_config(cfg.parallel, world)
     print(f"config ok: {args.config}")
     for note in notes:

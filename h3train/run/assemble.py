@@ -99,9 +99,9 @@ def assemble(
     overwrite: bool = False,
 ) -> TrainingParts:
     """Build every part of a run from `cfg` (see `build_trainer`)."""
-    # The mesh is checked against the launch before any process group exists.
-    dims = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
-    preflight(cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    preflight(cfg, world_size=world)
+    dims = ParallelDims.from_config(cfg.parallel, world)
     start_plan(cfg, dims=dims)
     log_dir = Path(cfg.logging.dir)
     ckpt_dir = checkpoint_root(cfg.checkpoint.dir, log_dir)

@@ -28,12 +28,16 @@ def load_checked(path: str | os.PathLike | None, overrides: Sequence[str] = (), 
     return cfg
 
 
-def preflight(cfg: Config, planning: bool = False) -> list[str]:
-    """`check`, then `check_inputs`: the notes of what was planned for rather than found.
+def preflight(cfg: Config, planning: bool = False, world_size: int | None = None) -> list[str]:
+    """`check`, the mesh against a launch of `world_size` ranks, then `check_inputs`: the notes of what
+    was planned for rather than found.
 
-    Every start runs it once on a config from `load_config` (`build_trainer`, `h3train check`).
+    Every start runs it once on a config from `load_config` (`build_trainer`, `h3train check`), before
+    any process group. The order is the order in which a config with several faults reports them.
     """
     check(cfg, planning)
+    if world_size is not None:
+        ParallelDims.from_config(cfg.parallel, world_size)
     return check_inputs(cfg, planning)
 
 
