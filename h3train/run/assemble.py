@@ -45,6 +45,7 @@ from ..model.build import (
 )
 from ..model.dims import model_dims
 from ..model.fsdp import apply_fsdp, shards_nothing
+from ..model.quant import check_base_quant
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import micro_batch_inputs
 from ..ops.attention import resolve_attention_backend
@@ -310,6 +311,10 @@ def wrap_and_shard(
     with its transforms, wrapped for sequence parallelism and sharded by FSDP2. A model from `meta`
     holds no values until `materialize` or `load_pretrained_shards` gives them."""
     device = ctx.device
+    if cfg.lora.rank:
+        # FSDP2 on this torch may refuse the codes: refused before any model, for a trainer built in
+        # code as for one the command line checked first.
+        check_base_quant(cfg.lora.base_quant)
     transformer = build_meta_model(cfg) if from_meta else build_model(cfg, cfg.train.seed)
     with known_notices():
         transformer.set_attention_backend(
