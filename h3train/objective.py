@@ -172,6 +172,19 @@ class TrainingInputs:
     t_audio: float
     guidance: Guidance = Guidance()
     uncond_inputs: dict[str, torch.Tensor] | None = None
+    pack: Pack | None = None
+
+    @property
+    def samples(self) -> tuple[TrainingInputs, ...]:
+        """The per-sample inputs of a packed micro-batch (targets, masks, weights, guidance), else itself."""
+        return self.pack.parts if self.pack is not None else (self,)
+
+    def forward_kwargs(self, uncond: bool = False) -> dict[str, object]:
+        """The forward's arguments of one branch: the rows, and a pack's sample segments."""
+        rows = self.uncond_inputs if uncond else self.model_inputs
+        if self.pack is None:
+            return dict(rows)
+        return {**rows, **self.pack.segments(uncond)}
 
     def to(self, device: torch.device) -> TrainingInputs:
         """Copy to `device`. To CUDA the copies go through pinned memory and do not block: a pageable
@@ -186,6 +199,9 @@ class TrainingInputs:
         def move_all(d):
             return None if d is None else {k: move(v) for k, v in d.items()}
 
+        pack = self.pack
+        if pack is not None:
+            pack = replace(pack, parts=tuple(part.to(device) for part in pack.parts))
         return replace(
             self,
             model_inputs=move_all(self.model_inputs),
@@ -194,6 +210,7 @@ class TrainingInputs:
             target_audio=move(self.target_audio),
             loss_mask_video=move(self.loss_mask_video),
             loss_mask_audio=move(self.loss_mask_audio),
+            pack=pack,
         )
 
     def full_weights(self) -> tuple[float, float]:
@@ -203,6 +220,96 @@ class TrainingInputs:
             self.weight_video * guided_factor(g.scale_video, g.curvature_power),
             self.weight_audio * guided_factor(g.scale_audio, g.curvature_power),
         )
+
+
+@dataclass(frozen=True)
+class Pack:
+    """How a packed micro-batch's rows split into its samples, in sample order.
+
+    `rows` / `text_rows`: each sample's packed length and text length under its prompt; `uncond_*` the
+    same under the negative prefix (the CFG branch). `video_rows` / `audio_rows`: each sample's rows of
+    `hidden_states` / `audio_hidden_states` (the same in both branches). `parts`: each sample's own
+    `TrainingInputs` without its forward rows (targets, masks, weights, guidance).
+    """
+
+    parts: tuple[TrainingInputs, ...]
+    rows: tuple[int, ...]
+    text_rows: tuple[int, ...]
+    uncond_rows: tuple[int, ...]
+    uncond_text_rows: tuple[int, ...]
+    video_rows: tuple[int, ...]
+    audio_rows: tuple[int, ...]
+
+    def segments(self, uncond: bool = False) -> dict[str, tuple[int, ...]]:
+        """`SequenceParallelH3.forward`'s `segments` and `text_segments` for one branch."""
+        if uncond:
+            return {"segments": self.uncond_rows, "text_segments": self.uncond_text_rows}
+        return {"segments": self.rows, "text_segments": self.text_rows}
+
+
+def pack_forward_rows(branches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The ten forward arguments of several samples as one sequence, each sample keeping its own.
+
+    Sample `i`'s rows follow sample `i - 1`'s: its row indices move by the rows before it, its timestep
+    indices by the timesteps before it (each sample keeps its own table entries, so its AdaLN rows are
+    its own), and its positions stay those diffusers built for it alone (its RoPE is unchanged).
+    """
+    row_offset, time_offset = 0, 0
+    shifted: dict[str, list[torch.Tensor]] = {k: [] for k in ("timestep_indices", *_ROW_INDEX_ARGS)}
+    for rows in branches:
+        shifted["timestep_indices"].append(rows["timestep_indices"] + time_offset)
+        for key in _ROW_INDEX_ARGS:
+            shifted[key].append(rows[key] + row_offset)
+        row_offset += rows["position_ids"].shape[0]
+        time_offset += rows["timestep"].shape[0]
+    out = {key: torch.cat(parts) for key, parts in shifted.items()}
+    for key in ("hidden_states", "audio_hidden_states", "encoder_hidden_states"):
+        out[key] = torch.cat([rows[key] for rows in branches], dim=1)
+    for key in ("timestep", "token_tags", "position_ids"):
+        out[key] = torch.cat([rows[key] for rows in branches])
+    return {key: out[key] for key in branches[0]}
+
+
+_ROW_INDEX_ARGS = ("video_indices", "audio_indices", "text_indices")
+
+
+def pack_inputs(items: list[TrainingInputs]) -> TrainingInputs:
+    """Several samples' inputs (each as `make_training_inputs` built it alone) as one packed micro-batch.
+
+    The pack's loss is the sum of each sample's loss as it is alone (`compute_loss`), so its gradient
+    is that of the samples trained as separate micro-batches. Under CFG every sample has its negative
+    branch (the run's), and the negative rows pack the same way.
+    """
+    if not items:
+        raise ValueError("a pack holds at least one sample")
+    if len({item.uncond_inputs is None for item in items}) > 1:
+        raise ValueError("the samples of a pack must agree on the CFG branch")
+    uncond = None if items[0].uncond_inputs is None else pack_forward_rows([i.uncond_inputs for i in items])
+
+    def lengths(branch: str, key: str, dim: int) -> tuple[int, ...]:
+        return tuple(int(getattr(i, branch)[key].shape[dim]) for i in items)
+
+    with_uncond = uncond is not None
+    pack = Pack(
+        parts=tuple(replace(item, model_inputs={}, uncond_inputs=None) for item in items),
+        rows=lengths("model_inputs", "position_ids", 0),
+        text_rows=lengths("model_inputs", "encoder_hidden_states", 1),
+        uncond_rows=lengths("uncond_inputs", "position_ids", 0) if with_uncond else (),
+        uncond_text_rows=lengths("uncond_inputs", "encoder_hidden_states", 1) if with_uncond else (),
+        video_rows=tuple(int(i.target_video.shape[0]) for i in items),
+        audio_rows=tuple(int(i.target_audio.shape[0]) for i in items),
+    )
+    first = items[0]
+    return replace(
+        first,
+        model_inputs=pack_forward_rows([i.model_inputs for i in items]),
+        uncond_inputs=uncond,
+        target_video=torch.cat([i.target_video for i in items]),
+        target_audio=torch.cat([i.target_audio for i in items]),
+        loss_mask_video=torch.cat([i.loss_mask_video for i in items]),
+        loss_mask_audio=torch.cat([i.loss_mask_audio for i in items]),
+        pack=pack,
+    )
 
 
 def guided_factor(scale: float, k: float) -> float:
@@ -352,13 +459,21 @@ def guided_mse(
 
 @dataclass
 class LossParts:
-    """`loss = w_v * video + w_a * audio`; `*_fm` are the plain flow-matching MSEs `MSE(p, v)`."""
+    """`loss = w_v * video + w_a * audio`; `*_fm` are the plain flow-matching MSEs `MSE(p, v)`.
+
+    A packed micro-batch's parts are sums over its samples, each sample's own parts in `samples`.
+    """
 
     loss: torch.Tensor
     video: torch.Tensor
     audio: torch.Tensor
     video_fm: torch.Tensor
     audio_fm: torch.Tensor
+    samples: tuple[LossParts, ...] = ()
+
+    def per_sample(self) -> tuple[LossParts, ...]:
+        """Each sample's own parts, in pack order (one sample: itself)."""
+        return self.samples or (self,)
 
 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -369,13 +484,47 @@ def compute_loss(forward: Forward, ti: TrainingInputs) -> LossParts:
 
     `forward(**inputs) -> (video [1, N_v, 96], audio [1, N_a, 32])`. Under CFG the unconditional
     forward runs first, without gradient. A zero audio weight (no soundtrack) still multiplies the
-    audio term, so every rank runs the same backward graph.
+    audio term, so every rank runs the same backward graph. A packed micro-batch runs each branch
+    once over all its samples and sums each sample's loss as it is alone.
     """
     u_video = u_audio = None
     if ti.uncond_inputs is not None:
         with torch.no_grad():
-            u_video, u_audio = forward(**ti.uncond_inputs)
-    p_video, p_audio = forward(**ti.model_inputs)
+            u_video, u_audio = forward(**ti.forward_kwargs(uncond=True))
+    p_video, p_audio = forward(**ti.forward_kwargs())
+    if ti.pack is None:
+        return _sample_loss(ti, p_video, p_audio, u_video, u_audio)
+    pack = ti.pack
+
+    def split(x: torch.Tensor | None, sizes: tuple[int, ...]) -> tuple[torch.Tensor | None, ...]:
+        return (None,) * len(sizes) if x is None else x.split(sizes, dim=1)
+
+    per_sample = tuple(
+        _sample_loss(part, *rows)
+        for part, *rows in zip(
+            pack.parts,
+            split(p_video, pack.video_rows),
+            split(p_audio, pack.audio_rows),
+            split(u_video, pack.video_rows),
+            split(u_audio, pack.audio_rows),
+            strict=True,
+        )
+    )
+
+    def total(name: str) -> torch.Tensor:
+        return torch.stack([getattr(parts, name) for parts in per_sample]).sum()
+
+    return LossParts(*(total(n) for n in ("loss", "video", "audio", "video_fm", "audio_fm")), samples=per_sample)
+
+
+def _sample_loss(
+    ti: TrainingInputs,
+    p_video: torch.Tensor,
+    p_audio: torch.Tensor,
+    u_video: torch.Tensor | None,
+    u_audio: torch.Tensor | None,
+) -> LossParts:
+    """One sample's loss parts from its predictions `p_*` (and the negative branch's `u_*` under CFG)."""
     g = ti.guidance
     video = guided_mse(p_video, u_video, ti.target_video, ti.loss_mask_video, g.scale_video, g.curvature_power)
     audio = guided_mse(p_audio, u_audio, ti.target_audio, ti.loss_mask_audio, g.scale_audio, g.curvature_power)

@@ -41,6 +41,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
 )
 from torch.utils.checkpoint import checkpoint
 
+from ..ops.attention import segment_attention
 from ..parallel.ulysses import SequenceParallel
 
 FORWARD_ARGS = (
@@ -71,6 +72,8 @@ class UlyssesRotary(NamedTuple):
     cos: torch.Tensor
     sin: torch.Tensor
     seq_len: int
+    #: A packed sequence's sample lengths (summing to `seq_len`), each attending over its own rows; None: one sample.
+    segments: tuple[int, ...] | None = None
 
 
 class UlyssesAttnProcessor:
@@ -79,7 +82,9 @@ class UlyssesAttnProcessor:
     q, k, v `[B, S_pad/sp, H, D]` -> all-to-all -> `[B, S_pad, H/sp, D]` -> drop padding rows ->
     attention over the `seq_len` real rows -> pad -> all-to-all back -> `[B, S_pad/sp, H, D]`.
     `rotary_emb` is a `UlyssesRotary` (angles of the local rows and the real sequence length); at
-    sp = 1 a plain `(cos, sin)` pair also does, the sequence then having no padding.
+    sp = 1 a plain `(cos, sin)` pair also does, the sequence then having no padding. A packed
+    sequence (`UlyssesRotary.segments`) attends block-diagonally, each sample over its own rows
+    (`ops.attention.segment_attention`).
     """
 
     _attention_backend = None
@@ -97,8 +102,9 @@ class UlyssesAttnProcessor:
     ) -> torch.Tensor:
         if attention_mask is not None:
             raise ValueError("MiniMax H3 attends over one unmasked packed sequence; no mask is expected")
+        segments = None
         if isinstance(rotary_emb, UlyssesRotary):
-            seq_len = rotary_emb.seq_len
+            seq_len, segments = rotary_emb.seq_len, rotary_emb.segments
         elif not self.sp.enabled and rotary_emb is not None:
             # A plain `(cos, sin)` at sp = 1: the sequence is not padded.
             seq_len = hidden_states.shape[1]
@@ -117,9 +123,12 @@ class UlyssesAttnProcessor:
 
         padded = query.shape[1] * self.sp.size
         query, key, value = (t[:, :seq_len] for t in self.sp.heads_to_sequence(query, key, value))
-        out = dispatch_attention_fn(
-            query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
-        )
+        if segments is None:
+            out = dispatch_attention_fn(
+                query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
+            )
+        else:
+            out = segment_attention(query, key, value, segments, self._attention_backend)
         if padded > seq_len:
             out = torch.cat([out, out.new_zeros(out.shape[0], padded - seq_len, *out.shape[2:])], dim=1)
         out = self.sp.sequence_to_heads(out)
@@ -132,6 +141,10 @@ class SequenceParallelH3(nn.Module):
 
     Returns `(video, audio)`: `[B, N_v, 96]` velocity for every video row (conditioning rows first)
     and `[B, N_a, 32]` for every audio row, as `model.forward(..., return_dict=False)` does.
+
+    `packed`: the model also takes packed sequences of several samples (`segments`, `text_segments`
+    in `forward`), its blocks then attending through the Ulysses processor at sp = 1 too. Unpacked
+    at sp = 1 the blocks keep diffusers' own processor.
     """
 
     def __init__(
@@ -143,6 +156,7 @@ class SequenceParallelH3(nn.Module):
         checkpoint_every: int = 1,
         compile_blocks: bool = False,
         compile_backend: str = "inductor",
+        packed: bool = False,
     ) -> None:
         super().__init__()
         if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
@@ -159,7 +173,8 @@ class SequenceParallelH3(nn.Module):
         if heads % sp.size:
             raise ValueError(f"sequence parallel size {sp.size} does not divide {heads} attention heads")
         self.processors: list[UlyssesAttnProcessor] = []
-        if sp.enabled:
+        self.packed = packed
+        if sp.enabled or packed:
             for block in transformer.transformer_blocks:
                 proc = UlyssesAttnProcessor(sp)
                 proc._attention_backend = block.attn.processor._attention_backend
@@ -197,16 +212,26 @@ class SequenceParallelH3(nn.Module):
         video_indices: torch.Tensor,
         audio_indices: torch.Tensor,
         text_indices: torch.Tensor,
+        segments: tuple[int, ...] | None = None,
+        text_segments: tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ten `model.forward` arguments; a packed sequence (`pack_forward_rows`) adds each sample's
+        packed length `segments` and text length `text_segments`, in sample order."""
         m, sp = self.transformer, self.sp
         seq_len = position_ids.shape[0]
+        if segments is not None and not self.processors:
+            raise ValueError("a packed sequence needs a model built with packed=True (data.pack)")
+        if (segments is None) != (text_segments is None) or (segments is not None and sum(segments) != seq_len):
+            raise ValueError(f"segments {segments} and text_segments {text_segments} do not split {seq_len} rows")
 
         video_embeds = m.proj_in(hidden_states.to(get_parameter_dtype(m.proj_in)))
         audio_embeds = m.audio_proj_in(audio_hidden_states.to(get_parameter_dtype(m.audio_proj_in)))
         text_embeds = m.context_embedder(encoder_hidden_states.to(get_parameter_dtype(m.context_embedder)))
+        # The refiner attends over one prompt: a pack's prompts are refined each alone.
+        texts = [text_embeds] if text_segments is None else list(text_embeds.split(list(text_segments), dim=1))
         for i, block in enumerate(m.token_refiner.refiner_blocks):
-            text_embeds = self._run(self.checkpointed(i, refiner=True), block, text_embeds)
-        text_embeds = m.token_refiner.final_norm(text_embeds)
+            texts = [self._run(self.checkpointed(i, refiner=True), block, text) for text in texts]
+        text_embeds = m.token_refiner.final_norm(texts[0] if len(texts) == 1 else torch.cat(texts, dim=1))
 
         if sp.enabled:
             # Padding rows are zero, carry index 0 and position 0: valid lookups, dropped before
@@ -228,7 +253,9 @@ class SequenceParallelH3(nn.Module):
             timestep_indices = sp.local_slice(sp.pad(timestep_indices, 0))
             # The angles of this rank's rows only (they are row-wise; padding rows take position 0):
             # every block saves them for backward.
-            rotary_emb = UlyssesRotary(*m.rope(sp.local_slice(sp.pad(position_ids, 0))), seq_len)
+            rotary_emb = UlyssesRotary(*m.rope(sp.local_slice(sp.pad(position_ids, 0))), seq_len, segments)
+        elif segments is not None:
+            rotary_emb = UlyssesRotary(*m.rope(position_ids), seq_len, segments)
         else:
             rotary_emb = m.rope(position_ids)
 

@@ -11,7 +11,10 @@ becomes a choice of `model.attention_backend`; the config package imports nothin
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from ..config import choices, register_entry
 from ..errors import ConfigError, one_of
@@ -24,6 +27,8 @@ class AttentionBackend:
     """One attention kernel: h3train's name for it, diffusers' name, and what it needs to run.
 
     `trains` is False for a kernel only the benchmark runs: it is not a `model.attention_backend` choice.
+    `varlen`: how it attends block-diagonally over a packed sequence's samples: `True` in one call over
+    sequence offsets (flash-attn's varlen kernel), `False` one call per sample segment.
     """
 
     name: str
@@ -32,6 +37,7 @@ class AttentionBackend:
     needs_bf16: bool = False
     needs_flash_attn: bool = False
     trains: bool = True
+    varlen: bool = False
 
 
 #: Kernel name -> the kernel, in registration order.
@@ -48,7 +54,7 @@ for _backend in (
     # PyTorch SDPA: picks its own kernel for the device and dtype; runs everywhere.
     AttentionBackend("native", "native"),
     # flash-attn and cuDNN attention compute in half precision only.
-    AttentionBackend("flash", "flash", needs_cuda=True, needs_bf16=True, needs_flash_attn=True),
+    AttentionBackend("flash", "flash", needs_cuda=True, needs_bf16=True, needs_flash_attn=True, varlen=True),
     AttentionBackend("cudnn", "_native_cudnn", needs_cuda=True, needs_bf16=True),
     # SDPA's math kernel materialises the S x S scores: the CPU bench's second kernel, short sequences only.
     AttentionBackend("math", "_native_math", trains=False),
@@ -110,3 +116,44 @@ def resolve_attention_backend(name: str, device_type: str, dtype: str) -> str:
             f"config key 'model.attention_backend' is '{name}', but {_REASONS[missing]}; {fixes[missing]}"
         )
     return backend.diffusers
+
+
+def _by_diffusers_name() -> dict[str, AttentionBackend]:
+    return {backend.diffusers: backend for backend in ATTENTION_BACKENDS.values()}
+
+
+def segment_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Sequence[int], backend: str | None
+) -> torch.Tensor:
+    """Attention of a packed sequence, each sample attending over its own rows only (block-diagonal).
+
+    q, k, v `[1, S, H, D]` with `S = sum(segments)`; returns `[1, S, H, D]`. `backend` is the diffusers
+    name the model's processors carry (None: diffusers' default). A kernel with `varlen` takes the
+    sample offsets in one call; any other runs once per sample, which is each sample's attention as
+    it is alone, with the same kernel.
+    """
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    kernel = _by_diffusers_name().get(backend) if backend is not None else None
+    if kernel is not None and kernel.varlen and query.is_cuda:
+        return _flash_varlen(query, key, value, segments)
+    outs = [
+        dispatch_attention_fn(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, backend=backend)
+        for q, k, v in zip(
+            query.split(list(segments), dim=1),
+            key.split(list(segments), dim=1),
+            value.split(list(segments), dim=1),
+            strict=True,
+        )
+    ]
+    return torch.cat(outs, dim=1)
+
+
+def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Sequence[int]) -> torch.Tensor:
+    """flash-attn's varlen kernel over the samples' offsets (`cu_seqlens`), batch dim 1 folded away."""
+    from flash_attn import flash_attn_varlen_func
+
+    offsets = torch.tensor([0, *segments], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(query.device)
+    longest = max(segments)
+    out = flash_attn_varlen_func(query[0], key[0], value[0], offsets, offsets, longest, longest, causal=False)
+    return out[None]
