@@ -75,6 +75,7 @@ def check_values(cfg: Config) -> None:
         "data.prefetch",
         "data.bucket_size",
         "data.max_rows",
+        "data.pack",
     ):
         positive(key, allow_zero=True)
     if cfg.parallel.dp_shard == 0 or cfg.parallel.dp_shard < -1:

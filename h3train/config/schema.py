@@ -87,6 +87,15 @@ class DataConfig:
     # Longest packed sequence trained, in rows (0: no bound). Longer cached samples are dropped when
     # the dataset loads, and the memory plan takes this as the longest sample.
     max_rows: int = 0
+    # Packed micro-batches: each trains several samples in one sequence of at most this many rows,
+    # each sample attending over its own rows (0: one sample per micro-batch). See docs/training.md.
+    pack: int = 0
+    # A sample longer than `pack` rows: refuse (a one-line error before training) or alone (a
+    # micro-batch of its own, planned for memory at its length).
+    pack_oversize: str = "refuse"
+    # Assign each step's samples to DP ranks (and packs) by their compute (linear rows plus
+    # attention rows squared), so the ranks finish their micro-batches together.
+    balance: bool = False
     # raise: stop on a corrupt sample, naming the file and field; skip: log it and take the next.
     on_error: str = "raise"
     # Tiny configs and demos: when `path` holds no dataset yet, write a synthetic one of
@@ -230,6 +239,8 @@ class LoggingConfig:
     progress: bool = True
     # Also write metrics.jsonl's numbers and the rendered samples to TensorBoard, in <dir>/tensorboard.
     tensorboard: bool = False
+    # Append every micro-batch's sample ids to <dir>/trained_samples/dp<R>.jsonl (a data-order audit).
+    sample_ids: bool = False
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -447,6 +458,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.activation_checkpointing": ("none", "full", "selective"),
     "data.source": ("synthetic", "cached"),
     "data.on_error": ("raise", "skip"),
+    "data.pack_oversize": ("refuse", "alone"),
     "parallel.backend": ("auto", "gloo", "nccl"),
     "train.timestep.sampling": ("uniform", "logit_normal"),
     "train.timestep.weighting": ("none", "cosmap"),

@@ -20,14 +20,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
 from ..config import Config, dataset_specs, register_entry
 from ..errors import ConfigError
-from ..tasks.packed import PackedSample
-from .prefetch import MicroBatchPosition, Prefetcher, micro_batch_positions
+from ..tasks.packed import PackedSample, SamplePack
+from .packing import Packing, StepPlan
+from .prefetch import Prefetcher
 from .sampler import DistributedSampler
 
 if TYPE_CHECKING:
@@ -278,9 +279,12 @@ MakeInputs = Callable[[PackedSample, int, int], "TrainingInputs"]
 class MicroBatchStream:
     """Micro-batches of an indexable source in the sampler's order, read and noised ahead of the loop.
 
-    `slot` (the micro-batch's place in the global batch, `micro * dp + dp_rank`) and `step` seed the
-    noise, so a micro-batch is the same whatever the prefetch depth. The checkpointed state is the
-    sampler's, which counts consumed samples only: a checkpoint never skips prefetched ones.
+    Each step's samples are planned by `packing` (`data/packing.py`): the step's window of the global
+    order, and which slots of it this DP rank trains in each micro-batch, one sample each or packed.
+    A sample's slot in the window and the step seed its noise, so a micro-batch is the same whatever
+    the prefetch depth, the rank or the pack it lands in. The checkpointed state is the sampler's
+    global position, advanced when a step's last micro-batch is consumed: a checkpoint never skips
+    prefetched samples.
     """
 
     def __init__(
@@ -290,33 +294,68 @@ class MicroBatchStream:
         make_inputs: MakeInputs,
         grad_accum: int,
         depth: int,
+        packing: Packing | None = None,
     ) -> None:
         self.source = source
         self.sampler = sampler
         self.make_inputs = make_inputs
         self.grad_accum = grad_accum
         self.depth = max(1, depth)
+        self.packing = packing or Packing(sampler.dp_size, grad_accum)
+        if self.packing.micro_batches != sampler.dp_size * grad_accum:
+            raise ValueError(
+                f"packing plans {self.packing.micro_batches} micro-batches a step, the run trains "
+                f"{sampler.dp_size} x {grad_accum}"
+            )
+        self._lengths = source.lengths
         self._prefetcher: Prefetcher | None = None
-        self._items: Iterator[tuple[MicroBatchPosition, tuple[PackedSample, TrainingInputs]]] | None = None
+        self._items: Iterator[tuple[_At, tuple[Any, TrainingInputs]]] | None = None
+        self._step_samples = 0
 
-    def _load(self, at: MicroBatchPosition) -> tuple[PackedSample, TrainingInputs]:
+    def _rows_at(self, position: int) -> int:
+        return int(self._lengths[self.sampler.global_index(position)])
+
+    def _positions(self, step: int, micro: int) -> Iterator[_At]:
+        """Every micro-batch this rank trains from micro-batch `micro` of step `step` on, with its step's plan."""
+        start = self.sampler.position
+        while True:
+            plan = self.packing.plan(start, self._rows_at)
+            for m in range(micro, self.grad_accum):
+                yield _At(step, m, plan)
+            start, step, micro = start + plan.count, step + 1, 0
+
+    def _load(self, at: _At) -> tuple[Any, TrainingInputs]:
         # On the prefetch thread: reading and noising stay off the training thread.
-        sample = self.source[at.index]
-        slot = at.micro * self.sampler.dp_size + self.sampler.dp_rank
-        return sample, self.make_inputs(sample, at.step, slot)
+        slots = at.plan.slots(self.sampler.dp_rank, at.micro)
+        samples = [self.source[self.sampler.global_index(at.plan.start + slot)] for slot in slots]
+        items = [self.make_inputs(sample, at.step, slot) for sample, slot in zip(samples, slots, strict=True)]
+        if not self.packing.budget:
+            return samples[0], items[0]
+        from ..objective import pack_inputs
 
-    def next(self, step: int, micro: int) -> tuple[PackedSample, TrainingInputs]:
-        """Micro-batch `micro` (0-based) of optimizer step `step` (1-based): the sample and its inputs."""
+        return SamplePack(tuple(samples)), pack_inputs(items)
+
+    def next(self, step: int, micro: int) -> tuple[Any, TrainingInputs]:
+        """Micro-batch `micro` (0-based) of optimizer step `step` (1-based): the sample (a `SamplePack`
+        when packing) and its inputs."""
         if self._prefetcher is None:
             # Started lazily, so that it reads from the sampler state a resume has restored.
-            positions = micro_batch_positions(self.sampler.iter_indices(), step, micro, self.grad_accum)
-            self._prefetcher = Prefetcher(self._load, positions, self.depth)
+            self._prefetcher = Prefetcher(self._load, self._positions(step, micro), self.depth)
             self._items = iter(self._prefetcher)
         assert self._items is not None
         at, item = next(self._items)
-        expected = MicroBatchPosition(self.sampler.next_index(), step, micro)
-        assert at == expected, f"prefetcher delivered {at}, the training loop expects {expected}"
+        assert (at.step, at.micro, at.plan.start) == (step, micro, self.sampler.position), (
+            f"prefetcher delivered micro-batch {at.micro} of step {at.step} at position {at.plan.start}, the "
+            f"training loop expects micro-batch {micro} of step {step} at position {self.sampler.position}"
+        )
+        self._step_samples = at.plan.count
+        if micro == self.grad_accum - 1:
+            self.sampler.position += at.plan.count
         return item
+
+    def samples_in_step(self) -> int:
+        """Samples of the step (all DP ranks) whose micro-batch `next` delivered last: the loss is their mean."""
+        return self._step_samples
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
@@ -328,3 +367,11 @@ class MicroBatchStream:
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
+
+
+class _At(NamedTuple):
+    """Micro-batch `micro` of step `step`, in the step's plan."""
+
+    step: int
+    micro: int
+    plan: StepPlan

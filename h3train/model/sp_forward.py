@@ -136,6 +136,54 @@ class UlyssesAttnProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
+class SegmentedTextAttnProcessor:
+    """The text refiner's self-attention over a pack's prompts, each attending over its own rows.
+
+    The refiner block passes its attention nothing but the rows, so the prompts' lengths are set on
+    the processor (`segments`) by `SequenceParallelH3` right before each block runs, inside what an
+    activation-checkpointed block recomputes. One call per block whatever the pack holds: FSDP2's
+    collectives of a refiner block are the same on every rank. `segments` None: one prompt, diffusers'
+    own arithmetic.
+    """
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self) -> None:
+        self.segments: tuple[int, ...] | None = None
+
+    def __call__(
+        self,
+        attn: MiniMaxH3Attention,
+        hidden_states: torch.Tensor,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if attention_mask is not None or rotary_emb is not None:
+            raise ValueError("the text refiner attends without a mask or rotary angles")
+        if attn.fused_projections:
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query = attn.norm_q(query.unflatten(-1, (attn.heads, -1)))
+        key = attn.norm_k(key.unflatten(-1, (attn.heads, -1)))
+        value = value.unflatten(-1, (attn.heads, -1))
+        if self.segments is None:
+            out = dispatch_attention_fn(
+                query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
+            )
+        else:
+            out = segment_attention(query, key, value, self.segments, self._attention_backend)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _refine(block: nn.Module, text: torch.Tensor, segments: tuple[int, ...] | None) -> torch.Tensor:
+    """Refiner block `block` over `text`, its prompts' lengths set where the block's processor reads them."""
+    block.attn.processor.segments = segments
+    return block(text)
+
+
 class SequenceParallelH3(nn.Module):
     """Wraps the diffusers transformer; `forward` takes the ten `model.forward` arguments.
 
@@ -174,6 +222,11 @@ class SequenceParallelH3(nn.Module):
             raise ValueError(f"sequence parallel size {sp.size} does not divide {heads} attention heads")
         self.processors: list[UlyssesAttnProcessor] = []
         self.packed = packed
+        if packed:
+            for block in transformer.token_refiner.refiner_blocks:
+                proc = SegmentedTextAttnProcessor()
+                proc._attention_backend = block.attn.processor._attention_backend
+                block.attn.set_processor(proc)
         if sp.enabled or packed:
             for block in transformer.transformer_blocks:
                 proc = UlyssesAttnProcessor(sp)
@@ -227,11 +280,13 @@ class SequenceParallelH3(nn.Module):
         video_embeds = m.proj_in(hidden_states.to(get_parameter_dtype(m.proj_in)))
         audio_embeds = m.audio_proj_in(audio_hidden_states.to(get_parameter_dtype(m.audio_proj_in)))
         text_embeds = m.context_embedder(encoder_hidden_states.to(get_parameter_dtype(m.context_embedder)))
-        # The refiner attends over one prompt: a pack's prompts are refined each alone.
-        texts = [text_embeds] if text_segments is None else list(text_embeds.split(list(text_segments), dim=1))
         for i, block in enumerate(m.token_refiner.refiner_blocks):
-            texts = [self._run(self.checkpointed(i, refiner=True), block, text) for text in texts]
-        text_embeds = m.token_refiner.final_norm(texts[0] if len(texts) == 1 else torch.cat(texts, dim=1))
+            if self.packed:
+                # A pack's prompts are refined each alone, in one call of the block.
+                text_embeds = self._run(self.checkpointed(i, refiner=True), _refine, block, text_embeds, text_segments)
+            else:
+                text_embeds = self._run(self.checkpointed(i, refiner=True), block, text_embeds)
+        text_embeds = m.token_refiner.final_norm(text_embeds)
 
         if sp.enabled:
             # Padding rows are zero, carry index 0 and position 0: valid lookups, dropped before

@@ -27,6 +27,7 @@ from torch import nn
 from ..checkpoint import Checkpointer, checkpoint_root, room_needed
 from ..config import Config, dataset_specs
 from ..data.mixture import DatasetMixture
+from ..data.packing import Packing, attention_rows
 from ..data.source import MicroBatchStream, build_sampler, build_source, load_shared_negative
 from ..debug.faults import FaultInjector
 from ..infra.diskspace import check_room
@@ -191,6 +192,7 @@ def _assemble(
         lambda sample, step, slot: micro_batch_inputs(cfg, sample, step, slot, shared_negative),
         cfg.train.grad_accum,
         cfg.data.prefetch,
+        step_packing(cfg, dims.dp, model_config),
     )
     watch = validation_watch(cfg)
     adapter_files = export_files(cfg, adapter)
@@ -304,6 +306,12 @@ def build_sharded_model(
     return model
 
 
+def step_packing(cfg: Config, dp: int, dims: dict[str, Any]) -> Packing:
+    """How the run plans each step's samples: `data.pack` rows per micro-batch, `data.balance` by the
+    cost model of the architecture `dims`."""
+    return Packing(dp, cfg.train.grad_accum, cfg.data.pack, cfg.data.balance, attention_rows(dims))
+
+
 def wrap_and_shard(
     cfg: Config, ctx: ParallelContext, transforms: Sequence[ModelTransform], from_meta: bool
 ) -> SequenceParallelH3:
@@ -330,6 +338,7 @@ def wrap_and_shard(
         checkpoint_every=cfg.model.checkpoint_every,
         compile_blocks=cfg.model.compile,
         compile_backend=cfg.model.compile_backend,
+        packed=cfg.data.pack > 0,
     )
     if shards_nothing(model, ctx, cfg.model.dtype, cfg.parallel.cpu_offload):
         if not from_meta:
@@ -417,4 +426,8 @@ def step_hooks(
         from ..train.render_hook import SampleRenderer
 
         hooks.append(SampleRenderer(cfg))
+    if cfg.logging.sample_ids:
+        from ..train.sample_log import TrainedSamples
+
+        hooks.append(TrainedSamples(cfg.logging.dir))
     return hooks

@@ -144,6 +144,7 @@ def check_inputs(cfg: Config, planning: bool = False) -> list[str]:
     if measures_held_out_loss(v) and not (Path(v.dataset) / INDEX_NAME).is_file():
         notes.append(f"validation: no dataset at '{v.dataset}' here; planned its samples as long as the training ones")
     _check_max_rows(cfg)
+    _check_pack(cfg)
     check_partition(cfg, data_source(cfg).sample_tasks)
     kind = device_type(cfg)
     resolve_attention_backend(cfg.model.attention_backend, kind, cfg.model.dtype)
@@ -163,6 +164,20 @@ def _check_max_rows(cfg: Config) -> None:
         raise ConfigError(
             f"config key 'data.max_rows' is {bound} but every {source.name} sample packs to {found[0]} rows; "
             "raise data.max_rows or shrink data.synthetic"
+        )
+
+
+def _check_pack(cfg: Config) -> None:
+    """With `data.pack_oversize=refuse`, no sample is longer than a pack's `data.pack` rows."""
+    budget = cfg.data.pack
+    if not budget or cfg.data.pack_oversize != "refuse":
+        return
+    found = data_source(cfg).longest(cfg)
+    if found is not None and found[0] > budget:
+        raise ConfigError(
+            f"config key 'data.pack' is {budget} rows but the longest sample ({found[2]}) packs to {found[0]}; "
+            "raise data.pack, bound the samples with data.max_rows, or train such samples alone "
+            "(data.pack_oversize=alone)"
         )
 
 

@@ -23,7 +23,7 @@ from ..model.adapter import ModelAdapter
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import TrainingInputs
 from ..parallel.dims import ParallelContext
-from ..tasks.packed import PackedSample
+from ..tasks.packed import PackedSample, SamplePack
 from ..train.adapter_files import AdapterFiles
 from ..train.events import EventLog, Progress, SpikeDetector
 from ..train.guard import ValidationWatch
@@ -36,9 +36,13 @@ from .resume import Resume
 
 class MicroBatches(Protocol):
     """The step's micro-batches (`data.source.MicroBatchStream`): `next(step, slot)` is micro-batch `slot`
-    of optimizer step `step` as (packed sample, its inputs on the host); its position is checkpointed."""
+    of optimizer step `step` as (packed sample or pack, its inputs on the host); its position is checkpointed."""
 
-    def next(self, step: int, slot: int) -> tuple[PackedSample, TrainingInputs]: ...
+    def next(self, step: int, slot: int) -> tuple[PackedSample | SamplePack, TrainingInputs]: ...
+
+    def samples_in_step(self) -> int:
+        """Samples of the current step over all DP ranks (the loss is their mean)."""
+        ...
 
     def close(self) -> None: ...
 

@@ -86,3 +86,34 @@ class PackedSample:
             "text_len": int(self.text_token_tags.numel()),
             "seq_len": self.layout.seq_len,
         }
+
+
+@dataclass(frozen=True)
+class SamplePack:
+    """The samples of one packed micro-batch, in pack order (`objective.pack_inputs` packs their inputs).
+
+    It answers what the training loop asks of a micro-batch's sample: its id (the members' joined by
+    `+`), whether it has sound (any member), its packed length (the members' together) and its meta.
+    """
+
+    samples: tuple[PackedSample, ...]
+
+    @property
+    def sample_id(self) -> str:
+        return "+".join(s.sample_id for s in self.samples)
+
+    @property
+    def has_audio(self) -> bool:
+        return any(s.has_audio for s in self.samples)
+
+    @property
+    def seq_len(self) -> int:
+        return sum(s.layout.seq_len for s in self.samples)
+
+    def meta(self) -> dict:
+        return {"pack": [s.meta() for s in self.samples]}
+
+
+def members(sample: PackedSample | SamplePack) -> tuple[PackedSample, ...]:
+    """The samples a micro-batch trains: a pack's members, or the one sample."""
+    return sample.samples if isinstance(sample, SamplePack) else (sample,)

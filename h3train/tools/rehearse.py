@@ -292,13 +292,16 @@ class _PlannedMicroBatch:
     """The step's micro-batches as a rehearsal has them: each is the planned sample and its inputs (built on
     the host before the fake mode, since the layout builders call nonzero); no position to keep."""
 
-    def __init__(self, sample: Any = None, inputs: Any = None) -> None:
-        self.sample, self.inputs = sample, inputs
+    def __init__(self, sample: Any = None, inputs: Any = None, per_step: int = 1) -> None:
+        self.sample, self.inputs, self.per_step = sample, inputs, per_step
 
     def next(self, step: int, slot: int) -> tuple[Any, Any]:
         if self.inputs is None:
             raise RuntimeError("this rehearsal builds the run's state only and has no micro-batch to step on")
         return self.sample, self.inputs
+
+    def samples_in_step(self) -> int:
+        return self.per_step
 
     def close(self) -> None:
         pass
@@ -539,7 +542,8 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         phases = _Phases(tracker, ema=run_cfg.train.ema.decay > 0)
         t = time.perf_counter()
-        trainer = _build(run_cfg, ctx, tracker, notes, mode, _PlannedMicroBatch(sample, ti), [phases])
+        batches = _PlannedMicroBatch(sample, ti, per_step=micro_batches * mesh.dp)
+        trainer = _build(run_cfg, ctx, tracker, notes, mode, batches, [phases])
         phases.attach(trainer.model, trainer.parts.optimizer)
         fsdp_params = _fsdp_params(trainer.model)
         seconds["build"] = time.perf_counter() - t

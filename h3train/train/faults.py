@@ -35,7 +35,7 @@ class FaultHook(TrainerHook):
             batch.loss = batch.loss * float("nan")
         if self.faults.active("rank_branch", batch.step):
             with torch.no_grad():
-                trainer.model(**batch.inputs.to(trainer.device).model_inputs)
+                trainer.model(**batch.inputs.to(trainer.device).forward_kwargs())
 
     def after_step(self, trainer: TrainerView, step: int, stats: Mapping[str, float]) -> None:
         self.faults.maybe_die("sigterm_after_step", step)

@@ -34,7 +34,7 @@ class StepTotals:
     loss_audio: float = field(metadata=_ON_DEVICE)
     loss_video_fm: float = field(metadata=_ON_DEVICE)
     loss_audio_fm: float = field(metadata=_ON_DEVICE)
-    audio_micro_batches: float
+    audio_samples: float
     rows: float
     cfg_scale_video: float
     cfg_scale_audio: float

@@ -32,6 +32,7 @@ from ..model.sp_forward import SequenceParallelH3
 from ..objective import cfg_enabled, compute_loss
 from ..parallel.dims import ParallelContext
 from ..parallel.shards import local_tensor
+from ..tasks.packed import members
 from .guard import Verdict
 from .hooks import EvaluationWeights, MicroBatchEvent
 from .metrics import (
@@ -58,7 +59,8 @@ class StepGradients:
     `device_sums` float64 on the device: `StepTotals.loss_names` summed over micro-batches (audio
     terms of silent clips zeroed). `host_sums`: the host's counts by their `StepTotals` names.
     `losses`: each micro-batch's loss on the device (spike detection); `sample_ids` the
-    micro-batches' samples.
+    micro-batches' samples (a pack's joined by `+`); `samples` how many samples the step trains
+    over all DP ranks, whose mean the loss and the gradient are.
     """
 
     started: float
@@ -66,6 +68,7 @@ class StepGradients:
     host_sums: dict[str, float] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     sample_ids: list[str] = field(default_factory=list)
+    samples: int = 0
 
 
 class Trainer:
@@ -216,6 +219,8 @@ class Trainer:
         for micro in range(accum):
             self.phase = f"loading micro-batch {micro} of step {step}"
             sample, ti = self.parts.batches.next(step, micro)
+            # Every rank plans the whole step, so all agree on its sample count without a collective.
+            grads.samples = self.parts.batches.samples_in_step()
             grads.sample_ids.append(sample.sample_id)
             self.phase = f"forward of step {step}"
             parts = compute_loss(self.model, ti.to(self.device))
@@ -227,24 +232,27 @@ class Trainer:
             if self.ctx.dims.dp_replicate > 1:
                 # HSDP: reduce-scatter every micro-batch, all-reduce across replicas once per step.
                 self.model.set_requires_all_reduce(micro == accum - 1)
-            (loss / accum).backward()
-            grads.losses.append(loss.detach())
-            has_audio = float(sample.has_audio)
-            grads.device_sums += StepTotals.loss_terms(
-                loss=loss.detach(),
-                loss_video=parts.video.detach(),
-                loss_audio=parts.audio.detach() * has_audio,
-                loss_video_fm=parts.video_fm,
-                loss_audio_fm=parts.audio_fm * has_audio,
-            )
-            counts = {
-                "audio_micro_batches": has_audio,
-                "rows": sample.layout.seq_len,
-                "cfg_scale_video": ti.guidance.scale_video,
-                "cfg_scale_audio": ti.guidance.scale_audio,
-            }
-            for name, value in counts.items():
-                grads.host_sums[name] = grads.host_sums.get(name, 0.0) + value
+            # The step's gradient is the mean over its samples; FSDP2's reduction averages over the DP
+            # ranks, so each rank divides by its share (`grad_accum` with one sample per micro-batch).
+            (loss / (grads.samples / self.ctx.dims.dp)).backward()
+            grads.losses.append(loss.detach() / len(members(sample)))
+            # The loss as the hooks left it; the other terms, and the counts, sample by sample.
+            terms = {"loss_video": 0.0, "loss_audio": 0.0, "loss_video_fm": 0.0, "loss_audio_fm": 0.0}
+            for member, own, inputs in zip(members(sample), parts.per_sample(), ti.samples, strict=True):
+                has_audio = float(member.has_audio)
+                terms["loss_video"] = terms["loss_video"] + own.video.detach()
+                terms["loss_audio"] = terms["loss_audio"] + own.audio.detach() * has_audio
+                terms["loss_video_fm"] = terms["loss_video_fm"] + own.video_fm
+                terms["loss_audio_fm"] = terms["loss_audio_fm"] + own.audio_fm * has_audio
+                counts = {
+                    "audio_samples": has_audio,
+                    "cfg_scale_video": inputs.guidance.scale_video,
+                    "cfg_scale_audio": inputs.guidance.scale_audio,
+                }
+                for name, value in counts.items():
+                    grads.host_sums[name] = grads.host_sums.get(name, 0.0) + value
+            grads.device_sums += StepTotals.loss_terms(loss=loss.detach(), **terms)
+            grads.host_sums["rows"] = grads.host_sums.get("rows", 0.0) + sum(m.layout.seq_len for m in members(sample))
         for hook in self.parts.hooks:
             hook.after_backward(self, step)
         return grads
@@ -254,7 +262,7 @@ class Trainer:
 
         Both reductions are global, so every rank reaches the same update decision without an
         extra collective: the grad norm covers every parameter shard, the loss every DP rank.
-        Returns the step's logged values; the audio losses are means over the micro-batches with
+        Returns the step's logged values; the audio losses are means over the samples with
         sound, and None when no micro-batch of the step (on any DP rank) had sound.
         """
         cfg, parts = self.cfg, self.parts
@@ -287,16 +295,17 @@ class Trainer:
         # start, so validation, renders, the EMA and a checkpoint's staging never sit beside them.
         parts.optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - grads.started
-        n = cfg.train.grad_accum * self.ctx.dims.dp
+        n = grads.samples
         # A mean over no clip is no number: a step without sound logs null, not a loss of 0.
-        n_audio = totals.audio_micro_batches
+        n_audio = totals.audio_samples
         stats: dict[str, float | None] = {
             "loss": totals.loss / n,
             "loss_video": totals.loss_video / n,
             "loss_audio": totals.loss_audio / n_audio if n_audio else None,
             "grad_norm": grad_norm,
             "lr": lr,
-            "seq_len": totals.rows / n,
+            "seq_len": totals.rows / (cfg.train.grad_accum * self.ctx.dims.dp),
+            "samples": n,
             "tokens_per_s": totals.rows / dt,
             "step_time_s": dt,
             "skipped_steps": self.skipped_steps,

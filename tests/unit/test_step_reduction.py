@@ -31,7 +31,7 @@ def test_a_swap_of_two_fields_is_caught() -> None:
     losses = StepTotals.loss_terms(**{name: torch.tensor(values[name]) for name in StepTotals.loss_names()})
     packed = StepTotals.pack(losses, values).tolist()
     names = list(StepTotals.names())
-    for a, b in [("loss", "loss_video"), ("audio_micro_batches", "rows"), ("preempting", "interrupting")]:
+    for a, b in [("loss", "loss_video"), ("audio_samples", "rows"), ("preempting", "interrupting")]:
         i, j = names.index(a), names.index(b)
         swapped = list(packed)
         swapped[i], swapped[j] = swapped[j], swapped[i]

@@ -1,0 +1,180 @@
+"""Which samples each DP rank trains in each micro-batch of a step, packed and balanced by their cost.
+
+**Cost model.** A sample of `S` packed rows costs `S + S^2 / S0` row-units of compute: the linears are
+linear in the rows, attention quadratic, and `S0` (`attention_rows`) is where the two are equal,
+`2 h + 1.5 h f / a` for hidden size `h`, FFN width `f` and attention width `a` (26,880 rows for the
+released model: at its 37 k-row clips attention is already 1.4 times the linears). A pack's samples
+attend block-diagonally, so a pack costs the sum of its samples' costs, not the cost of its length.
+
+**A step.** The global sample order is the sampler's (`DistributedSampler.global_index`). Step `k`
+consumes the samples at positions `[start, start + count)`, its *window*; slot `i` of the window (the
+sample at `start + i`) draws its noise as slot `i` (`objective.step_generator`), whichever rank and
+micro-batch it lands in. Every rank trains `grad_accum` micro-batches, so every rank issues the same
+collectives, and every rank computes the whole step's plan from the same inputs, so all agree on it
+without a collective:
+
+- unpacked, unbalanced: the window is `dp * grad_accum` samples, slot `micro * dp + rank` on rank
+  `rank` (the sampler's own order, unchanged);
+- `balance` alone: the same window, each rank `grad_accum` samples chosen by longest-processing-time
+  on the cost model (the costliest sample first, to the rank with the least cost so far);
+- `pack` (a row budget per micro-batch): the window takes samples while their rows fit
+  `FILL * dp * grad_accum * budget` (and at least one sample per micro-batch); they are packed into
+  `dp * grad_accum` micro-batches of at most `budget` rows, by cost (longest-processing-time over
+  micro-batches; with `balance`) or first-fit in order (without), and the micro-batches go to the
+  ranks, the costliest first to the rank with the least cost. A window that cannot be packed gives
+  back its last sample and is packed again.
+
+A sample longer than the budget (`oversize="alone"`) trains as a micro-batch of its own; `"refuse"`
+is checked before training (`oversized`). The plan depends on the order, the lengths, the position
+and the mesh's `dp` alone: the checkpointed state stays the sampler's global position, so a run
+resumed under another DP size continues the same global order from the same sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# The share of the micro-batches' row budget a window fills before it is packed: a little room
+# lets first-fit place every sample without handing many back.
+FILL = 0.95
+
+
+def attention_rows(dims: dict[str, Any]) -> float:
+    """`S0`: the packed length at which a sample's attention FLOPs equal its linears' (module docstring)."""
+    hidden = int(dims["hidden_size"])
+    attention = int(dims["num_attention_heads"]) * int(dims["attention_head_dim"])
+    return 2.0 * hidden + 1.5 * hidden * int(dims["ffn_dim"]) / attention
+
+
+def sample_cost(rows: int, s0: float) -> float:
+    """A sample's compute in row-units of the linears: `rows + rows^2 / s0`."""
+    return rows + rows * rows / s0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One optimizer step's samples: the window `[start, start + count)` of the global order and,
+    per DP rank and micro-batch, the window slots trained there (in pack order)."""
+
+    start: int
+    count: int
+    micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
+
+    def slots(self, rank: int, micro: int) -> tuple[int, ...]:
+        return self.micro_batches[rank][micro]
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How steps are planned: `budget` rows per micro-batch (0: one sample each), `balance` by cost."""
+
+    dp: int
+    grad_accum: int
+    budget: int = 0
+    balance: bool = False
+    s0: float = float("inf")
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches of a step over all DP ranks."""
+        return self.dp * self.grad_accum
+
+    def cost(self, rows: int) -> float:
+        return sample_cost(rows, self.s0)
+
+    def plan(self, start: int, rows_at: Callable[[int], int]) -> StepPlan:
+        """The step whose window starts at global position `start`; `rows_at(p)` is the packed length of
+        the sample at position `p`."""
+        if not self.budget:
+            return self._unpacked(start, rows_at)
+        count = self._window(start, rows_at)
+        while True:
+            bins = self._pack([rows_at(start + i) for i in range(count)])
+            if bins is not None:
+                return StepPlan(start, count, self._to_ranks(bins, [rows_at(start + i) for i in range(count)]))
+            count -= 1
+
+    def _unpacked(self, start: int, rows_at: Callable[[int], int]) -> StepPlan:
+        dp, accum = self.dp, self.grad_accum
+        count = dp * accum
+        if not self.balance:
+            return StepPlan(start, count, tuple(tuple((m * dp + r,) for m in range(accum)) for r in range(dp)))
+        costs = [self.cost(rows_at(start + i)) for i in range(count)]
+        ranks: list[list[int]] = [[] for _ in range(dp)]
+        load = [0.0] * dp
+        for slot in sorted(range(count), key=lambda i: (-costs[i], i)):
+            rank = min((r for r in range(dp) if len(ranks[r]) < accum), key=lambda r: (load[r], r))
+            ranks[rank].append(slot)
+            load[rank] += costs[slot]
+        return StepPlan(start, count, tuple(tuple((slot,) for slot in sorted(r)) for r in ranks))
+
+    def _window(self, start: int, rows_at: Callable[[int], int]) -> int:
+        """How many samples from `start` the step takes before packing: their rows fit the budget share."""
+        need, room = self.micro_batches, FILL * self.micro_batches * self.budget
+        count, rows = 0, 0
+        while True:
+            nxt = min(rows_at(start + count), self.budget)
+            if count >= need and rows + nxt > room:
+                return count
+            count, rows = count + 1, rows + nxt
+
+    def _pack(self, rows: Sequence[int]) -> list[list[int]] | None:
+        """The window's slots in `micro_batches` bins of at most `budget` rows, or None when they do not fit.
+
+        A sample over the budget fills an empty bin alone. With `balance` the costliest sample goes
+        first, to the cheapest bin it fits; without, each in order to the first bin it fits.
+        """
+        bins: list[list[int]] = [[] for _ in range(self.micro_batches)]
+        used, load = [0] * len(bins), [0.0] * len(bins)
+        order = sorted(range(len(rows)), key=lambda i: (-self.cost(rows[i]), i)) if self.balance else range(len(rows))
+        for slot in order:
+            r = rows[slot]
+            fits = [b for b in range(len(bins)) if (used[b] + r <= self.budget) or (r > self.budget and not used[b])]
+            if not fits:
+                return None
+            b = min(fits, key=lambda b: (load[b], b)) if self.balance else fits[0]
+            bins[b].append(slot)
+            used[b] += self.budget if r > self.budget else r
+            load[b] += self.cost(r)
+        # Every micro-batch trains something: an empty bin takes the last sample of the fullest one.
+        for empty in [b for b in bins if not b]:
+            fullest = max(bins, key=len)
+            empty.append(fullest.pop(fullest.index(max(fullest))))
+        return [sorted(b) for b in bins]
+
+    def _to_ranks(self, bins: list[list[int]], rows: Sequence[int]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """`grad_accum` bins per rank: the costliest bin first, to the rank with the least cost so far
+        (without `balance`, bin `b` is micro-batch `b // dp` of rank `b % dp`)."""
+        dp, accum = self.dp, self.grad_accum
+        if not self.balance:
+            return tuple(tuple(tuple(bins[m * dp + r]) for m in range(accum)) for r in range(dp))
+        bin_cost = [sum(self.cost(rows[s]) for s in b) for b in bins]
+        ranks: list[list[int]] = [[] for _ in range(dp)]
+        load = [0.0] * dp
+        for b in sorted(range(len(bins)), key=lambda b: (-bin_cost[b], b)):
+            rank = min((r for r in range(dp) if len(ranks[r]) < accum), key=lambda r: (load[r], r))
+            ranks[rank].append(b)
+            load[rank] += bin_cost[b]
+        return tuple(tuple(tuple(bins[b]) for b in sorted(r, key=lambda b: bins[b][0])) for r in ranks)
+
+    def rank_costs(self, plan: StepPlan, rows_at: Callable[[int], int]) -> list[float]:
+        """Each rank's cost in `plan` (the sum over its micro-batches of their samples' costs)."""
+        return [
+            sum(self.cost(rows_at(plan.start + slot)) for micro in rank for slot in micro)
+            for rank in plan.micro_batches
+        ]
+
+
+def imbalance(costs: Sequence[float]) -> float:
+    """`max / mean - 1` of the ranks' costs: 0 when every rank finishes together."""
+    mean = sum(costs) / len(costs)
+    return max(costs) / mean - 1.0 if mean > 0 else 0.0
+
+
+def oversized(lengths: Sequence[int], budget: int) -> list[int]:
+    """Indices of the samples longer than `budget` rows (none when packing is off)."""
+    if not budget:
+        return []
+    return [i for i, n in enumerate(lengths) if n > budget]

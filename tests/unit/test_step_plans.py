@@ -1,0 +1,99 @@
+"""Step plans (`data/packing.py`): which samples each DP rank trains in each micro-batch, packed and balanced."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from h3train.data.packing import Packing, attention_rows, imbalance, oversized, sample_cost
+from h3train.data.sampler import DistributedSampler
+
+S0 = 26_880.0
+
+
+def _lengths(n: int, seed: int = 0, low: int = 1_000, spread: float = 8.0) -> list[int]:
+    rng = random.Random(seed)
+    return [int(low * rng.uniform(1.0, spread)) for _ in range(n)]
+
+
+def _steps(packing: Packing, rows_at, steps: int, start: int = 0):
+    plans = []
+    for _ in range(steps):
+        plans.append(packing.plan(start, rows_at))
+        start += plans[-1].count
+    return plans
+
+
+def test_the_cost_model_is_the_released_models_flops() -> None:
+    dims = {"hidden_size": 5376, "num_attention_heads": 56, "attention_head_dim": 128, "ffn_dim": 14336}
+    # 2 h + 1.5 h f / a: where 4 S a FLOP of attention per row equal the 8 h a + 6 h f of the linears.
+    assert attention_rows(dims) == pytest.approx(26_880.0)
+    assert sample_cost(26_880, S0) == pytest.approx(2 * 26_880)
+
+
+def test_unpacked_unbalanced_plans_are_the_samplers_order() -> None:
+    dp, accum = 3, 2
+    sampler = DistributedSampler(40, 0, dp, seed=5)
+    packing = Packing(dp, accum)
+    plan = packing.plan(12, lambda p: 100)
+    assert plan.count == dp * accum
+    for rank in range(dp):
+        for micro in range(accum):
+            assert plan.slots(rank, micro) == (micro * dp + rank,)
+    # The slot the plan gives rank r's micro-batch m is the sampler's entry for it.
+    ranks = [DistributedSampler(40, r, dp, seed=5) for r in range(dp)]
+    for r in ranks:
+        r.position = 12
+    for micro in range(accum):
+        for rank, s in enumerate(ranks):
+            assert s.next_index() == sampler.global_index(12 + plan.slots(rank, micro)[0])
+
+
+@pytest.mark.parametrize(("budget", "balance"), [(0, True), (8_000, False), (8_000, True), (16_000, True)])
+def test_every_sample_of_the_order_trains_once_within_budget(budget: int, balance: bool) -> None:
+    lengths = _lengths(500)
+    packing = Packing(4, 2, budget, balance, S0)
+    plans = _steps(packing, lambda p: lengths[p % 500], 60)
+    position = 0
+    for plan in plans:
+        assert plan.start == position
+        slots = sorted(s for rank in plan.micro_batches for micro in rank for s in micro)
+        assert slots == list(range(plan.count))  # the window, each slot once: none dropped, none repeated
+        assert all(len(rank) == 2 and all(micro for micro in rank) for rank in plan.micro_batches)
+        if budget:
+            for rank in plan.micro_batches:
+                for micro in rank:
+                    assert sum(lengths[(plan.start + s) % 500] for s in micro) <= budget
+        position += plan.count
+
+
+def test_packing_and_balance_even_out_the_ranks() -> None:
+    lengths = _lengths(2_000, seed=1)
+    rows_at = lambda p: lengths[p % len(lengths)]  # noqa: E731
+
+    def mean_imbalance(packing: Packing) -> float:
+        plans = _steps(packing, rows_at, 200)
+        return sum(imbalance(packing.rank_costs(plan, rows_at)) for plan in plans) / len(plans)
+
+    unpacked = mean_imbalance(Packing(4, 1, s0=S0))
+    balanced = mean_imbalance(Packing(4, 1, 16_000, True, S0))
+    assert unpacked > 0.35
+    assert balanced < 0.10
+    assert mean_imbalance(Packing(4, 1, 16_000, False, S0)) > balanced
+
+
+def test_a_sample_over_the_budget_trains_alone() -> None:
+    lengths = [500, 3_000, 400, 600, 700, 800, 900, 100]
+    packing = Packing(2, 1, 2_000, True, S0)
+    plan = packing.plan(0, lambda p: lengths[p])
+    alone = [micro for rank in plan.micro_batches for micro in rank if 1 in micro]
+    assert alone == [(1,)]
+    assert oversized(lengths, 2_000) == [1] and oversized(lengths, 0) == []
+
+
+def test_plans_do_not_depend_on_the_rank_that_computes_them() -> None:
+    lengths = _lengths(300, seed=2)
+    first = _steps(Packing(2, 3, 9_000, True, S0), lambda p: lengths[p % 300], 20)
+    again = _steps(Packing(2, 3, 9_000, True, S0), lambda p: lengths[p % 300], 20)
+    assert first == again
