@@ -56,14 +56,18 @@ def run(args: argparse.Namespace) -> int:
 
         if isinstance(source := build_source(cfg), DatasetMixture):
             print(source.describe())
-    from ..plan import dropped_line, estimate, format_plan, refuse_over_plan
+    from ..plan import balance_line, dropped_line, estimate, format_plan, refuse_over_plan
 
     per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "8"))
-    plan = estimate(planned_model_dims(cfg)[0], dims, cfg, ranks_per_node=per_node)
+    model_dims = planned_model_dims(cfg)[0]
+    plan = estimate(model_dims, dims, cfg, ranks_per_node=per_node)
     dropped = dropped_line(cfg)
     if dropped:
         print(dropped)
     print(format_plan(plan), flush=True)
+    balance = balance_line(cfg, dims.dp, model_dims) if not notes else None
+    if balance:
+        print(balance)
     if args.rehearse:
         from ..tools.rehearse import format_rehearsal, rehearse
 

@@ -61,6 +61,7 @@ from .arithmetic import (
 )
 from .inputs import (
     adapter_counts,
+    balance_line,
     base_predictions_line,
     checkpoint_bytes,
     checkpointed_layers,
@@ -109,6 +110,7 @@ __all__ = [
     "summary",
     "verdict",
     "EvaluationPlan",
+    "balance_line",
     "dropped_line",
     "refuse_over_plan",
 ]

@@ -142,6 +142,8 @@ class MemoryPlan:
     # A plan that does not fit: the longest packed sequence a training step fits with here
     # (`longest_fit_rows`), the bound `data.max_rows` would set; 0: not planned.
     longest_fit: int = 0
+    # Whether micro-batches are packs of `data.pack` rows: the bound that fits is then a pack budget.
+    packed: bool = False
 
     @property
     def world_size(self) -> int:

@@ -91,8 +91,19 @@ def config_sample_rows(cfg: Config) -> tuple[int, int, str]:
     """`config_rows`, with the text rows of that sample between: the rows the text refiner runs over.
 
     The data source's longest sample (`DataSource.longest`); away from the data, the longest released
-    clip in the task's layout (`released_rows`) and its `RELEASED_TEXT_ROWS`.
+    clip in the task's layout (`released_rows`) and its `RELEASED_TEXT_ROWS`. With `data.pack`, a
+    micro-batch is a pack of up to that many rows: the budget, or a longer sample trained alone.
     """
+    rows, text_rows, where = _longest_sample_rows(cfg)
+    budget = cfg.data.pack
+    if budget and (rows <= budget or cfg.data.pack_oversize == "refuse"):
+        # A pack holds up to `budget` rows of samples, their prompts together in proportion.
+        text = min(budget, -(-text_rows * budget // rows))
+        return budget, text, f"data.pack={budget} rows per micro-batch; longest sample: {where}"
+    return rows, text_rows, where
+
+
+def _longest_sample_rows(cfg: Config) -> tuple[int, int, str]:
     from ..data.source import data_source
 
     found = data_source(cfg).longest(cfg)
@@ -175,7 +186,9 @@ def estimate(
     plan = replace(plan, evaluation=evaluation_plan(dims, plan, cfg))
     if not plan.fits:
         mesh_kw = {"dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "sp": plan.sp}
-        plan = replace(plan, longest_fit=longest_fit_rows(dims, **mesh_kw, **fit_kwargs(plan)))
+        plan = replace(
+            plan, longest_fit=longest_fit_rows(dims, **mesh_kw, **fit_kwargs(plan)), packed=cfg.data.pack > 0
+        )
     if not cfg.validation.samples:
         return plan
     return replace(plan, render_line=render_components_line(cfg), render_host_bytes=_vae_bytes(cfg))
@@ -349,4 +362,40 @@ def refuse_over_plan(plan: MemoryPlan, device_type: str, ignored: bool) -> None:
         f"the memory plan needs {plan.peak_bytes / GIB:.2f} GiB per rank of the device's "
         f"{plan.device_bytes / GIB:.0f} GiB for {plan.rows:,} rows ({plan.rows_origin}): {fix}; "
         "or set train.ignore_memory_plan=true to start anyway"
+    )
+
+
+def balance_line(cfg: Config, dp: int, dims: Mapping[str, Any], steps: int = 100) -> str | None:
+    """`h3train check`'s line on how evenly `dp` ranks would work through the run's cached dataset.
+
+    The mean per-step imbalance (`data/packing.py`'s cost model, `max / mean - 1` of the ranks' costs)
+    over the first `steps` steps of the sampler's order, with one sample per micro-batch and packed and
+    balanced (`data.pack`, or the longest sample's rows when the run does not pack). None for one DP
+    rank or a source whose lengths are not read here.
+    """
+    from ..data.packing import Packing, attention_rows, imbalance
+    from ..data.source import build_sampler, build_source, data_source
+
+    if dp < 2 or not data_source(cfg).reads_folders:
+        return None
+    source = build_source(cfg)
+    lengths = source.lengths
+    sampler = build_sampler(source, cfg, 0, dp)
+    rows_at = lambda p: int(lengths[sampler.global_index(p)])  # noqa: E731
+    s0, accum = attention_rows(dims), cfg.train.grad_accum
+    budget = cfg.data.pack or int(max(lengths))
+
+    def mean_imbalance(packing: Packing) -> float:
+        start, total = 0, 0.0
+        for _ in range(steps):
+            plan = packing.plan(start, rows_at)
+            total += imbalance(packing.rank_costs(plan, rows_at))
+            start += plan.count
+        return total / steps
+
+    one = mean_imbalance(Packing(dp, accum, s0=s0))
+    packed = mean_imbalance(Packing(dp, accum, budget, True, s0))
+    return (
+        f"balance       per-step imbalance across {dp} DP ranks over {steps} steps: {100 * one:.1f} % one sample "
+        f"per micro-batch, {100 * packed:.1f} % with data.pack={budget} + data.balance (docs/training.md)"
     )

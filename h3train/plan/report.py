@@ -43,7 +43,10 @@ def _grads_note(plan: MemoryPlan) -> str:
 
 def fixes(plan: MemoryPlan) -> str:
     """What makes a plan that does not fit fit, the cheapest first: a bound on the rows when one fits."""
-    bound = f"set data.max_rows={plan.longest_fit} (drops longer samples), " if plan.longest_fit else ""
+    if plan.packed:
+        bound = f"set data.pack={plan.longest_fit} (rows per micro-batch), " if plan.longest_fit else ""
+    else:
+        bound = f"set data.max_rows={plan.longest_fit} (drops longer samples), " if plan.longest_fit else ""
     return (
         f"{bound}shard over more ranks (dp_shard), raise sp, enable model.activation_checkpointing or "
         "parallel.cpu_offload, or shorten the clips"

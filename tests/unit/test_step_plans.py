@@ -97,3 +97,25 @@ def test_plans_do_not_depend_on_the_rank_that_computes_them() -> None:
     first = _steps(Packing(2, 3, 9_000, True, S0), lambda p: lengths[p % 300], 20)
     again = _steps(Packing(2, 3, 9_000, True, S0), lambda p: lengths[p % 300], 20)
     assert first == again
+
+
+def test_check_plans_packs_names_the_imbalance_and_refuses_a_sample_over_the_budget(tmp_path, capsys) -> None:
+    from h3train.cli import main
+    from h3train.data.synth import write_synthetic_dataset
+
+    from helpers.paths import ROOT
+
+    data = write_synthetic_dataset(tmp_path / "data", task="mixed", num_samples=24, text_dim=16)
+    config = str(ROOT / "configs" / "tiny_ref2va.yaml")
+    args = ["check", config, "--world-size", "4", "parallel.dp_shard=4", f"data.path={data}", "task.name=mixed"]
+    assert main([*args, "data.pack=2000"]) == 0
+    out = capsys.readouterr().out
+    assert "2,000 rows (data.pack=2000 rows per micro-batch" in out
+    (line,) = [x for x in out.splitlines() if x.startswith("balance")]
+    one, packed = (float(p.split(" %")[0].split()[-1]) for p in line.split(": ", 1)[1].split(", "))
+    assert one > packed >= 0.0 and "data.pack=2000 + data.balance" in line
+
+    assert main([*args, "data.pack=100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "config key 'data.pack' is 100 rows" in err and "pack_oversize=alone" in err
+    assert main([*args, "data.pack=100", "data.pack_oversize=alone"]) == 0
