@@ -66,7 +66,9 @@ def _rows_per_second(folder: Path, extra: list[str], steps: int) -> float:
         *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    subprocess.run(cmd, check=True, env=env, cwd=folder, stdout=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, env=env, cwd=folder, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"h3train train exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if r.get("kind") != "validation"][1:]
     return sum(r["tokens_per_s"] * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
