@@ -22,9 +22,10 @@ File layout (little-endian throughout):
                    (entry i is bytes [offsets[i], offsets[i + 1]))
 
 It is written atomically (a temporary name, then a rename), so ranks racing to write it are harmless
-and a reader maps either a whole old file or a whole new one, never part of one; nothing rewrites
-the file in place, so a mapping stays valid while the file is replaced. `format.open_index` decides
-when it is stale (`IndexSource`) and rebuilds it.
+and a reader maps either a whole old file or a whole new one, never part of one; nothing here
+rewrites the file in place, so a mapping stays valid while the file is replaced (a copy made over it
+in place, `cp` onto a running job's folder, would pull pages from under that job: copy folders by
+rename, as `rsync` does). `format.open_index` decides when it is stale (`IndexSource`) and rebuilds it.
 """
 
 from __future__ import annotations
