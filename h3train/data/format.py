@@ -640,7 +640,7 @@ class _FolderPaths:
 
     def check(self, relative: str, where: str) -> None:
         parts = relative.split("/")
-        if not relative or relative.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        if not relative or relative.startswith("/") or "\0" in relative or any(p in ("", ".", "..") for p in parts):
             resolve_in_folder(self.folder, relative, where)
             return
         directory = tuple(parts[:-1])
