@@ -70,7 +70,7 @@ class DistributedSampler:
         self.seed = seed
         self.shuffle = shuffle
         self.bucket_size = bucket_size if bucket_size > 1 else 0
-        # A copy: a cached dataset's lengths are an int64 array (`np.asarray` takes it without a list).
+        # A list, or a cached dataset's `Lengths` (an int64 array, read as one without a Python int per sample).
         self.lengths = torch.from_numpy(np.array(lengths, dtype=np.int64)) if self.bucket_size else None
         self.position = 0
         self._epoch_cache: dict[int, torch.Tensor] = {}
