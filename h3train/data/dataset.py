@@ -1,7 +1,9 @@
-"""A folder of cached samples, planned from its `index.jsonl` without opening the sample files.
+"""A folder of cached samples, planned from its index without opening the sample files.
 
-Sample `i` is the `i`-th index entry that passes the task filter, in index order, so every rank that
-reads the same index numbers the samples the same way.
+Sample `i` is the `i`-th index entry that passes the task filter (and `data.max_rows`), in index order,
+so every rank that reads the same index numbers the samples the same way. The entries come from the
+compact index beside `index.jsonl` (`index_table.py`), mapped, not parsed: the filters are masks over its
+columns, and an entry is made only when a sample is read.
 """
 
 from __future__ import annotations
@@ -9,35 +11,52 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+
+import numpy as np
 
 from ..tasks.packed import PackedSample
 from ..tasks.table import TRAINING_TASKS
-from .format import INDEX_NAME, DatasetError, IndexEntry, SampleError, read_index, read_sample, resolve_in_folder
+from .format import INDEX_NAME, DatasetError, SampleError, open_index, read_sample, resolve_in_folder
+from .index_table import IndexRows, IndexTable, Lengths
 
 logger = logging.getLogger(__name__)
 
 ON_ERROR = ("raise", "skip")
 
 
-def index_entries(folder: str | os.PathLike) -> list[IndexEntry]:
-    """`read_index(folder)`, parsed once per process for as long as `index.jsonl` is unchanged.
+def index_entries(folder: str | os.PathLike) -> IndexTable:
+    """`open_index(folder)`: the compact index, opened once per process for as long as `index.jsonl` is unchanged.
 
     Start-up reads the index twice, in the preflight checks before any process group and in the
-    dataset built after it; an index of a million samples takes tens of seconds to parse.
+    dataset built after it; both get this one table.
     """
     index = Path(folder) / INDEX_NAME
     try:
         st = index.stat()
     except OSError:
-        return read_index(folder)  # raises the DatasetError that names what is missing
-    return list(_parsed_index(str(folder), st.st_ino, st.st_mtime_ns, st.st_size))
+        return open_index(folder)  # raises the DatasetError that names what is missing
+    return _opened_index(str(folder), st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 @functools.lru_cache(maxsize=2)
-def _parsed_index(folder: str, inode: int, mtime_ns: int, size: int) -> tuple[IndexEntry, ...]:
-    return tuple(read_index(folder))
+def _opened_index(folder: str, inode: int, mtime_ns: int, size: int) -> IndexTable:
+    return open_index(folder)
+
+
+class DroppedSamples(Sequence[tuple[str, int]]):
+    """(sample id, packed rows) of the index rows `rows` of `table`, made when asked for."""
+
+    def __init__(self, table: IndexTable, rows: np.ndarray) -> None:
+        self.entries = IndexRows(table, rows)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, index: int) -> tuple[str, int]:  # type: ignore[override]
+        entry = self.entries[index]
+        return entry.sample_id, entry.seq_len
 
 
 class CachedDataset:
@@ -68,24 +87,29 @@ class CachedDataset:
         self.folder = Path(folder)
         self.task_filter = task_filter
         self.on_error = on_error
-        all_entries = index_entries(self.folder)
+        table = index_entries(self.folder)
         accepted = TRAINING_TASKS[task_filter].sample_tasks
-        self.entries: list[IndexEntry] = [e for e in all_entries if e.task in accepted]
-        if not self.entries:
-            found = sorted({e.task for e in all_entries}) or ["none"]
+        rows = table.rows_of(accepted)
+        if not rows.size:
+            found = sorted(table.task_counts()) or ["none"]
             raise DatasetError(
                 f"dataset '{self.folder}' has no samples for task '{task_filter}' (it accepts "
-                f"{', '.join(accepted)}; the index lists {len(all_entries)} samples of tasks {', '.join(found)})"
+                f"{', '.join(accepted)}; the index lists {len(table)} samples of tasks {', '.join(found)})"
             )
-        self.dropped: list[tuple[str, int]] = []
+        lengths = table.seq_len[rows]
+        self.dropped = DroppedSamples(table, rows[:0])
         if max_rows > 0:
-            self.dropped = [(e.sample_id, e.seq_len) for e in self.entries if e.seq_len > max_rows]
-            self.entries = [e for e in self.entries if e.seq_len <= max_rows]
-            if not self.entries:
+            longer = lengths > max_rows
+            self.dropped = DroppedSamples(table, rows[longer])
+            if longer.all():
                 raise DatasetError(
                     f"dataset '{self.folder}': every {task_filter} sample packs to more than data.max_rows={max_rows} "
-                    f"rows (the shortest {min(n for _, n in self.dropped)}); raise data.max_rows"
+                    f"rows (the shortest {int(lengths.min())}); raise data.max_rows"
                 )
+            rows, lengths = rows[~longer], lengths[~longer]
+        # Index entry `i` of the dataset is row `rows[i]` of the table; entries are made when asked for.
+        self.entries = IndexRows(table, rows)
+        self._lengths = Lengths(lengths)
         self._skipped: set[int] = set()
         # Called as `on_skip(sample_id, reason)` for every sample `skip` passes over.
         self.on_skip = on_skip
@@ -96,9 +120,9 @@ class CachedDataset:
         return len(self.entries)
 
     @property
-    def lengths(self) -> list[int]:
+    def lengths(self) -> Lengths:
         """Packed sequence length of every sample, from the index (for bucketing and planning)."""
-        return [e.seq_len for e in self.entries]
+        return self._lengths
 
     def path(self, index: int) -> Path:
         return resolve_in_folder(self.folder, self.entries[index].file, f"dataset '{self.folder}'")

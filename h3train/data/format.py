@@ -25,11 +25,17 @@ tensor, not values trained on. A file is read whole into this process's memory (
 one truncated or rewritten under a running job fails its read instead of raising SIGBUS in a later step.
 
 Any problem raises `SampleError` with a one-line message naming the file and the field.
+
+`index.jsonl` lists the samples, one JSON line each (`IndexEntry`); it is the source of truth, and beside
+it lies its compact index (`index_table.py`), which starts read instead (`open_index`) and which is
+rebuilt from it whenever it no longer matches its bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,7 +50,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
 )
 
 from ..errors import DatasetError, SampleError
-from ..infra.atomic import atomic_save_file, atomic_write_text
+from ..infra.atomic import atomic_save_file, atomic_write
 from ..infra.digest import ALGORITHM, digest_bytes, digest_tensor
 from ..tasks.conditioning import CONDITIONING_KINDS, ReferenceLatents, merged
 from ..tasks.layout import (
@@ -63,6 +69,9 @@ from ..tasks.table import (
     VAE_LATENTS_PER_CHUNK,
     is_frame_count,
 )
+from .index_table import COMPACT_NAME, IndexEntry, IndexSource, IndexTable, IndexTableBuilder, table_of
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 METADATA_KEY = "h3train"
@@ -602,29 +611,7 @@ def read_sample(path: str | os.PathLike) -> PackedSample:
 
 
 # --------------------------------------------------------------------------------------------------
-# index.jsonl
-
-
-@dataclass(frozen=True)
-class IndexEntry:
-    """One line of `index.jsonl`. `file` is relative to the dataset folder; `seq_len` is the packed length."""
-
-    sample_id: str
-    file: str
-    task: str
-    seq_len: int
-    geometry: Geometry
-    has_audio: bool
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.sample_id,
-            "file": self.file,
-            "task": self.task,
-            "seq_len": self.seq_len,
-            "geometry": _geometry_json(self.geometry),
-            "has_audio": self.has_audio,
-        }
+# index.jsonl, and the compact index beside it (`index_table.py`)
 
 
 def resolve_in_folder(folder: Path, relative: str, where: str) -> Path:
@@ -638,12 +625,49 @@ def resolve_in_folder(folder: Path, relative: str, where: str) -> Path:
     return resolved
 
 
+class _FolderPaths:
+    """`resolve_in_folder` for every file of one index, with each directory resolved and listed once.
+
+    A file whose directory resolves inside the folder and whose own name is not a symbolic link there
+    resolves inside the folder too: it passes without a look at the file system. Anything else (a link,
+    an odd spelling, a directory outside) goes through `resolve_in_folder` itself, which decides as ever.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.root = folder.resolve()
+        self.directories: dict[tuple[str, ...], tuple[bool, frozenset[str]]] = {}
+
+    def check(self, relative: str, where: str) -> None:
+        parts = relative.split("/")
+        if not relative or relative.startswith("/") or "\0" in relative or any(p in ("", ".", "..") for p in parts):
+            resolve_in_folder(self.folder, relative, where)
+            return
+        directory = tuple(parts[:-1])
+        if directory not in self.directories:
+            self.directories[directory] = self._look(directory)
+        inside, links = self.directories[directory]
+        if not inside or parts[-1] in links:
+            resolve_in_folder(self.folder, relative, where)
+
+    def _look(self, directory: tuple[str, ...]) -> tuple[bool, frozenset[str]]:
+        """Whether `directory` resolves inside the folder, and the names of the links in it."""
+        resolved = self.folder.joinpath(*directory).resolve()
+        try:
+            with os.scandir(resolved) as listing:
+                links = frozenset(e.name for e in listing if e.is_symlink())
+        except OSError:
+            links = frozenset()  # nothing there to follow: names resolve as they are spelled
+        return resolved.is_relative_to(self.root), links
+
+
 def write_index(folder: str | os.PathLike) -> list[IndexEntry]:
-    """Rebuild `index.jsonl` from every `*.safetensors` file under `folder` (headers only).
+    """Rebuild `index.jsonl` from every `*.safetensors` file under `folder` (headers only), and the
+    compact index beside it (`index_table.py`).
 
     A subfolder with an `index.jsonl` of its own is another dataset (the encoder's held-out split):
     its files are left out. Files are listed in sorted relative-path order so the index, and with it
-    the sample numbering, is reproducible. Every header is validated; the index is written atomically.
+    the sample numbering, is reproducible. Every header is validated; both files are written atomically.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -674,26 +698,88 @@ def write_index(folder: str | os.PathLike) -> list[IndexEntry]:
                 has_audio=meta["has_audio"],
             )
         )
-    atomic_write_text(folder / INDEX_NAME, "".join(json.dumps(e.to_json()) + "\n" for e in entries))
+    text = "".join(json.dumps(e.to_json()) + "\n" for e in entries).encode("utf-8")
+    index = folder / INDEX_NAME
+    atomic_write(index, lambda tmp: tmp.write_bytes(text))
+    source = IndexSource(len(text), index.stat().st_mtime_ns, hashlib.sha256(text).hexdigest())
+    table_of(entries, tuple(SAMPLE_TASKS)).write(folder / COMPACT_NAME, source)
     return entries
 
 
 def read_index(folder: str | os.PathLike) -> list[IndexEntry]:
     """Parse `folder/index.jsonl`. Raises `DatasetError` naming the line of any malformed entry."""
     folder = Path(folder)
+    index = _index_file(folder)
+    paths = _FolderPaths(folder)
+    entries = []
+    for number, line in enumerate(index.read_text().splitlines(), start=1):
+        if line.strip():
+            entries.append(_parse_index_line(paths, f"index '{index}' line {number}", line))
+    return entries
+
+
+def open_index(folder: str | os.PathLike) -> IndexTable:
+    """The entries of `folder/index.jsonl`, from the compact index beside it, mapped read-only.
+
+    A compact index that is missing, unreadable or built from other bytes than `index.jsonl` holds now
+    is rebuilt from `index.jsonl` (each line checked as `read_index` checks it, a `DatasetError` naming
+    the line) and written atomically beside it; where the folder cannot be written, the rebuilt columns
+    are used from memory, with a warning.
+    """
+    folder = Path(folder)
+    index = _index_file(folder)
+    compact = folder / COMPACT_NAME
+    found = IndexTable.open(compact)
+    if found is not None and found[1].matches(index):
+        return found[0]
+    table, source = _build_table(folder, index)
+    try:
+        table.write(compact, source)
+    except OSError as exc:
+        logger.warning("cannot write the compact index '%s' (%s); using it from memory", compact, exc)
+        return table
+    written = IndexTable.open(compact)
+    # Another process may have replaced it meanwhile, from other bytes: then keep the one built here.
+    return written[0] if written is not None and written[1] == source else table
+
+
+def _index_file(folder: Path) -> Path:
     if not folder.is_dir():
         raise DatasetError(f"dataset folder '{folder}' does not exist")
     index = folder / INDEX_NAME
     if not index.is_file():
         raise DatasetError(f"dataset folder '{folder}' has no {INDEX_NAME}; build it with write_index")
-    entries = []
-    for number, line in enumerate(index.read_text().splitlines(), start=1):
-        if line.strip():
-            entries.append(_parse_index_line(folder, f"index '{index}' line {number}", line))
-    return entries
+    return index
 
 
-def _parse_index_line(folder: Path, where: str, line: str) -> IndexEntry:
+def _build_table(folder: Path, index: Path) -> tuple[IndexTable, IndexSource]:
+    """The table of `index`'s lines, split and checked as `read_index` does, and the bytes it read."""
+    builder = IndexTableBuilder(tuple(SAMPLE_TASKS))
+    paths = _FolderPaths(folder)
+    hasher, size, number = hashlib.sha256(), 0, 0
+    with open(index, "rb") as handle:
+        mtime_ns = os.fstat(handle.fileno()).st_mtime_ns
+        for raw in handle:
+            hasher.update(raw)
+            size += len(raw)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(f"index '{index}' line {number + 1}: not UTF-8 text ({exc})") from None
+            # `read_index` splits the decoded text with `str.splitlines`, at more than newlines.
+            for line in text.splitlines():
+                number += 1
+                if not line.strip():
+                    continue
+                where = f"index '{index}' line {number}"
+                try:
+                    builder.add(_parse_index_line(paths, where, line))
+                except OverflowError as exc:
+                    raise DatasetError(f"{where}: malformed entry (OverflowError: {exc})") from None
+    return builder.build(), IndexSource(size, mtime_ns, hasher.hexdigest())
+
+
+def _parse_index_line(paths: _FolderPaths, where: str, line: str) -> IndexEntry:
     try:
         row = json.loads(line)
         geo = row["geometry"]
@@ -714,5 +800,5 @@ def _parse_index_line(folder: Path, where: str, line: str) -> IndexEntry:
         raise DatasetError(f"{where}: malformed entry ({type(exc).__name__}: {exc})") from None
     if entry.task not in SAMPLE_TASKS:
         raise DatasetError(f"{where}: task '{entry.task}' is not one of {', '.join(SAMPLE_TASKS)}")
-    resolve_in_folder(folder, entry.file, where)
+    paths.check(entry.file, where)
     return entry

@@ -9,12 +9,16 @@ dataset) is decided here once, from the sizes and the config, and handed to the 
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
+
+import numpy as np
 
 from ..config import DatasetSpec
 from ..errors import ConfigError
 from ..tasks.packed import PackedSample
 from .dataset import CachedDataset
+from .index_table import Lengths
 
 # The sampler holds an epoch's order in memory (8 bytes a draw, two epochs at a time).
 MAX_EPOCH_DRAWS = 100_000_000
@@ -86,9 +90,9 @@ class DatasetMixture:
     def __len__(self) -> int:
         return sum(size for size, _ in self.parts)
 
-    @property
-    def lengths(self) -> list[int]:
-        return [length for dataset in self.datasets for length in dataset.lengths]
+    @functools.cached_property
+    def lengths(self) -> Lengths:
+        return Lengths(np.concatenate([np.asarray(dataset.lengths) for dataset in self.datasets]))
 
     def locate(self, index: int) -> tuple[int, int]:
         """Mixture sample `index` -> (dataset, index within it)."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 
@@ -69,7 +70,8 @@ class DistributedSampler:
         self.seed = seed
         self.shuffle = shuffle
         self.bucket_size = bucket_size if bucket_size > 1 else 0
-        self.lengths = torch.as_tensor(lengths, dtype=torch.long) if self.bucket_size else None
+        # A list, or a cached dataset's `Lengths` (an int64 array, read as one without a Python int per sample).
+        self.lengths = torch.from_numpy(np.array(lengths, dtype=np.int64)) if self.bucket_size else None
         self.position = 0
         self._epoch_cache: dict[int, torch.Tensor] = {}
 

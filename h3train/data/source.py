@@ -18,10 +18,11 @@ three methods (`next`, `state_dict` / `load_state_dict`, `close`) and the loop s
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from ..config import Config, dataset_specs, register_entry
@@ -43,8 +44,9 @@ class SampleSource(Protocol):
     def __getitem__(self, index: int) -> PackedSample: ...
 
     @property
-    def lengths(self) -> list[int]:
-        """Packed sequence length of every sample, without reading the sample files."""
+    def lengths(self) -> Sequence[int]:
+        """Packed sequence length of every sample, without reading the sample files (a list, or a
+        `Lengths` over an int64 array for a cached dataset: `np.asarray` reads either)."""
         ...
 
 
@@ -81,8 +83,7 @@ class DataSource:
     def longest_sample(self, cfg: Config, text_dim: int) -> PackedSample:
         """The sample `longest` describes."""
         source = self.build(cfg, text_dim, None)
-        lengths = source.lengths
-        return source[max(range(len(lengths)), key=lengths.__getitem__)]
+        return source[int(np.argmax(np.asarray(source.lengths)))]
 
 
 class SyntheticData(DataSource):
@@ -166,7 +167,8 @@ class CachedData(DataSource):
 
     def sample_tasks(self, cfg: Config) -> Counter[str] | None:
         from ..tasks.table import TRAINING_TASKS
-        from .format import INDEX_NAME, read_index
+        from .dataset import index_entries
+        from .format import INDEX_NAME
 
         specs = dataset_specs(cfg.data)
         if not specs:
@@ -177,7 +179,7 @@ class CachedData(DataSource):
                 if not cfg.data.create_synthetic:
                     return None
                 return Counter(dict.fromkeys(TRAINING_TASKS[cfg.task.name].sample_tasks, 1))
-            tasks.update(entry.task for entry in read_index(spec.path))
+            tasks.update(index_entries(spec.path).task_counts())
         return tasks
 
     def longest(self, cfg: Config) -> tuple[int, int, str] | None:
@@ -190,10 +192,10 @@ class CachedData(DataSource):
             return None
         try:
             source = self.build(cfg, None, None)
-            lengths = source.lengths
+            lengths = np.asarray(source.lengths)
         except DatasetError as exc:
             raise ConfigError(f"config key 'data.path': {exc}") from None
-        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        longest = int(np.argmax(lengths))  # the first of the longest, as max() picks
         if hasattr(source, "locate"):  # a mixture: the dataset, then the sample within it
             part, index = source.locate(longest)
             sample = source.datasets[part], index
@@ -205,7 +207,7 @@ class CachedData(DataSource):
             text_rows = None
         name = sample[0].entries[sample[1]].sample_id
         found = "longest sample in the dataset index" + ("es" if len(specs) > 1 else "") + f": '{name}'"
-        return lengths[longest], text_rows, found
+        return int(lengths[longest]), text_rows, found
 
 
 #: `data.source` -> its kind, in registration order.

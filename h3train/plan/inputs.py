@@ -246,7 +246,7 @@ def evaluation_plan(dims: Mapping[str, Any], plan: MemoryPlan, cfg: Config) -> E
     if held_out and (Path(v.dataset) / INDEX_NAME).is_file():
         from ..data.dataset import CachedDataset
 
-        rows = max(rows, *CachedDataset(v.dataset, cfg.task.name).lengths)
+        rows = max(rows, max(CachedDataset(v.dataset, cfg.task.name).lengths))
     if rendered:
         rows = max(rows, request_rows(cfg))
     local = -(-rows // plan.sp)

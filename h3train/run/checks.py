@@ -237,25 +237,25 @@ def _check_one_dataset(cfg: Config, dims: dict[str, Any], key: str, folder: Path
     if not index.is_file():
         return None
     try:
-        entries = index_entries(folder)
+        table = index_entries(folder)
     except DatasetError as exc:
         raise DatasetError(f"{exc}; fix the line or rebuild the index with h3train.data.format.write_index") from None
-    if not entries:
+    if not len(table):
         raise DatasetError(
             f"dataset '{folder}': '{index}' lists no samples; encode the data with 'h3train encode' "
             "or rebuild the index with h3train.data.format.write_index"
         )
     accepted = TRAINING_TASKS[cfg.task.name].sample_tasks
-    trained = [e for e in entries if e.task in accepted]
-    if not trained:
-        found = {e.task for e in entries}
+    trained = table.rows_of(accepted)
+    if not trained.size:
+        found = set(table.task_counts())
         other = "remove it from data.path" if key != "data.path" else f"use a {cfg.task.name} dataset"
         raise ConfigError(
             f"config key 'task.name' is '{cfg.task.name}' (it trains {', '.join(accepted)} samples) but dataset "
             f"'{folder}' ({key}) holds only {', '.join(sorted(found))} samples; use "
             f"task.name={training_task_for(found)} or {other}"
         )
-    sample = resolve_in_folder(folder, trained[0].file, f"index '{index}'")
+    sample = resolve_in_folder(folder, table[int(trained[0])].file, f"index '{index}'")
     width = read_header(sample).specs["prompt_embeds"].shape[-1]
     text_dim = int(dims["text_dim"])
     if width != text_dim:
