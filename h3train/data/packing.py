@@ -24,10 +24,11 @@ without a collective:
   ranks, the costliest first to the rank with the least cost. A window that cannot be packed gives
   back its last sample and is packed again.
 
-A sample longer than the budget (`oversize="alone"`) trains as a micro-batch of its own; `"refuse"`
-is checked before training (`oversized`). The plan depends on the order, the lengths, the position
-and the mesh's `dp` alone: the checkpointed state stays the sampler's global position, so a run
-resumed under another DP size continues the same global order from the same sample.
+A sample longer than the budget (`data.pack_oversize=alone`) trains as a micro-batch of its own;
+`refuse` is checked before training, on the source's longest sample (`run/checks.py`). The plan
+depends on the order, the lengths, the position and the mesh's `dp` alone: the checkpointed state
+stays the sampler's global position, so a run resumed under another DP size continues the same
+global order from the same sample.
 """
 
 from __future__ import annotations
@@ -171,10 +172,3 @@ def imbalance(costs: Sequence[float]) -> float:
     """`max / mean - 1` of the ranks' costs: 0 when every rank finishes together."""
     mean = sum(costs) / len(costs)
     return max(costs) / mean - 1.0 if mean > 0 else 0.0
-
-
-def oversized(lengths: Sequence[int], budget: int) -> list[int]:
-    """Indices of the samples longer than `budget` rows (none when packing is off)."""
-    if not budget:
-        return []
-    return [i for i, n in enumerate(lengths) if n > budget]

@@ -3,15 +3,15 @@
 Reading and unpacking a cached sample is file I/O plus a few tensor copies, which release the GIL,
 so one thread `depth` samples ahead hides it behind the forward/backward of the current sample.
 
-Exact resume: feed `sampler.iter_indices()` (which does not advance the sampler) and call
-`sampler.next_index()` for every sample the loop consumes, so a checkpoint's sampler state counts
-consumed samples, not prefetched ones. The prefetcher yields `(index, sample)` so the loop can check
-that the two agree.
+Exact resume: the loop's stream (`data.source.MicroBatchStream`) prefetches from a copy of the
+sampler's position and advances the sampler itself only as the loop consumes each step, so a
+checkpoint's sampler state counts consumed samples, not prefetched ones. The prefetcher yields
+`(key, item)` so the loop can check that the two agree.
 
-The training loop also noises each micro-batch on this thread: what it draws is a function of
-`(step, micro)`, which `micro_batch_positions` derives from the sampler position alone (micro-batch
-`micro` of step `step` is the `(step - 1) * grad_accum + micro`-th one consumed), so the prefetched
-items are exactly those the loop would have built, and the training thread only checks they agree.
+The training loop also noises each micro-batch on this thread: what it draws is a function of the
+step and of each sample's slot in the step, both known from the sampler position alone, so the
+prefetched items are exactly those the loop would have built, and the training thread only checks
+they agree.
 
 The thread runs its tensor work on one intra-op thread (`torch.set_num_threads(1)` there, as
 `torch.utils.data` workers do): a second OpenMP team beside the training thread's competes for the
@@ -25,7 +25,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Generic, NamedTuple, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -34,31 +34,6 @@ K = TypeVar("K")
 
 # How often a blocked thread re-checks whether the prefetcher was closed.
 _POLL_S = 0.1
-
-
-class MicroBatchPosition(NamedTuple):
-    """Sample `index` trains as micro-batch `micro` (0-based) of optimizer step `step` (1-based)."""
-
-    index: int
-    step: int
-    micro: int
-
-
-def micro_batch_positions(
-    indices: Iterable[int], step: int, micro: int, grad_accum: int
-) -> Iterator[MicroBatchPosition]:
-    """Attach `(step, micro)` to each index, the first being micro-batch `micro` of step `step`.
-
-    Steps advance every `grad_accum` micro-batches, whether the step is then taken or skipped, so
-    the `k`-th index is micro-batch `(micro + k) % grad_accum` of step `step + (micro + k) // grad_accum`.
-    """
-    if grad_accum < 1 or not 0 <= micro < grad_accum:
-        raise ValueError(f"micro-batch {micro} outside [0, grad_accum={grad_accum})")
-    for index in indices:
-        yield MicroBatchPosition(index, step, micro)
-        micro += 1
-        if micro == grad_accum:
-            step, micro = step + 1, 0
 
 
 class _Failure:
@@ -74,7 +49,7 @@ class Prefetcher(Generic[K, T]):
     """Iterate `(index, load(index))` for `index in indices`, loading up to `depth` samples ahead.
 
     `load` is a callable or anything indexable (`dataset[index]`); an index is any value `load`
-    takes (a `MicroBatchPosition` for the training loop). An exception raised while loading
+    takes (a step's micro-batch for the training loop). An exception raised while loading
     is re-raised, with its original traceback, by the `next()` that would have returned that sample;
     samples before it are still delivered. `close()` (or leaving a `with` block) stops the thread.
     """

@@ -12,7 +12,7 @@ import torch
 
 from h3train.data.dataset import CachedDataset
 from h3train.data.format import read_index, write_index
-from h3train.data.prefetch import Prefetcher, micro_batch_positions
+from h3train.data.prefetch import Prefetcher
 from h3train.data.sampler import DistributedSampler
 from h3train.data.synth import write_synthetic_dataset
 from h3train.errors import DatasetError, SampleError
@@ -272,20 +272,6 @@ def test_prefetched_training_loop_resumes_exactly(mixed_dataset: Path) -> None:
     resumed.load_state_dict(sampler.state_dict())
     reference = DistributedSampler(len(dataset), 0, 1, seed=2, lengths=dataset.lengths, bucket_size=4)
     assert first + run(resumed, 5) == run(reference, 10)
-
-
-@pytest.mark.parametrize(("step", "micro", "accum"), [(1, 0, 1), (1, 0, 3), (4, 2, 3), (7, 1, 2)])
-def test_micro_batch_positions_follow_the_training_loop(step: int, micro: int, accum: int) -> None:
-    # The loop: `for step in ...: for micro in range(accum): consume one sample`, entered mid-step.
-    loop = [(s, m) for s in range(step, step + 10) for m in range(accum) if (s, m) >= (step, micro)][:9]
-    positions = list(micro_batch_positions(range(100, 109), step, micro, accum))
-    assert [(p.step, p.micro) for p in positions] == loop
-    assert [p.index for p in positions] == list(range(100, 109))
-
-
-def test_micro_batch_positions_refuse_a_micro_batch_outside_the_step() -> None:
-    with pytest.raises(ValueError, match="grad_accum=2"):
-        next(micro_batch_positions(range(3), 1, 2, 2))
 
 
 def test_trainer_noises_micro_batches_on_the_prefetch_thread(tmp_path: Path, monkeypatch) -> None:

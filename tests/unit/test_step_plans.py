@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from h3train.data.packing import Packing, attention_rows, imbalance, oversized, sample_cost
+from h3train.data.packing import Packing, attention_rows, imbalance, sample_cost
 from h3train.data.sampler import DistributedSampler
 
 S0 = 26_880.0
@@ -89,7 +89,6 @@ def test_a_sample_over_the_budget_trains_alone() -> None:
     plan = packing.plan(0, lambda p: lengths[p])
     alone = [micro for rank in plan.micro_batches for micro in rank if 1 in micro]
     assert alone == [(1,)]
-    assert oversized(lengths, 2_000) == [1] and oversized(lengths, 0) == []
 
 
 def test_plans_do_not_depend_on_the_rank_that_computes_them() -> None:
