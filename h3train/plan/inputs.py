@@ -183,12 +183,10 @@ def estimate(
 
     if cfg.validation.retention and measures_held_out_loss(cfg.validation):
         plan = replace(plan, retention_line=base_predictions_line(cfg))
-    plan = replace(plan, evaluation=evaluation_plan(dims, plan, cfg))
+    plan = replace(plan, evaluation=evaluation_plan(dims, plan, cfg), packed=cfg.data.pack > 0)
     if not plan.fits:
         mesh_kw = {"dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "sp": plan.sp}
-        plan = replace(
-            plan, longest_fit=longest_fit_rows(dims, **mesh_kw, **fit_kwargs(plan)), packed=cfg.data.pack > 0
-        )
+        plan = replace(plan, longest_fit=longest_fit_rows(dims, **mesh_kw, **fit_kwargs(plan)))
     if not cfg.validation.samples:
         return plan
     return replace(plan, render_line=render_components_line(cfg), render_host_bytes=_vae_bytes(cfg))

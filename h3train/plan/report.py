@@ -119,8 +119,10 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{p.num_refiner_layers} refiner x {p.refiner_block:,}, other {p.other:,}",
         f"sequence      {plan.rows:,} rows{f' ({plan.rows_origin})' if plan.rows_origin else ''}, "
         f"{plan.local_rows:,} per rank",
-        f"batch         {plan.global_batch:,} samples per optimizer step (dp {plan.dp_replicate * plan.dp_shard} x "
-        f"grad_accum {plan.grad_accum}), {plan.dp_replicate * plan.dp_shard} per micro-batch",
+        f"batch         {plan.global_batch:,} {'packs' if plan.packed else 'samples'} per optimizer step "
+        f"(dp {plan.dp_replicate * plan.dp_shard} x grad_accum {plan.grad_accum}), "
+        f"{plan.dp_replicate * plan.dp_shard} per micro-batch"
+        + (f"; each pack up to {plan.rows:,} rows of samples (data.pack)" if plan.packed else ""),
         f"compute       {plan.dtype}, gradient checkpointing {ckpt}",
     ]
     lora = plan.lora
