@@ -76,6 +76,18 @@ class UlyssesRotary(NamedTuple):
     segments: tuple[int, ...] | None = None
 
 
+def _heads(attn: MiniMaxH3Attention, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v `[B, S, H, D]` of `hidden_states` `[B, S, hidden]`, q and k normalised, as diffusers' processor
+    computes them (before any rotary angles)."""
+    if attn.fused_projections:
+        query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+    else:
+        query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+    query = attn.norm_q(query.unflatten(-1, (attn.heads, -1)))
+    key = attn.norm_k(key.unflatten(-1, (attn.heads, -1)))
+    return query, key, value.unflatten(-1, (attn.heads, -1))
+
+
 class UlyssesAttnProcessor:
     """Self-attention of one block on this rank's rows, attending over the whole sequence.
 
@@ -110,13 +122,7 @@ class UlyssesAttnProcessor:
             seq_len = hidden_states.shape[1]
         else:
             raise ValueError("at sp > 1 the Ulysses processor needs a UlyssesRotary (angles and real sequence length)")
-        if attn.fused_projections:
-            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-        else:
-            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        query = attn.norm_q(query.unflatten(-1, (attn.heads, -1)))
-        key = attn.norm_k(key.unflatten(-1, (attn.heads, -1)))
-        value = value.unflatten(-1, (attn.heads, -1))
+        query, key, value = _heads(attn, hidden_states)
         cos, sin = rotary_emb[0], rotary_emb[1]
         query = _apply_rotary_emb(query, cos, sin)
         key = _apply_rotary_emb(key, cos, sin)
@@ -161,13 +167,7 @@ class SegmentedTextAttnProcessor:
     ) -> torch.Tensor:
         if attention_mask is not None or rotary_emb is not None:
             raise ValueError("the text refiner attends without a mask or rotary angles")
-        if attn.fused_projections:
-            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-        else:
-            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        query = attn.norm_q(query.unflatten(-1, (attn.heads, -1)))
-        key = attn.norm_k(key.unflatten(-1, (attn.heads, -1)))
-        value = value.unflatten(-1, (attn.heads, -1))
+        query, key, value = _heads(attn, hidden_states)
         if self.segments is None:
             out = dispatch_attention_fn(
                 query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
