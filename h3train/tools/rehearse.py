@@ -60,6 +60,7 @@ from ..optim.kinds import optimizer_kind
 from ..parallel.dims import ParallelContext, ParallelDims
 from ..parallel.shards import local_tensor
 from ..plan import GIB, RELEASED_MAX_ROWS, RELEASED_TEXT_ROWS, MemoryPlan, config_sample_rows, estimate
+from ..tasks.packed import SamplePack
 from ..tasks.synthetic import SyntheticSource
 from ..train.hooks import MicroBatchEvent, TrainerHook, TrainerView
 from ..train.reduction import ReducedStep, StepTotals
@@ -239,6 +240,9 @@ def planned_sample(cfg: Config, text_dim: int) -> tuple[Any, int, str]:
     """
     from ..data.source import data_source
 
+    if cfg.data.pack:
+        # The samples a pack holds: planned alone, packed by `rehearse`.
+        return planned_sample(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pack=0)), text_dim)
     rows, text_rows, source = config_sample_rows(cfg)
     released = source.startswith("longest released")
     if rows == RELEASED_MAX_ROWS and released:
@@ -508,7 +512,7 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
 
     from ..infra.quiet import known_notices
     from ..model.dims import planned_model_dims
-    from ..objective import micro_batch_inputs
+    from ..objective import micro_batch_inputs, pack_inputs
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -528,8 +532,16 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
     ]
     optimizer_kind(cfg.optim.name).before_rehearsal()
     sample, text_rows, rows_origin = planned_sample(cfg, int(dims["text_dim"]))
-    plan = estimate(dims, mesh, cfg, rows=sample.layout.seq_len, text_rows=text_rows)
     ti = micro_batch_inputs(run_cfg, sample, step=1, slot=0)
+    rows, per_micro = sample.layout.seq_len, 1
+    if cfg.data.pack:
+        # A pack of copies of the longest sample, as many as the budget holds (at least the one).
+        per_micro = max(1, cfg.data.pack // rows)
+        ti = pack_inputs([micro_batch_inputs(run_cfg, sample, step=1, slot=i) for i in range(per_micro)])
+        sample = SamplePack((sample,) * per_micro)
+        rows, text_rows = rows * per_micro, text_rows * per_micro
+        rows_origin = f"data.pack={cfg.data.pack}: {per_micro} of the {rows_origin}"
+    plan = estimate(dims, mesh, cfg, rows=rows, text_rows=text_rows)
     seconds["sample"] = time.perf_counter() - start
 
     with fake_process_group(world_size) as pg_notes, known_notices():
@@ -542,7 +554,7 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         phases = _Phases(tracker, ema=run_cfg.train.ema.decay > 0)
         t = time.perf_counter()
-        batches = _PlannedMicroBatch(sample, ti, per_step=micro_batches * mesh.dp)
+        batches = _PlannedMicroBatch(sample, ti, per_step=micro_batches * mesh.dp * per_micro)
         trainer = _build(run_cfg, ctx, tracker, notes, mode, batches, [phases])
         phases.attach(trainer.model, trainer.parts.optimizer)
         fsdp_params = _fsdp_params(trainer.model)
@@ -572,7 +584,7 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
         world_size=world_size,
         mesh=mesh,
         num_layers=int(dims["num_layers"]),
-        rows=sample.layout.seq_len,
+        rows=rows,
         text_rows=text_rows,
         rows_origin=rows_origin,
         micro_batches=micro_batches,

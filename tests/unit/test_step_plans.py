@@ -118,3 +118,19 @@ def test_check_plans_packs_names_the_imbalance_and_refuses_a_sample_over_the_bud
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "config key 'data.pack' is 100 rows" in err and "pack_oversize=alone" in err
     assert main([*args, "data.pack=100", "data.pack_oversize=alone"]) == 0
+
+
+def test_check_rehearses_a_pack_at_the_budget(tmp_path) -> None:
+    from h3train.config import load_config
+    from h3train.data.synth import write_synthetic_dataset
+    from h3train.tools.rehearse import format_rehearsal, rehearse
+
+    from helpers.paths import ROOT
+
+    data = write_synthetic_dataset(tmp_path / "data", task="mixed", num_samples=8, text_dim=16)
+    config, data_keys = ROOT / "configs" / "tiny_ref2va.yaml", [f"data.path={data}", "task.name=mixed"]
+    longest = rehearse(load_config(config, data_keys), 1).rows
+    packed = rehearse(load_config(config, [*data_keys, f"data.pack={3 * longest + 1}"]), 1)
+    assert packed.rows == 3 * longest
+    report = format_rehearsal(packed)
+    assert f"data.pack={3 * longest + 1}: 3 of the longest sample" in report and "within" in report
