@@ -98,6 +98,14 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(
             f"config key 'debug.dump_step' must be in [1, train.steps={cfg.train.steps}], got {cfg.debug.dump_step}"
         )
+    if cfg.data.pack:
+        # A compiled block guards on the number of samples a pack holds; a dump replays one sequence.
+        for key, on in (("model.compile", cfg.model.compile), ("debug.dump_step", cfg.debug.dump_step is not None)):
+            if on:
+                raise ConfigError(
+                    f"config key '{key}' does not take packed micro-batches (data.pack={cfg.data.pack}): "
+                    "unset one of them"
+                )
     prof = cfg.debug.profile_steps
     if prof and (len(prof) != 2 or not 1 <= prof[0] <= prof[1]):
         raise ConfigError(

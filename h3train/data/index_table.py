@@ -225,18 +225,19 @@ class IndexTable(Sequence[IndexEntry]):
                 return None
             source = IndexSource(**header["source"])
             raw = np.memmap(path, dtype=np.uint8, mode="r") if size > base else None
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            columns = {}
+            for name, (dtype, offset, shape) in found.items():
+                if raw is None or 0 in shape:
+                    columns[name] = np.zeros(shape, dtype=dtype)
+                else:
+                    columns[name] = np.ndarray(shape, dtype=dtype, buffer=raw, offset=base + offset)
+            for blob, offsets in (("ids", "ids_offsets"), ("files", "files_offsets")):
+                ends = columns[offsets]
+                if ends.shape != (header["rows"] + 1,) or ends[0] != 0 or ends[-1] != columns[blob].shape[0]:
+                    return None
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError):
+            # A damaged header: rebuilt from index.jsonl, as a stale one is.
             return None
-        columns = {}
-        for name, (dtype, offset, shape) in found.items():
-            if raw is None or 0 in shape:
-                columns[name] = np.zeros(shape, dtype=dtype)
-            else:
-                columns[name] = np.ndarray(shape, dtype=dtype, buffer=raw, offset=base + offset)
-        for blob, offsets in (("ids", "ids_offsets"), ("files", "files_offsets")):
-            ends = columns[offsets]
-            if ends.shape != (header["rows"] + 1,) or ends[0] != 0 or ends[-1] != columns[blob].shape[0]:
-                return None
         return cls(columns, header["tasks"]), source
 
 

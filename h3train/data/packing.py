@@ -21,8 +21,8 @@ without a collective:
   `FILL * dp * grad_accum * budget` (and at least one sample per micro-batch); they are packed into
   `dp * grad_accum` micro-batches of at most `budget` rows, by cost (longest-processing-time over
   micro-batches; with `balance`) or first-fit in order (without), and the micro-batches go to the
-  ranks, the costliest first to the rank with the least cost. A window that cannot be packed gives
-  back its last sample and is packed again.
+  ranks, the costliest first to the rank with the least cost. A window that cannot be packed is cut
+  to its longest prefix that can.
 
 A sample longer than the budget (`data.pack_oversize=alone`) trains as a micro-batch of its own;
 `refuse` is checked before training, on the source's longest sample (`run/checks.py`). The plan
@@ -33,6 +33,7 @@ global order from the same sample.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,12 +91,23 @@ class Packing:
         the sample at position `p`."""
         if not self.budget:
             return self._unpacked(start, rows_at)
-        count = self._window(start, rows_at)
-        while True:
-            bins = self._pack([rows_at(start + i) for i in range(count)])
-            if bins is not None:
-                return StepPlan(start, count, self._to_ranks(bins, [rows_at(start + i) for i in range(count)]))
-            count -= 1
+        rows = [rows_at(start + i) for i in range(self._window(start, rows_at))]
+        bins = self._pack(rows)
+        if bins is None:
+            # The longest prefix of the window that packs, by bisection: one sample per micro-batch
+            # always does, and a few packings stay cheap at thousands of micro-batches.
+            low, high = self.micro_batches, len(rows) - 1
+            bins = self._pack(rows[:low])
+            while low < high:
+                mid = (low + high + 1) // 2
+                found = self._pack(rows[:mid])
+                if found is None:
+                    high = mid - 1
+                else:
+                    low, bins = mid, found
+            rows = rows[:low]
+        assert bins is not None
+        return StepPlan(start, len(rows), self._to_ranks(bins, rows))
 
     def _unpacked(self, start: int, rows_at: Callable[[int], int]) -> StepPlan:
         dp, accum = self.dp, self.grad_accum
@@ -128,17 +140,37 @@ class Packing:
         first, to the cheapest bin it fits; without, each in order to the first bin it fits.
         """
         bins: list[list[int]] = [[] for _ in range(self.micro_batches)]
-        used, load = [0] * len(bins), [0.0] * len(bins)
+        used = [0] * len(bins)
+        # With `balance`, the bins by (cost so far, index): the cheapest that fits is popped off the heap,
+        # the cheaper ones it passed over pushed back.
+        heap = [(0.0, b) for b in range(len(bins))]
         order = sorted(range(len(rows)), key=lambda i: (-self.cost(rows[i]), i)) if self.balance else range(len(rows))
         for slot in order:
             r = rows[slot]
-            fits = [b for b in range(len(bins)) if (used[b] + r <= self.budget) or (r > self.budget and not used[b])]
-            if not fits:
-                return None
-            b = min(fits, key=lambda b: (load[b], b)) if self.balance else fits[0]
+
+            def fits(b: int, r: int = r) -> bool:
+                return used[b] + r <= self.budget or (r > self.budget and not used[b])
+
+            if self.balance:
+                passed, chosen = [], None
+                while heap:
+                    load, b = heapq.heappop(heap)
+                    if fits(b):
+                        chosen = (load, b)
+                        break
+                    passed.append((load, b))
+                for item in passed:
+                    heapq.heappush(heap, item)
+                if chosen is None:
+                    return None
+                b = chosen[1]
+                heapq.heappush(heap, (chosen[0] + self.cost(r), b))
+            else:
+                b = next((b for b in range(len(bins)) if fits(b)), -1)
+                if b < 0:
+                    return None
             bins[b].append(slot)
             used[b] += self.budget if r > self.budget else r
-            load[b] += self.cost(r)
         # Every micro-batch trains something: an empty bin takes the last sample of the fullest one.
         for empty in [b for b in bins if not b]:
             fullest = max(bins, key=len)

@@ -17,6 +17,7 @@ three methods (`next`, `state_dict` / `load_state_dict`, `close`) and the loop s
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -34,6 +35,9 @@ from .sampler import DistributedSampler
 
 if TYPE_CHECKING:
     from ..objective import TrainingInputs
+
+
+logger = logging.getLogger(__name__)
 
 
 class SampleSource(Protocol):
@@ -335,7 +339,20 @@ class MicroBatchStream:
             return samples[0], items[0]
         from ..objective import pack_inputs
 
-        return SamplePack(tuple(samples)), pack_inputs(items)
+        packed = pack_inputs(items)
+        assert packed.pack is not None
+        rows = max(sum(packed.pack.rows), sum(packed.pack.uncond_rows))
+        if len(samples) > 1 and rows > self.packing.budget:
+            # The plan read the index's lengths; a sample `data.on_error=skip` put in place of an
+            # unreadable one, or a longer negative prompt, can make the pack longer.
+            logger.warning(
+                "step %d: the pack of %s holds %d rows, over data.pack=%d",
+                at.step,
+                "+".join(s.sample_id for s in samples),
+                rows,
+                self.packing.budget,
+            )
+        return SamplePack(tuple(samples)), packed
 
     def next(self, step: int, micro: int) -> tuple[Any, TrainingInputs]:
         """Micro-batch `micro` (0-based) of optimizer step `step` (1-based): the sample (a `SamplePack`

@@ -22,7 +22,9 @@ arguments as its forward, including the real sequence length (it travels in `Uly
 
 Regional compilation (`compile_blocks`): each transformer block's `forward` is compiled on its own
 (the block's module hooks, FSDP2's unshard and reshard, stay eager around it). The Ulysses
-processor reads everything it needs from its arguments, so the block traces as one graph.
+processor reads everything it needs from its arguments, so the block traces as one graph. Not with
+packed sequences: a compiled block would guard on how many samples each pack holds and compile again
+for every count (`data.pack` refuses `model.compile`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from ..ops.attention import segment_attention
+from ..ops.attention import Segments, segment_attention, segments_on
 from ..parallel.ulysses import SequenceParallel
 
 FORWARD_ARGS = (
@@ -72,8 +74,8 @@ class UlyssesRotary(NamedTuple):
     cos: torch.Tensor
     sin: torch.Tensor
     seq_len: int
-    #: A packed sequence's sample lengths (summing to `seq_len`), each attending over its own rows; None: one sample.
-    segments: tuple[int, ...] | None = None
+    #: A packed sequence's samples (lengths summing to `seq_len`), each attending over its own rows; None: one sample.
+    segments: Segments | None = None
 
 
 def _heads(attn: MiniMaxH3Attention, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -156,7 +158,7 @@ class SegmentedTextAttnProcessor:
     _parallel_config = None
 
     def __init__(self) -> None:
-        self.segments: tuple[int, ...] | None = None
+        self.segments: Segments | None = None
 
     def __call__(
         self,
@@ -178,7 +180,7 @@ class SegmentedTextAttnProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
-def _refine(block: nn.Module, text: torch.Tensor, segments: tuple[int, ...] | None) -> torch.Tensor:
+def _refine(block: nn.Module, text: torch.Tensor, segments: Segments | None) -> torch.Tensor:
     """Refiner block `block` over `text`, its prompts' lengths set where the block's processor reads them."""
     block.attn.processor.segments = segments
     return block(text)
@@ -276,6 +278,9 @@ class SequenceParallelH3(nn.Module):
             raise ValueError("a packed sequence needs a model built with packed=True (data.pack)")
         if (segments is None) != (text_segments is None) or (segments is not None and sum(segments) != seq_len):
             raise ValueError(f"segments {segments} and text_segments {text_segments} do not split {seq_len} rows")
+        device = position_ids.device
+        samples = None if segments is None else segments_on(segments, device)
+        prompts = None if text_segments is None else segments_on(text_segments, device)
 
         video_embeds = m.proj_in(hidden_states.to(get_parameter_dtype(m.proj_in)))
         audio_embeds = m.audio_proj_in(audio_hidden_states.to(get_parameter_dtype(m.audio_proj_in)))
@@ -283,7 +288,7 @@ class SequenceParallelH3(nn.Module):
         for i, block in enumerate(m.token_refiner.refiner_blocks):
             if self.packed:
                 # A pack's prompts are refined each alone, in one call of the block.
-                text_embeds = self._run(self.checkpointed(i, refiner=True), _refine, block, text_embeds, text_segments)
+                text_embeds = self._run(self.checkpointed(i, refiner=True), _refine, block, text_embeds, prompts)
             else:
                 text_embeds = self._run(self.checkpointed(i, refiner=True), block, text_embeds)
         text_embeds = m.token_refiner.final_norm(text_embeds)
@@ -308,9 +313,9 @@ class SequenceParallelH3(nn.Module):
             timestep_indices = sp.local_slice(sp.pad(timestep_indices, 0))
             # The angles of this rank's rows only (they are row-wise; padding rows take position 0):
             # every block saves them for backward.
-            rotary_emb = UlyssesRotary(*m.rope(sp.local_slice(sp.pad(position_ids, 0))), seq_len, segments)
-        elif segments is not None:
-            rotary_emb = UlyssesRotary(*m.rope(position_ids), seq_len, segments)
+            rotary_emb = UlyssesRotary(*m.rope(sp.local_slice(sp.pad(position_ids, 0))), seq_len, samples)
+        elif samples is not None:
+            rotary_emb = UlyssesRotary(*m.rope(position_ids), seq_len, samples)
         else:
             rotary_emb = m.rope(position_ids)
 

@@ -122,38 +122,50 @@ def _by_diffusers_name() -> dict[str, AttentionBackend]:
     return {backend.diffusers: backend for backend in ATTENTION_BACKENDS.values()}
 
 
+@dataclass(frozen=True)
+class Segments:
+    """A packed sequence's samples: their lengths in rows, in order, and on CUDA their offsets.
+
+    `offsets` `[k + 1]` int32 (`cu_seqlens`) are copied to the device once per forward
+    (`segments_on`), not in every block: a copy per attention call would stall the host each time.
+    """
+
+    lengths: tuple[int, ...]
+    offsets: torch.Tensor | None = None
+
+
+def segments_on(lengths: Sequence[int], device: torch.device) -> Segments:
+    """`Segments` of `lengths` for attention on `device` (offsets only where a varlen kernel can run)."""
+    offsets = None
+    if device.type == "cuda":
+        host = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        offsets = host.pin_memory().to(device, non_blocking=True)
+    return Segments(tuple(int(n) for n in lengths), offsets)
+
+
 def segment_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Sequence[int], backend: str | None
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments, backend: str | None
 ) -> torch.Tensor:
     """Attention of a packed sequence, each sample attending over its own rows only (block-diagonal).
 
-    q, k, v `[1, S, H, D]` with `S = sum(segments)`; returns `[1, S, H, D]`. `backend` is the diffusers
-    name the model's processors carry (None: diffusers' default). A kernel with `varlen` takes the
-    sample offsets in one call; any other runs once per sample, which is each sample's attention as
+    q, k, v `[1, S, H, D]` with `S = sum(segments.lengths)`; returns `[1, S, H, D]`. `backend` is the
+    diffusers name the model's processors carry (None: diffusers' default). A kernel with `varlen` takes
+    the sample offsets in one call; any other runs once per sample, which is each sample's attention as
     it is alone, with the same kernel.
     """
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     kernel = _by_diffusers_name().get(backend) if backend is not None else None
-    if kernel is not None and kernel.varlen and query.is_cuda:
-        return _flash_varlen(query, key, value, segments)
+    if kernel is not None and kernel.varlen and segments.offsets is not None:
+        from flash_attn import flash_attn_varlen_func
+
+        longest = max(segments.lengths)
+        offsets = segments.offsets
+        out = flash_attn_varlen_func(query[0], key[0], value[0], offsets, offsets, longest, longest, causal=False)
+        return out[None]
+    sizes = list(segments.lengths)
     outs = [
         dispatch_attention_fn(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, backend=backend)
-        for q, k, v in zip(
-            query.split(list(segments), dim=1),
-            key.split(list(segments), dim=1),
-            value.split(list(segments), dim=1),
-            strict=True,
-        )
+        for q, k, v in zip(query.split(sizes, dim=1), key.split(sizes, dim=1), value.split(sizes, dim=1), strict=True)
     ]
     return torch.cat(outs, dim=1)
-
-
-def _flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Sequence[int]) -> torch.Tensor:
-    """flash-attn's varlen kernel over the samples' offsets (`cu_seqlens`), batch dim 1 folded away."""
-    from flash_attn import flash_attn_varlen_func
-
-    offsets = torch.tensor([0, *segments], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(query.device)
-    longest = max(segments)
-    out = flash_attn_varlen_func(query[0], key[0], value[0], offsets, offsets, longest, longest, causal=False)
-    return out[None]

@@ -37,6 +37,7 @@ RUN_FILES = (
     "config.yaml",
     "data_errors.jsonl",
     "loss_spikes.jsonl",
+    "trained_samples",
     "dump",
     "wandb",
     "tensorboard",

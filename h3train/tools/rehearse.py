@@ -268,6 +268,18 @@ def planned_sample(cfg: Config, text_dim: int) -> tuple[Any, int, str]:
     return sample, text_rows, source
 
 
+def _filler(cfg: Config, rows: int, text_dim: int, slot: int) -> tuple[Any, Any] | None:
+    """(sample, its inputs): the longest released-canvas clip within `rows`, to fill a rehearsed pack;
+    None when no clip fits or the run's inputs need what a synthetic clip lacks (its own negatives)."""
+    from ..objective import micro_batch_inputs
+
+    try:
+        sample, _ = _released_within(rows, text_dim, cfg.train.seed)
+        return sample, micro_batch_inputs(cfg, sample, step=1, slot=slot)
+    except (ConfigError, ValueError):
+        return None
+
+
 def _released_within(bound: int, text_dim: int, seed: int) -> tuple[Any, int]:
     """(sample, frames): the longest clip of the released canvas and prompt (`RELEASED_CLIP`, 17 n + 5
     frames) that packs to at most `bound` rows."""
@@ -535,12 +547,22 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
     ti = micro_batch_inputs(run_cfg, sample, step=1, slot=0)
     rows, per_micro = sample.layout.seq_len, 1
     if cfg.data.pack:
-        # A pack of copies of the longest sample, as many as the budget holds (at least the one).
-        per_micro = max(1, cfg.data.pack // rows)
-        ti = pack_inputs([micro_batch_inputs(run_cfg, sample, step=1, slot=i) for i in range(per_micro)])
-        sample = SamplePack((sample,) * per_micro)
-        rows, text_rows = rows * per_micro, text_rows * per_micro
-        rows_origin = f"data.pack={cfg.data.pack}: {per_micro} of the {rows_origin}"
+        # A pack of copies of the longest sample, as many as the budget holds (at least the one), and
+        # the rows left filled by the longest released-canvas clip that fits them, as a run's packs fill.
+        copies = max(1, cfg.data.pack // rows)
+        members = [sample] * copies
+        items = [micro_batch_inputs(run_cfg, sample, step=1, slot=i) for i in range(copies)]
+        rows_origin = f"data.pack={cfg.data.pack}: {copies} of the {rows_origin}"
+        filler = _filler(run_cfg, cfg.data.pack - rows * copies, int(dims["text_dim"]), slot=copies)
+        if filler is not None:
+            members.append(filler[0])
+            items.append(filler[1])
+            rows_origin += f", and a {filler[0].layout.seq_len:,}-row clip"
+        per_micro = len(members)
+        ti = pack_inputs(items)
+        sample = SamplePack(tuple(members))
+        text_rows = text_rows * copies + sum(int(m.text_token_tags.numel()) for m in members[copies:])
+        rows = sample.seq_len
     plan = estimate(dims, mesh, cfg, rows=rows, text_rows=text_rows)
     seconds["sample"] = time.perf_counter() - start
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from ..model.sp_forward import SequenceParallelH3
     from ..objective import TrainingInputs
     from ..parallel.dims import ParallelContext
-    from ..tasks.packed import PackedSample
+    from ..tasks.packed import PackedSample, SamplePack
 
 
 class TrainerView(Protocol):
@@ -109,14 +109,15 @@ class EvaluationWeights(Protocol):
 class MicroBatchEvent:
     """One micro-batch of optimizer step `step` after its forward: what `on_micro_batch` sees.
 
-    `index` counts the step's micro-batches from 0; `inputs` are as the stream gave them, before the
-    forward moved them to the device. `loss` is what the backward runs on (divided by the
-    accumulation) and what the step sums; a hook may replace it.
+    `index` counts the step's micro-batches from 0; `sample` is its sample, or a `SamplePack` of its
+    samples (`data.pack`); `inputs` are as the stream gave them, before the forward moved them to the
+    device. `loss` is what the backward runs on (the micro-batch's loss, the sum of its samples',
+    before the division by the step's samples per rank) and what the step sums; a hook may replace it.
     """
 
     step: int
     index: int
-    sample: PackedSample
+    sample: PackedSample | SamplePack
     inputs: TrainingInputs
     loss: torch.Tensor
 

@@ -20,6 +20,7 @@ from h3train.commands import process
 from h3train.config import load_config
 from h3train.data.manifest import ManifestError, read_manifest
 from h3train.data.synth import write_synthetic_dataset
+from h3train.parallel.dims import free_port
 
 from helpers.launch import run_env, run_h3train, run_process_group, torchrun_error_line
 from helpers.paths import ROOT, TINY_FL2VA
@@ -147,7 +148,7 @@ def test_launch_script_checks_first_one_line_exit_2(name: str, inputs: Path, tmp
     env = run_env(
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         GPUS_PER_NODE="2",
-        MASTER_PORT=str(20000 + os.getpid() % 20000),
+        MASTER_PORT=str(free_port()),
     )
     cmd = [str(ROOT / "scripts" / "launch.sh"), *args(inputs), f"logging.dir={tmp_path / 'run'}"]
     proc = run_process_group(cmd, env, timeout=120)

@@ -16,6 +16,8 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from h3train.parallel.dims import free_port
+
 from helpers.launch import default_signals, signal_after_steps, start_in_session, tiny_overrides
 from helpers.paths import ROOT
 
@@ -221,7 +223,8 @@ def test_launch_script_trains_two_cpu_ranks(tmp_path: Path) -> None:
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "GPUS_PER_NODE": "2",
-        "MASTER_PORT": str(20000 + os.getpid() % 20000),
+        # A port free now, not one derived from the pid: another job's store may hold that one.
+        "MASTER_PORT": str(free_port()),
     }
     out = subprocess.run(
         [
