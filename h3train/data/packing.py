@@ -110,18 +110,10 @@ class Packing:
         return StepPlan(start, len(rows), self._to_ranks(bins, rows))
 
     def _unpacked(self, start: int, rows_at: Callable[[int], int]) -> StepPlan:
-        dp, accum = self.dp, self.grad_accum
-        count = dp * accum
-        if not self.balance:
-            return StepPlan(start, count, tuple(tuple((m * dp + r,) for m in range(accum)) for r in range(dp)))
-        costs = [self.cost(rows_at(start + i)) for i in range(count)]
-        ranks: list[list[int]] = [[] for _ in range(dp)]
-        load = [0.0] * dp
-        for slot in sorted(range(count), key=lambda i: (-costs[i], i)):
-            rank = min((r for r in range(dp) if len(ranks[r]) < accum), key=lambda r: (load[r], r))
-            ranks[rank].append(slot)
-            load[rank] += costs[slot]
-        return StepPlan(start, count, tuple(tuple((slot,) for slot in sorted(r)) for r in ranks))
+        """One sample per micro-batch: the window's samples are the micro-batches, dealt as packs are."""
+        count = self.micro_batches
+        rows = [rows_at(start + i) for i in range(count)] if self.balance else [0] * count
+        return StepPlan(start, count, self._to_ranks([[slot] for slot in range(count)], rows))
 
     def _window(self, start: int, rows_at: Callable[[int], int]) -> int:
         """How many samples from `start` the step takes before packing: their rows fit the budget share."""
@@ -204,3 +196,13 @@ def imbalance(costs: Sequence[float]) -> float:
     """`max / mean - 1` of the ranks' costs: 0 when every rank finishes together."""
     mean = sum(costs) / len(costs)
     return max(costs) / mean - 1.0 if mean > 0 else 0.0
+
+
+def mean_imbalance(packing: Packing, rows_at: Callable[[int], int], steps: int, start: int = 0) -> tuple[float, float]:
+    """(mean, worst) per-step `imbalance` of `packing`'s plans over `steps` steps from position `start`."""
+    seen = []
+    for _ in range(steps):
+        plan = packing.plan(start, rows_at)
+        seen.append(imbalance(packing.rank_costs(plan, rows_at)))
+        start += plan.count
+    return sum(seen) / len(seen), max(seen)

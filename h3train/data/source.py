@@ -298,21 +298,18 @@ class MicroBatchStream:
         source: SampleSource,
         sampler: DistributedSampler,
         make_inputs: MakeInputs,
-        grad_accum: int,
+        packing: Packing,
         depth: int,
-        packing: Packing | None = None,
     ) -> None:
+        """`packing` plans the steps of `sampler`'s DP size, `packing.grad_accum` micro-batches a rank."""
+        if packing.dp != sampler.dp_size:
+            raise ValueError(f"packing plans for {packing.dp} DP ranks, the sampler draws for {sampler.dp_size}")
         self.source = source
         self.sampler = sampler
         self.make_inputs = make_inputs
-        self.grad_accum = grad_accum
+        self.packing = packing
+        self.grad_accum = packing.grad_accum
         self.depth = max(1, depth)
-        self.packing = packing or Packing(sampler.dp_size, grad_accum)
-        if self.packing.micro_batches != sampler.dp_size * grad_accum:
-            raise ValueError(
-                f"packing plans {self.packing.micro_batches} micro-batches a step, the run trains "
-                f"{sampler.dp_size} x {grad_accum}"
-            )
         self._lengths = source.lengths
         self._prefetcher: Prefetcher | None = None
         self._items: Iterator[tuple[_At, tuple[Any, TrainingInputs]]] | None = None

@@ -118,10 +118,6 @@ def resolve_attention_backend(name: str, device_type: str, dtype: str) -> str:
     return backend.diffusers
 
 
-def _by_diffusers_name() -> dict[str, AttentionBackend]:
-    return {backend.diffusers: backend for backend in ATTENTION_BACKENDS.values()}
-
-
 @dataclass(frozen=True)
 class Segments:
     """A packed sequence's samples: their lengths in rows, in order, and on CUDA their offsets.
@@ -155,8 +151,8 @@ def segment_attention(
     """
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    kernel = _by_diffusers_name().get(backend) if backend is not None else None
-    if kernel is not None and kernel.varlen and segments.offsets is not None:
+    # Offsets exist on CUDA only: on the CPU the table is not looked at.
+    if segments.offsets is not None and any(b.varlen and b.diffusers == backend for b in ATTENTION_BACKENDS.values()):
         from flash_attn import flash_attn_varlen_func
 
         longest = max(segments.lengths)

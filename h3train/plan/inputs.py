@@ -371,7 +371,9 @@ def balance_line(cfg: Config, dp: int, dims: Mapping[str, Any], steps: int = 100
     balanced (`data.pack`, or the longest sample's rows when the run does not pack). None for one DP
     rank or a source whose lengths are not read here.
     """
-    from ..data.packing import Packing, attention_rows, imbalance
+    import numpy as np
+
+    from ..data.packing import Packing, attention_rows, mean_imbalance
     from ..data.source import build_sampler, build_source, data_source
 
     if dp < 2 or not data_source(cfg).reads_folders:
@@ -381,18 +383,9 @@ def balance_line(cfg: Config, dp: int, dims: Mapping[str, Any], steps: int = 100
     sampler = build_sampler(source, cfg, 0, dp)
     rows_at = lambda p: int(lengths[sampler.global_index(p)])  # noqa: E731
     s0, accum = attention_rows(dims), cfg.train.grad_accum
-    budget = cfg.data.pack or int(max(lengths))
-
-    def mean_imbalance(packing: Packing) -> float:
-        start, total = 0, 0.0
-        for _ in range(steps):
-            plan = packing.plan(start, rows_at)
-            total += imbalance(packing.rank_costs(plan, rows_at))
-            start += plan.count
-        return total / steps
-
-    one = mean_imbalance(Packing(dp, accum, s0=s0))
-    packed = mean_imbalance(Packing(dp, accum, budget, True, s0))
+    budget = cfg.data.pack or int(np.max(np.asarray(lengths)))
+    one, _ = mean_imbalance(Packing(dp, accum, s0=s0), rows_at, steps)
+    packed, _ = mean_imbalance(Packing(dp, accum, budget, True, s0), rows_at, steps)
     return (
         f"balance       per-step imbalance across {dp} DP ranks over {steps} steps: {100 * one:.1f} % one sample "
         f"per micro-batch, {100 * packed:.1f} % with data.pack={budget} + data.balance (docs/training.md)"

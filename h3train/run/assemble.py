@@ -190,9 +190,8 @@ def _assemble(
         source,
         sampler,
         lambda sample, step, slot: micro_batch_inputs(cfg, sample, step, slot, shared_negative),
-        cfg.train.grad_accum,
-        cfg.data.prefetch,
         step_packing(cfg, dims.dp, model_config),
+        cfg.data.prefetch,
     )
     watch = validation_watch(cfg)
     adapter_files = export_files(cfg, adapter)

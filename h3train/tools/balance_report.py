@@ -25,22 +25,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..data.packing import Packing, attention_rows, imbalance
+from ..data.packing import Packing, attention_rows, mean_imbalance
 from ..model.dims import model_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_ref2va.yaml"
-
-
-def mean_imbalance(packing: Packing, lengths: list[int], steps: int) -> tuple[float, float]:
-    """(mean, worst) per-step imbalance of `packing`'s plans over `steps` steps of `lengths` in order."""
-    rows_at = lambda p: lengths[p % len(lengths)]  # noqa: E731
-    start, seen = 0, []
-    for _ in range(steps):
-        plan = packing.plan(start, rows_at)
-        seen.append(imbalance(packing.rank_costs(plan, rows_at)))
-        start += plan.count
-    return sum(seen) / len(seen), max(seen)
 
 
 def _rows_per_second(folder: Path, extra: list[str], steps: int) -> float:
@@ -88,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(5_000 * rng.uniform(1.0, 8.0)) for _ in range(10_000)]
     s0 = attention_rows(model_defaults())
     budget = max(lengths)
-    unpacked = mean_imbalance(Packing(args.dp, args.grad_accum, s0=s0), lengths, args.steps)
-    packed = mean_imbalance(Packing(args.dp, args.grad_accum, budget, True, s0), lengths, args.steps)
+    rows_at = lambda p: lengths[p % len(lengths)]  # noqa: E731
+    unpacked = mean_imbalance(Packing(args.dp, args.grad_accum, s0=s0), rows_at, args.steps)
+    packed = mean_imbalance(Packing(args.dp, args.grad_accum, budget, True, s0), rows_at, args.steps)
     print(f"cost model: rows + rows^2 / {s0:,.0f} (the released architecture); lengths 5,000 to 40,000 rows")
     print(f"{args.dp} ranks x {args.grad_accum} micro-batches, {args.steps} steps:")
     print(

@@ -17,6 +17,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import reduce
+from operator import add
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -236,14 +238,17 @@ class Trainer:
             # ranks, so each rank divides by its share (`grad_accum` with one sample per micro-batch).
             (loss / (grads.samples / self.ctx.dims.dp)).backward()
             grads.losses.append(loss.detach() / len(members(sample)))
-            # The loss as the hooks left it; the other terms, and the counts, sample by sample.
-            terms = {"loss_video": 0.0, "loss_audio": 0.0, "loss_video_fm": 0.0, "loss_audio_fm": 0.0}
-            for member, own, inputs in zip(members(sample), parts.per_sample(), ti.samples, strict=True):
-                has_audio = float(member.has_audio)
-                terms["loss_video"] = terms["loss_video"] + own.video.detach()
-                terms["loss_audio"] = terms["loss_audio"] + own.audio.detach() * has_audio
-                terms["loss_video_fm"] = terms["loss_video_fm"] + own.video_fm
-                terms["loss_audio_fm"] = terms["loss_audio_fm"] + own.audio_fm * has_audio
+            # The loss as the hooks left it; the other terms, and the counts, sample by sample (a lone
+            # sample's terms are its own, with no sum to take).
+            per_sample = list(zip(members(sample), parts.per_sample(), ti.samples, strict=True))
+            sound = [float(member.has_audio) for member, _, _ in per_sample]
+            terms = {
+                "loss_video": reduce(add, [own.video.detach() for _, own, _ in per_sample]),
+                "loss_audio": reduce(add, [own.audio.detach() * s for (_, own, _), s in zip(per_sample, sound)]),
+                "loss_video_fm": reduce(add, [own.video_fm for _, own, _ in per_sample]),
+                "loss_audio_fm": reduce(add, [own.audio_fm * s for (_, own, _), s in zip(per_sample, sound)]),
+            }
+            for has_audio, (_, _, inputs) in zip(sound, per_sample):
                 counts = {
                     "audio_samples": has_audio,
                     "cfg_scale_video": inputs.guidance.scale_video,
