@@ -27,24 +27,50 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.torch_version import TorchVersion
 
 from ..errors import ConfigError
 
 # Code dtype and the largest code of each kind.
 CODES = {"int8": (torch.int8, 127.0), "float8": (torch.float8_e4m3fn, 448.0)}
 SCALE_DTYPE = torch.bfloat16
-# torch 2.8's FSDP2 makes each sharded parameter with `requires_grad=True` before it sets the
-# parameter's own flag, which an integer tensor refuses ("only Tensors of floating point dtype can
-# require gradients"); later releases pass the flag at creation. float8 codes are floating point.
-INTEGER_CODES_SHARD = torch.__version__ >= "2.9"
+# FSDP2 before torch 2.12 makes each sharded parameter with `requires_grad=True` and only then sets
+# the parameter's own flag, which an integer tensor refuses in `fully_shard` ("only Tensors of
+# floating point dtype can require gradients"); 2.12 passes the flag at creation. Checked with a
+# frozen int8 parameter beside a trainable one on 1 and 2 gloo ranks: 2.8, 2.11 fail; 2.12.0,
+# 2.12.1, 2.13 shard, run forward and backward. float8 codes are floating point and shard anywhere.
+# A version rule, not a probe: the failure shows only inside `fully_shard`, which needs a process
+# group, and the check must run before any (`h3train check` has none).
+FIRST_INTEGER_CODES_TORCH = "2.12"
 
 
-def check_base_quant(kind: str) -> None:
-    """Refuse, in one line naming the key, a quantized base this torch cannot shard; before any model."""
-    if kind == "int8" and not INTEGER_CODES_SHARD:
+def integer_codes_shard(version: str) -> bool:
+    """Whether FSDP2 of torch `version` (a `torch.__version__` string) shards integer parameters.
+
+    Compared as a version, not as text ("2.10" is after "2.9"). A local suffix ("+cpu", "+cu128")
+    does not matter; a pre-release or nightly of the first working release ("2.12.0a0",
+    "2.12.0.dev20260301", "2.12.0rc1") counts as before it, since builds from before the change
+    carry the same number.
+    """
+    return TorchVersion(version) >= FIRST_INTEGER_CODES_TORCH
+
+
+# The rule for the torch running here: the preflight check, the guard before sharding and the
+# tools that skip int8 all read it, through `check_base_quant` or this flag.
+INTEGER_CODES_SHARD = integer_codes_shard(torch.__version__)
+
+
+def check_base_quant(kind: str, version: str = torch.__version__) -> None:
+    """Refuse, in one line naming the key, a quantized base torch `version` cannot shard; before any model.
+
+    Raises `ConfigError` for `kind` int8 where `integer_codes_shard(version)` is false; the default
+    `version` is the running torch's.
+    """
+    if kind == "int8" and not integer_codes_shard(version):
         raise ConfigError(
-            f"config key 'lora.base_quant' is int8, which FSDP2 cannot shard on torch {torch.__version__} "
-            "(integer parameters need torch 2.9 or later); set lora.base_quant=float8 (also 1 byte per weight) or none"
+            f"config key 'lora.base_quant' is int8, which FSDP2 cannot shard on torch {version} "
+            f"(integer parameters shard from torch {FIRST_INTEGER_CODES_TORCH}); "
+            "set lora.base_quant=float8 (also 1 byte per weight) or none"
         )
 
 

@@ -28,7 +28,7 @@ seconds. A check that raises is `failed` with the error's first line; the others
   did not. Both run on an A100 as on an H100: the codes are cast to the compute dtype before the
   matmul, so float8 needs no float8 matmul (`_scaled_mm`, compute capability 8.9), only its casts.
   int8 is skipped where the trainer refuses it
-  (`check_base_quant`: torch 2.8's FSDP2 cannot shard integer parameters).
+  (`check_base_quant`: FSDP2 before torch 2.12 cannot shard integer parameters).
 - `async_save` (`checkpoint/writer.py`): `checkpoint.async_save=true` stages on a background
   thread into host buffers, pinned on CUDA (`staging_options`). A step, a blocking save of the
   state (what the checkpoint must hold), the async save, the next step at once (its optimizer
@@ -404,7 +404,7 @@ def check_lora(base_quant: str) -> Callable[[CheckSetup, CheckResult], None]:
         from ..model.quant import check_base_quant
 
         try:
-            # The trainer's own refusal of a base this torch cannot shard (int8 on torch 2.8).
+            # The trainer's own refusal of a base this torch cannot shard (int8 before torch 2.12).
             check_base_quant(base_quant)
         except ConfigError as exc:
             res.status, res.reason = SKIPPED, f"unsupported on torch {torch.__version__}: {exc}"

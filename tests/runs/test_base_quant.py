@@ -7,6 +7,8 @@ scales, as the dump writes it): adapter gradients at sp=1 and sp=2 equal it to 1
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,18 +17,25 @@ from safetensors.torch import load_file
 
 from h3train.cli import main
 from h3train.config import load_config
+from h3train.errors import ConfigError
 from h3train.model.build import build_model, fp32_island_names
-from h3train.model.quant import INTEGER_CODES_SHARD, QuantizedLinear, dequantize, quantize_base, quantize_rows
-
-from helpers.paths import ROOT
+from h3train.model.quant import (
+    INTEGER_CODES_SHARD,
+    QuantizedLinear,
+    check_base_quant,
+    dequantize,
+    integer_codes_shard,
+    quantize_base,
+    quantize_rows,
+)
 
 from helpers.launch import checkpoint_tensors, dump_dir, tiny_args
-
+from helpers.paths import ROOT
 from helpers.reference import lora_parity_run
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 TOL = 1e-5
-# torch 2.8's FSDP2 cannot shard integer parameters: int8 is refused there (tested below), float8 runs.
+# FSDP2 before torch 2.12 cannot shard integer parameters: int8 is refused there (tested below), float8 runs.
 needs_int8 = pytest.mark.skipif(not INTEGER_CODES_SHARD, reason=f"int8 codes do not shard on torch {torch.__version__}")
 # A quantized base this torch trains, and another one a resume must refuse.
 QUANT, OTHER_QUANT = ("int8", "float8") if INTEGER_CODES_SHARD else ("float8", "none")
@@ -186,15 +195,81 @@ def test_quantized_base_resumes_merges_unquantized_and_refuses_another_quant(tmp
     assert len(err.splitlines()) == 1 and f"lora.base_quant={QUANT}" in err, err
 
 
+@pytest.mark.parametrize(
+    ("version", "shards"),
+    [
+        ("2.8.0+cu128", False),
+        ("2.9.1", False),
+        ("2.10.0a0", False),  # after "2.9" as text, before 2.12 as a version
+        ("2.11.0", False),
+        ("2.12.0rc1", False),  # a pre-release of the first working release may predate the change
+        ("2.12.0.dev20260301", False),
+        ("2.12.0", True),
+        ("2.12.1", True),
+        ("2.13.0+cpu", True),
+        ("2.13.0a0+git1234567", True),
+        ("3.0.0", True),
+    ],
+)
+def test_integer_codes_shard_compares_versions_not_text(version: str, shards: bool) -> None:
+    assert integer_codes_shard(version) is shards
+    if shards:
+        check_base_quant("int8", version)
+    else:
+        with pytest.raises(ConfigError) as exc:
+            check_base_quant("int8", version)
+        msg = str(exc.value)
+        assert len(msg.splitlines()) == 1 and f"torch {version} " in msg, msg
+        assert "lora.base_quant" in msg and "lora.base_quant=float8" in msg, msg
+    # float8 codes are floating point: no torch refuses them, nor a plain base.
+    check_base_quant("float8", version)
+    check_base_quant("none", version)
+
+
+# One frozen int8 parameter beside a trainable one, sharded by FSDP2 on one gloo rank (a file store:
+# no port to collide on), then a forward and backward; exit 0 when all of it runs.
+_SHARD_INT8 = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+class Base(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.codes = nn.Parameter(torch.ones(4, 4, dtype=torch.int8), requires_grad=False)
+        self.lora = nn.Parameter(torch.ones(4, 4))
+
+    def forward(self, x):
+        return x @ (self.codes.float() + self.lora).T
+
+m = Base()
+fully_shard(m)
+m(torch.ones(2, 4)).sum().backward()
+assert m.lora.grad is not None and m.codes.dtype == torch.int8
+dist.destroy_process_group()
+"""
+
+
+def test_the_rule_matches_what_fsdp2_does_on_this_torch(tmp_path: Path) -> None:
+    """The version rule says what this torch's `fully_shard` does with integer codes."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SHARD_INT8, str(tmp_path / "store")], capture_output=True, text=True, timeout=300
+    )
+    if INTEGER_CODES_SHARD:
+        assert done.returncode == 0, done.stderr
+    else:
+        assert done.returncode != 0 and "only Tensors of floating point dtype" in done.stderr, done.stderr
+
+
 def test_int8_base_is_refused_in_one_line_where_fsdp2_cannot_shard_it(capsys) -> None:
-    """On torch 2.8 `lora.base_quant=int8` stops before any model, naming the key and float8; elsewhere it checks."""
+    """Before torch 2.12 `lora.base_quant=int8` stops before any model, naming float8; elsewhere it checks."""
     code = main(["check", str(TINY_LORA), "lora.base_quant=int8"])
     err = capsys.readouterr().err.strip()
     if INTEGER_CODES_SHARD:
         assert code == 0, err
     else:
         assert code == 2 and len(err.splitlines()) == 1, err
-        assert "lora.base_quant" in err and "float8" in err and torch.__version__ in err
+        assert "lora.base_quant=float8" in err and torch.__version__ in err
 
 
 def test_base_quant_config_errors(capsys) -> None:
