@@ -14,11 +14,29 @@ sp = 1 it returns exactly what the diffusers forward returns. At sp > 1:
 This module is the FSDP2 root (it owns the transformer), so the root's unshard / reduce-scatter
 hooks wrap this forward.
 
-Activation checkpointing (`activation_checkpointing`): `none`; `full` recomputes every refiner and
-transformer block in backward, keeping only each block's inputs; `selective` recomputes every
-`checkpoint_every`-th transformer block (blocks 0, N, 2N, ...; torchtitan's per-N-blocks selective
-mode), trading part of the memory saving for less recompute. A recomputed block sees the same
-arguments as its forward, including the real sequence length (it travels in `UlyssesRotary`).
+Activation checkpointing (`activation_checkpointing`): a policy per transformer block (`BLOCK_POLICIES`),
+one string for every block or a sequence of one per block. Per row that a block holds, with hidden size
+h, attention width a = heads * head_dim and b bytes per element of the compute dtype, a block keeps
+from its forward to its backward:
+
+- `none`: every activation its backward reads (the normed and modulated inputs, q, k, v, the attention
+  output, the FFN's hidden values, ...), several times `(h + a) * b`; nothing is recomputed.
+- `selective`: its input (`h * b`), the attention output (`a * b`) and the kernel's logsumexp (`heads`
+  values, float32 on the GPU kernels, the compute dtype on the CPU's). torch's selective activation
+  checkpoint (`selective_forward`) saves the whole output of the attention op (`ATTENTION_OPS`: the SDPA
+  kernels, flash-attn's where registered) and recomputes every other op in backward: the AdaLN
+  modulation, the norms, the q/k/v and output projections, the rotary angles, the Ulysses all-to-alls
+  and the FFN. The backward does not run attention forward again, most of a block's FLOPs at long
+  sequences.
+- `full`: its input (`h * b`); the whole block, attention included, is recomputed in backward.
+
+The text refiner (a few blocks over the text rows alone) is recomputed whole when any transformer block
+is `full`, else not at all. A recomputed block sees the same arguments as its forward, including the real
+sequence length and a pack's samples (they travel in `UlyssesRotary`); at sp > 1 its Ulysses all-to-alls
+run again in backward, on every rank alike. A `full` block is checkpointed around its module call (FSDP2's
+hooks included, as torch's composable checkpoint expects); a `selective` block's `forward` checkpoints
+itself, inside the module hooks and, with `compile_blocks`, inside the compiled graph, where dynamo traces
+the selective checkpoint and the partitioner saves what the policy saves.
 
 Regional compilation (`compile_blocks`): each transformer block's `forward` is compiled on its own
 (the block's module hooks, FSDP2's unshard and reshard, stay eager around it). The Ulysses
@@ -29,6 +47,8 @@ for every count (`data.pack` refuses `model.compile`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -41,7 +61,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
     MiniMaxH3Attention,
     _apply_rotary_emb,
 )
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..ops.attention import Segments, segment_attention, segments_on
 from ..parallel.ulysses import SequenceParallel
@@ -60,7 +80,47 @@ FORWARD_ARGS = (
 )
 
 
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+#: What a transformer block keeps for backward (module docstring): everything, all but attention's inputs, or its input.
+BLOCK_POLICIES = ("none", "selective", "full")
+
+#: The attention kernels whose whole output (attention output, logsumexp, the kernel's bookkeeping) a
+#: `selective` block saves, by operator name: the SDPA kernels of every device (float64 and float32 SDPA
+#: on the CPU run `_scaled_dot_product_flash_attention_for_cpu`), the kernels under them that a varlen call
+#: reaches, flash-attn 2's ops (registered by flash-attn >= 2.7) and diffusers' flash-attn 3 op. SDPA's
+#: math kernel (the `_native_math` backend, benchmark only) is a composite of matmuls and a softmax:
+#: its ops are recomputed like any other.
+ATTENTION_OPS = frozenset(
+    {
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "aten::_flash_attention_forward",
+        "aten::_efficient_attention_forward",
+        "flash_attn::_flash_attn_forward",
+        "flash_attn::_flash_attn_varlen_forward",
+        "_diffusers_flash_attn_3::_flash_attn_forward",
+    }
+)
+
+
+def attention_saving_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The `selective` policy: an attention kernel's outputs are saved, every other op is recomputed."""
+    name = getattr(getattr(op, "_schema", None), "name", None)
+    return CheckpointPolicy.MUST_SAVE if name in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts():
+    """The `context_fn` of a `selective` block's checkpoint: one fresh pair of contexts per call."""
+    return create_selective_checkpoint_contexts(attention_saving_policy)
+
+
+def selective_forward(forward, *args, **kwargs):
+    """`forward(*args, **kwargs)` under the `selective` policy while gradients are on: what a `selective`
+    block's `forward` becomes (`SequenceParallelH3`), inside its module hooks and inside its compiled graph."""
+    if torch.is_grad_enabled():
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=selective_contexts, **kwargs)
+    return forward(*args, **kwargs)
 
 
 class UlyssesRotary(NamedTuple):
@@ -186,6 +246,22 @@ def _refine(block: nn.Module, text: torch.Tensor, segments: Segments | None) -> 
     return block(text)
 
 
+def _block_policies(activation_checkpointing: str | Sequence[str], num_blocks: int) -> tuple[str, ...]:
+    """One `BLOCK_POLICIES` entry per transformer block: a string for every block, or one per block."""
+    if isinstance(activation_checkpointing, str):
+        policies = (activation_checkpointing,) * num_blocks
+    else:
+        policies = tuple(activation_checkpointing)
+        if len(policies) != num_blocks:
+            raise ValueError(
+                f"activation_checkpointing gives {len(policies)} block policies for {num_blocks} transformer blocks"
+            )
+    for policy in policies:
+        if policy not in BLOCK_POLICIES:
+            raise ValueError(f"activation_checkpointing {policy!r} is not one of {BLOCK_POLICIES}")
+    return policies
+
+
 class SequenceParallelH3(nn.Module):
     """Wraps the diffusers transformer; `forward` takes the ten `model.forward` arguments.
 
@@ -195,6 +271,10 @@ class SequenceParallelH3(nn.Module):
     `packed`: the model also takes packed sequences of several samples (`segments`, `text_segments`
     in `forward`), its blocks then attending through the Ulysses processor at sp = 1 too. Unpacked
     at sp = 1 the blocks keep diffusers' own processor.
+
+    `activation_checkpointing`: one of `BLOCK_POLICIES` for every transformer block, or a sequence of one
+    per block (`ValueError` for another length); the text refiner is recomputed when any block is `full`
+    (`policy`). `checkpoint_every` is accepted and ignored, for callers that still pass it.
     """
 
     def __init__(
@@ -202,23 +282,18 @@ class SequenceParallelH3(nn.Module):
         transformer: MiniMaxH3Transformer3DModel,
         sp: SequenceParallel,
         *,
-        activation_checkpointing: str = "none",
-        checkpoint_every: int = 1,
+        activation_checkpointing: str | Sequence[str] = "none",
         compile_blocks: bool = False,
-        compile_backend: str = "inductor",
+        compile_backend: str | Callable = "inductor",
         packed: bool = False,
+        checkpoint_every: int | None = None,
     ) -> None:
         super().__init__()
-        if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-            raise ValueError(
-                f"activation_checkpointing {activation_checkpointing!r} is not one of {ACTIVATION_CHECKPOINTING}"
-            )
-        if checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        del checkpoint_every  # no longer read; accepted until every caller stops passing it
         self.transformer = transformer
         self.sp = sp
+        self.block_policies = _block_policies(activation_checkpointing, len(transformer.transformer_blocks))
         self.activation_checkpointing = activation_checkpointing
-        self.checkpoint_every = checkpoint_every
         heads = transformer.config.num_attention_heads
         if heads % sp.size:
             raise ValueError(f"sequence parallel size {sp.size} does not divide {heads} attention heads")
@@ -235,23 +310,28 @@ class SequenceParallelH3(nn.Module):
                 proc._attention_backend = block.attn.processor._attention_backend
                 block.attn.set_processor(proc)
                 self.processors.append(proc)
-        if compile_blocks:
-            # The bound `forward` is replaced on the instance: parameter names (state dicts, DCP,
-            # export) stay those of the plain model, and the module hooks run eagerly around it.
-            for block in transformer.transformer_blocks:
+        # The bound `forward` is replaced on the instance: parameter names (state dicts, DCP, export)
+        # stay those of the plain model, and the module hooks (FSDP2's unshard and reshard) run eagerly
+        # around it. A `selective` block checkpoints inside them, and inside its compiled graph: dynamo
+        # traces the selective checkpoint (the partitioner saves what the policy saves), where a compiled
+        # graph run under the eager checkpoint's dispatch mode would fall back to eager on torch 2.8.
+        for block, policy in zip(transformer.transformer_blocks, self.block_policies, strict=True):
+            if policy == "selective":
+                block.forward = partial(selective_forward, block.forward)
+            if compile_blocks:
                 block.forward = torch.compile(block.forward, backend=compile_backend, fullgraph=True)
 
-    def checkpointed(self, index: int, refiner: bool = False) -> bool:
-        """Whether transformer block `index` (or refiner block `index`) is recomputed in backward."""
-        if self.activation_checkpointing == "full":
-            return True
-        if self.activation_checkpointing == "selective":
-            # The refiner runs over the text rows only; selective mode leaves it alone.
-            return not refiner and index % self.checkpoint_every == 0
-        return False
+    def policy(self, index: int, refiner: bool = False) -> str:
+        """The `BLOCK_POLICIES` entry of transformer block `index`, or of refiner block `index`: `full` when
+        any transformer block is `full`, else `none`."""
+        if refiner:
+            return "full" if "full" in self.block_policies else "none"
+        return self.block_policies[index]
 
-    def _run(self, checkpointed: bool, fn, *args):
-        if checkpointed and torch.is_grad_enabled():
+    def _run(self, policy: str, fn, *args):
+        # A `selective` block checkpoints itself (`selective_forward`); a `full` one is checkpointed
+        # whole, its module hooks included.
+        if policy == "full" and torch.is_grad_enabled():
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
@@ -288,9 +368,9 @@ class SequenceParallelH3(nn.Module):
         for i, block in enumerate(m.token_refiner.refiner_blocks):
             if self.packed:
                 # A pack's prompts are refined each alone, in one call of the block.
-                text_embeds = self._run(self.checkpointed(i, refiner=True), _refine, block, text_embeds, prompts)
+                text_embeds = self._run(self.policy(i, refiner=True), _refine, block, text_embeds, prompts)
             else:
-                text_embeds = self._run(self.checkpointed(i, refiner=True), block, text_embeds)
+                text_embeds = self._run(self.policy(i, refiner=True), block, text_embeds)
         text_embeds = m.token_refiner.final_norm(text_embeds)
 
         if sp.enabled:
@@ -320,7 +400,7 @@ class SequenceParallelH3(nn.Module):
             rotary_emb = m.rope(position_ids)
 
         for i, block in enumerate(m.transformer_blocks):
-            hidden = self._run(self.checkpointed(i), block, hidden, temb, adaln_indices, rotary_emb)
+            hidden = self._run(self.policy(i), block, hidden, temb, adaln_indices, rotary_emb)
 
         hidden = m.norm_out(hidden, temb, timestep_indices).to(get_parameter_dtype(m.proj_out))
         video_rows = m.proj_out(hidden)
