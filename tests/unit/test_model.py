@@ -59,35 +59,50 @@ def test_fp32_islands_are_the_diffusers_keep_list() -> None:
     assert fp32_island_names(model) == ["proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out"]
 
 
-def test_checkpointing_modes_recompute_the_chosen_blocks_and_keep_the_gradients(monkeypatch) -> None:
+# tiny_fl2va: 1 refiner block, 2 transformer blocks. Each case: the refiner and transformer blocks that are
+# checkpointed, in call order, with the kind of checkpoint (`full`: the module whole, hooks included;
+# `selective`: the block's forward under the attention-saving policy).
+REFINER, BLOCK = "MiniMaxH3TokenRefinerBlock", "MiniMaxH3TransformerBlock"
+CHECKPOINTED = {
+    "none": [],
+    "selective": [("selective", BLOCK), ("selective", BLOCK)],
+    "full": [("full", REFINER), ("full", BLOCK), ("full", BLOCK)],
+    ("selective", "full"): [("full", REFINER), ("selective", BLOCK), ("full", BLOCK)],
+    ("none", "selective"): [("selective", BLOCK)],
+}
+
+
+def test_checkpointing_policies_recompute_the_chosen_blocks_and_keep_the_gradients(monkeypatch) -> None:
     from h3train.model import sp_forward
 
     cfg = load_config(TINY_FL2VA)
     ti = _inputs(cfg, 16)
-    recomputed: list[str] = []
+    recomputed: list[tuple[str, str]] = []
     real = sp_forward.checkpoint
 
     def spy(fn, *args, **kwargs):
-        recomputed.append(type(fn).__name__)
+        kind = "selective" if kwargs.get("context_fn") is sp_forward.selective_contexts else "full"
+        recomputed.append((kind, type(getattr(fn, "__self__", fn)).__name__))
         return real(fn, *args, **kwargs)
 
     monkeypatch.setattr(sp_forward, "checkpoint", spy)
     grads, calls = {}, {}
-    for mode in ("none", "full", "selective"):
+    for policy in CHECKPOINTED:
         recomputed.clear()
         model = build_model(cfg, seed=0)
-        wrapped = SequenceParallelH3(model, SequenceParallel(None), activation_checkpointing=mode, checkpoint_every=2)
+        wrapped = SequenceParallelH3(model, SequenceParallel(None), activation_checkpointing=policy)
         out = wrapped(**ti.model_inputs)
         (out[0].square().mean() + out[1].square().mean()).backward()
-        grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
-        calls[mode] = list(recomputed)
-    # tiny_fl2va: 1 refiner block, 2 transformer blocks; selective every 2nd block is block 0 alone.
-    assert calls == {
-        "none": [],
-        "full": ["MiniMaxH3TokenRefinerBlock", "MiniMaxH3TransformerBlock", "MiniMaxH3TransformerBlock"],
-        "selective": ["MiniMaxH3TransformerBlock"],
-    }
-    assert torch.equal(grads["none"], grads["full"]) and torch.equal(grads["none"], grads["selective"])
+        grads[policy] = torch.cat([p.grad.flatten() for p in model.parameters()])
+        calls[policy] = list(recomputed)
+        # Without gradients nothing is checkpointed (the CFG negative branch, validation).
+        recomputed.clear()
+        with torch.no_grad():
+            wrapped(**ti.model_inputs)
+        assert recomputed == [], policy
+    assert calls == CHECKPOINTED
+    for policy, g in grads.items():
+        assert torch.equal(grads["none"], g), policy
 
 
 def test_saved_activations_shrink_with_checkpointing() -> None:
@@ -96,17 +111,35 @@ def test_saved_activations_shrink_with_checkpointing() -> None:
     cfg = load_config(TINY_FL2VA)
     ti = _inputs(cfg, 16)
     saved = {}
-    for mode in ("none", "selective", "full"):
+    for policy in ("none", "selective", ("selective", "full"), "full"):
+        wrapped = SequenceParallelH3(build_model(cfg, seed=0), SequenceParallel(None), activation_checkpointing=policy)
+        saved[policy] = saved_activation_bytes(wrapped, ti)
+    # The mixed model keeps one block's attention output more than `full`, and recomputes the refiner
+    # that `selective` keeps.
+    assert 0 < saved["full"] < saved[("selective", "full")] < saved["selective"] < saved["none"]
+
+
+def test_block_policies_are_one_for_every_block_or_one_per_block() -> None:
+    cfg = load_config(TINY_FL2VA)
+
+    def policies(activation_checkpointing):
         wrapped = SequenceParallelH3(
-            build_model(cfg, seed=0), SequenceParallel(None), activation_checkpointing=mode, checkpoint_every=2
+            build_model(cfg, seed=0), SequenceParallel(None), activation_checkpointing=activation_checkpointing
         )
-        saved[mode] = saved_activation_bytes(wrapped, ti)
-    assert 0 < saved["full"] < saved["selective"] < saved["none"]
+        return [wrapped.policy(0, refiner=True), wrapped.policy(0), wrapped.policy(1)]
+
+    assert policies("selective") == ["none", "selective", "selective"]
+    assert policies("full") == ["full", "full", "full"]
+    assert policies(["selective", "full"]) == ["full", "selective", "full"]
+    assert policies(("none", "selective")) == ["none", "none", "selective"]
+    with pytest.raises(ValueError, match="3 block policies for 2 transformer blocks"):
+        policies(("none", "selective", "full"))
+    with pytest.raises(ValueError, match="'every' is not one of"):
+        policies(("none", "every"))
 
 
 def test_gradient_checkpointing_is_an_alias_of_full() -> None:
     from h3train.errors import ConfigError
-    from h3train.plan import checkpointed_layers
 
     cfg = load_config(TINY_FL2VA, ["model.gradient_checkpointing=true"])
     assert cfg.model.activation_checkpointing == "full"
@@ -115,5 +148,3 @@ def test_gradient_checkpointing_is_an_alias_of_full() -> None:
     with pytest.raises(ConfigError, match="model.gradient_checkpointing") as info:
         load_config(TINY_FL2VA, ["model.gradient_checkpointing=true", "model.activation_checkpointing=selective"])
     assert "\n" not in str(info.value)
-    selective = load_config(TINY_FL2VA, ["model.activation_checkpointing=selective", "model.checkpoint_every=3"])
-    assert [checkpointed_layers(c, 7) for c in (cfg, selective, load_config(TINY_FL2VA))] == [7, 3, 0]
