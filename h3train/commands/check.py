@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from .arguments import Parser
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 NAME = "check"
 HELP = "validate a config and its parallel plan; print memory per rank"
@@ -35,6 +39,17 @@ def add_arguments(parser: Parser) -> None:
     )
 
 
+def compile_line(cfg: Config) -> str:
+    """Whether the planned (CUDA) run compiles its transformer blocks, and the `model.compile` that says so."""
+    from ..config.checks import resolve_compile
+
+    given = str(cfg.model.compile).lower()
+    if resolve_compile(cfg, "cuda"):
+        return f"compile: each transformer block, on CUDA (model.compile: {given})"
+    why = ": it compiles bfloat16 compute on CUDA without data.pack" if given == "auto" else ""
+    return f"compile: off (model.compile: {given}{why})"
+
+
 def run(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..model.dims import planned_model_dims
@@ -50,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"assumed: {note}")
     print(dims.describe())
+    print(compile_line(cfg))
     if cfg.data.source == "cached" and not isinstance(cfg.data.path, str) and not notes:
         from ..data.mixture import DatasetMixture
         from ..data.source import build_source

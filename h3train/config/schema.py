@@ -32,8 +32,10 @@ class ModelConfig:
     checkpoint_every: int = 2
     # Attention kernel (`ops/attention.py`); `auto`: flash-attn where it runs (CUDA, installed, bf16), else native.
     attention_backend: str = "native"
-    # Regional torch.compile of each transformer block, with `compile_backend` (inductor, aot_eager, ...).
-    compile: bool = False
+    # Regional torch.compile of each transformer block, with `compile_backend` (inductor, aot_eager, ...):
+    # auto (on for bfloat16 compute on CUDA; off in float32, on the CPU and with `data.pack`) | true |
+    # false (`config.checks.resolve_compile`). One of `auto`, `true`, `false`.
+    compile: str | bool = "auto"
     # The `torch.compile` backend of `compile`.
     compile_backend: str = "inductor"
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..checkpoint import Checkpointer, checkpoint_root, room_needed
 from ..config import Config, dataset_specs
+from ..config.checks import resolve_compile
 from ..data.mixture import DatasetMixture
 from ..data.packing import Packing, attention_rows
 from ..data.source import MicroBatchStream, build_sampler, build_source, load_shared_negative
@@ -335,7 +336,7 @@ def wrap_and_shard(
         SequenceParallel(ctx.sp_group),
         activation_checkpointing=cfg.model.activation_checkpointing,
         checkpoint_every=cfg.model.checkpoint_every,
-        compile_blocks=cfg.model.compile,
+        compile_blocks=resolve_compile(cfg, device.type),
         compile_backend=cfg.model.compile_backend,
         packed=cfg.data.pack > 0,
     )

@@ -309,7 +309,7 @@ def _moment_kinds(optimizer: torch.optim.Optimizer) -> dict[str, int]:
 def eager_torch_compile() -> Iterator[None]:
     """`torch.compile` returns the function it is given: torchao's optimizer step runs as plain Python.
 
-    Nothing else compiles where it is used (the bench's configs leave `model.compile` off). For the
+    Nothing else compiles where it is used (`model.compile: auto` leaves the blocks eager on the CPU). For the
     CPU and quick checks: inductor builds torchao's step in C++ on a CPU, minutes on a small machine.
     """
 

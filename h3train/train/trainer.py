@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint import complete_checkpoints, step_dir_name, step_of
 from ..checkpoint.run_config import write_resolved_config
 from ..config import Config, to_yaml
+from ..config.checks import resolve_compile
 from ..errors import TrainingError
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import cfg_enabled, compute_loss
@@ -52,6 +53,17 @@ if TYPE_CHECKING:
 
 # FSDP2 warns about every Linear output that is a view; nothing here writes into one in place.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def compile_seconds() -> float | None:
+    """Wall seconds this process has spent in torch.compile so far (dynamo's own count of frame and
+    backward compiles), or None where this torch does not keep it."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        return float(calculate_time_spent()["total_wall_time"])
+    except (ImportError, KeyError, TypeError, ValueError):
+        return None
 
 
 @dataclass
@@ -96,6 +108,9 @@ class Trainer:
         # For the closing summary: this run's last checkpoint and the folder of its last rendered samples.
         self._last_checkpoint: Path | None = None
         self._last_samples: Path | None = None
+        # Until the first step of a run that compiles its blocks is said (`_say_compile_time`): True.
+        self._compile_unsaid = False
+        self._compile_before: float | None = None
         for hook in parts.hooks:
             hook.on_attach(self)
 
@@ -425,6 +440,8 @@ class Trainer:
                 hook.on_fit_start(self)
             self._flush_validation()
             first_step = self.step
+            self._compile_unsaid = resolve_compile(cfg, self.device.type)
+            self._compile_before = compile_seconds()
             metrics.start_clock()
             while self.step < cfg.train.steps and not self.stop_request and self.guard_stop is None:
                 self._loop_step(self.step + 1, metrics)
@@ -463,7 +480,10 @@ class Trainer:
         Leaves `stop_request` set when a stop signal is agreed, else `guard_stop` when a guard asks.
         """
         every = self.cfg.checkpoint.every
-        metrics.log(step, self.run_step(step, metrics.show))
+        stats = self.run_step(step, metrics.show)
+        metrics.log(step, stats)
+        if self._compile_unsaid:
+            self._say_compile_time(step, stats)
         self._flush_validation()
         verdict, self._verdict = self._verdict, Verdict()
         if self.ctx.is_main:
@@ -486,6 +506,23 @@ class Trainer:
         self.interrupted = self.stop_request == INTERRUPT
         if not self.stop_request and verdict.stop is not None:
             self.guard_stop = verdict.stop
+
+    def _say_compile_time(self, step: int, stats: Mapping[str, float | None]) -> None:
+        """Once, on rank 0, after the first step of a run that compiles its blocks: how much of the step
+        was spent in torch.compile (its own count since `fit` started: any other compile in the step, a
+        low-bit AdamW's, is in it too), beside the step's time."""
+        self._compile_unsaid = False
+        if not self.ctx.is_main:
+            return
+        took, now = float(stats.get("step_time_s") or 0.0), compile_seconds()
+        if now is None or self._compile_before is None:
+            line = f"step {step} took {took:.1f} s, compiling the blocks included"
+        else:
+            line = (
+                f"step {step} spent {now - self._compile_before:.1f} s of its {took:.1f} s in torch.compile "
+                "(the blocks; a new sequence length compiles them once more)"
+            )
+        print(line, file=sys.stderr, flush=True)
 
     def _save_at(self, step: int) -> None:
         """Save at `step`, once the save before it (if still in flight) is committed and said."""
