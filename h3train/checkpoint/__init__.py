@@ -49,6 +49,7 @@ from .layout import (
     step_dir_name,
     step_of,
 )
+from .staging import HostStaging
 from .states import AttributeState, ModelState, OptimizerState, ScheduleState
 from .verify import (
     CorruptCheckpoint,
@@ -62,7 +63,7 @@ from .verify import (
     validate_checkpoint,
     verify_file_digests,
 )
-from .writer import Checkpointer, HeldStager, room_needed, staging_options
+from .writer import Checkpointer, room_needed
 
 __all__ = [
     "STEP_DIR",
@@ -93,7 +94,6 @@ __all__ = [
     "ScheduleState",
     "AttributeState",
     "room_needed",
-    "staging_options",
-    "HeldStager",
+    "HostStaging",
     "Checkpointer",
 ]

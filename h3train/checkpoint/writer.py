@@ -8,7 +8,7 @@ import shutil
 import threading
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,17 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-
-try:  # torch >= 2.9: DCP can stage on a thread of its own
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-except ImportError:  # torch 2.8: `dcp.async_save` copies to host memory on the calling thread
-    DefaultStager = StagingOptions = None
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten
 
 from ..errors import DiskFullError
 from ..infra.atomic import apply_file_mode, atomic_write_text, fsync_path, set_aside
@@ -44,6 +36,7 @@ from .layout import (
     step_dir_name,
     step_of,
 )
+from .staging import HostStaging
 from .verify import complete_checkpoints
 
 # torch 2.8's DCP file writer calls `tensor.storage()` on every tensor it writes, which warns once per
@@ -98,34 +91,12 @@ class SaveAbandoned(RuntimeError):
 
 
 class _Writer(FileSystemWriter):
-    """DCP's file writer (what `checkpoint_id` alone chooses) with two additions.
+    """DCP's file writer (what `checkpoint_id` alone chooses) with `before_write` (fault injection),
+    run where the shards are about to be written: inside DCP's save, on the thread that writes."""
 
-    `before_write` (fault injection) runs where the shards are about to be written: inside DCP's
-    save, on the thread that writes. `stage` is torch 2.8's background staging (`dcp.async_save`
-    without `DefaultStager` calls it on the training thread): it copies the state into host buffers
-    kept from one save to the next, one copy of this rank's state (model and optimizer shards),
-    pinned when `pin`; a state whose tensors change layout gets new ones. One writer then serves
-    every save of a checkpointer, `dcp.async_save` pointing it at each save's folder.
-    """
-
-    def __init__(self, path: Path, before_write: Callable[[], None] | None = None, pin: bool = False) -> None:
+    def __init__(self, path: Path, before_write: Callable[[], None] | None = None) -> None:
         super().__init__(str(path))
         self.before_write = before_write
-        self._pin = pin
-        self._buffers: dict[str, Any] | None = None
-        self._layout: tuple | None = None
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        layout = _tensor_layout(state_dict)
-        if self._buffers is None or layout != self._layout:
-            self._buffers = None  # freed before the new ones are allocated
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._pin)
-            self._layout = layout
-        return _copy_state_dict(state_dict, self._buffers, type_check=False)
-
-    def release(self) -> None:
-        """Free the staging buffers; a later `stage` allocates new ones."""
-        self._buffers = self._layout = None
 
     def write_data(self, plan: Any, planner: Any) -> Future:
         if self.before_write is not None:
@@ -133,114 +104,41 @@ class _Writer(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-def _tensor_layout(state_dict: dict[str, Any]) -> tuple:
-    """What must not change for a staging buffer to be reused: the nesting, and each tensor's type,
-    local shape and dtype (a DTensor's local shard is what is copied)."""
-    leaves, spec = tree_flatten(state_dict)
-    shapes = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
-            shapes.append((type(leaf), tuple(local.shape), local.dtype))
-        else:
-            shapes.append(None)
-    return spec, tuple(shapes)
-
-
 @dataclass
 class _PendingSave:
     """A background save in flight."""
 
-    staged: Future  # the snapshot of the state is taken (host copy done)
     committed: Future  # rank 0: written and renamed into place; the other ranks: written
     final: Path
-
-
-def staging_options(device: torch.device) -> StagingOptions:
-    """DCP's staging for `device`: in the background; pinned buffers and non-blocking copies on CUDA.
-
-    Shared memory is for a staging process; the writes here run on a thread of this process.
-    """
-    cuda = device.type == "cuda"
-    return StagingOptions(
-        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
-    )
-
-
-class HeldStager(DefaultStager or object):
-    """DCP's `DefaultStager`, whose copy starts when `release()` is called and after queued device work.
-
-    Held: the copy is Python-heavy (a deep copy of the state dicts) and, started at once, would take
-    the GIL from the training thread while `dcp.async_save` still sets up its writer thread; the
-    checkpointer releases it as `save()` returns. Ordered: DefaultStager copies on a stream of its
-    own, which does not wait for the training thread's stream, where the step's optimizer and EMA
-    updates may still run when the save starts; the copy stream now waits for that work.
-    """
-
-    def __init__(self, options: StagingOptions) -> None:
-        super().__init__(options)
-        self._non_blocking = options.use_non_blocking_copy
-        self._released = threading.Event()
-
-    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
-        """On the training thread (inside `dcp.async_save`): queue the copy, held until `release()`."""
-        self._released.clear()
-        if self._non_blocking:
-            # DefaultStager's copy stream (it has one whenever its copies are non-blocking); a
-            # version without it gets a plain device sync, once per save.
-            stream = getattr(self, "_staging_stream", None)
-            if stream is not None:
-                stream.wait_stream(torch.accelerator.current_stream())
-            else:
-                torch.accelerator.synchronize()
-        return super().stage(state_dict, **kwargs)
-
-    def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
-        self._released.wait()
-        return super()._stage(state_dict, **kwargs)
-
-    def release(self) -> None:
-        self._released.set()
-
-    def host_buffers(self) -> tuple[list[Any], int]:
-        """(the host storages the copies go to, kept between saves; the size from which DCP pins one)."""
-        inner = getattr(self, "_state_dict_stager", None)
-        cache = getattr(inner, "_cached_storage_mapping", None)
-        return list(cache.values()) if cache is not None else [], int(getattr(inner, "pin_memory_min_bytes", 1))
-
-    def close(self, wait: bool = True) -> None:
-        """Release the held copy and, with `wait`, wait for it and free the host buffers; without, a
-        process on its way out leaves the copy in progress to end with it."""
-        self.release()
-        if wait:
-            super().close()
 
 
 class Checkpointer:
     """Saves commit by rename; prunes only what this run's lineage holds (see `_prune`).
 
-    With `async_save` a save runs in three parts: on the training thread, each component's
+    With `async_save` a save runs in two parts. On the training thread: each component's
     `state_dict()` (plain values such as the step counters, the sampler and schedule positions are
-    read here, so they are already a snapshot) and rank 0's creation of the temporary folder; on a
-    staging thread, started as `save()` returns, the copy of every tensor to host memory
-    (`HeldStager`); on a writer thread, DCP's planning (over this checkpointer's own gloo group)
-    and the writes, then each rank's digests of its own files, gathered over that group; rank 0
-    commits there as soon as it has them (`_commit_when_written`); `wait()` waits for all of it and
-    lines the ranks up after it.
+    read here, so they are already a snapshot), rank 0's creation of the temporary folder, and the
+    copy of every tensor into this checkpointer's `HostStaging` (on CUDA queued on a stream of its
+    own, non-blocking into pinned buffers; on the CPU done before `save()` returns). On a writer
+    thread: the wait for that copy, DCP's save of the host copy (its planning over this
+    checkpointer's own gloo group, and the writes), then each rank's digests of its own files,
+    gathered over that group; rank 0 commits there as soon as it has them (`_write_and_commit`).
+    `wait()` waits for all of it and lines the ranks up after it. The same on every torch version:
+    DCP's own staging (`async_save`, `DefaultStager`) is not used.
 
-    The invariant the caller keeps: until `wait_staged()` has returned, nothing changes a tensor of
-    the checkpoint state in place, or the checkpoint would hold part of a later state. The trainer
-    calls it right before `optimizer.step()`, the first write after a save (weights, AdamW moments;
-    the LR schedule, the EMA shadows and LoRA weights change after that point), and `EmaHook.swapped_in`
+    The invariant the caller keeps: nothing changes a tensor of the checkpoint state in place
+    before `wait_staged()`, or the checkpoint would hold part of a later state. On CUDA it queues
+    the current stream behind the copy (no host sync), so the writes it orders are the ones queued
+    on that stream after it; on the CPU the copy is already taken. The trainer calls it right
+    before `optimizer.step()`, the first write after a save (weights, AdamW moments; the LR
+    schedule, the EMA shadows and LoRA weights change after that point), and `EmaHook.swapped_in`
     calls it before writing the EMA into the parameters (validation or rendering after a step that
-    was skipped runs before the next update). The next step's forward and backward normally outlast
-    the copy, so the wait is over before it starts (`scripts/step_report.py` measures it).
+    was skipped runs before the next update).
 
-    One stager serves every save of a checkpointer: it owns the staging thread and the host buffers
-    (pinned on CUDA; one copy of this rank's shard of the state, kept between saves), which the next
+    One host copy serves every save of a checkpointer (one copy of this rank's share of the state,
+    allocated at the first save and kept while the state's layout is unchanged), which the next
     save copies into again; that is safe because a save first waits for the previous one's writes.
-    On torch 2.8 (no `DefaultStager`) one `_Writer` keeps the buffers instead and the copy runs
-    inside `save()`. `close()` releases them.
+    `close()` frees it.
 
     A second Ctrl-C stops the run at once (`abandon()`): the save in progress is never committed;
     its temporary folder stays, never read, until the next start removes it (`clean_incomplete`).
@@ -270,12 +168,9 @@ class Checkpointer:
         # Background writes plan over a gloo group of their own, so their collectives never
         # interleave with the training loop's on the default group (and work beside NCCL).
         self._group = new_group("gloo") if async_save else None
-        background_copy = async_save and DefaultStager is not None
-        device = device or torch.device("cpu")
-        self._stager = HeldStager(staging_options(device)) if background_copy else None
-        # Without DefaultStager (torch 2.8) DCP stages with the writer: this one keeps its buffers.
-        pin = device.type == "cuda" and torch.cuda.is_available()
-        self._staging_writer = _Writer(root, pin=pin) if async_save and not background_copy else None
+        self._staging = HostStaging(device or torch.device("cpu")) if async_save else None
+        # One writer thread: saves follow one another (each waits for the one before).
+        self._writes = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-write") if async_save else None
         # Checkpoints newer than the resume point that this run did not write are never pruned.
         # Resuming sets such later ones aside under another name, so this is a second guard.
         self.protected_after: int | None = None
@@ -292,9 +187,9 @@ class Checkpointer:
         self._abandoned = False
 
     @property
-    def stager(self) -> HeldStager | None:
-        """The stager that copies a background save's state to host memory (None: the copy runs in `save()`)."""
-        return self._stager
+    def staging(self) -> HostStaging | None:
+        """The host copy background saves write from (None without `async_save`)."""
+        return self._staging
 
     def clean_incomplete(self) -> None:
         """Remove the `.tmp-*` leftovers of saves that never committed (rank 0; others wait).
@@ -324,13 +219,13 @@ class Checkpointer:
         """Write every rank's shards to a temporary folder, then commit it by an atomic rename.
 
         `info` goes to `trainer_state.json` with the step and the commit number. With `async_save`
-        the call returns once the components' `state_dict()` are taken; the copy to host memory and
-        the writes run in the background (see the class docstring for what must wait for the copy),
-        and rank 0 commits as soon as they are complete; `wait()` (the next save, the end of training,
-        a stop) waits for that. `before_commit` (fault injection) then runs while the background work
-        is in flight; `before_write` (fault injection) runs inside DCP's save, on the thread that
-        writes, before the shards are written. Returns the checkpoint's final name (committed, or
-        committed once written).
+        the call returns once the components' `state_dict()` are taken and their copy to host memory
+        is queued (CUDA) or taken (CPU); the writes run in the background (see the class docstring
+        for what must wait for the copy), and rank 0 commits as soon as they are complete; `wait()`
+        (the next save, the end of training, a stop) waits for that. `before_commit` (fault
+        injection) then runs while the background work is in flight; `before_write` (fault
+        injection) runs inside DCP's save, on the thread that writes, before the shards are written.
+        Returns the checkpoint's final name (committed, or committed once written).
         """
         self.wait()
         self.saving = step
@@ -349,33 +244,13 @@ class Checkpointer:
             mark_owned(tmp, self.owner)
         # No barrier: DCP's writer creates the folder on every rank, and no rank writes a file before
         # the plan exchange, which needs rank 0's plan, made after the lines above.
-        writer = self._staging_writer
-        if writer is not None:
-            writer.before_write = before_write
-        elif before_write is not None:
-            writer = _Writer(tmp, before_write)
-        if self.async_save:
-            if self._stager is None:
-                # Staged before `async_save` returns: the snapshot is taken already.
-                written = dcp.async_save(
-                    dict(components), checkpoint_id=str(tmp), storage_writer=writer, process_group=self._group
-                )
-                staged: Future = Future()
-                staged.set_result(None)
-            else:
-                try:
-                    response = dcp.async_save(
-                        dict(components),
-                        checkpoint_id=str(tmp),
-                        storage_writer=writer,
-                        process_group=self._group,
-                        async_stager=self._stager,
-                    )
-                finally:
-                    self._stager.release()
-                staged, written = response.staging_completion, response.upload_completion
-            committed = self._commit_when_written(written, tmp, final, step, dict(info))
-            self._pending = _PendingSave(staged, committed, final)
+        writer = _Writer(tmp, before_write)
+        if self._staging is not None:
+            # What `dcp.save` would take of each component, taken here: the host copy is of this moment.
+            state = {name: component.state_dict() for name, component in components.items()}
+            staged = self._staging.stage(state)
+            committed = self._writes.submit(self._write_and_commit, staged, writer, tmp, final, step, dict(info))
+            self._pending = _PendingSave(committed, final)
             if before_commit is not None:
                 before_commit()
             return final
@@ -389,20 +264,17 @@ class Checkpointer:
         return final
 
     def wait_staged(self) -> None:
-        """Block until the save in flight has its snapshot of the state; after it, the state may change.
-
-        Cheap when there is no save in flight or its copy is done; raises what the copy raised.
-        """
-        pending = self._pending
-        if pending is not None:
-            pending.staged.result()
+        """After this, the state may change: on CUDA the current stream waits for the copy of the save in
+        flight (queued; the host does not wait), on the CPU the copy was taken in `save()`. Nothing
+        when no save is in flight."""
+        if self._pending is not None:
+            self._staging.order_after_copy()
 
     def wait(self) -> Path | None:
         """Finish the background save in flight, if any, and commit it (collective). Returns its path."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        # The writes wait for the snapshot, so `committed` also raises what the copy raised.
         try:
             pending.committed.result()
         except BaseException as exc:
@@ -444,30 +316,23 @@ class Checkpointer:
         error.agreed = isinstance(exc, CheckpointException)
         raise error from exc
 
-    def _commit_when_written(self, written: Future, tmp: Path, final: Path, step: int, info: dict[str, Any]) -> Future:
-        """Every rank, on its writer thread once the save is written: digest its own files, gather the
-        digests over this checkpointer's group; rank 0 then commits.
+    def _write_and_commit(
+        self, staged: dict[str, Any], writer: _Writer, tmp: Path, final: Path, step: int, info: dict[str, Any]
+    ) -> None:
+        """Every rank, on its writer thread: wait for the host copy, write it (DCP), digest its own files,
+        gather the digests over this checkpointer's group; rank 0 then commits. What it raises, `wait()`
+        raises on the training thread.
 
-        DCP's future completes on every rank only after the coordinator (rank 0 of the group) has
-        gathered every rank's write results and written the metadata, so the whole checkpoint is on
-        disk; a failed write raises on every rank alike, so either all ranks gather or none does.
-        Committing then, not at the next save, means a crash any time after the write finds this
-        checkpoint.
+        DCP's save returns on every rank only after the coordinator (rank 0 of the group) has gathered
+        every rank's write results and written the metadata, so the whole checkpoint is on disk; a
+        failed write raises on every rank alike, so either all ranks gather or none does. Committing
+        then, not at the next save, means a crash any time after the write finds this checkpoint.
         """
-        committed: Future = Future()
-
-        def commit(done: Future) -> None:
-            try:
-                done.result()
-                digests = gather_digests(tmp, self._group)
-                if self.is_main:
-                    self._rename_into_place(tmp, final, step, info, digests)
-                committed.set_result(None)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the training thread
-                committed.set_exception(exc)
-
-        written.add_done_callback(commit)
-        return committed
+        self._staging.wait_copied()
+        dcp.save(staged, checkpoint_id=str(tmp), storage_writer=writer, process_group=self._group)
+        digests = gather_digests(tmp, self._group)
+        if self.is_main:
+            self._rename_into_place(tmp, final, step, info, digests)
 
     def abandon(self) -> None:
         """Commit no save from now on (a stop at once; no collective): the one in flight, if any, stays
@@ -476,16 +341,14 @@ class Checkpointer:
             self._abandoned = True
 
     def close(self) -> None:
-        """Release the stager (its thread) and the staging buffers; no collective, so also after a failure.
+        """Free the host copy and let the writer thread end; no collective, so also after a failure.
 
         A save still in flight commits on its own once written (rank 0's writer thread); `wait()`
         waits for that. After `abandon()` nothing waits for its copy to host memory either.
         """
-        if self._stager is not None:
-            self._stager.close(wait=not self._abandoned)
-            self._stager = None
-        if self._staging_writer is not None:
-            self._staging_writer.release()
+        if self._staging is not None:
+            self._staging.close(wait=not self._abandoned)
+            self._writes.shutdown(wait=False)
 
     def _commit(
         self, tmp: Path, final: Path, step: int, info: dict[str, Any], before_commit: Callable[[], None] | None

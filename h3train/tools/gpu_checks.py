@@ -29,13 +29,15 @@ seconds. A check that raises is `failed` with the error's first line; the others
   matmul, so float8 needs no float8 matmul (`_scaled_mm`, compute capability 8.9), only its casts.
   int8 is skipped where the trainer refuses it
   (`check_base_quant`: FSDP2 before torch 2.12 cannot shard integer parameters).
-- `async_save` (`checkpoint/writer.py`): `checkpoint.async_save=true` stages on a background
-  thread into host buffers, pinned on CUDA (`staging_options`). A step, a blocking save of the
-  state (what the checkpoint must hold), the async save, the next step at once (its optimizer
-  step waits for the copy), then the wait; passed when the async checkpoint equals the blocking
-  one tensor for tensor, a copy taken after the next step differs (so the comparison can fail),
-  and on CUDA every staged host buffer DCP pins is pinned. torch 2.8 has no `DefaultStager`: the
-  checkpointer then copies on the training thread inside `save()`, which the result says.
+- `async_save` (`checkpoint/staging.py`, `checkpoint/writer.py`): `checkpoint.async_save=true` copies
+  the state into one host copy per rank, kept across saves (pinned on CUDA, the copy queued on a
+  stream of its own that the next optimizer step waits for), and writes it on a background thread.
+  A warm-up and a plain step, an async save (which allocates the copy), the next step, the wait; a
+  blocking save of the state, a second async save, the next step at once, the wait. Passed when
+  the second save copied into the first one's buffers (same storages), on CUDA every buffer is
+  pinned, the async checkpoint equals the blocking one tensor for tensor, and a copy taken after
+  the next step differs (so the comparison can fail). `step_after_save_over_plain` reports what
+  the save costs the step after it.
 - `block_memory_vs_rehearsal`: one full-width block (hidden 5376) on the bench's 41,774-row
   layout, its step's `torch.cuda.max_memory_allocated` against the peak the fake-tensor rehearsal
   (`rehearse.py`) tracks for the same config; passed within `BLOCK_MEMORY_TOLERANCE`. The plan
@@ -451,40 +453,24 @@ def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[s
     return sorted((a.keys() ^ b.keys()) | {k for k in a.keys() & b.keys() if not torch.equal(a[k], b[k])})
 
 
-def _staging(trainer: Any) -> dict[str, Any]:
-    """How the save copied the state to host memory: DCP's background stager and its buffers, or the fallback."""
-    from ..checkpoint import staging_options
-
-    stager = trainer.parts.checkpointer.stager
-    if stager is None:
-        return {
-            "staging": f"synchronous copy on the training thread inside save() (torch {torch.__version__} "
-            "has no DCP DefaultStager)"
-        }
-    storages, smallest = stager.host_buffers()
-    large = [s for s in storages if s.nbytes() >= smallest]
-    return {
-        "staging": "background thread (DCP DefaultStager)",
-        "pinned_requested": staging_options(trainer.device).use_pinned_memory,
-        "staged_buffers": len(storages),
-        "staged_bytes": sum(s.nbytes() for s in storages),
-        # DCP pins buffers of at least `pin_memory_min_bytes` (step counters stay unpinned).
-        "pinnable_buffers": len(large),
-        "pinned_buffers": sum(bool(s.is_pinned()) for s in large),
-    }
+def _staged_buffers(trainer: Any) -> list[torch.Tensor]:
+    """The host buffers the trainer's background saves copy into (`HostStaging`), those that hold bytes."""
+    return [b for b in trainer.parts.checkpointer.staging.host_buffers() if b.numel()]
 
 
 def check_async_save(setup: CheckSetup, res: CheckResult) -> None:
-    """(d): an async save equals a blocking save of the same state although the next step follows at once."""
+    """(d): two async saves, each followed at once by the next step: the second copies into the first's
+    host buffers (pinned on CUDA) and equals a blocking save of the same state; the step after it
+    against a plain step is reported (`step_after_save_over_plain`)."""
     from ..checkpoint import Checkpointer
 
     overrides = {"checkpoint.async_save": True, "checkpoint.keep_last": 0}
     with _trainer(setup, res.name, overrides) as trainer:
 
-        def step(n: int) -> float:
+        def step() -> float:
             start = time.perf_counter()
-            trainer.train_step(n)
-            trainer.step = n
+            trainer.train_step(trainer.step + 1)
+            trainer.step += 1
             _sync(setup)
             return time.perf_counter() - start
 
@@ -495,19 +481,41 @@ def check_async_save(setup: CheckSetup, res: CheckResult) -> None:
             path = saver.save(trainer.parts.checkpoint_state, {}, trainer.step)
             return checkpoint_tensors(path), time.perf_counter() - start
 
-        # AdamW's moments exist from the first step on; on CUDA it also warms up, and the next is timed.
-        res.numbers["plain_step_s"] = step(1)
-        if setup.cuda:
-            res.numbers["plain_step_s"] = step(2)
+        def async_save(label: str) -> Path:
+            """Save in the background, the next step at once, then wait; `label`'s times into the numbers."""
+            start = time.perf_counter()
+            path = trainer.save_checkpoint()
+            res.numbers[f"{label}save_call_s"] = time.perf_counter() - start
+            res.numbers[f"{label}step_after_save_s"] = step()
+            start = time.perf_counter()
+            committed = trainer.parts.checkpointer.wait()
+            res.numbers[f"{label}wait_s"] = time.perf_counter() - start
+            if committed != path:
+                res.fail(f"wait() committed {committed}, not the save's {path}")
+            return path
+
+        # A warm-up step (AdamW's moments exist from it on; on CUDA it also compiles), then a plain one.
+        step()
+        res.numbers["plain_step_s"] = step()
+        # The first save allocates (and on CUDA page-locks) the host copy; the second must reuse it.
+        async_save("first_")
+        first = [b.untyped_storage().data_ptr() for b in _staged_buffers(trainer)]
         expected, res.numbers["blocking_save_s"] = blocking_copy("expected")
-        start = time.perf_counter()
-        path = trainer.save_checkpoint()
-        res.numbers["save_call_s"] = time.perf_counter() - start
-        res.numbers["step_after_save_s"] = step(trainer.step + 1)
-        start = time.perf_counter()
-        committed = trainer.parts.checkpointer.wait()
-        res.numbers["wait_s"] = time.perf_counter() - start
-        res.numbers.update(_staging(trainer))
+        path = async_save("")
+        buffers = _staged_buffers(trainer)
+        second = [b.untyped_storage().data_ptr() for b in buffers]
+        pinned = trainer.parts.checkpointer.staging.pinned
+        res.numbers.update(
+            staging=f"background write from one host copy kept across saves ({'pinned' if pinned else 'not pinned'})",
+            pinned_requested=pinned,
+            staged_buffers=len(buffers),
+            staged_bytes=sum(b.nbytes for b in buffers),
+            reused_buffers=len(set(first) & set(second)),
+            # Read before `close()` unlocks them.
+            pinned_buffers=sum(bool(b.is_pinned()) for b in buffers) if pinned else 0,
+            step_after_save_over_plain=res.numbers["step_after_save_s"] / res.numbers["plain_step_s"],
+        )
+        del buffers
         later, _ = blocking_copy("later")
     saved = checkpoint_tensors(path)
     differing = _differing(expected, saved)
@@ -518,17 +526,19 @@ def check_async_save(setup: CheckSetup, res: CheckResult) -> None:
         differing_from_blocking=len(differing),
         changed_by_next_step=len(changed),
     )
-    if committed != path:
-        res.fail(f"wait() committed {committed}, not the save's {path}")
     if differing:
         res.fail(f"{len(differing)} tensors differ from the blocking save at the same step, e.g. {differing[0]}")
     if not any(k.startswith("model.") for k in changed) or not any(k.startswith("optim.") for k in changed):
         res.fail("the next step changed no weight or no AdamW moment: the comparison could not catch a late copy")
-    staging = res.numbers
-    if staging.get("pinned_requested") and staging["pinned_buffers"] != staging["pinnable_buffers"]:
-        res.fail(f"{staging['pinned_buffers']} of {staging['pinnable_buffers']} staged host buffers are pinned")
-    if staging.get("pinned_requested") and not staging["pinnable_buffers"]:
-        res.fail("the stager kept no host buffer to pin")
+    if not second:
+        res.fail("the background saves kept no host buffer")
+    elif first != second:
+        res.fail(
+            f"the second save copied into new host memory: {len(second) - len(set(first) & set(second))} "
+            f"of {len(second)} buffers moved"
+        )
+    if pinned and res.numbers["pinned_buffers"] != len(second):
+        res.fail(f"{res.numbers['pinned_buffers']} of {len(second)} staged host buffers are pinned")
 
 
 # -- (e) one full-width block against the rehearsal's memory -------------------------------------

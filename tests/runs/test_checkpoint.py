@@ -12,10 +12,21 @@ import pytest
 
 from h3train.checkpoint import complete_checkpoints, step_dir_name
 
+from helpers.launch import (
+    checkpoint_dir,
+    checkpoint_tensors,
+    h3train_command,
+    read_metrics,
+    run_env,
+    run_forked,
+    signal_after_steps,
+    start_in_session,
+    tiny_args,
+    tiny_overrides,
+    train,
+)
 from helpers.paths import TINY_FL2VA
-
 from helpers.runs import TrainedRuns
-from helpers.launch import checkpoint_dir, checkpoint_tensors, h3train_command, read_metrics, run_env, run_forked, signal_after_steps, start_in_session, tiny_args, tiny_overrides, train
 
 COMMON = ["train.steps=6", "optim.schedule=cosine", "optim.warmup_steps=2"]
 SP2 = (2, ("parallel.sp=2",))
@@ -193,28 +204,6 @@ def test_prune_never_retires_later_checkpoints_this_run_did_not_write(tmp_path) 
 # -- async save: the snapshot is taken before the state changes -----------------------------------
 
 
-def _held_staging(monkeypatch, release: threading.Event, timeout: float = 1.0) -> None:
-    """DCP's background copy to host memory starts only once `release` is set (or after `timeout`).
-
-    Training code that changes the state without waiting for the copy then always loses the race:
-    the copy runs after the change. Code that waits pays at most `timeout`. Without DCP's
-    `DefaultStager` (torch 2.8) the copy is taken on the calling thread inside `save()`: there is no
-    background copy to hold, and the tests using this hold that fallback to the same checkpoint.
-    """
-    from h3train.checkpoint import writer as checkpoint
-
-    DefaultStager = checkpoint.DefaultStager
-    if DefaultStager is None:
-        return
-    stage = DefaultStager._stage
-
-    def held(self, state_dict, **kwargs):
-        release.wait(timeout)
-        return stage(self, state_dict, **kwargs)
-
-    monkeypatch.setattr(DefaultStager, "_stage", held)
-
-
 def _in_process_trainer(log_dir, hooks):
     from h3train.config import load_config
     from h3train.run.assemble import build_trainer
@@ -239,16 +228,13 @@ def _differing(a: dict, b: dict) -> list[str]:
     return sorted(k for k in a if not torch.equal(a[k], b[k]))
 
 
-def test_async_save_holds_the_state_at_the_save_although_the_next_update_follows_at_once(tmp_path, monkeypatch) -> None:
+def test_async_save_holds_the_state_at_the_save_although_the_next_update_follows_at_once(tmp_path) -> None:
     """The step after an async save updates weights and AdamW moments only once the copy is taken."""
     trainer = _in_process_trainer(tmp_path / "run", hooks=[])
     try:
         trainer.train_step(1)  # AdamW's moments exist from here on
         trainer.step = 1
         expected = _sync_copy(trainer, tmp_path / "expected")
-        updated = threading.Event()
-        trainer.parts.optimizer.register_step_post_hook(lambda *_: updated.set())
-        _held_staging(monkeypatch, updated)
         path = trainer.save_checkpoint()
         trainer.train_step(2)
         trainer.step = 2
@@ -262,7 +248,7 @@ def test_async_save_holds_the_state_at_the_save_although_the_next_update_follows
     assert any(k.startswith("model.") for k in changed) and any(k.startswith("optim.") for k in changed)
 
 
-def test_async_save_holds_the_weights_not_the_ema_swapped_in_before_the_next_update(tmp_path, monkeypatch) -> None:
+def test_async_save_holds_the_weights_not_the_ema_swapped_in_before_the_next_update(tmp_path) -> None:
     """Validation with the EMA can run before the next update (after a skipped step): it waits for the copy."""
     from h3train.train.ema import EmaHook
 
@@ -273,11 +259,8 @@ def test_async_save_holds_the_weights_not_the_ema_swapped_in_before_the_next_upd
         ema.after_step(trainer, 1, {})  # the EMA now differs from the weights
         trainer.step = 1
         expected = _sync_copy(trainer, tmp_path / "expected")
-        swapped = threading.Event()
-        _held_staging(monkeypatch, swapped)
         path = trainer.save_checkpoint()
         with ema.swapped_in():
-            swapped.set()
             trainer.parts.checkpointer.wait_staged()  # the copy, if still to come, sees the EMA in the weights
             with_ema = _sync_copy(trainer, tmp_path / "with_ema")
         trainer.parts.checkpointer.wait()
@@ -285,26 +268,6 @@ def test_async_save_holds_the_weights_not_the_ema_swapped_in_before_the_next_upd
         trainer.close()
     assert _differing(expected, checkpoint_tensors(path)) == []
     assert any(k.startswith("model.") for k in _differing(expected, with_ema))
-
-
-def test_async_save_without_a_background_stager_holds_the_state_at_the_save(tmp_path, monkeypatch) -> None:
-    """Without DefaultStager (torch 2.8) `dcp.async_save` copies on the calling thread: the same checkpoint."""
-    from h3train.checkpoint import writer as checkpoint
-
-    monkeypatch.setattr(checkpoint, "DefaultStager", None)
-    trainer = _in_process_trainer(tmp_path / "run", hooks=[])
-    try:
-        assert trainer.parts.checkpointer.stager is None
-        trainer.train_step(1)
-        trainer.step = 1
-        expected = _sync_copy(trainer, tmp_path / "expected")
-        path = trainer.save_checkpoint()
-        trainer.train_step(2)
-        trainer.step = 2
-        assert trainer.parts.checkpointer.wait() == path
-    finally:
-        trainer.close()
-    assert _differing(expected, checkpoint_tensors(path)) == []
 
 
 def test_async_save_commits_once_written_without_waiting_for_the_next_save(tmp_path) -> None:
