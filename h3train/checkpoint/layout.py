@@ -7,12 +7,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-try:  # torch >= 2.9: DCP can stage on a thread of its own
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-except ImportError:  # torch 2.8: `dcp.async_save` copies to host memory on the calling thread
-    DefaultStager = StagingOptions = None
-
-
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "trainer_state.json"
 METADATA_FILE = ".metadata"

@@ -14,12 +14,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-try:  # torch >= 2.9: DCP can stage on a thread of its own
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-except ImportError:  # torch 2.8: `dcp.async_save` copies to host memory on the calling thread
-    DefaultStager = StagingOptions = None
-
-
 # -- the stateful components ----------------------------------------------------------------------
 
 

@@ -16,11 +16,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
-
-try:  # torch >= 2.9: DCP can stage on a thread of its own
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-except ImportError:  # torch 2.8: `dcp.async_save` copies to host memory on the calling thread
-    DefaultStager = StagingOptions = None
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..errors import CheckpointError
