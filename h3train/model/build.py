@@ -20,6 +20,7 @@ from torch import nn
 from ..config import Config
 from ..errors import ConfigError
 from ..parallel.shards import fill_from_full
+from .adaln import accumulate_adaln_in_float32
 from .dims import default_subfolder, model_config_dict
 from .quant import fill_quantized
 
@@ -28,6 +29,7 @@ def build_model(cfg: Config, seed: int) -> MiniMaxH3Transformer3DModel:
     """A randomly initialised float32 model (`model.config`) on the CPU, identical on every rank.
 
     Pretrained weights take the sharded path instead: `build_meta_model` + `load_pretrained_shards`.
+    Both give the blocks' AdaLN lookups a float32 gradient sum (`adaln.py`).
     """
     return build_seeded(model_config_dict(cfg), seed)
 
@@ -38,6 +40,7 @@ def build_seeded(model_config: dict[str, Any], seed: int) -> MiniMaxH3Transforme
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = MiniMaxH3Transformer3DModel(**model_config)
+    accumulate_adaln_in_float32(model)
     return model.float()
 
 
@@ -80,7 +83,9 @@ def meta_transformer(dims: dict[str, Any]) -> MiniMaxH3Transformer3DModel:
 
 def build_meta_model(cfg: Config) -> MiniMaxH3Transformer3DModel:
     """The architecture on the `meta` device: no memory until FSDP has sharded it."""
-    return meta_transformer(model_config_dict(cfg))
+    model = meta_transformer(model_config_dict(cfg))
+    accumulate_adaln_in_float32(model)
+    return model
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:
