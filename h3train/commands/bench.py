@@ -35,7 +35,11 @@ def add_arguments(parser: Parser) -> None:
         help="auto: on when the step would not fit the device without it",
     )
     parser.add_argument(
-        "--parity-tol", type=float, default=None, at_least=0, help="default 2e-2 in bf16, 1e-4 in float32"
+        "--parity-tol",
+        type=float,
+        default=None,
+        at_least=0,
+        help="the gate on each backend's gradient error against a float32 step, in units of native's (default 2)",
     )
     parser.add_argument(
         "--repeats",

@@ -50,6 +50,10 @@ parameters) in bfloat16 on `CHECK_CLIP` (6,658 rows): the GPU's kernels and coll
 that builds and steps in seconds; only the block-memory check builds a full-width block (1.5 B
 parameters, about 45 GiB at its peak). On the CPU (and with `--reduced`) they train the bench's
 reduced model, one block, in float32, in seconds.
+
+Gradient parity. The bench before the checks measures every attention backend's gradients against a
+float32 step (`bench/parity.py`); at full width it does so on `CHECK_DIMS` / `CHECK_CLIP`, the model
+here, where the float32 step takes seconds.
 """
 
 from __future__ import annotations
@@ -157,7 +161,7 @@ def bench_trainer_config(
     """The bench's trainer config (native attention, no checkpointing) of the setup's model and clip (or
     `dims` / `clip`), with `overrides` (`"optim.name": value`)."""
     cfg = bench.trainer_config(
-        dims or setup.dims, clip or setup.clip, setup.dtype, False, "native", setup.seed, setup.root / name
+        dims or setup.dims, clip or setup.clip, setup.dtype, "none", "native", setup.seed, setup.root / name
     )
     for key, value in overrides.items():
         section, _, attr = key.partition(".")

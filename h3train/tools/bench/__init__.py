@@ -6,7 +6,7 @@ made here (`trainer_config`) and times the two halves of `Trainer.train_step`: `
 device->host copy, AdamW, schedule), their sum being the step. It reports packed rows per second,
 model FLOPs utilisation against the device's bf16 peak, peak memory, loss and grad norm, whether the
 step made a host-device sync beyond its one designed read-back, and every backend's gradients
-against `native`'s (relative L2 error per parameter, max over parameters).
+against a float32 step, in units of `native`'s own error (`parity.py`).
 
 What runs. A `MiniMaxH3Transformer3DModel` at full width (the diffusers defaults: hidden 5376,
 56 heads x 128, SwiGLU 14336, text_dim 5120, 2 refiner blocks) with `--layers` blocks, randomly
@@ -17,10 +17,11 @@ On CUDA the trainer's FSDP2 policy on a one-rank mesh: float32 master weights, b
 `_keep_in_fp32_modules` in float32, fused AdamW. On the CPU, float32 plain tensors.
 
 Steps. Step 1 warms up (kernels, autotuning, allocator cache, prefetcher). Every backend's trainer
-starts from the same seeded weights and draws the same step-1 sample and noise, so step 1's
-gradients (read after `forward_backward`, for parity), loss and grad norm are what compare across
-kernels. Then `--repeats` timed steps: each half's time is its median, the step time their sum. One
-timer (`Clock`) takes every figure: CUDA events on the stream (no host wait added), or `perf_counter`.
+starts from the same seeded weights and draws the same step-1 sample and noise, so step 1's loss
+and grad norm are what compare across kernels (the gradients compare in the parity, after the timed
+cases, on trainers of its own). Then `--repeats` timed steps: each half's time is its median, the
+step time their sum. One timer (`Clock`) takes every figure: CUDA events on the stream (no host wait
+added), or `perf_counter`.
 
 Sync check (CUDA, first timed step; `timed_step`). `forward_backward` runs under
 `torch.cuda.set_sync_debug_mode("error")`: anything that would block the host on the device
@@ -36,8 +37,14 @@ checkpointing). `--gradient-checkpointing auto` turns checkpointing on when that
 `--layers` blocks do not fit, fewer run (a note says how many).
 
 Reduced mode (`--reduced`, and always on CPU): hidden 64, 4 heads x 16, 2 blocks, a 22-frame
-128x192 clip (a few hundred rows); the CPU stand-in for the flash-vs-native parity is `math` (SDPA's
-math kernel) vs `native`. It finishes in seconds so the test suite runs it.
+128x192 clip (a few hundred rows); the CPU stand-in for flash-vs-native is `math` (SDPA's math kernel)
+vs `native`, and the parity runs them in bfloat16 on the CPU. It finishes in seconds so the test suite
+runs it.
+
+Parity model. Reduced mode measures parity on the bench's own model. At full width the float32
+reference step would not fit beside the bench (and its math kernel's S x S scores never would), so
+the parity runs on the GPU checks' model (`gpu_checks.CHECK_DIMS`, `CHECK_CLIP`: hidden 1024,
+8 x 128 heads, 2 blocks, 6,658 rows), where the float32 step takes seconds; the report names it.
 
 Model FLOPs of one step (matmuls only; norms, rotary, modulation, softmax and the optimizer's
 elementwise update are not counted). S packed rows, of which L text, N_v video (keyframes
@@ -62,7 +69,7 @@ model FLOPs and is not counted. MFU = FLOPs / step time / peak.
 from __future__ import annotations
 
 from .flops import PEAK_BF16_TFLOPS, StepFlops, peak_tflops_for, step_flops
-from .parity import PARITY_TOLERANCE, REFERENCE_BACKEND, Parity, grad_parity
+from .parity import FLOAT32_KERNEL, PARITY_GATE, REFERENCE_BACKEND, Parity, ParityRun, backend_parity, bench_parity
 from .report import bench_command, format_report, report_from_args, write_json
 from .run import (
     DEFAULT_CPU_BACKENDS,
@@ -110,9 +117,12 @@ __all__ = [
     "TimedStep",
     "timed_step",
     "REFERENCE_BACKEND",
-    "PARITY_TOLERANCE",
+    "FLOAT32_KERNEL",
+    "PARITY_GATE",
     "Parity",
-    "grad_parity",
+    "ParityRun",
+    "backend_parity",
+    "bench_parity",
     "GIB",
     "DEFAULT_CUDA_BACKENDS",
     "DEFAULT_CPU_BACKENDS",

@@ -56,12 +56,21 @@ def format_report(report: BenchReport) -> str:
             lines.append(f"  host-device sync during {b.sync_error.phase}: {b.sync_error.message}")
             lines.extend(f"    at {frame}" for frame in b.sync_error.frames)
     if report.parity:
+        m = report.parity_model
         lines.append("")
-        lines.append(f"gradient parity vs {REFERENCE_BACKEND} (relative L2 per parameter, max over parameters)")
+        lines.append(
+            f"gradient parity on hidden {m['hidden_size']}, {m['heads']} x {m['head_dim']} heads, "
+            f"{m['blocks']} blocks, {m['rows']:,} rows, {m['dtype']} ({m['why']}): each backend's error "
+            f"against the {m['reference']}, in units of {REFERENCE_BACKEND}'s, max over parameters"
+        )
         for p in report.parity:
+            verdict = "ok" if p.ok else "FAILED"
+            if p.error:
+                lines.append(f"  {p.backend:<8} {p.error}: {verdict}")
+                continue
             lines.append(
-                f"  {p.backend:<8} max {p.max_rel_l2:.3e} ({p.worst_parameter}), all {p.global_rel_l2:.3e}; "
-                f"tolerance {p.tolerance:.0e}: {'ok' if p.ok else 'FAILED'}"
+                f"  {p.backend:<8} ratio {p.ratio:.3f} ({p.worst_parameter}), gate {p.gate:g}: {verdict}; "
+                f"max relative L2 {p.max_rel_l2:.2e} ({p.max_rel_l2_parameter}), all {p.global_rel_l2:.2e}"
             )
     for note in report.notes:
         lines.append(f"note: {note}")

@@ -20,7 +20,7 @@ from ...model.dims import model_kwargs
 from ...objective import make_training_inputs
 from ...ops.attention import ATTENTION_BACKENDS, unavailable
 from .flops import peak_tflops_for, step_flops
-from .parity import PARITY_TOLERANCE, REFERENCE_BACKEND, Parity, _gradients, grad_parity
+from .parity import PARITY_GATE, REFERENCE_BACKEND, Parity, bench_parity
 from .sample import (
     FULL_CLIP,
     REDUCED_CLIP,
@@ -80,7 +80,9 @@ class BenchReport:
     peak_tflops_source: str
     plan_memory_bytes: int
     backends: list[BackendResult] = field(default_factory=list)
+    # Every backend's gradients against a float32 step (`parity.py`), and the model they were measured on.
     parity: list[Parity] = field(default_factory=list)
+    parity_model: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     # How the trainer's step was set up and timed.
     step_setup: dict[str, Any] = field(default_factory=dict)
@@ -167,14 +169,8 @@ def run_case(
     seq_len: int,
     total_flops: int,
     peak_tflops: float | None,
-    reference: dict[str, torch.Tensor] | None,
-    tolerance: float,
-) -> tuple[dict[str, torch.Tensor] | None, Parity | None]:
-    """Build the case's trainer and run it into `res` (module docstring, "Steps" and "Sync check").
-
-    Returns the reference gradients (for `REFERENCE_BACKEND`) or this backend's parity against
-    `reference` (when there is one), read after step 1's `forward_backward`.
-    """
+) -> None:
+    """Build the case's trainer and run it into `res` (module docstring, "Steps" and "Sync check")."""
     from ...run.assemble import build_trainer
 
     trainer = build_trainer(cfg, hooks=[])
@@ -182,11 +178,6 @@ def run_case(
         if not ATTENTION_BACKENDS[res.name].trains:
             set_backend(trainer.model.transformer, res.backend)
         grads = trainer.forward_backward(1)
-        gradients, parity = None, None
-        if res.name == REFERENCE_BACKEND:
-            gradients = _gradients(trainer.model)
-        elif reference is not None:
-            parity = grad_parity(trainer.model, reference, res.name, tolerance)
         stats = trainer.update(1, grads)
         del grads
         res.loss, res.grad_norm = float(stats["loss"]), float(stats["grad_norm"])
@@ -213,7 +204,6 @@ def run_case(
         res.mfu = res.achieved_tflops / peak_tflops if peak_tflops else None
         if cuda:
             res.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
-        return gradients, parity
     finally:
         trainer.close()
 
@@ -249,7 +239,6 @@ def run_bench(
     if not cuda and not reduced:
         reduced = True
         notes.append("no CUDA device: reduced mode")
-    dtype = torch.bfloat16 if cuda else torch.float32
     dtype_name = "bfloat16" if cuda else "float32"
     names, skipped = select_backends(backends, device, dtype_name)
     notes += skipped
@@ -260,7 +249,7 @@ def run_bench(
     clip = clip or (REDUCED_CLIP if reduced else FULL_CLIP)
     _check_clip(clip)
     dims = model_kwargs({**(REDUCED_DIMS if reduced else {}), "num_layers": layers or (2 if reduced else 4)})
-    tolerance = parity_tolerance if parity_tolerance is not None else PARITY_TOLERANCE[dtype]
+    gate = parity_tolerance if parity_tolerance is not None else PARITY_GATE
 
     sample = bench_sample(clip, int(dims["text_dim"]), seed)
     rows = rows_of(make_training_inputs(sample, torch.Generator().manual_seed(seed), TimestepConfig(), LossWeights()))
@@ -349,30 +338,24 @@ def run_bench(
     )
 
     results = {n: BackendResult(name=n, backend=ATTENTION_BACKENDS[n].diffusers) for n in names}
-    # The reference runs first so every other backend can be compared as soon as it has run.
-    order = sorted(names, key=lambda n: n != REFERENCE_BACKEND)
-    reference: dict[str, torch.Tensor] | None = None
     with tempfile.TemporaryDirectory(prefix="h3train-bench-") as tmp:
-        for name in order:
+        for name in names:
             res = results[name]
             _progress(f"{name}: building the trainer ({dims['num_layers']} blocks, {rows.seq_len:,} rows, {device})")
             cfg = trainer_config(dims, clip, dtype_name, ckpt, name, seed, Path(tmp) / name)
             try:
-                gradients, parity = run_case(
-                    cfg, res, device, repeats, rows.seq_len, flops.total, peak, reference, tolerance
-                )
+                run_case(cfg, res, device, repeats, rows.seq_len, flops.total, peak)
             except torch.cuda.OutOfMemoryError as exc:
                 res.status, res.error = "error", f"out of memory: {str(exc).splitlines()[0]}"
             except Exception as exc:  # a backend that cannot run this shape or build is reported, not fatal
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 res.status, res.error = "error", f"{type(exc).__name__}: {first}"
-            else:
-                reference = gradients if name == REFERENCE_BACKEND else reference
-                if parity is not None:
-                    report.parity.append(parity)
             _clear_cuda(device)
             _progress(f"{name}: {res.error or f'{res.step_time_s:.3f} s, sync check {res.sync_check}'}")
+        if any(n != REFERENCE_BACKEND for n in names):
+            parity = bench_parity(reduced, dims, clip, names, device, seed, Path(tmp) / "parity", gate)
+            report.parity, report.parity_model = parity.results, parity.model
+        else:
+            report.notes.append(f"no gradient parity: only the default backend '{REFERENCE_BACKEND}' ran")
     report.backends = [results[n] for n in names]
-    if reference is None and len(names) > 1:
-        report.notes.append(f"no gradient parity: the reference backend '{REFERENCE_BACKEND}' did not run")
     return report
