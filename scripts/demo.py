@@ -17,6 +17,7 @@ Everything is built locally; nothing is downloaded. Re-running reuses the encode
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -115,6 +116,8 @@ def write_media() -> Path:
 
 
 def main() -> int:
+    # No options: `--help` prints this docstring rather than starting the multi-minute run.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     began = time.monotonic()
     components, data, captioned, run_dir = OUT / "components", OUT / "data", OUT / "captioned", OUT / "train"
     run(sys.executable, "-m", "h3train", "tiny-components", str(components))

@@ -2,7 +2,7 @@
 
 For each layout: run one step of `h3train train` with a debug dump, recompute it with plain
 `MiniMaxH3Transformer3DModel.forward`, and print the loss ratio, the grad_norm ratio and the worst
-per-parameter relative L2 gradient error. Usage: `python scripts/parity_report.py [--out DIR]`.
+per-parameter relative L2 gradient error. Usage: `python scripts/parity_report.py [--out DIR] [--only NAME ...]`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+# The launch-and-compare helpers are the tests' own (`tests/helpers`), imported as `helpers.*` as
+# the tests import them (`pythonpath` of pytest in pyproject.toml).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-
-from reference import TINY_FL2VA, parity_step  # noqa: E402
+from helpers.paths import ROOT, TINY_FL2VA  # noqa: E402
+from helpers.reference import parity_step  # noqa: E402
 
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
 LAYOUTS = [
@@ -32,10 +33,16 @@ LAYOUTS = [
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
+    parser.add_argument("--only", nargs="+", default=None, help="substrings of the layout names to run (default: all)")
     args = parser.parse_args()
+    chosen = [
+        (i, layout) for i, layout in enumerate(LAYOUTS) if args.only is None or any(s in layout[0] for s in args.only)
+    ]
+    if not chosen:
+        parser.error(f"--only {' '.join(args.only)}: no layout matches; the layouts: {[n for n, *_ in LAYOUTS]}")
     root = Path(args.out or tempfile.mkdtemp(prefix="h3train-parity-"))
     print(f"{'layout':32} {'loss ratio':>12} {'grad_norm ratio':>16} {'worst rel L2':>13}  parameter")
-    for i, (name, config, nproc, extra, dp) in enumerate(LAYOUTS):
+    for i, (name, config, nproc, extra, dp) in chosen:
         result = parity_step(config, extra, root / f"case{i}", nproc, dp)
         worst, param = result.worst()
         print(
