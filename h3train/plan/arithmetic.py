@@ -5,9 +5,12 @@ package docstring's memory model). Nothing here reads a config or a dataset.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import torch
+from torch.torch_version import TorchVersion
 
 from ..model.adapter import AdapterCounts
 from ..model.quant import CODES, base_bytes_per_weight
@@ -84,7 +87,7 @@ class MemoryPlan:
     dp_shard: int
     sp: int
     dtype: str
-    # `model.activation_checkpointing`: none, full or selective.
+    # One policy of every block (none, selective, full), or `auto` for a mix (`policies` says which).
     activation_checkpointing: str
     rows: int
     local_rows: int
@@ -110,9 +113,16 @@ class MemoryPlan:
     fit_lines: tuple[str, ...] = ()
     # `parallel.cpu_offload`: the sharded state (weights, gradients, AdamW) lives in host memory.
     cpu_offload: bool = False
-    # Transformer blocks recomputed in backward (`model.activation_checkpointing`); None: all of them
-    # when `full`, else none.
-    checkpointed_layers: int | None = None
+    # One policy per transformer block (`BLOCK_POLICIES`): what each keeps and recomputes in backward.
+    policies: tuple[str, ...] = ()
+    # Where the step's peak falls (`StepPeak.phase`), for the printout.
+    peak_phase: str = ""
+    # The forward FLOPs the backward runs again under `policies`, as a share of the forward's.
+    recompute_share: float = 0.0
+    # The run's RMSNorm is CUDA's fused kernel (`fused_norm_for`).
+    fused_norm: bool = False
+    # `policies` were chosen by `model.activation_checkpointing: auto` (`choose_policies`).
+    auto: bool = False
     # Tensor bytes of one checkpoint on disk, all ranks together (`checkpoint_bytes`); 0: not planned.
     checkpoint_bytes: int = 0
     # `train.ema.decay > 0`: the EMA's float32 shadow of every trainable parameter, sharded like it.
@@ -125,8 +135,8 @@ class MemoryPlan:
     # `activation_bytes` (`refiner_activation_bytes`), for the printout.
     text_rows: int = 0
     refiner_activation_bytes: int = 0
-    # Of `grads_bytes`, what is resident at the backward's activation peak (`backward_grads_bytes`);
-    # None: all of it (gradients accumulate over micro-batches).
+    # Of `grads_bytes`, what is resident at the step's peak (`step_peak`); None: all of it (gradients
+    # accumulate over micro-batches).
     peak_grads_bytes: int | None = None
     # Validation and rendering between steps, when the run does either.
     evaluation: EvaluationPlan | None = None
@@ -272,13 +282,32 @@ def parameter_counts(dims: Mapping[str, Any]) -> ParameterCounts:
     )
 
 
-def _norm_row_bytes(width: int, rows: int = 1, frozen: bool = False) -> int:
-    """torch's composite RMSNorm per row: the float32 upcast of its input (4 width) and its rstd (4 per
-    normalised row), plus the float32 normalised copy its weight's gradient needs (4 width) unless frozen."""
+def cuda_fused_rms_norm() -> bool:
+    """Whether this torch runs `nn.RMSNorm` on CUDA as one fused kernel (`aten::_fused_rms_norm`, torch 2.9
+    and later), which keeps for the backward only its input in the compute dtype and one float32 rstd per
+    normalised row. Older builds, and every CPU build, run the composite (`_norm_row_bytes`)."""
+    return TorchVersion(torch.__version__.split("+")[0]) >= (2, 9)
+
+
+def fused_norm_for(device: str) -> bool:
+    """The norm kernel a run on `device` ("cuda" or "cpu") executes with this torch: fused on CUDA where
+    `cuda_fused_rms_norm`, the composite otherwise."""
+    return device == "cuda" and cuda_fused_rms_norm()
+
+
+def _norm_row_bytes(width: int, rows: int = 1, frozen: bool = False, fused: bool = False, b: int = _FP32) -> int:
+    """What one RMSNorm keeps per row for the backward. torch's composite (CPU; CUDA before 2.9): the float32
+    upcast of its input (4 width) and its rstd (4 per normalised row), plus the float32 normalised copy its
+    weight's gradient needs (4 width) unless frozen. The fused CUDA kernel (`fused`): its input as it came,
+    in the compute dtype (`b` width), and the float32 rstd, frozen or not."""
+    if fused:
+        return b * width + _FP32 * rows
     return (4 if frozen else 8) * width + _FP32 * rows
 
 
-def block_activation_row_bytes(dims: Mapping[str, Any], dtype: str, sp: int = 1, frozen_base: bool = False) -> int:
+def block_activation_row_bytes(
+    dims: Mapping[str, Any], dtype: str, sp: int = 1, frozen_base: bool = False, fused_norm: bool = False
+) -> int:
     """Bytes autograd keeps per row of the packed sequence for one `MiniMaxH3TransformerBlock`.
 
     With h = hidden, a = heads * head_dim, f = ffn, b = bytes of the compute dtype and
@@ -298,9 +327,10 @@ def block_activation_row_bytes(dims: Mapping[str, Any], dtype: str, sp: int = 1,
         gate_mlp row, feed-forward output                                 2bh           bh
 
     Nothing else survives: the shift rows feed additions, and the rotary multiplications keep only
-    cos / sin. The norm terms are those of torch's composite RMSNorm (CPU, and CUDA builds without a
-    fused kernel); a fused kernel keeps only its input (bh instead of 8h), so on such builds this is
-    an upper bound. The attention terms assume an O(S)-memory kernel (flash, cuDNN, efficient
+    cos / sin. The norm terms are those of torch's composite RMSNorm (CPU, and CUDA before torch 2.9);
+    `fused_norm` (CUDA's fused kernel, `cuda_fused_rms_norm`) keeps each norm's input in the compute
+    dtype and its rstd instead (bh + 4 for norm1, 150,528 bytes a row less in all for the 33 B
+    model). The attention terms assume an O(S)-memory kernel (flash, cuDNN, efficient
     SDPA); a math backend would also keep the (heads / sp) x S x S scores.
 
     `frozen_base`: no parameter of the block's base needs a gradient (a LoRA run with no
@@ -313,7 +343,7 @@ def block_activation_row_bytes(dims: Mapping[str, Any], dtype: str, sp: int = 1,
 
     For the 33 B model in bfloat16 (h 5376, a 56 x 128, f 14336, rot 96) that is 481,704 bytes
     (470 KiB) per row per block, 496,040 bytes with sp > 1; with a frozen base 338,344 bytes
-    (330 KiB), 352,680 with sp > 1.
+    (330 KiB), 352,680 with sp > 1. With the fused norm: 331,176 bytes (323 KiB) per row per block.
     """
     b = _DTYPE_BYTES[dtype]
     h = _dim(dims, "hidden_size")
@@ -325,7 +355,7 @@ def block_activation_row_bytes(dims: Mapping[str, Any], dtype: str, sp: int = 1,
     product = 0 if frozen_base else b * h
 
     def norm(width: int, rows: int = 1) -> int:
-        return _norm_row_bytes(width, rows, frozen_base)
+        return _norm_row_bytes(width, rows, frozen_base, fused_norm, b)
 
     terms = {
         "norm1, its modulation, q/k/v input": norm(h) + b * h + product + b * h,
@@ -341,7 +371,7 @@ def block_activation_row_bytes(dims: Mapping[str, Any], dtype: str, sp: int = 1,
     return sum(terms.values())
 
 
-def refiner_block_row_bytes(dims: Mapping[str, Any], dtype: str) -> int:
+def refiner_block_row_bytes(dims: Mapping[str, Any], dtype: str, fused_norm: bool = False) -> int:
     """Bytes autograd keeps per text row for one `MiniMaxH3TokenRefinerBlock` whose parameters train.
 
     A plain pre-norm block (no AdaLN, no rotary), so with the symbols of `block_activation_row_bytes`:
@@ -353,7 +383,8 @@ def refiner_block_row_bytes(dims: Mapping[str, Any], dtype: str) -> int:
         SwiGLU projection output, silu(gate), their product               4bf
 
     The residual additions keep nothing: no gate multiplies the attention or feed-forward output.
-    For the 33 B model in bfloat16 that is 394,920 bytes (386 KiB) per text row.
+    For the 33 B model in bfloat16 that is 394,920 bytes (386 KiB) per text row; the norms as in
+    `block_activation_row_bytes` with `fused_norm`.
     """
     b = _DTYPE_BYTES[dtype]
     h = _dim(dims, "hidden_size")
@@ -361,10 +392,10 @@ def refiner_block_row_bytes(dims: Mapping[str, Any], dtype: str) -> int:
     a = heads * _dim(dims, "attention_head_dim")
     f = _dim(dims, "ffn_dim")
     terms = {
-        "norm1, q/k/v input": _norm_row_bytes(h) + b * h,
-        "norm_q, norm_k": 2 * _norm_row_bytes(a, heads),
+        "norm1, q/k/v input": _norm_row_bytes(h, fused=fused_norm, b=b) + b * h,
+        "norm_q, norm_k": 2 * _norm_row_bytes(a, heads, fused=fused_norm, b=b),
         "attention kernel": 4 * a * b + _FP32 * heads,
-        "norm2, feed-forward input": _norm_row_bytes(h) + b * h,
+        "norm2, feed-forward input": _norm_row_bytes(h, fused=fused_norm, b=b) + b * h,
         "SwiGLU": 4 * b * f,
     }
     return sum(terms.values())
@@ -384,26 +415,42 @@ def _frozen_parts(dims: Mapping[str, Any], lora: AdapterCounts | None) -> tuple[
     return lora.block_trainable == lora.block_adapters, lora.trainable <= layers * lora.block_trainable
 
 
-def outside_stack_row_bytes(dims: Mapping[str, Any], dtype: str, frozen_base: bool = False) -> int:
-    """Bytes per row kept outside the block stack, an upper bound shared by every configuration.
+def output_stage_row_bytes(
+    dims: Mapping[str, Any], dtype: str, frozen_base: bool = False, fused_norm: bool = False
+) -> int:
+    """Bytes per row the output stage keeps for the backward: `norm_out` (RMSNorm, `_norm_row_bytes`, and its
+    modulation, 2bh) and the float32 cast feeding the two output heads (4h). Its backward runs first and
+    frees them before the block stack's backward starts (`step_peak`).
 
-    `norm_out` (composite RMSNorm 8h + 4, modulation 2bh), the float32 cast feeding the two output
-    heads (4h), the float32 rotary tables every block reads (2 x 4 rot) and the float32 inputs of
-    the two patch projections (counted for every row). At sp = 1 the packing's `index_copy` also
-    keeps the embedded rows it places (bh per row), left out (under 1 % of a row's activations in a
-    stack of 50 blocks). The text refiner runs over the text rows only: `refiner_activation_bytes`.
-
-    `frozen_base` (nothing outside the blocks trains): `norm_out` keeps its float32 input and rstd
-    (4h + 4) and its (1 + scale) row (bh); the frozen heads and patch projections keep no input.
+    `frozen_base` (nothing outside the blocks trains): `norm_out`'s norm as frozen and its (1 + scale) row
+    (bh); the frozen heads keep no input.
     """
     b = _DTYPE_BYTES[dtype]
     h = _dim(dims, "hidden_size")
+    if frozen_base:
+        return _norm_row_bytes(h, frozen=True, fused=fused_norm, b=b) + b * h
+    return _norm_row_bytes(h, fused=fused_norm, b=b) + 2 * b * h + _FP32 * h
+
+
+def persistent_row_bytes(dims: Mapping[str, Any], frozen_base: bool = False) -> int:
+    """Bytes per row kept from the forward to the end of the backward outside the blocks: the float32 rotary
+    tables every block reads (2 x 4 rot) and, unless nothing outside the blocks trains, the float32 inputs
+    of the two patch projections (counted for every row). At sp = 1 the packing's `index_copy` also keeps
+    the embedded rows it places (bh per row), left out (under 1 % of a row's activations in a stack of 50
+    blocks). The text refiner runs over the text rows only: `refiner_activation_bytes`."""
     rot = 6 * _dim(dims, "rope_freq_dim")
     if frozen_base:
-        return _norm_row_bytes(h, frozen=True) + b * h + 2 * _FP32 * rot
+        return 2 * _FP32 * rot
     video_patch = _dim(dims, "in_channels") * math.prod(int(p) for p in dims["patch_size"])
-    patch_inputs = _FP32 * (video_patch + _dim(dims, "audio_in_channels"))
-    return 8 * h + _FP32 + 2 * b * h + _FP32 * h + 2 * _FP32 * rot + patch_inputs
+    return 2 * _FP32 * rot + _FP32 * (video_patch + _dim(dims, "audio_in_channels"))
+
+
+def outside_stack_row_bytes(
+    dims: Mapping[str, Any], dtype: str, frozen_base: bool = False, fused_norm: bool = False
+) -> int:
+    """Bytes per row kept outside the block stack at the end of the forward: the output stage
+    (`output_stage_row_bytes`) and what stays to the end (`persistent_row_bytes`)."""
+    return output_stage_row_bytes(dims, dtype, frozen_base, fused_norm) + persistent_row_bytes(dims, frozen_base)
 
 
 def refiner_activation_bytes(
@@ -412,14 +459,15 @@ def refiner_activation_bytes(
     dtype: str,
     activation_checkpointing: str,
     lora: AdapterCounts | None = None,
+    fused_norm: bool = False,
 ) -> int:
     """Bytes the text refiner keeps for the backward on each rank: it runs over all `text_rows` text
     rows on every SP rank, before the sequence is split, so sp does not divide them.
 
     Per text row: the context embedder's input cast to the compute dtype (b * text_dim; none in
     float32, where the float32 prompt is read as it is), each refiner block's
-    `refiner_block_row_bytes` (with `full` checkpointing only its input, bh) and `final_norm`
-    (8h + 4). A LoRA run (`lora`) whose trainable parameters all sit in the block stack keeps
+    `refiner_block_row_bytes` (recomputed, `activation_checkpointing="full"`: only its input, bh) and
+    `final_norm`. A LoRA run (`lora`) whose trainable parameters all sit in the block stack keeps
     nothing here: no gradient reaches the refiner.
     """
     if text_rows <= 0 or _frozen_parts(dims, lora)[1] or (lora is not None and lora.heads_only):
@@ -427,8 +475,8 @@ def refiner_activation_bytes(
     b = _DTYPE_BYTES[dtype]
     h = _dim(dims, "hidden_size")
     cast = 0 if b == _FP32 else b * _dim(dims, "text_dim")
-    block = b * h if activation_checkpointing == "full" else refiner_block_row_bytes(dims, dtype)
-    return text_rows * (cast + _dim(dims, "num_refiner_layers") * block + _norm_row_bytes(h))
+    block = b * h if activation_checkpointing == "full" else refiner_block_row_bytes(dims, dtype, fused_norm)
+    return text_rows * (cast + _dim(dims, "num_refiner_layers") * block + _norm_row_bytes(h, fused=fused_norm, b=b))
 
 
 def heads_activation_bytes(
@@ -454,55 +502,192 @@ def heads_activation_bytes(
     return _FP32 * (local_rows * (h + lora.head_row_values) + predicted * widest + lora.head_delta_values)
 
 
+# What a transformer block does in the backward, per block (`model.activation_checkpointing`): keep
+# everything (none), keep the attention kernel's output and logsumexp and recompute the rest
+# (selective), or keep only its input and recompute it whole (full).
+BLOCK_POLICIES = ("none", "selective", "full")
+
+
+def block_saved_row_bytes(
+    dims: Mapping[str, Any], dtype: str, policy: str, sp: int = 1, frozen_base: bool = False, fused_norm: bool = False
+) -> int:
+    """Bytes per row one transformer block keeps from its forward to its backward under `policy`.
+
+    none: `block_activation_row_bytes`. selective: its input (bh), the attention output (ab) and the
+    kernel's float32 logsumexp (4 heads): torch's selective checkpoint saves the attention op's outputs and
+    recomputes every other op. full: its input (bh).
+    """
+    if policy == "none":
+        return block_activation_row_bytes(dims, dtype, sp, frozen_base, fused_norm)
+    b = _DTYPE_BYTES[dtype]
+    h = _dim(dims, "hidden_size")
+    if policy == "full":
+        return b * h
+    if policy == "selective":
+        heads = _dim(dims, "num_attention_heads")
+        return b * h + heads * _dim(dims, "attention_head_dim") * b + _FP32 * heads
+    raise ValueError(f"block policy {policy!r} is not one of {', '.join(BLOCK_POLICIES)}")
+
+
+def block_policies(activation_checkpointing: str, num_layers: int) -> tuple[str, ...]:
+    """One policy per transformer block for a uniform `activation_checkpointing` (none, selective, full)."""
+    if activation_checkpointing not in BLOCK_POLICIES:
+        raise ValueError(f"activation_checkpointing {activation_checkpointing!r} is not one of {BLOCK_POLICIES}")
+    return (activation_checkpointing,) * num_layers
+
+
+def refiner_recomputed(policies: tuple[str, ...]) -> bool:
+    """The text-refiner blocks are recomputed when any transformer block is (`SequenceParallelH3`)."""
+    return "full" in policies
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    """The most one rank's training step holds beside its resident state, and where (`step_peak`)."""
+
+    # "forward" (its end: everything kept, no gradient yet), "block i" (the backward through block i),
+    # "refiner" or "end" (every gradient, no activation).
+    phase: str
+    activations: int
+    grads: int
+    unsharded_params: int
+    unsharded_grads: int
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.grads + self.unsharded_params + self.unsharded_grads
+
+
+def step_peak(
+    dims: Mapping[str, Any],
+    local_rows: int,
+    dtype: str,
+    policies: tuple[str, ...],
+    *,
+    sp: int = 1,
+    text_rows: int = 0,
+    lora: AdapterCounts | None = None,
+    fused_norm: bool = False,
+    grads_bytes: int = 0,
+    block_grads_bytes: int = 0,
+    head_grads_bytes: int = 0,
+    grads_resident: bool = False,
+    unsharded: Callable[[int | None], int] | None = None,
+    unsharded_block_grads: int = 0,
+) -> StepPeak:
+    """Walk one training step's forward end and its backward block by block, and return its peak.
+
+    Per rank, `local_rows` rows of the packed sequence, `policies` one per transformer block (`BLOCK_POLICIES`).
+    The backward runs the output stage, then the blocks from the last, then the text refiner:
+
+    - forward end: every block's saved rows (`block_saved_row_bytes`), the output stage, the persistent
+      rows and the refiner's; no gradient (`grads_resident`: all of them, as with grad_accum > 1);
+    - block i: blocks 0..i-1 still hold their saved rows, the output stage is freed, block i holds all its
+      activations (kept, or recomputed: the same tensors), the backward's largest transient (the gradient
+      of the SwiGLU projection's output, 2bf) and the residual stream's gradient in flight (2bh); the
+      gradients of the blocks after i (`block_grads_bytes` each, sharded) and of the units outside the
+      stack exist, and block i's own unsharded gradient (`unsharded_block_grads`);
+    - refiner: its recompute over the text rows with every block gradient reduced; end: every gradient.
+
+    `head_grads_bytes`: the gradients of the units outside both stacks (the output stage, the root and
+    the float32 islands), which exist through the stack's backward; the refiner's arrive after it.
+
+    `unsharded(i)`: the all-gathered parameter bytes while the backward is in block i (None: the forward
+    end). `grads_bytes`: every trainable gradient of the rank. A LoRA run's adapters keep their rank-r
+    values per row of every block (`AdapterCounts.block_row_values`) and their delta weights.
+    """
+    layers = _dim(dims, "num_layers")
+    if len(policies) != layers:
+        raise ValueError(f"{len(policies)} block policies for {layers} blocks")
+    b = _DTYPE_BYTES[dtype]
+    h = _dim(dims, "hidden_size")
+    block_frozen, outside_frozen = _frozen_parts(dims, lora)
+    whole = local_rows * block_activation_row_bytes(dims, dtype, sp, block_frozen, fused_norm)
+    saved = [local_rows * block_saved_row_bytes(dims, dtype, p, sp, block_frozen, fused_norm) for p in policies]
+    if block_frozen and outside_frozen and policies and policies[0] == "none":
+        # Nothing before block 0's first adapted Linear needs a gradient: its norm1 and modulation keep nothing.
+        drop = local_rows * (_norm_row_bytes(h, frozen=True, fused=fused_norm, b=b) + b * h)
+        whole -= drop
+        saved[0] -= drop
+    adapters = 0 if lora is None else local_rows * lora.block_row_values * b + lora.block_delta_values * b
+    output_stage = local_rows * output_stage_row_bytes(dims, dtype, outside_frozen, fused_norm)
+    persistent = local_rows * persistent_row_bytes(dims, outside_frozen)
+    refiner_full = refiner_recomputed(policies)
+    refiner = refiner_activation_bytes(dims, text_rows, dtype, "full" if refiner_full else "none", lora, fused_norm)
+    unsharded = unsharded or (lambda i: 0)
+    resident = grads_bytes if grads_resident else 0
+    outside_grads = min(head_grads_bytes, grads_bytes)
+    transient = local_rows * (2 * b * _dim(dims, "ffn_dim") + 2 * b * h)
+    kept = [s + adapters if p == "none" else s for s, p in zip(saved, policies)]
+    phases = [StepPeak("forward", sum(kept) + output_stage + persistent + refiner, resident, unsharded(None), 0)]
+    below = sum(kept)
+    for i in range(layers - 1, -1, -1):
+        below -= kept[i]
+        reduced = resident if grads_resident else min(outside_grads + (layers - 1 - i) * block_grads_bytes, grads_bytes)
+        acts = below + whole + adapters + transient + persistent + refiner
+        phases.append(StepPeak(f"block {i}", acts, reduced, unsharded(i), unsharded_block_grads))
+    if refiner_full and refiner:
+        recompute = text_rows * refiner_block_row_bytes(dims, dtype, fused_norm)
+        phases.append(StepPeak("refiner", refiner + recompute, grads_bytes, unsharded(-1), 0))
+    phases.append(StepPeak("end", 0, grads_bytes, 0, 0))
+    return max(phases, key=lambda p: p.total)
+
+
+def forward_flops(dims: Mapping[str, Any], rows: int, text_rows: int = 0) -> tuple[int, int, int]:
+    """Forward FLOPs of the matmuls of one packed sequence of `rows` rows: (per transformer block's linears,
+    per transformer block's attention, everything else: refiner blocks and heads). As
+    `tools/bench/flops.py` counts them, without the per-timestep tables."""
+    h = _dim(dims, "hidden_size")
+    a = _dim(dims, "num_attention_heads") * _dim(dims, "attention_head_dim")
+    f = _dim(dims, "ffn_dim")
+    video_patch = _dim(dims, "in_channels") * math.prod(int(p) for p in dims["patch_size"])
+    linear = 2 * rows * (4 * h * a + 3 * h * f)
+    attention = 4 * rows * rows * a
+    refiner = _dim(dims, "num_refiner_layers") * (2 * text_rows * (4 * h * a + 3 * h * f) + 4 * text_rows**2 * a)
+    heads = 2 * rows * h * (video_patch + _dim(dims, "audio_in_channels"))
+    return linear, attention, refiner + heads
+
+
+def recompute_share(dims: Mapping[str, Any], rows: int, policies: tuple[str, ...], text_rows: int = 0) -> float:
+    """The forward FLOPs the backward runs again under `policies`, as a share of the forward's: a full block
+    recomputes its linears and attention, a selective one its linears, and the refiner blocks are
+    recomputed with any full block."""
+    linear, attention, other = forward_flops(dims, rows, text_rows)
+    total = len(policies) * (linear + attention) + other
+    again = sum(linear + attention if p == "full" else linear if p == "selective" else 0 for p in policies)
+    if refiner_recomputed(policies):
+        h = _dim(dims, "hidden_size")
+        a = _dim(dims, "num_attention_heads") * _dim(dims, "attention_head_dim")
+        f = _dim(dims, "ffn_dim")
+        again += _dim(dims, "num_refiner_layers") * (2 * text_rows * (4 * h * a + 3 * h * f) + 4 * text_rows**2 * a)
+    return again / total if total else 0.0
+
+
 def activation_bytes(
     dims: Mapping[str, Any],
     local_rows: int,
     dtype: str,
-    activation_checkpointing: str,
+    activation_checkpointing: str | tuple[str, ...],
     sp: int = 1,
-    checkpointed_layers: int | None = None,
     *,
     text_rows: int = 0,
     lora: AdapterCounts | None = None,
+    fused_norm: bool = False,
 ) -> int:
-    """Peak activation memory of one rank holding `local_rows` rows of the packed sequence.
-
-    With checkpointing each block keeps only its input (bh per row) and the backward recomputes
-    one block at a time, so the peak is every block's input plus one block's full activations.
-    Without it every block keeps everything `block_activation_row_bytes` lists. Selective
-    checkpointing (`checkpointed_layers` of the blocks) sits between: the checkpointed blocks keep
-    their inputs, the others everything, plus one recomputed block at a time.
-
-    `text_rows`: the sample's text rows, which the refiner runs over (`refiner_activation_bytes`;
-    0: not counted). Full checkpointing (`activation_checkpointing="full"`) recomputes its blocks too, after
-    the stack's backward, so the recompute peak is the larger of one block over the local rows and
-    one refiner block over the text rows.
-
-    `lora`: a LoRA run's counts. Its frozen base keeps less (`frozen_base` of the row functions),
-    and when only the blocks train, nothing before block 0's first adapted Linear needs a gradient:
-    the refiner keeps nothing, nor do block 0's norm1 and modulation (4h + 4 + bh per row less,
-    unless block 0 is checkpointed). The adapters' own per-row values are `plan_memory`'s. When only
-    the output projections train, `heads_activation_bytes`.
-    """
+    """Activation bytes of one rank at its training step's peak (`step_peak`), with no gradient or
+    parameter beside them: `activation_checkpointing` is one policy for every block or one per block.
+    When only the output projections train, `heads_activation_bytes`."""
     if lora is not None and lora.heads_only:
         return heads_activation_bytes(dims, local_rows, sp, text_rows, lora)
-    b = _DTYPE_BYTES[dtype]
-    h = _dim(dims, "hidden_size")
     layers = _dim(dims, "num_layers")
-    block_frozen, outside_frozen = _frozen_parts(dims, lora)
-    block = block_activation_row_bytes(dims, dtype, sp, frozen_base=block_frozen)
-    full = activation_checkpointing == "full"
-    done = (layers if full else 0) if checkpointed_layers is None else checkpointed_layers
-    per_row = done * h * b + (layers - done) * block + outside_stack_row_bytes(dims, dtype, outside_frozen)
-    if block_frozen and outside_frozen and not done:
-        per_row -= _norm_row_bytes(h, frozen=True) + b * h
-    refiner_recompute = full and text_rows > 0 and not outside_frozen
-    recompute = max(
-        local_rows * block if done else 0,
-        text_rows * refiner_block_row_bytes(dims, dtype) if refiner_recompute else 0,
+    policies = (
+        block_policies(activation_checkpointing, layers)
+        if isinstance(activation_checkpointing, str)
+        else tuple(activation_checkpointing)
     )
-    refiner = refiner_activation_bytes(dims, text_rows, dtype, activation_checkpointing, lora)
-    return local_rows * per_row + refiner + recompute
+    return step_peak(
+        dims, local_rows, dtype, policies, sp=sp, text_rows=text_rows, lora=lora, fused_norm=fused_norm
+    ).activations
 
 
 def evaluation_activation_bytes(dims: Mapping[str, Any], local_rows: int, dtype: str, sp: int, text_rows: int) -> int:
@@ -534,47 +719,70 @@ def plan_memory(
     rows_origin: str = "",
     lora: AdapterCounts | None = None,
     cpu_offload: bool = False,
-    checkpointed_layers: int | None = None,
+    policies: tuple[str, ...] | None = None,
     ema: bool = False,
     text_rows: int = 0,
     optimizer: str = "adamw",
     base_quant: str = "none",
     grad_accum: int | None = None,
+    fused_norm: bool = False,
 ) -> MemoryPlan:
     """Per-rank memory of an AdamW fine-tune on a resolved `(dp_replicate, dp_shard, sp)` mesh.
 
     `dims` are the constructor kwargs with defaults filled in (`h3train.model.dims.model_dims`);
     `dtype` is the compute dtype (`model.dtype`); `activation_checkpointing` is
-    `model.activation_checkpointing` (none, full or selective); `rows` is the packed sequence length of the
-    longest sample, padded to a multiple of `sp` as the SP forward does. `lora`: a LoRA run
-    (`lora_counts`), whose base is frozen in bfloat16; None: a full fine-tune. `cpu_offload`: the
-    sharded state is counted in host memory, not on the device. `checkpointed_layers`: selective
-    checkpointing (`activation_bytes`). `ema`: an EMA of the trainable parameters (`train.ema.decay`),
-    a float32 shadow of each, sharded (and offloaded) as its parameter is. `text_rows`: the sample's
-    text rows (at most `rows`), which the text refiner runs over on every SP rank; 0 leaves the
-    refiner out. `optimizer`: `optim.name`; `adamw_bf16` stores the trainable weights and gradients
-    in bfloat16 (its float32 islands, which a LoRA's adapters are counted outside of, in float32),
-    and each kind its moments at `state_bytes_per_value` bytes (8 for float32 AdamW). `base_quant`:
-    `lora.base_quant`, the frozen base's matrices at 1 byte per weight (the row scales, 2 bytes per
-    row of thousands of inputs, are left out), its vectors in bfloat16 and islands in float32.
-    `grad_accum`: `train.grad_accum`; at 1 the gradients count beside the activations only as far as
-    `backward_grads_bytes` says they coexist; None (or more) counts all of them beside the activations.
+    `model.activation_checkpointing`: one of `BLOCK_POLICIES` for every block, or `auto`, the least
+    recompute whose peak fits the device less the reserve (`choose_policies`); `policies` gives one per
+    block instead. `rows` is the packed sequence length of the longest sample, padded to a multiple of
+    `sp` as the SP forward does. `lora`: a LoRA run (`lora_counts`), whose base is frozen in bfloat16;
+    None: a full fine-tune. `cpu_offload`: the sharded state is counted in host memory, not on the
+    device. `ema`: an EMA of the trainable parameters (`train.ema.decay`), a float32 shadow of each,
+    sharded (and offloaded) as its parameter is. `text_rows`: the sample's text rows (at most `rows`),
+    which the text refiner runs over on every SP rank; 0 leaves the refiner out. `optimizer`:
+    `optim.name`; `adamw_bf16` stores the trainable weights and gradients in bfloat16 (its float32
+    islands, which a LoRA's adapters are counted outside of, in float32), and each kind its moments at
+    `state_bytes_per_value` bytes (8 for float32 AdamW). `base_quant`: `lora.base_quant`, the frozen
+    base's matrices at 1 byte per weight (the row scales, 2 bytes per row of thousands of inputs, are
+    left out), its vectors in bfloat16 and islands in float32. `grad_accum`: `train.grad_accum`; at 1
+    no gradient is resident as the step starts and the backward walk (`step_peak`) places them; None
+    (or more) counts all of them beside the activations. `fused_norm`: the run's RMSNorm is CUDA's fused
+    kernel (`fused_norm_for`).
     """
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
     for name, value in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("sp", sp), ("rows", rows)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value} (resolve dp_shard=-1 against the world size first)")
+    common = {
+        "dp_replicate": dp_replicate,
+        "dp_shard": dp_shard,
+        "sp": sp,
+        "dtype": dtype,
+        "rows": rows,
+        "device_memory_gib": device_memory_gib,
+        "reserve_gib": reserve_gib,
+        "rows_origin": rows_origin,
+        "lora": lora,
+        "cpu_offload": cpu_offload,
+        "ema": ema,
+        "text_rows": text_rows,
+        "optimizer": optimizer,
+        "base_quant": base_quant,
+        "grad_accum": grad_accum,
+        "fused_norm": fused_norm,
+    }
+    layers = _dim(dims, "num_layers")
+    if policies is None and activation_checkpointing == "auto":
+        return choose_policies(dims, **common)
+    if policies is None:
+        policies = block_policies(activation_checkpointing, layers)
+    policies = tuple(policies)
     counts = parameter_counts(dims)
     shard = dp_shard * sp
     per_rank = -(-counts.total // shard)
     local_rows = -(-rows // sp)
     b = _DTYPE_BYTES[dtype]
     text_rows = min(max(text_rows, 0), rows)
-    activations = activation_bytes(
-        dims, local_rows, dtype, activation_checkpointing, sp, checkpointed_layers, text_rows=text_rows, lora=lora
-    )
-    full = activation_checkpointing == "full"
     if lora is None:
         trainable, block_params, block_grads = per_rank, counts.block, counts.block
         frozen_base = 0
@@ -586,31 +794,56 @@ def plan_memory(
             base -= max(frozen - lora.frozen_fp32 - counts.vectors, 0) * (2 - base_bytes_per_weight(base_quant))
         trainable, frozen_base = -(-lora.trainable // shard), -(-base // shard)
         block_params, block_grads = counts.block + lora.block_adapters, lora.block_trainable
-        # Each adapted Linear keeps what its kind needs beyond the base's input, already counted: per
-        # row (LoRA its lora_A output, DoRA also its norms' rows) or once (LoKr / LoHa: the delta
-        # weight). Checkpointing holds one block's worth at a time.
-        layers = _dim(dims, "num_layers")
-        done = (layers if full else 0) if checkpointed_layers is None else checkpointed_layers
-        blocks = layers - done + (1 if done else 0)
-        activations += blocks * (local_rows * lora.block_row_values + lora.block_delta_values) * b
     trainable_bytes, moment_bytes = trainable_state_bytes(counts, trainable, optimizer, lora is None, shard)
-    peak_grads = None
-    if grad_accum == 1:
-        layers = _dim(dims, "num_layers")
-        done = (layers if full else 0) if checkpointed_layers is None else checkpointed_layers
-        block = block_activation_row_bytes(dims, dtype, sp, frozen_base=_frozen_parts(dims, lora)[0])
-        # What the blocks keep for the backward, given up block by block as it proceeds (nothing when
-        # only the output projections train).
-        freed = local_rows * (done * _dim(dims, "hidden_size") * b + (layers - done) * block)
-        if lora is not None and lora.heads_only:
-            freed = 0
-        peak_grads = backward_grads_bytes(trainable_bytes, freed)
+    unsharded_block = _unsharded_block_bytes(dims, counts, block_params, b, lora, base_quant)
+    one_rank = shard == 1
+    plain = one_rank and b == _FP32 and not cpu_offload and lora is None
+
+    def unsharded(i: int | None) -> int:
+        """All-gathered parameter bytes. Across ranks: the unit running and the one prefetched. On one rank
+        no block reshards after forward, so every block not yet through its backward stays gathered, with
+        the refiner and the root (`model/fsdp.py`); float32 on one rank trains plain tensors (no copy)."""
+        if plain:
+            return 0
+        if not one_rank:
+            return 2 * unsharded_block
+        rest = (counts.total - layers * counts.block) * b
+        if i is None:
+            return layers * unsharded_block + rest
+        return (i + 1) * unsharded_block + rest if i >= 0 else rest
+
+    accum = grad_accum != 1
+    block_grad_shard = -(-block_grads // shard) * (trainable_bytes / max(trainable, 1))
+    # Trainable parameters outside both block stacks, per rank: what reduces before the stack's backward ends.
+    stacks = layers * block_grads + (0 if lora is not None else counts.num_refiner_layers * counts.refiner_block)
+    head_grads = -(-max((lora.trainable if lora is not None else counts.total) - stacks, 0) // shard)
+    if lora is not None and lora.heads_only:
+        acts = heads_activation_bytes(dims, local_rows, sp, text_rows, lora)
+        peak = StepPeak("forward", acts, trainable_bytes if accum else 0, unsharded(None), 0)
+    else:
+        peak = step_peak(
+            dims,
+            local_rows,
+            dtype,
+            policies,
+            sp=sp,
+            text_rows=text_rows,
+            lora=lora,
+            fused_norm=fused_norm,
+            grads_bytes=trainable_bytes,
+            block_grads_bytes=int(block_grad_shard),
+            head_grads_bytes=int(head_grads * trainable_bytes / max(trainable, 1)),
+            grads_resident=accum,
+            unsharded=unsharded,
+            unsharded_block_grads=0 if plain else block_grads * b,
+        )
+    full = all(p == "full" for p in policies) and bool(policies)
     return MemoryPlan(
         dp_replicate=dp_replicate,
         dp_shard=dp_shard,
         sp=sp,
         dtype=dtype,
-        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing="full" if full else (policies[0] if len(set(policies)) == 1 else "auto"),
         rows=rows,
         local_rows=local_rows,
         params=counts,
@@ -621,21 +854,54 @@ def plan_memory(
         ema_bytes=trainable * _FP32 if ema else 0,
         optimizer=optimizer,
         base_quant=base_quant,
-        # Counted at every mesh size: the compute-dtype copy of a unit exists even unsharded, and a
-        # one-rank mesh is not a layout the 33 B model fits in anyway.
-        unsharded_params_bytes=2 * _unsharded_block_bytes(dims, counts, block_params, b, lora, base_quant),
-        unsharded_grads_bytes=block_grads * _FP32,
-        activation_bytes=activations,
+        unsharded_params_bytes=peak.unsharded_params,
+        unsharded_grads_bytes=peak.unsharded_grads,
+        activation_bytes=peak.activations,
         reserve_bytes=int(reserve_gib * GIB),
         device_bytes=int(device_memory_gib * GIB),
         rows_origin=rows_origin,
         lora=lora,
         cpu_offload=cpu_offload,
-        checkpointed_layers=checkpointed_layers,
+        policies=policies,
         text_rows=text_rows,
-        refiner_activation_bytes=refiner_activation_bytes(dims, text_rows, dtype, activation_checkpointing, lora),
-        peak_grads_bytes=peak_grads,
+        refiner_activation_bytes=refiner_activation_bytes(
+            dims, text_rows, dtype, "full" if refiner_recomputed(policies) else "none", lora, fused_norm
+        ),
+        peak_grads_bytes=None if accum else peak.grads,
+        peak_phase=peak.phase,
+        recompute_share=recompute_share(dims, rows, policies, text_rows),
+        fused_norm=fused_norm,
+        auto=activation_checkpointing == "auto",
     )
+
+
+def policy_mixes(layers: int) -> list[tuple[str, ...]]:
+    """Every per-block mix of the three policies in the order that keeps the backward's peak lowest: the full
+    blocks first, then the selective, then the kept (whose activations are freed first as the backward
+    starts from the last block)."""
+    return [
+        ("full",) * n_full + ("selective",) * n_sel + ("none",) * (layers - n_full - n_sel)
+        for n_full in range(layers + 1)
+        for n_sel in range(layers - n_full + 1)
+    ]
+
+
+def choose_policies(dims: Mapping[str, Any], **kwargs: Any) -> MemoryPlan:
+    """`model.activation_checkpointing: auto`: of every mix of none, selective and full (`policy_mixes`), the
+    plan with the least recompute (`MemoryPlan.recompute_share`) whose peak fits the device less the
+    reserve; the lower peak breaks a tie. When none fits: full recompute, which keeps the least."""
+    layers = _dim(dims, "num_layers")
+    best: MemoryPlan | None = None
+    for mix in policy_mixes(layers):
+        candidate = plan_memory(dims, activation_checkpointing="auto", policies=mix, **kwargs)
+        if not candidate.fits:
+            continue
+        key = (round(candidate.recompute_share, 12), candidate.peak_bytes)
+        if best is None or key < (round(best.recompute_share, 12), best.peak_bytes):
+            best = candidate
+    if best is None:
+        best = plan_memory(dims, activation_checkpointing="auto", policies=("full",) * layers, **kwargs)
+    return best
 
 
 def _unsharded_block_bytes(
@@ -650,20 +916,6 @@ def _unsharded_block_bytes(
     vectors = 2 * h + 2 * _dim(dims, "attention_head_dim") + _ADALN_VECTORS * _MODALITIES * h
     matrices = counts.block - vectors
     return matrices * base_bytes_per_weight(quant) + (block_params - matrices) * b
-
-
-def backward_grads_bytes(grads: int, freed: int) -> int:
-    """Gradient bytes beside the activations at the backward's peak when no gradient is resident as it
-    starts (`train.grad_accum = 1`: the step zeroes them, `set_to_none`, before its one micro-batch).
-
-    The backward walks the blocks from the last: each gives up what it kept for the backward (`freed`
-    in all) and gains its gradient shard (`grads` in all), so memory moves in a straight line from the
-    start (the activations' peak, no gradient) to the end. The peak is the larger end: no gradient
-    when the blocks keep more than their gradients weigh, else the difference. After the backward the
-    activations are gone, and the gradients alone are less. The units outside the block stack reduce
-    last and weigh little next to a block: left out.
-    """
-    return max(0, grads - freed)
 
 
 def trainable_state_bytes(
@@ -738,12 +990,14 @@ def fit_kwargs(plan: MemoryPlan) -> dict[str, Any]:
         "reserve_gib": plan.reserve_bytes / GIB,
         "lora": plan.lora,
         "cpu_offload": plan.cpu_offload,
-        "checkpointed_layers": plan.checkpointed_layers,
+        # `auto` bounds the rows by the policy that keeps the least: full recompute.
+        "policies": tuple("full" for _ in plan.policies) if plan.auto else plan.policies,
         "ema": plan.ema_bytes > 0,
         "text_rows": plan.text_rows,
         "optimizer": plan.optimizer,
         "base_quant": plan.base_quant,
         "grad_accum": 1 if plan.peak_grads_bytes is not None else None,
+        "fused_norm": plan.fused_norm,
     }
 
 

@@ -21,9 +21,9 @@ from .arithmetic import (
     EvaluationPlan,
     MemoryPlan,
     MeshSizes,
-    _dim,
     evaluation_activation_bytes,
     fit_kwargs,
+    fused_norm_for,
     longest_fit_rows,
     lora_fit_lines,
     parameter_counts,
@@ -117,16 +117,6 @@ def _longest_sample_rows(cfg: Config) -> tuple[int, int, str]:
     return rows, min(RELEASED_TEXT_ROWS, rows) if text_rows is None else text_rows, where
 
 
-def checkpointed_layers(cfg: Config, num_layers: int) -> int:
-    """Transformer blocks `model.activation_checkpointing` recomputes (`SequenceParallelH3.checkpointed`)."""
-    mode = cfg.model.activation_checkpointing
-    if mode == "full":
-        return num_layers
-    if mode == "selective":
-        return len(range(0, num_layers, cfg.model.checkpoint_every))
-    return 0
-
-
 def estimate(
     dims: Mapping[str, Any],
     mesh: MeshSizes,
@@ -135,13 +125,17 @@ def estimate(
     device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
     text_rows: int | None = None,
     ranks_per_node: int = 0,
+    device: str = "cuda",
+    fused_norm: bool | None = None,
 ) -> MemoryPlan:
     """`plan_memory` for a loaded config on a resolved mesh; `rows` defaults to `config_rows(cfg)`,
     `text_rows` to the text rows of the config's longest sample (`config_sample_rows`), at most `rows`.
 
     Also planned: the validation and rendering forwards between steps (`evaluation`), the host copy
     `checkpoint.async_save` stages each save in (`staging_bytes`) and, with `ranks_per_node` (at most
-    the world size), the host memory of a node.
+    the world size), the host memory of a node. `device`: where the run trains, whose kernels the plan
+    models (`fused_norm_for`); `model.activation_checkpointing: auto` chooses its blocks' policies for
+    `device_memory_gib` (`choose_policies`). `fused_norm` overrides the norm kernel `device` implies.
     """
     rows_origin = "given"
     if rows is None:
@@ -162,12 +156,12 @@ def estimate(
         rows_origin=rows_origin,
         lora=lora,
         cpu_offload=cfg.parallel.cpu_offload,
-        checkpointed_layers=checkpointed_layers(cfg, _dim(dims, "num_layers")),
         ema=cfg.train.ema.decay > 0,
         text_rows=text_rows,
         optimizer=cfg.optim.name,
         base_quant=cfg.lora.base_quant,
         grad_accum=cfg.train.grad_accum,
+        fused_norm=fused_norm_for(device) if fused_norm is None else fused_norm,
     )
     ckpt = checkpoint_bytes(dims, cfg, lora)
     plan = replace(

@@ -41,6 +41,23 @@ def _grads_note(plan: MemoryPlan) -> str:
     return f"  (grad_accum 1: {_gib(plan.peak_grads_bytes).strip()} of them in the total, beside the backward's peak)"
 
 
+def policy_counts(policies: tuple[str, ...]) -> str:
+    """`4 blocks none` or `2 blocks full, 3 selective, 45 none`: how many blocks take each policy."""
+    parts = [(p, policies.count(p)) for p in ("full", "selective", "none") if policies.count(p)]
+    if not parts:
+        return "no blocks"
+    head, *rest = parts
+    noun = "block" if head[1] == 1 else "blocks"
+    return ", ".join([f"{head[1]} {noun} {head[0]}", *(f"{n} {p}" for p, n in rest)])
+
+
+def checkpointing_line(plan: MemoryPlan) -> str:
+    """What the blocks recompute and what it costs: `auto: 12 blocks full, 38 none (recomputes 19.4 % of the
+    forward's FLOPs)`."""
+    how = "auto: " if plan.auto else ""
+    return f"{how}{policy_counts(plan.policies)} (recomputes {100 * plan.recompute_share:.1f} % of the forward's FLOPs)"
+
+
 def fixes(plan: MemoryPlan) -> str:
     """What makes a plan that does not fit fit, the cheapest first: a bound on the rows when one fits."""
     if plan.packed:
@@ -48,7 +65,7 @@ def fixes(plan: MemoryPlan) -> str:
     else:
         bound = f"set data.max_rows={plan.longest_fit} (drops longer samples), " if plan.longest_fit else ""
     return (
-        f"{bound}shard over more ranks (dp_shard), raise sp, enable model.activation_checkpointing or "
+        f"{bound}shard over more ranks (dp_shard), raise sp, set model.activation_checkpointing=full or "
         "parallel.cpu_offload, or shorten the clips"
     )
 
@@ -66,7 +83,7 @@ def summary(plan: MemoryPlan) -> str:
     word = "yes" if plan.fits else "NO"
     return (
         f"fits: {word}, {plan.peak_bytes / GIB:.2f} GiB of {plan.device_bytes / GIB:.0f} GiB per rank at the "
-        f"{at}, {plan.rows:,} rows"
+        f"{at}, {plan.rows:,} rows; recompute {checkpointing_line(plan)}"
     )
 
 
@@ -105,11 +122,7 @@ def format_plan(plan: MemoryPlan) -> str:
     """A readable multi-line table of `plan`, one memory line per term, ending in the verdict."""
     p = plan.params
     shard = plan.shard_size
-    ckpt = "on" if plan.activation_checkpointing == "full" else "off"
-    if plan.checkpointed_layers is not None and 0 < plan.checkpointed_layers < p.num_layers:
-        ckpt = f"selective ({plan.checkpointed_layers} of {p.num_layers} blocks)"
-    elif plan.checkpointed_layers is not None:
-        ckpt = "on" if plan.checkpointed_layers else "off"
+    ckpt = checkpointing_line(plan)
     where = "  (host: cpu_offload)" if plan.cpu_offload else ""
     lines = [
         f"mesh          dp_replicate={plan.dp_replicate} dp_shard={plan.dp_shard} sp={plan.sp} "
@@ -123,7 +136,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"(dp {plan.dp_replicate * plan.dp_shard} x grad_accum {plan.grad_accum}), "
         f"{plan.dp_replicate * plan.dp_shard} per micro-batch"
         + (f"; each pack up to {plan.rows:,} rows of samples (data.pack)" if plan.packed else ""),
-        f"compute       {plan.dtype}, gradient checkpointing {ckpt}",
+        f"compute       {plan.dtype}, {'fused' if plan.fused_norm else 'composite'} RMSNorm",
+        f"recompute     {ckpt}",
     ]
     lora = plan.lora
     wdt = "bf16" if plan.optimizer == "adamw_bf16" else "fp32"

@@ -59,13 +59,13 @@ def test_every_shipped_config_fits_its_plan_header_without_its_data(
 def test_a_plan_that_does_not_fit_fails_check_naming_the_fix(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     config = ROOT / "configs" / "h3_fl2va_a100.yaml"
-    rc, out, err = run_cli(capsys, ["check", str(config), "--world-size", "8", "model.gradient_checkpointing=false"])
+    rc, out, err = run_cli(capsys, ["check", str(config), "--world-size", "8", "model.activation_checkpointing=none"])
     assert rc == ConfigError.exit_code == 2
     assert "fits: NO" in out
     line = err.strip().splitlines()
     assert len(line) == 1 and "of the device's 80 GiB" in line[0] and "set data.max_rows=" in line[0]
     # Knowingly over the plan: check prints it and lets a launch go on, as train starts.
-    rc, out, _ = run_cli(capsys, ["check", str(config), "--world-size", "8", "model.gradient_checkpointing=false",
+    rc, out, _ = run_cli(capsys, ["check", str(config), "--world-size", "8", "model.activation_checkpointing=none",
                                   "train.ignore_memory_plan=true"])  # fmt: skip
     assert rc == 0 and "fits: NO" in out
 
@@ -196,7 +196,7 @@ def test_train_refuses_the_longest_sample_by_name_and_max_rows_lets_it_start(
     monkeypatch.setenv("WORLD_SIZE", "1")
     folder, lengths = _tiny_dataset(tmp_path)
     longest = CachedDataset(folder, "fl2va").entries[lengths.index(max(lengths))].sample_id
-    cfg = load_config(TINY_FL2VA, ["data.source=cached", f"data.path={folder}"])
+    cfg = load_config(TINY_FL2VA, ["data.source=cached", f"data.path={folder}", "model.activation_checkpointing=none"])
     plan = estimate(model_dims(cfg), ParallelDims.from_config(cfg.parallel, 1), cfg)
     # A device with room for the shortest sample, not the longest.
     shorter = estimate(model_dims(cfg), ParallelDims.from_config(cfg.parallel, 1), cfg, rows=min(lengths))
