@@ -58,7 +58,6 @@ def check_values(cfg: Config) -> None:
         "data.synthetic.num_samples",
         "data.synthetic.text_len",
         "data.synthetic.num_latent_frames",
-        "model.checkpoint_every",
     ):
         positive(key)
     if cfg.model.gradient_checkpointing and cfg.model.activation_checkpointing != "full":

@@ -287,7 +287,7 @@ def _normalise(cfg: Config) -> None:
     """One spelling per setting, set once at load: nothing later rewrites the config.
 
     `model.gradient_checkpointing` is the older spelling of `model.activation_checkpointing: full`:
-    true turns `none` into `full`, and `full` sets it back to true for readers of the bool. Any other
+    true turns `none` or `auto` into `full`, and `full` sets it back to true for readers of the bool. Any other
     pairing is left for `check_values` to refuse.
     """
     if isinstance(cfg.data.path, int) and not isinstance(cfg.data.path, bool):
@@ -295,7 +295,7 @@ def _normalise(cfg: Config) -> None:
     if isinstance(cfg.model.compile, str) and cfg.model.compile.lower() in _FLAG_WORDS:
         # `model.compile=on` (an override's text) or a quoted `"true"` in YAML: the flag, as YAML reads it.
         cfg.model.compile = _FLAG_WORDS[cfg.model.compile.lower()]
-    if cfg.model.gradient_checkpointing and cfg.model.activation_checkpointing == "none":
+    if cfg.model.gradient_checkpointing and cfg.model.activation_checkpointing in ("none", "auto"):
         cfg.model.activation_checkpointing = "full"
     if cfg.model.activation_checkpointing == "full":
         cfg.model.gradient_checkpointing = True

@@ -23,13 +23,12 @@ class ModelConfig:
     # Compute dtype. Master weights stay float32; bfloat16 computes the blocks in bf16 and keeps
     # the `_keep_in_fp32_modules` islands in float32.
     dtype: str = "float32"
-    # Older spelling of `activation_checkpointing: full` (true turns `none` into `full`).
+    # Older spelling of `activation_checkpointing: full` (true turns `none` or `auto` into `full`).
     gradient_checkpointing: bool = False
-    # Recompute blocks in backward: none | full (every refiner and transformer block) | selective
-    # (every `checkpoint_every`-th transformer block: 0, N, 2N, ...).
-    activation_checkpointing: str = "none"
-    # N of `selective`: the transformer blocks 0, N, 2N, ... are recomputed.
-    checkpoint_every: int = 2
+    # What each transformer block recomputes in backward: auto (the memory plan picks, block by block,
+    # the least recompute whose peak fits the device; nothing on the CPU) | none | selective (keeps the
+    # attention output, recomputes the rest) | full (keeps only each block's input; the text refiner too).
+    activation_checkpointing: str = "auto"
     # Attention kernel (`ops/attention.py`); `auto`: flash-attn where it runs (CUDA, installed, bf16), else native.
     attention_backend: str = "native"
     # Regional torch.compile of each transformer block, with `compile_backend` (inductor, aot_eager, ...):
@@ -457,7 +456,7 @@ class Config:
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16"),
     "model.attention_backend": ("auto", "native", "flash", "cudnn"),
-    "model.activation_checkpointing": ("none", "full", "selective"),
+    "model.activation_checkpointing": ("auto", "none", "selective", "full"),
     "data.source": ("synthetic", "cached"),
     "data.on_error": ("raise", "skip"),
     "data.pack_oversize": ("refuse", "alone"),

@@ -65,7 +65,7 @@ from ..train.metrics import MetricsLogger
 from ..train.preemption import SAME_KEYPRESS_S, Preemption
 from ..train.trainer import Trainer
 from .parts import TrainingParts
-from .preflight import preflight, start_plan
+from .preflight import checkpoint_policies, preflight, start_plan
 from .resume import Resume
 from .rundir import probe_writable
 
@@ -313,7 +313,11 @@ def step_packing(cfg: Config, dp: int, dims: dict[str, Any]) -> Packing:
 
 
 def wrap_and_shard(
-    cfg: Config, ctx: ParallelContext, transforms: Sequence[ModelTransform], from_meta: bool
+    cfg: Config,
+    ctx: ParallelContext,
+    transforms: Sequence[ModelTransform],
+    from_meta: bool,
+    policies: tuple[str, ...] | None = None,
 ) -> SequenceParallelH3:
     """`build_sharded_model` up to its values: the transformer (on `meta` when `from_meta`, else seeded)
     with its transforms, wrapped for sequence parallelism and sharded by FSDP2. A model from `meta`
@@ -334,8 +338,7 @@ def wrap_and_shard(
     model = SequenceParallelH3(
         transformer,
         SequenceParallel(ctx.sp_group),
-        activation_checkpointing=cfg.model.activation_checkpointing,
-        checkpoint_every=cfg.model.checkpoint_every,
+        activation_checkpointing=checkpoint_policies(cfg, ctx.dims, device.type, transformer.config.num_layers),
         compile_blocks=resolve_compile(cfg, device.type),
         compile_backend=cfg.model.compile_backend,
         packed=cfg.data.pack > 0,

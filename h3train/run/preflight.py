@@ -15,6 +15,7 @@ import torch
 from ..config import Config, load_config
 from ..model.dims import planned_model_dims
 from ..parallel.dims import ParallelDims
+from ..plan import MemoryPlan
 from .checks import check, check_inputs, device_type
 
 
@@ -41,6 +42,50 @@ def preflight(cfg: Config, planning: bool = False, world_size: int | None = None
     return check_inputs(cfg, planning)
 
 
+def device_memory_gib(device_kind: str) -> float:
+    """This rank's device memory in GiB: the GPU's total on CUDA, the plan's default card elsewhere."""
+    from ..plan import DEFAULT_DEVICE_MEMORY_GIB, GIB
+
+    if device_kind != "cuda":
+        return DEFAULT_DEVICE_MEMORY_GIB
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    return torch.cuda.get_device_properties(index).total_memory / GIB
+
+
+def run_plan(
+    cfg: Config,
+    dims: ParallelDims,
+    device_kind: str,
+    memory_gib: float | None = None,
+    fused_norm: bool | None = None,
+) -> MemoryPlan:
+    """The memory plan of this run on its mesh and device (`memory_gib` defaults to `device_memory_gib`), with
+    the kernels of `device_kind`: what the start prints and what `model.activation_checkpointing: auto`
+    takes its blocks' policies from (`checkpoint_policies`). `fused_norm` overrides the norm kernel this
+    torch runs on `device_kind` (a plan of another torch's run)."""
+    from ..plan import estimate
+
+    memory_gib = device_memory_gib(device_kind) if memory_gib is None else memory_gib
+    return estimate(
+        planned_model_dims(cfg)[0], dims, cfg, device_memory_gib=memory_gib, device=device_kind, fused_norm=fused_norm
+    )
+
+
+def checkpoint_policies(cfg: Config, dims: ParallelDims, device_kind: str, num_layers: int) -> tuple[str, ...]:
+    """One policy per transformer block (`plan.BLOCK_POLICIES`) for `model.activation_checkpointing`: `auto`
+    takes the plan's choice on CUDA (`plan.choose_policies`: the least recompute that fits) and recomputes
+    nothing on the CPU, which has no device memory to fit."""
+    mode = cfg.model.activation_checkpointing
+    if mode != "auto":
+        return (mode,) * num_layers
+    if device_kind != "cuda":
+        return ("none",) * num_layers
+    policies = run_plan(cfg, dims, device_kind).policies
+    if len(policies) != num_layers:
+        raise ValueError(f"the plan chose {len(policies)} block policies for a model of {num_layers} blocks")
+    return policies
+
+
 def start_plan(
     cfg: Config,
     device_kind: str | None = None,
@@ -55,16 +100,11 @@ def start_plan(
     `device_kind` / `device_memory_gib` default to this machine's (`device_type`, the GPU's total
     memory); a test passes them to take the GPU's path on a CPU.
     """
-    from ..plan import DEFAULT_DEVICE_MEMORY_GIB, GIB, dropped_line, estimate, refuse_over_plan, summary
+    from ..plan import dropped_line, refuse_over_plan, summary
 
     device_kind = device_kind or device_type(cfg)
-    if device_memory_gib is None:
-        device_memory_gib = DEFAULT_DEVICE_MEMORY_GIB
-        if device_kind == "cuda":
-            index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-            device_memory_gib = torch.cuda.get_device_properties(index).total_memory / GIB
     dims = dims or ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
-    plan = estimate(planned_model_dims(cfg)[0], dims, cfg, device_memory_gib=device_memory_gib)
+    plan = run_plan(cfg, dims, device_kind, device_memory_gib)
     if int(os.environ.get("RANK", "0")) == 0:
         dropped = dropped_line(cfg)
         print(f"memory plan: {summary(plan)} ({plan.rows_origin})", flush=True)
