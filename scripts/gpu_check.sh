@@ -23,7 +23,11 @@
 #                      (torch 2.8, without DCP's DefaultStager, copies on the training thread: said);
 #    block_memory_vs_rehearsal   one full-width block on the 41,774-row layout: the step's
 #                      torch.cuda.max_memory_allocated within 10 % of the fake-tensor rehearsal's
-#                      tracked peak (h3train/tools/rehearse.py) for the same config.
+#                      tracked peak (h3train/tools/rehearse.py) for the same config;
+#  - the memory sweep (h3train/tools/memory_sweep.py; not with --reduced): blocks, clip length, each
+#    block's policy and compile, each case's measured peak beside the plan in the calibration table's
+#    format (<out>_sweep.jsonl; append its points to h3train/plan/calibration.jsonl), and the kernel
+#    SDPA runs for each attention backend.
 # Writes one JSON (default gpu_check_<host>_<time>.json; the checks under "checks") and prints its
 # path. Exit status: 0 when every backend ran, held parity and made no sync beyond the step's one
 # read-back, and no check that ran failed (a skipped one, with its reason, does not count); 1
@@ -58,6 +62,13 @@ fi
 start=$SECONDS
 status=0
 "$python" -m h3train bench --checks "${args[@]}" --out "$out" || status=$?
+echo "gpu_check: bench and checks $((SECONDS - start)) s, exit $status"
+if [[ " ${args[*]} " != *" --reduced "* ]]; then
+  # The memory sweep: each case's measured peak beside the plan, in plan/calibration.jsonl's format.
+  sweep=${out%.json}_sweep.jsonl
+  "$python" -m h3train.tools.memory_sweep --out "$sweep" || status=$?
+  echo "gpu_check: sweep $sweep"
+fi
 echo "gpu_check: $((SECONDS - start)) s, exit $status"
 if [[ -f $out ]]; then
   echo "gpu_check: JSON $out"

@@ -31,8 +31,22 @@ def add_arguments(parser: Parser) -> None:
     parser.add_argument(
         "--gradient-checkpointing",
         default="auto",
-        choices=("auto", "on", "off"),
-        help="auto: on when the step would not fit the device without it",
+        choices=("auto", "on", "selective", "off"),
+        help="what each block recomputes: auto (the memory plan's least recompute that fits the device), "
+        "on (full), selective (keeps the attention output), off",
+    )
+    parser.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="print (and with --out write) the plan of the case a GPU would run, full width in bf16, without "
+        "building the model; runs anywhere",
+    )
+    parser.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=None,
+        above_zero=True,
+        help="the device --plan-only plans for (default 80)",
     )
     parser.add_argument(
         "--parity-tol",

@@ -155,18 +155,16 @@ def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def _activation_worker(rank: int, world: int, modes: list[tuple[str, int]], timed: bool) -> dict[str, Any]:
-    """Saved activation bytes (and step seconds when `timed`) of each checkpointing mode at sp = world."""
+def _activation_worker(rank: int, world: int, modes: list[str], timed: bool) -> dict[str, Any]:
+    """Saved activation bytes (and step seconds when `timed`) of each block policy at sp = world."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     group = dist.group.WORLD if world > 1 else None
     ti = memory_inputs()
     results: dict[str, Any] = {}
-    for mode, every in modes:
+    for mode in modes:
         model = memory_model()
-        forward = SequenceParallelH3(
-            model, SequenceParallel(group), activation_checkpointing=mode, checkpoint_every=every
-        )
-        key = mode if mode != "selective" else f"selective/{every}"
+        forward = SequenceParallelH3(model, SequenceParallel(group), activation_checkpointing=mode)
+        key = mode
         entry: dict[str, Any] = {"saved_bytes": saved_activation_bytes(forward, ti)}
         if timed:
             compute_loss(forward, ti).loss.backward()  # warm-up
@@ -191,16 +189,16 @@ def _one_rank(fn: Callable, *args: Any) -> Any:
 def activation_memory_ratios(sp: int = 2) -> dict[str, float]:
     """Saved activations per rank at `sp` over sp = 1 on the measured model and sample, without
     checkpointing (`none`) and with full checkpointing (`full`)."""
-    modes = [("none", 1), ("full", 1)]
+    modes = ["none", "full"]
     one = _one_rank(_activation_worker, modes, False)
     many = run_ranks(_activation_worker, sp, modes, False)
     return {mode: many[0][mode]["saved_bytes"] / one[mode]["saved_bytes"] for mode in one}
 
 
-def checkpointing_trade(sp: int = 1, every: int = 2) -> dict[str, dict[str, float]]:
-    """Per checkpointing mode: saved activation bytes and one forward+backward's seconds, and both
-    relative to `none`, on the measured model and sample at `sp` (rank 0's figures)."""
-    modes = [("none", 1), ("full", 1), ("selective", every)]
+def checkpointing_trade(sp: int = 1) -> dict[str, dict[str, float]]:
+    """Per block policy: saved activation bytes and one forward+backward's seconds, and both relative to
+    `none`, on the measured model and sample at `sp` (rank 0's figures)."""
+    modes = ["none", "full", "selective"]
     res = _one_rank(_activation_worker, modes, True) if sp == 1 else run_ranks(_activation_worker, sp, modes, True)[0]
     base = res["none"]
     return {
@@ -224,7 +222,7 @@ def _collectives_worker(
     from ..optim.kinds import build_optimizer
     from ..parallel.collectives import count_collectives
     from ..parallel.dims import ParallelContext, ParallelDims
-    from ..run.preflight import load_checked
+    from ..run.preflight import checkpoint_policies, load_checked
 
     cfg = load_checked(config, overrides)
     ctx = ParallelContext(ParallelDims(1, world // sp, sp, world), torch.device("cpu"))
@@ -232,8 +230,7 @@ def _collectives_worker(
     model = SequenceParallelH3(
         transformer,
         SequenceParallel(ctx.sp_group),
-        activation_checkpointing=cfg.model.activation_checkpointing,
-        checkpoint_every=cfg.model.checkpoint_every,
+        activation_checkpointing=checkpoint_policies(cfg, ctx.dims, "cpu", transformer.config.num_layers),
     )
     apply_fsdp(model, ctx, cfg.model.dtype, cpu_offload=cpu_offload)
     optimizer = build_optimizer(model, cfg.optim)

@@ -185,7 +185,7 @@ def measure(
         try:
             for kind in labels:
                 # The same config but for optim.name, or lora.base_quant (and the run folder each trainer locks).
-                cfg = trainer_config(dims, REDUCED_CLIP, "float32", False, "native", seed, Path(tmp) / kind)
+                cfg = trainer_config(dims, REDUCED_CLIP, "float32", "none", "native", seed, Path(tmp) / kind)
                 if bases:
                     cfg.optim = dataclasses.replace(cfg.optim, lr=lr)
                     cfg.lora = dataclasses.replace(cfg.lora, rank=LORA_RANK, base_quant=kind)

@@ -66,6 +66,7 @@ from ..train.hooks import MicroBatchEvent, TrainerHook, TrainerView
 from ..train.reduction import ReducedStep, StepTotals
 from ..train.trainer import Trainer
 from .bench import Clip, bench_sample, clip_data
+from .cuda_kernels import cuda_norm_kernels
 from .memtrack import TRANSIENT, StorageTracker
 
 # The longest released clip the plan falls back to away from the data (`plan.RELEASED_MAX_ROWS` as FL2VA):
@@ -394,18 +395,20 @@ def _build(
     mode: Any,
     batches: _PlannedMicroBatch,
     hooks: list[TrainerHook],
+    policies: tuple[str, ...] | None = None,
 ) -> Trainer:
     """The run's trainer on `ctx`'s fake group, its parts built by the composition root's own builders, their
     values fake tensors of `mode`, the optimizer state allocated; `hooks` run before the config's.
 
     The transformer is built, transformed and sharded on `meta` outside the fake mode (module dtype
-    conversions swap tensors, which fake tensors refuse), then materialized inside it.
+    conversions swap tensors, which fake tensors refuse), then materialized inside it. `policies`: what each
+    block recomputes, the plan's choice for the GPU (default: what the config resolves to here).
     """
     from ..lora.transforms import model_transforms
     from ..run.assemble import wrap_and_shard
 
     transforms = model_transforms(cfg)
-    model = wrap_and_shard(cfg, ctx, transforms, from_meta=True)
+    model = wrap_and_shard(cfg, ctx, transforms, from_meta=True, policies=policies)
     with mode, tracker if tracker is not None else _nothing():
         return _materialized(cfg, ctx, model, transforms, tracker, notes, batches, hooks)
 
@@ -419,6 +422,7 @@ def _materialized(
     notes: list[str],
     batches: _PlannedMicroBatch,
     hooks: list[TrainerHook],
+    policies: tuple[str, ...] | None = None,
 ) -> Trainer:
     """`_build` inside the fake mode: values, the tracker's categories, optimizer (state), the parts, the trainer."""
     from ..checkpoint import checkpoint_root
@@ -514,11 +518,18 @@ def _allocate_optimizer_state(model: Any, optimizer: torch.optim.Optimizer, name
     )
 
 
-def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_plan: bool = True) -> Rehearsal:
+def rehearse(
+    cfg: Config,
+    world_size: int,
+    num_layers: int | None = None,
+    save_plan: bool = True,
+    fused_norm: bool | None = None,
+) -> Rehearsal:
     """Rehearse `cfg`'s build and one step at `world_size` ranks (module docstring).
 
     `num_layers`: rehearse (and plan) that many transformer blocks instead of the architecture's; every
-    block is the same FSDP unit with the same rows, so per block the memory is the same.
+    block is the same FSDP unit with the same rows, so per block the memory is the same. `fused_norm`: the
+    GPU's torch runs CUDA's fused RMSNorm (default: as this torch would, `plan.fused_norm_for`).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -563,10 +574,14 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
         sample = SamplePack(tuple(members))
         text_rows = text_rows * copies + sum(int(m.text_token_tags.numel()) for m in members[copies:])
         rows = sample.seq_len
-    plan = estimate(dims, mesh, cfg, rows=rows, text_rows=text_rows)
+    plan = estimate(dims, mesh, cfg, rows=rows, text_rows=text_rows, fused_norm=fused_norm)
     seconds["sample"] = time.perf_counter() - start
 
-    with fake_process_group(world_size) as pg_notes, known_notices():
+    if plan.fused_norm:
+        notes.append(
+            "RMSNorm: CUDA's fused kernel (its saved tensors, `cuda_kernels.FusedRMSNorm`), not the CPU composite"
+        )
+    with fake_process_group(world_size) as pg_notes, known_notices(), cuda_norm_kernels(plan.fused_norm):
         notes[:0] = pg_notes
         # The mesh computes its coordinates with nonzero: before the fake mode.
         ctx = ParallelContext(mesh, torch.device("cpu"))
@@ -577,7 +592,7 @@ def rehearse(cfg: Config, world_size: int, num_layers: int | None = None, save_p
         phases = _Phases(tracker, ema=run_cfg.train.ema.decay > 0)
         t = time.perf_counter()
         batches = _PlannedMicroBatch(sample, ti, per_step=micro_batches * mesh.dp * per_micro)
-        trainer = _build(run_cfg, ctx, tracker, notes, mode, batches, [phases])
+        trainer = _build(run_cfg, ctx, tracker, notes, mode, batches, [phases], plan.policies)
         phases.attach(trainer.model, trainer.parts.optimizer)
         fsdp_params = _fsdp_params(trainer.model)
         seconds["build"] = time.perf_counter() - t

@@ -79,7 +79,7 @@ def rehearsals() -> dict:
         cfg = load_config(_config_path(config), list(overrides))
         try:
             out[name] = rehearse(cfg, world_size_of(config), num_layers=NUM_LAYERS)
-        except ConfigError as exc:  # what the run itself refuses here (an int8 base before torch 2.9)
+        except ConfigError as exc:  # what the run itself refuses here (an int8 base before torch 2.12)
             out[name] = exc
     return out
 

@@ -29,13 +29,15 @@ def format_report(report: BenchReport) -> str:
         f"step          {setup.get('what', 'Trainer.forward_backward + Trainer.update')}",
         f"timing        {setup.get('timing', 'n/a')}",
         f"precision     {report.precision}",
-        f"checkpointing {'on' if report.gradient_checkpointing else 'off'}",
+        f"checkpointing {report.gradient_checkpointing}",
         f"layout        fl2va {lay['height']}x{lay['width']} x {lay['frames']} frames -> {lay['seq_len']:,} rows = "
         f"{lay['text']:,} text + {lay['keyframe']:,} keyframe + {lay['audio']:,} audio + "
         f"{lay['target_video']:,} video; {lay['timesteps']} distinct timesteps",
         f"model FLOPs   {report.flops['total']:.4g} per step (fwd + bwd, matmuls; see h3train/tools/bench/flops.py)",
         f"peak          {_fmt(report.peak_tflops, '.0f')} TFLOP/s bf16 ({report.peak_tflops_source})",
-        f"plan memory   {report.plan_memory_bytes / GIB:.2f} GiB (weights, gradients, AdamW state, activations)",
+        f"plan memory   {report.plan_memory_bytes / GIB:.2f} GiB at the step's peak "
+        f"({report.plan.get('peak_phase', '')}; weights, gradients, AdamW state, activations; no reserve) "
+        f"of {report.plan.get('device_memory_gib', 0):.1f} GiB",
         "",
         f"{'backend':<8} {'kernel':<14} {'fwd+bwd s':>9} {'update s':>9} {'step s':>9} {'tokens/s':>11} "
         f"{'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {'loss':>10}  sync (read-back syncs)",
@@ -74,13 +76,16 @@ def format_report(report: BenchReport) -> str:
             )
     for note in report.notes:
         lines.append(f"note: {note}")
-    lines.append(f"result: {'ok' if report.ok else 'FAILED'}")
+    if not report.backends and "fits" in report.plan:
+        lines.append(f"result: plan only; {'fits' if report.plan['fits'] else 'does NOT fit'}")
+    else:
+        lines.append(f"result: {'ok' if report.ok else 'FAILED'}")
     return "\n".join(lines)
 
 
 def report_from_args(args: argparse.Namespace) -> BenchReport:
     """`run_bench` with the options of `h3train bench`."""
-    base = REDUCED_CLIP if args.reduced or not torch.cuda.is_available() else FULL_CLIP
+    base = REDUCED_CLIP if args.reduced or not (torch.cuda.is_available() or args.plan_only) else FULL_CLIP
     text_len = args.text_len or base.text_len
     clip = Clip(
         frames=args.frames or base.frames,
@@ -95,6 +100,8 @@ def report_from_args(args: argparse.Namespace) -> BenchReport:
         backends=args.backends,
         peak_tflops=args.peak_tflops,
         gradient_checkpointing=args.gradient_checkpointing,
+        device_memory_gib=args.device_memory_gib,
+        plan_only=args.plan_only,
         parity_tolerance=args.parity_tol,
         clip=clip,
         seed=args.seed,
@@ -114,4 +121,6 @@ def bench_command(args: argparse.Namespace) -> int:
     print(format_report(report), flush=True)
     if args.out:
         write_json(Path(args.out), report.to_json())
+    if args.plan_only:
+        return 0 if report.plan.get("fits") else 1
     return 0 if report.ok else 1

@@ -19,6 +19,7 @@ from ...errors import ConfigError, did_you_mean
 from ...model.dims import model_kwargs
 from ...objective import make_training_inputs
 from ...ops.attention import ATTENTION_BACKENDS, unavailable
+from ...plan.report import checkpointing_line, summary
 from .flops import peak_tflops_for, step_flops
 from .parity import PARITY_GATE, REFERENCE_BACKEND, Parity, bench_parity
 from .sample import (
@@ -71,7 +72,8 @@ class BenchReport:
     mode: str
     dtype: str
     precision: str
-    gradient_checkpointing: bool
+    # What the blocks recompute (`plan.report.checkpointing_line`).
+    gradient_checkpointing: str
     model: dict[str, Any]
     parameters: int
     layout: dict[str, Any]
@@ -79,6 +81,8 @@ class BenchReport:
     peak_tflops: float | None
     peak_tflops_source: str
     plan_memory_bytes: int
+    # The plan behind `plan_memory_bytes`: the device it planned for, the blocks' policies, where the peak is.
+    plan: dict[str, Any] = field(default_factory=dict)
     backends: list[BackendResult] = field(default_factory=list)
     # Every backend's gradients against a float32 step (`parity.py`), and the model they were measured on.
     parity: list[Parity] = field(default_factory=list)
@@ -133,10 +137,23 @@ def _check_clip(clip: Clip) -> None:
         raise ConfigError(f"bench --text-len {clip.text_len}: must be at least 1")
 
 
+# `--gradient-checkpointing` as `model.activation_checkpointing`.
+CHECKPOINTING = {"auto": "auto", "on": "full", "selective": "selective", "off": "none"}
+
+
 def trainer_config(
-    dims: dict[str, Any], clip: Clip, dtype: str, checkpointing: bool, backend: str, seed: int, log_dir: Path
+    dims: dict[str, Any],
+    clip: Clip,
+    dtype: str,
+    checkpointing: str,
+    backend: str,
+    seed: int,
+    log_dir: Path,
+    compile_blocks: bool = False,
 ) -> Config:
-    """The `Config` of one bench case: `dims` trained on `clip`'s synthetic samples, one rank, sp = 1.
+    """The `Config` of one bench case: `dims` trained on `clip`'s synthetic samples, one rank, sp = 1,
+    `checkpointing` its `model.activation_checkpointing`, `compile_blocks` its `model.compile` (off unless
+    asked: the kernels compare eager, and a compile costs each backend's build a minute).
 
     A kernel that is not a `model.attention_backend` choice (`math`) is built as `native` and set by
     `run_case` once the trainer is built.
@@ -148,7 +165,8 @@ def trainer_config(
         cfg.model,
         config={**changed, "num_layers": int(dims["num_layers"])},
         dtype=dtype,
-        activation_checkpointing="full" if checkpointing else "none",
+        activation_checkpointing=checkpointing,
+        compile=compile_blocks,
         attention_backend=backend if ATTENTION_BACKENDS[backend].trains else "native",
     )
     cfg.task.name = "fl2va"
@@ -214,6 +232,70 @@ def _clear_cuda(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def bench_plan(
+    dims: dict[str, Any],
+    clip: Clip,
+    dtype: str,
+    policy: str,
+    seed: int,
+    memory_gib: float,
+    device_kind: str,
+    fused_norm: bool | None = None,
+) -> plan.MemoryPlan:
+    """The memory plan of one bench case, as the trainer it builds plans itself (`run.preflight.run_plan`: its
+    config on a one-rank mesh, the kernels of `device_kind`, or `fused_norm` where given); `policy` `auto` is
+    the choice its model makes."""
+    from ...parallel.dims import ParallelDims
+    from ...run.preflight import run_plan
+
+    with tempfile.TemporaryDirectory(prefix="h3train-bench-plan-") as tmp:
+        cfg = trainer_config(dims, clip, dtype, policy, "native", seed, Path(tmp))
+    return run_plan(cfg, ParallelDims(1, 1, 1, 1), device_kind, memory_gib, fused_norm)
+
+
+def _planned_report(
+    layers: int | None, checkpointing: str, memory_gib: float | None, clip: Clip, seed: int
+) -> BenchReport:
+    """`run_bench(plan_only=True)`: the report of a GPU's case with its plan and no backend run."""
+    _check_clip(clip)
+    dims = model_kwargs({"num_layers": layers or 4})
+    memory = memory_gib or plan.DEFAULT_DEVICE_MEMORY_GIB
+    step_plan = bench_plan(dims, clip, "bfloat16", CHECKPOINTING[checkpointing], seed, memory, "cuda")
+    sample = bench_sample(clip, int(dims["text_dim"]), seed)
+    rows = rows_of(make_training_inputs(sample, torch.Generator().manual_seed(seed), TimestepConfig(), LossWeights()))
+    flops = step_flops(dims, rows)
+    return BenchReport(
+        device=f"plan only: a {memory:.1f} GiB CUDA device",
+        mode="full",
+        dtype="bfloat16",
+        precision="float32 master weights; blocks compute in bfloat16 (FSDP2 policy), _keep_in_fp32_modules in float32",
+        gradient_checkpointing=checkpointing_line(step_plan),
+        model={k: (list(v) if isinstance(v, tuple) else v) for k, v in dims.items()},
+        parameters=_parameter_count(dims),
+        layout={
+            "task": "fl2va",
+            "keyframes": ["first", "last"],
+            **asdict(clip),
+            **asdict(rows),
+            "target_video": rows.video - rows.keyframe,
+        },
+        flops={**asdict(flops), "total": flops.total, "counted": "matmuls; fwd + bwd; recompute not counted"},
+        peak_tflops=None,
+        peak_tflops_source="not run",
+        plan_memory_bytes=step_plan.peak_bytes - step_plan.reserve_bytes,
+        plan={
+            "device_memory_gib": memory,
+            "policies": list(step_plan.policies),
+            "recompute_share": step_plan.recompute_share,
+            "peak_phase": step_plan.peak_phase,
+            "fused_norm": step_plan.fused_norm,
+            "reserve_bytes": step_plan.reserve_bytes,
+            "fits": step_plan.fits,
+        },
+        notes=[] if step_plan.fits else [f"the plan does not fit {memory:.1f} GiB: {summary(step_plan)}"],
+    )
+
+
 def _progress(message: str) -> None:
     # stderr, so a run cut short by a time limit still shows how far it got.
     print(f"bench: {message}", file=sys.stderr, flush=True)
@@ -226,16 +308,27 @@ def run_bench(
     backends: str | None = None,
     peak_tflops: float | None = None,
     gradient_checkpointing: str = "auto",
+    device_memory_gib: float | None = None,
+    plan_only: bool = False,
     parity_tolerance: float | None = None,
     clip: Clip | None = None,
     seed: int = 0,
     device: torch.device | None = None,
     repeats: int = DEFAULT_REPEATS,
 ) -> BenchReport:
-    """Plan the model and layout once, then build and run one trainer per backend (`run_case`)."""
+    """Plan the model and layout once, then build and run one trainer per backend (`run_case`).
+
+    `plan_only`: the plan of the case a GPU would run (full width, bfloat16, CUDA's kernels, a device of
+    `device_memory_gib`, default `plan.DEFAULT_DEVICE_MEMORY_GIB`), on any machine, without building a model.
+    """
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     notes: list[str] = []
+    if plan_only:
+        if reduced:
+            raise ConfigError("bench --plan-only plans the full-width model a GPU runs: drop --reduced")
+        report = _planned_report(layers, gradient_checkpointing, device_memory_gib, clip or FULL_CLIP, seed)
+        return report
     if not cuda and not reduced:
         reduced = True
         notes.append("no CUDA device: reduced mode")
@@ -254,35 +347,33 @@ def run_bench(
     sample = bench_sample(clip, int(dims["text_dim"]), seed)
     rows = rows_of(make_training_inputs(sample, torch.Generator().manual_seed(seed), TimestepConfig(), LossWeights()))
 
-    total = torch.cuda.get_device_properties(device).total_memory if cuda else None
-    reserve = int(plan.DEFAULT_RESERVE_GIB * GIB)
-    state_bytes = 16 + (2 if cuda else 0)
-
-    def planned(step_dims: dict[str, Any], ckpt: bool) -> int:
-        return state_bytes * _parameter_count(step_dims) + plan.activation_bytes(
-            step_dims, rows.seq_len, dtype_name, "full" if ckpt else "none", text_rows=clip.text_len
-        )
-
-    if gradient_checkpointing == "auto":
-        ckpt = total is not None and planned(dims, False) + reserve > total
-        if ckpt:
-            notes.append(
-                f"gradient checkpointing on: the step without it plans {planned(dims, False) / GIB:.1f} GiB "
-                f"of {total / GIB:.1f} GiB"
-            )
+    if plan_only:
+        memory_gib = device_memory_gib or plan.DEFAULT_DEVICE_MEMORY_GIB
+    elif cuda:
+        memory_gib = torch.cuda.get_device_properties(device).total_memory / GIB
     else:
-        ckpt = gradient_checkpointing == "on"
-    blocks = int(dims["num_layers"])
-    if total is not None:
+        memory_gib = device_memory_gib or plan.DEFAULT_DEVICE_MEMORY_GIB
+    device_kind = "cuda" if cuda or plan_only else "cpu"
+    policy = CHECKPOINTING[gradient_checkpointing]
+
+    def planned(step_dims: dict[str, Any]) -> plan.MemoryPlan:
+        return bench_plan(step_dims, clip, dtype_name, policy, seed, memory_gib, device_kind)
+
+    step_plan = planned(dims)
+    if layers is None and device_kind == "cuda":
         # An 80 GB card cannot hold the optimizer state of 4 full-width blocks: fewer blocks, same widths.
-        while blocks > 1 and planned({**dims, "num_layers": blocks}, ckpt) + reserve > total:
+        blocks = int(dims["num_layers"])
+        while blocks > 1 and not step_plan.fits:
             blocks -= 1
-    if blocks != dims["num_layers"]:
-        notes.append(
-            f"{blocks} of {dims['num_layers']} blocks, the most whose float32 master weights, gradients and "
-            f"AdamW moments fit in {total / GIB:.1f} GiB"
-        )
-        dims = {**dims, "num_layers": blocks}
+            step_plan = planned({**dims, "num_layers": blocks})
+        if blocks != dims["num_layers"]:
+            notes.append(
+                f"{blocks} of {dims['num_layers']} blocks, the most whose float32 master weights, gradients and "
+                f"AdamW moments fit in {memory_gib:.1f} GiB"
+            )
+            dims = {**dims, "num_layers": blocks}
+    if not step_plan.fits:
+        notes.append(f"the plan does not fit {memory_gib:.1f} GiB: {summary(step_plan)}")
     flops = step_flops(dims, rows)
 
     if cuda:
@@ -308,7 +399,7 @@ def run_bench(
             if cuda
             else "float32 weights, gradients and AdamW state (plain tensors)"
         ),
-        gradient_checkpointing=ckpt,
+        gradient_checkpointing=checkpointing_line(step_plan),
         model={k: (list(v) if isinstance(v, tuple) else v) for k, v in dims.items()},
         parameters=_parameter_count(dims),
         layout={
@@ -325,7 +416,16 @@ def run_bench(
         flops={**asdict(flops), "total": flops.total, "counted": "matmuls; fwd + bwd; recompute not counted"},
         peak_tflops=peak,
         peak_tflops_source=peak_source,
-        plan_memory_bytes=planned(dims, ckpt),
+        plan_memory_bytes=step_plan.peak_bytes - step_plan.reserve_bytes,
+        plan={
+            "device_memory_gib": memory_gib,
+            "policies": list(step_plan.policies),
+            "recompute_share": step_plan.recompute_share,
+            "peak_phase": step_plan.peak_phase,
+            "fused_norm": step_plan.fused_norm,
+            "reserve_bytes": step_plan.reserve_bytes,
+            "fits": step_plan.fits,
+        },
         notes=notes,
         step_setup={
             "what": "Trainer.forward_backward + Trainer.update (build_trainer: one rank, sp = 1; "
@@ -342,7 +442,7 @@ def run_bench(
         for name in names:
             res = results[name]
             _progress(f"{name}: building the trainer ({dims['num_layers']} blocks, {rows.seq_len:,} rows, {device})")
-            cfg = trainer_config(dims, clip, dtype_name, ckpt, name, seed, Path(tmp) / name)
+            cfg = trainer_config(dims, clip, dtype_name, policy, name, seed, Path(tmp) / name)
             try:
                 run_case(cfg, res, device, repeats, rows.seq_len, flops.total, peak)
             except torch.cuda.OutOfMemoryError as exc:
