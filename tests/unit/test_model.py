@@ -132,6 +132,12 @@ def test_block_policies_are_one_for_every_block_or_one_per_block() -> None:
     assert policies("full") == ["full", "full", "full"]
     assert policies(["selective", "full"]) == ["full", "selective", "full"]
     assert policies(("none", "selective")) == ["none", "none", "selective"]
+    # A model wrapped again takes the new wrapper's policies, and keeps its own block forward.
+    model = build_model(cfg, seed=0)
+    forward = model.transformer_blocks[0].forward
+    SequenceParallelH3(model, SequenceParallel(None), activation_checkpointing="selective")
+    SequenceParallelH3(model, SequenceParallel(None), activation_checkpointing="none")
+    assert model.transformer_blocks[0].forward == forward
     with pytest.raises(ValueError, match="3 block policies for 2 transformer blocks"):
         policies(("none", "selective", "full"))
     with pytest.raises(ValueError, match="'every' is not one of"):
