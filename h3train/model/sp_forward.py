@@ -275,7 +275,7 @@ class SequenceParallelH3(nn.Module):
 
     `activation_checkpointing`: one of `BLOCK_POLICIES` for every transformer block, or a sequence of one
     per block (`ValueError` for another length); the text refiner is recomputed when any block is `full`
-    (`policy`). `checkpoint_every` is accepted and ignored, for callers that still pass it.
+    (`policy`).
     """
 
     def __init__(
@@ -287,10 +287,8 @@ class SequenceParallelH3(nn.Module):
         compile_blocks: bool = False,
         compile_backend: str | Callable = "inductor",
         packed: bool = False,
-        checkpoint_every: int | None = None,
     ) -> None:
         super().__init__()
-        del checkpoint_every  # no longer read; accepted until every caller stops passing it
         self.transformer = transformer
         self.sp = sp
         self.block_policies = _block_policies(activation_checkpointing, len(transformer.transformer_blocks))
