@@ -4,21 +4,22 @@ What runs. The trainer itself (`h3train.run.assemble.build_trainer`) on `configs
 model and synthetic data at `--width` (hidden size; heads of 16 channels, SwiGLU 2 x width) with
 `--layers` blocks and `--latent` latent frames' size, one rank, AdamW, where the trainer runs: on
 CUDA when there is a GPU (bfloat16 by default, `--dtype`), else on the CPU (float32). `--warmup`
-steps first, then `--steps` plain steps, then `--saves` times: an async save
-(`Trainer.save_checkpoint`), the next step at once, the wait for the background write
-(`Checkpointer.wait`). Each step is wall clock around `Trainer.train_step`, the device
-synchronized after it on CUDA.
+steps first, then `--saves` rounds of: a plain step, an async save (`Trainer.save_checkpoint`),
+the next step at once, the wait for the background write (`Checkpointer.wait`). Each step is wall
+clock around `Trainer.train_step`, the device synchronized after it on CUDA. The two steps of a
+round run back to back, so a host that other work slows slows both alike: a round's ratio
+compares like with like, where medians of separate runs would not.
 
-What it prints. The plain step (median), the step right after a save and the ratio
-`step-after-save / plain-step`: the first save separately (it allocates the host copy, and on
-CUDA page-locks it), then the median over the later saves, which reuse it. With the host copy kept
+What it prints. Per round the plain step, the step right after the save and their ratio
+`step-after-save / plain-step`: the first round separately (its save allocates the host copy,
+and on CUDA page-locks it), then the median over the later rounds, whose saves reuse it. With the host copy kept
 across saves the step after a save waits only for the copy itself (on CUDA its optimizer update
 queues behind it) and shares the host with the background write (DCP's planning and one
 `torch.save` per tensor, Python on another thread), so the ratio stays near 1 where the step
 outlasts both. On a small CPU model the write's Python is of the step's order: expect noise there.
 
     .venv/bin/python scripts/bench_async_save.py [--width 32] [--layers 2] [--latent HxW] [--warmup 1]
-                                                 [--steps 3] [--saves 3] [--dtype D] [--json out.json]
+                                                 [--saves 4] [--dtype D] [--json out.json]
 
 The defaults are the smallest case (the tiny config's own model, seconds on a CPU). On a GPU,
 for example, `--width 1024 --layers 4 --latent 64x96`.
@@ -58,15 +59,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     parser.add_argument("--latent", default="", help="latent height x width, e.g. 32x48 (default: the config's)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
-    parser.add_argument("--steps", type=int, default=3, help="timed plain steps (default 3)")
-    parser.add_argument("--saves", type=int, default=3, help="async saves, each followed by a timed step (default 3)")
+    parser.add_argument(
+        "--saves", type=int, default=4, help="rounds of a plain step, an async save and the step after it (default 4)"
+    )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: bfloat16 on cuda")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = parser.parse_args(argv)
     if args.width % HEAD_DIM or args.width <= 0:
         parser.error(f"--width {args.width}: must be a positive multiple of {HEAD_DIM}")
-    if min(args.steps, args.saves) < 1 or args.warmup < 1:
-        parser.error("--warmup, --steps and --saves must be at least 1 (the first step builds AdamW's moments)")
+    if args.saves < 1 or args.warmup < 1:
+        parser.error("--warmup and --saves must be at least 1 (the first step builds AdamW's moments)")
     if args.latent and not (len(args.latent.split("x")) == 2 and all(v.isdigit() for v in args.latent.split("x"))):
         parser.error(f"--latent {args.latent}: expected HEIGHTxWIDTH, e.g. 32x48")
     if args.dtype is None:
@@ -97,7 +99,7 @@ def overrides(args: argparse.Namespace, log_dir: Path) -> list[str]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Plain steps, then saves each followed by a step; their times (seconds) and ratios."""
+    """`--saves` rounds of a plain step, a save and the step after it; their times (seconds) and ratios."""
     with tempfile.TemporaryDirectory(prefix="h3train-bench-async-save-") as tmp:
         trainer = build_trainer(load_config(CONFIG, overrides(args, Path(tmp) / "run")), hooks=[])
         device = trainer.device
@@ -113,36 +115,41 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
             for _ in range(args.warmup):
                 step()
-            plain = [step() for _ in range(args.steps)]
-            saves = []
+            rounds = []
             for _ in range(args.saves):
+                plain = step()
                 start = time.perf_counter()
                 trainer.save_checkpoint()
                 call = time.perf_counter() - start
                 after = step()
                 start = time.perf_counter()
                 trainer.parts.checkpointer.wait()
-                saves.append({"save_call_s": call, "step_after_save_s": after, "wait_s": time.perf_counter() - start})
+                wait = time.perf_counter() - start
+                rounds.append(
+                    {
+                        "plain_step_s": plain,
+                        "save_call_s": call,
+                        "step_after_save_s": after,
+                        "wait_s": wait,
+                        "ratio": after / plain,
+                    }
+                )
             state_bytes = _state_bytes(trainer.parts.checkpoint_state)
             parameters = sum(p.numel() for p in trainer.model.parameters())
         finally:
             trainer.close()
-    plain_s = statistics.median(plain)
-    later = saves[1:] or saves
-    after_s = statistics.median(s["step_after_save_s"] for s in later)
+    later = rounds[1:] or rounds
     return {
         "device": str(device),
         "torch": torch.__version__,
         "dtype": args.dtype,
         "parameters": parameters,
         "state_bytes": state_bytes,
-        "plain_step_s": plain_s,
-        "plain_steps_s": plain,
-        "saves": saves,
-        "first_step_after_save_s": saves[0]["step_after_save_s"],
-        "first_ratio": saves[0]["step_after_save_s"] / plain_s,
-        "step_after_save_s": after_s,
-        "ratio": after_s / plain_s,
+        "rounds": rounds,
+        "first_ratio": rounds[0]["ratio"],
+        "plain_step_s": statistics.median(r["plain_step_s"] for r in later),
+        "step_after_save_s": statistics.median(r["step_after_save_s"] for r in later),
+        "ratio": statistics.median(r["ratio"] for r in later),
     }
 
 
@@ -157,21 +164,27 @@ def _state_bytes(components: dict[str, Any]) -> int:
 
 
 def format_result(r: dict[str, Any], args: argparse.Namespace) -> str:
-    saves = r["saves"]
-    later = f"median of saves 2-{len(saves)}" if len(saves) > 1 else "the only save"
-    return "\n".join(
-        [
-            f"model: tiny_fl2va at width {args.width}, {args.layers} blocks, {r['parameters']:,} parameters, "
-            f"{r['dtype']}; checkpoint state {r['state_bytes'] / 2**20:.1f} MiB; {r['device']}, torch {r['torch']}",
-            f"plain step          {1e3 * r['plain_step_s']:9.1f} ms  (median of {len(r['plain_steps_s'])})",
-            f"step after 1st save {1e3 * r['first_step_after_save_s']:9.1f} ms  ratio {r['first_ratio']:.2f}"
-            "  (allocates the host copy)",
-            f"step after save     {1e3 * r['step_after_save_s']:9.1f} ms  ratio {r['ratio']:.2f}  ({later})",
-            "save call " + ", ".join(f"{1e3 * s['save_call_s']:.1f}" for s in saves) + " ms; "
-            "wait " + ", ".join(f"{1e3 * s['wait_s']:.1f}" for s in saves) + " ms",
-            f"step-after-save / plain-step: {r['ratio']:.2f}",
-        ]
+    rounds = r["rounds"]
+    later = f"rounds 2-{len(rounds)}" if len(rounds) > 1 else "the only round"
+    lines = [
+        f"model: tiny_fl2va at width {args.width}, {args.layers} blocks, {r['parameters']:,} parameters, "
+        f"{r['dtype']}; checkpoint state {r['state_bytes'] / 2**20:.1f} MiB; {r['device']}, torch {r['torch']}",
+        f"{'round':>5} {'plain ms':>10} {'save call ms':>13} {'after ms':>10} {'wait ms':>9} {'ratio':>7}",
+    ]
+    for n, x in enumerate(rounds, 1):
+        lines.append(
+            f"{n:>5} {1e3 * x['plain_step_s']:>10.1f} {1e3 * x['save_call_s']:>13.1f} "
+            f"{1e3 * x['step_after_save_s']:>10.1f} {1e3 * x['wait_s']:>9.1f} {x['ratio']:>7.2f}"
+            + ("  (allocates the host copy)" if n == 1 else "")
+        )
+    lines.append(
+        f"plain step {1e3 * r['plain_step_s']:.1f} ms, step after save {1e3 * r['step_after_save_s']:.1f} ms "
+        f"(medians of {later})"
     )
+    lines.append(
+        f"step-after-save / plain-step: {r['ratio']:.2f} (median of {later}; first round {r['first_ratio']:.2f})"
+    )
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
