@@ -47,8 +47,10 @@ for every count (`data.pack` refuses `model.compile`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import cache, partial
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -87,9 +89,10 @@ BLOCK_POLICIES = ("none", "selective", "full")
 #: The attention kernels whose whole output (attention output, logsumexp, the kernel's bookkeeping) a
 #: `selective` block saves, by operator name: the SDPA kernels of every device (float64 and float32 SDPA
 #: on the CPU run `_scaled_dot_product_flash_attention_for_cpu`), the kernels under them that a varlen call
-#: reaches, flash-attn 2's ops (registered by flash-attn >= 2.7) and diffusers' flash-attn 3 op. SDPA's
-#: math kernel (the `_native_math` backend, benchmark only) is a composite of matmuls and a softmax:
-#: its ops are recomputed like any other.
+#: reaches, flash-attn 2's ops and diffusers' flash-attn 3 op. flash-attn's interface, where it is loaded,
+#: names its own (`_flash_attn_ops`); a flash-attn that calls its extension without a registered op runs
+#: no op the policy sees, and a `selective` block recomputes its attention. SDPA's math kernel (the
+#: `_native_math` backend, benchmark only) is a composite of matmuls and a softmax: recomputed as well.
 ATTENTION_OPS = frozenset(
     {
         "aten::_scaled_dot_product_flash_attention",
@@ -104,11 +107,29 @@ ATTENTION_OPS = frozenset(
     }
 )
 
+FLASH_ATTN_INTERFACE = "flash_attn.flash_attn_interface"
+
+
+@cache
+def _flash_attn_ops(interface: ModuleType | None) -> frozenset[str]:
+    """The names of the ops flash-attn 2's `interface` module calls forward, dense and varlen (none when it
+    is not loaded: diffusers loads it where flash-attn is installed)."""
+    names = set()
+    for attr in ("_wrapped_flash_attn_forward", "_wrapped_flash_attn_varlen_forward"):
+        entry = getattr(interface, attr, None)
+        op = getattr(entry, "default", entry)
+        name = getattr(getattr(op, "_schema", None), "name", None)
+        if name is not None:
+            names.add(name)
+    return frozenset(names)
+
 
 def attention_saving_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """The `selective` policy: an attention kernel's outputs are saved, every other op is recomputed."""
     name = getattr(getattr(op, "_schema", None), "name", None)
-    return CheckpointPolicy.MUST_SAVE if name in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if name in ATTENTION_OPS or name in _flash_attn_ops(sys.modules.get(FLASH_ATTN_INTERFACE)):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_contexts():

@@ -81,23 +81,10 @@ from ..model.dims import model_kwargs
 from ..parallel import averaging
 from ..parallel.shards import local_tensor
 from . import bench
+from .bench.sample import CHECK_CLIP, CHECK_DIMS
 
 PASSED, FAILED, SKIPPED, NOT_RUN = "passed", "failed", "skipped", "not run"
 
-# The model the checks train on CUDA: every kernel at a real head size, built in seconds.
-CHECK_DIMS: dict[str, Any] = {
-    "num_attention_heads": 8,
-    "attention_head_dim": 128,
-    "hidden_size": 1024,
-    "num_refiner_layers": 1,
-    "ffn_dim": 2816,
-    "text_dim": 1024,
-    "time_embed_hidden_dim": 1024,
-    "time_embed_dim": 512,
-    "num_layers": 2,
-}
-# 512x896 x 39 frames: 12 latent frames of 16 x 28 rows, 2 keyframes, stereo audio, 256 text rows: 6,658 rows.
-CHECK_CLIP = bench.Clip(frames=39, height=512, width=896, text_len=256, vision_tokens=128)
 LORA_RANK = {"cuda": 16, "cpu": 4}
 # Class name prefix of torchao's quantized optimizer states (`OptimState8bit`, `OptimState4bit`).
 QUANTIZED_STATE = "OptimState"

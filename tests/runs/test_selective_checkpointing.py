@@ -186,3 +186,23 @@ def test_selective_gradients_equal_none_at_sp2_under_fsdp2() -> None:
             # And sp = 2 gives the unsharded gradient (the contract), to float64 rounding.
             for name, g in unsharded.items():
                 torch.testing.assert_close(expected[name], g, rtol=1e-10, atol=1e-13, msg=name)
+
+
+def test_flash_attn_ops_are_saved_by_the_names_its_interface_calls(monkeypatch) -> None:
+    """flash-attn's interface module, where loaded, names the ops it calls; the policy saves their outputs."""
+    import sys
+    import types
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from h3train.model import sp_forward
+
+    policy = sp_forward.attention_saving_policy
+    assert policy(None, torch.ops.aten.addmm.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    interface = types.ModuleType(sp_forward.FLASH_ATTN_INTERFACE)
+    interface._wrapped_flash_attn_forward = torch.ops.aten.addmm  # a packet, as flash-attn assigns its op
+    interface._wrapped_flash_attn_varlen_forward = torch.ops.aten.baddbmm.default
+    monkeypatch.setitem(sys.modules, sp_forward.FLASH_ATTN_INTERFACE, interface)
+    assert policy(None, torch.ops.aten.addmm.default) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, torch.ops.aten.baddbmm.default) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, torch.ops.aten.mm.default) == CheckpointPolicy.PREFER_RECOMPUTE

@@ -202,7 +202,7 @@ def model_summary(dims: dict[str, Any], clip: Clip, rows: int | None, why: str) 
 
 def _config(dims: dict[str, Any], clip: Clip, dtype: str, seed: int, root: Path) -> Any:
     """The bench's trainer config of `dims` on `clip` in `dtype`, native attention, nothing recomputed."""
-    from .run import trainer_config
+    from .sample import trainer_config
 
     cfg = trainer_config(dims, clip, dtype, "none", REFERENCE_BACKEND, seed, root / dtype)
     cfg.model = dataclasses.replace(cfg.model, activation_checkpointing="none")
@@ -294,12 +294,12 @@ def bench_parity(
     gate: float = PARITY_GATE,
 ) -> ParityRun:
     """`h3train bench`'s parity of `backends`: on the bench's model in reduced mode; at full width on the GPU
-    checks' model (`gpu_checks.CHECK_DIMS` on `CHECK_CLIP`), where the float32 step takes seconds (the
+    checks' model (`sample.CHECK_DIMS` on `CHECK_CLIP`), where the float32 step takes seconds (the
     full-width one would not fit beside the bench, nor would its math kernel's S x S scores)."""
     if reduced:
         return backend_parity(dims, clip, backends, device, seed, root, gate, "the bench's model")
     from ...model.dims import model_kwargs
-    from ..gpu_checks import CHECK_CLIP, CHECK_DIMS
+    from .sample import CHECK_CLIP, CHECK_DIMS
 
     why = "the GPU checks' model: the full-width float32 step does not fit beside the bench"
     return backend_parity(model_kwargs(CHECK_DIMS), CHECK_CLIP, backends, device, seed, root, gate, why)

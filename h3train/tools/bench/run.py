@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import statistics
 import sys
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 
 from ... import plan
-from ...config import Config, LossWeights, TimestepConfig, check_values
+from ...config import Config, LossWeights, TimestepConfig
 from ...errors import ConfigError, did_you_mean
 from ...model.dims import model_kwargs
 from ...objective import make_training_inputs
@@ -23,15 +22,16 @@ from ...plan.report import checkpointing_line, summary
 from .flops import peak_tflops_for, step_flops
 from .parity import PARITY_GATE, REFERENCE_BACKEND, Parity, bench_parity
 from .sample import (
+    CHECKPOINTING,
     FULL_CLIP,
     REDUCED_CLIP,
     REDUCED_DIMS,
     Clip,
     _parameter_count,
     bench_sample,
-    clip_data,
     rows_of,
     set_backend,
+    trainer_config,
 )
 from .timing import Clock, SyncError, timed_step
 
@@ -135,48 +135,6 @@ def _check_clip(clip: Clip) -> None:
             raise ConfigError(f"bench {flag} {value}: must be a positive multiple of 32 (one row is 32x32 pixels)")
     if clip.text_len < 1:
         raise ConfigError(f"bench --text-len {clip.text_len}: must be at least 1")
-
-
-# `--gradient-checkpointing` as `model.activation_checkpointing`.
-CHECKPOINTING = {"auto": "auto", "on": "full", "selective": "selective", "off": "none"}
-
-
-def trainer_config(
-    dims: dict[str, Any],
-    clip: Clip,
-    dtype: str,
-    checkpointing: str,
-    backend: str,
-    seed: int,
-    log_dir: Path,
-    compile_blocks: bool = False,
-) -> Config:
-    """The `Config` of one bench case: `dims` trained on `clip`'s synthetic samples, one rank, sp = 1,
-    `checkpointing` its `model.activation_checkpointing`, `compile_blocks` its `model.compile` (off unless
-    asked: the kernels compare eager, and a compile costs each backend's build a minute).
-
-    A kernel that is not a `model.attention_backend` choice (`math`) is built as `native` and set by
-    `run_case` once the trainer is built.
-    """
-    defaults = model_kwargs({})
-    changed = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dims.items() if defaults.get(k) != v}
-    cfg = Config()
-    cfg.model = dataclasses.replace(
-        cfg.model,
-        config={**changed, "num_layers": int(dims["num_layers"])},
-        dtype=dtype,
-        activation_checkpointing=checkpointing,
-        compile=compile_blocks,
-        attention_backend=backend if ATTENTION_BACKENDS[backend].trains else "native",
-    )
-    cfg.task.name = "fl2va"
-    cfg.data = dataclasses.replace(cfg.data, source="synthetic", synthetic=clip_data(clip, num_samples=2))
-    cfg.parallel.sp = 1
-    cfg.train = dataclasses.replace(cfg.train, steps=1000, grad_accum=1, seed=seed)
-    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=0, resume="none")
-    cfg.logging = dataclasses.replace(cfg.logging, dir=str(log_dir), progress=False)
-    check_values(cfg)
-    return cfg
 
 
 def run_case(

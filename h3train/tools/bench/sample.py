@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames, video_latent_num_frames
 
-from ...config import SyntheticDataConfig
+from ...config import Config, SyntheticDataConfig, check_values
 from ...data.format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
+from ...model.dims import model_kwargs
 from ...objective import TrainingInputs
+from ...ops.attention import ATTENTION_BACKENDS
 from ...tasks.packed import PackedSample
 from ...tasks.synthetic import SyntheticSource
 
@@ -125,3 +129,61 @@ def _parameter_count(dims: dict[str, Any]) -> int:
     from ...model.build import meta_transformer
 
     return sum(p.numel() for p in meta_transformer(dims).parameters())
+
+
+# The model the checks train on CUDA: every kernel at a real head size, built in seconds.
+CHECK_DIMS: dict[str, Any] = {
+    "num_attention_heads": 8,
+    "attention_head_dim": 128,
+    "hidden_size": 1024,
+    "num_refiner_layers": 1,
+    "ffn_dim": 2816,
+    "text_dim": 1024,
+    "time_embed_hidden_dim": 1024,
+    "time_embed_dim": 512,
+    "num_layers": 2,
+}
+# 512x896 x 39 frames: 12 latent frames of 16 x 28 rows, 2 keyframes, stereo audio, 256 text rows: 6,658 rows.
+CHECK_CLIP = Clip(frames=39, height=512, width=896, text_len=256, vision_tokens=128)
+
+
+# `--gradient-checkpointing` as `model.activation_checkpointing`.
+CHECKPOINTING = {"auto": "auto", "on": "full", "selective": "selective", "off": "none"}
+
+
+def trainer_config(
+    dims: dict[str, Any],
+    clip: Clip,
+    dtype: str,
+    checkpointing: str,
+    backend: str,
+    seed: int,
+    log_dir: Path,
+    compile_blocks: bool = False,
+) -> Config:
+    """The `Config` of one bench case: `dims` trained on `clip`'s synthetic samples, one rank, sp = 1,
+    `checkpointing` its `model.activation_checkpointing`, `compile_blocks` its `model.compile` (off unless
+    asked: the kernels compare eager, and a compile costs each backend's build a minute).
+
+    A kernel that is not a `model.attention_backend` choice (`math`) is built as `native` and set by
+    `run_case` once the trainer is built.
+    """
+    defaults = model_kwargs({})
+    changed = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dims.items() if defaults.get(k) != v}
+    cfg = Config()
+    cfg.model = dataclasses.replace(
+        cfg.model,
+        config={**changed, "num_layers": int(dims["num_layers"])},
+        dtype=dtype,
+        activation_checkpointing=checkpointing,
+        compile=compile_blocks,
+        attention_backend=backend if ATTENTION_BACKENDS[backend].trains else "native",
+    )
+    cfg.task.name = "fl2va"
+    cfg.data = dataclasses.replace(cfg.data, source="synthetic", synthetic=clip_data(clip, num_samples=2))
+    cfg.parallel.sp = 1
+    cfg.train = dataclasses.replace(cfg.train, steps=1000, grad_accum=1, seed=seed)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=0, resume="none")
+    cfg.logging = dataclasses.replace(cfg.logging, dir=str(log_dir), progress=False)
+    check_values(cfg)
+    return cfg
