@@ -10,13 +10,17 @@ attention op runs once per block forward (not again in backward) while the proje
 
 from __future__ import annotations
 
+import sys
+import types
 from collections import Counter
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
 
 from h3train.config import load_config
+from h3train.model import sp_forward
 from h3train.model.build import build_model
 from h3train.model.sp_forward import ATTENTION_OPS, SequenceParallelH3
 from h3train.objective import micro_batch_inputs, pack_inputs
@@ -190,13 +194,6 @@ def test_selective_gradients_equal_none_at_sp2_under_fsdp2() -> None:
 
 def test_flash_attn_ops_are_saved_by_the_names_its_interface_calls(monkeypatch) -> None:
     """flash-attn's interface module, where loaded, names the ops it calls; the policy saves their outputs."""
-    import sys
-    import types
-
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    from h3train.model import sp_forward
-
     policy = sp_forward.attention_saving_policy
     assert policy(None, torch.ops.aten.addmm.default) == CheckpointPolicy.PREFER_RECOMPUTE
     interface = types.ModuleType(sp_forward.FLASH_ATTN_INTERFACE)
