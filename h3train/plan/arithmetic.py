@@ -587,6 +587,8 @@ def step_peak(
       of the SwiGLU projection's output, 2bf) and the residual stream's gradient in flight (2bh); the
       gradients of the blocks after i (`block_grads_bytes` each, sharded) and of the units outside the
       stack exist, and block i's own unsharded gradient (`unsharded_block_grads`);
+    - output heads: the forward's end and the loss's float32 error and the gradient of both heads' outputs
+      (2 x 4 x (P_v + P_a) a row), as the backward starts;
     - refiner: its recompute over the text rows with every block gradient reduced; end: every gradient.
 
     `head_grads_bytes`: the gradients of the units outside both stacks (the output stage, the root and
@@ -618,8 +620,15 @@ def step_peak(
     resident = grads_bytes if grads_resident else 0
     outside_grads = min(head_grads_bytes, grads_bytes)
     transient = local_rows * (2 * b * _dim(dims, "ffn_dim") + 2 * b * h)
+    # The loss's float32 error and the gradient of both heads' outputs, per row, as the backward starts.
+    video_patch = _dim(dims, "in_channels") * math.prod(int(p) for p in dims["patch_size"])
+    heads_grad = 2 * _FP32 * (video_patch + _dim(dims, "audio_in_channels"))
     kept = [s + adapters if p == "none" else s for s, p in zip(saved, policies)]
-    phases = [StepPeak("forward", sum(kept) + output_stage + persistent + refiner, resident, unsharded(None), 0)]
+    forward_end = sum(kept) + output_stage + persistent + refiner
+    phases = [
+        StepPeak("forward", forward_end, resident, unsharded(None), 0),
+        StepPeak("output heads", forward_end + local_rows * heads_grad, resident, unsharded(None), 0),
+    ]
     below = sum(kept)
     for i in range(layers - 1, -1, -1):
         below -= kept[i]
