@@ -123,6 +123,8 @@ class MemoryPlan:
     fused_norm: bool = False
     # `policies` were chosen by `model.activation_checkpointing: auto` (`choose_policies`).
     auto: bool = False
+    # Of `activation_bytes`, what the backward creates and frees at the peak (`StepPeak.transient`).
+    transient_bytes: int = 0
     # Tensor bytes of one checkpoint on disk, all ranks together (`checkpoint_bytes`); 0: not planned.
     checkpoint_bytes: int = 0
     # `train.ema.decay > 0`: the EMA's float32 shadow of every trainable parameter, sharded like it.
@@ -552,6 +554,9 @@ class StepPeak:
     grads: int
     unsharded_params: int
     unsharded_grads: int
+    # Of `activations`, what the backward creates and frees (gradients in flight, the loss's error), not kept
+    # from the forward.
+    transient: int = 0
 
     @property
     def total(self) -> int:
@@ -627,14 +632,16 @@ def step_peak(
     forward_end = sum(kept) + output_stage + persistent + refiner
     phases = [
         StepPeak("forward", forward_end, resident, unsharded(None), 0),
-        StepPeak("output heads", forward_end + local_rows * heads_grad, resident, unsharded(None), 0),
+        StepPeak(
+            "output heads", forward_end + local_rows * heads_grad, resident, unsharded(None), 0, local_rows * heads_grad
+        ),
     ]
     below = sum(kept)
     for i in range(layers - 1, -1, -1):
         below -= kept[i]
         reduced = resident if grads_resident else min(outside_grads + (layers - 1 - i) * block_grads_bytes, grads_bytes)
         acts = below + whole + adapters + transient + persistent + refiner
-        phases.append(StepPeak(f"block {i}", acts, reduced, unsharded(i), unsharded_block_grads))
+        phases.append(StepPeak(f"block {i}", acts, reduced, unsharded(i), unsharded_block_grads, transient))
     if refiner_full and refiner:
         recompute = text_rows * refiner_block_row_bytes(dims, dtype, fused_norm)
         phases.append(StepPeak("refiner", refiner + recompute, grads_bytes, unsharded(-1), 0))
@@ -866,6 +873,7 @@ def plan_memory(
         unsharded_params_bytes=peak.unsharded_params,
         unsharded_grads_bytes=peak.unsharded_grads,
         activation_bytes=peak.activations,
+        transient_bytes=peak.transient,
         reserve_bytes=int(reserve_gib * GIB),
         device_bytes=int(device_memory_gib * GIB),
         rows_origin=rows_origin,

@@ -278,11 +278,12 @@ def plan_totals(
     kinds: Sequence[str] = KINDS, key: str = "optim.name", setups: Sequence[tuple] = PLAN_SETUPS
 ) -> list[dict[str, Any]]:
     """Per setup (`PLAN_SETUPS`) and value of `key` (the optimizer kind, or `lora.base_quant` over
-    the LoRA setups): the released model's planned bytes per rank."""
+    the LoRA setups): the released model's planned bytes per rank, every block recomputed (`auto` would
+    spend whatever state a kind saves on less recompute, hiding the difference)."""
     out = []
     for label, config, world, overrides in setups:
         for kind in kinds:
-            cfg = load_config(ROOT / config, [*overrides, f"{key}={kind}"])
+            cfg = load_config(ROOT / config, [*overrides, f"{key}={kind}", "model.activation_checkpointing=full"])
             mesh = ParallelDims.from_config(cfg.parallel, world)
             plan = estimate(planned_model_dims(cfg)[0], mesh, cfg)
             out.append(

@@ -25,6 +25,7 @@ from h3train.ops.attention import resolve_attention_backend
 from h3train.parallel.dims import ParallelDims
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.plan import estimate
+from h3train.plan.arithmetic import _frozen_parts, output_stage_row_bytes
 from h3train.tools.bench_memory import saved_activation_bytes
 
 from helpers.paths import ROOT, TINY_FL2VA
@@ -116,8 +117,16 @@ def activations(kind: str, width: str, dtype: str, ckpt: str, sp: int) -> tuple[
     forward = SequenceParallelH3(transformer, SequenceParallel(group), activation_checkpointing=ckpt)
     ti = micro_batch_inputs(cfg, build_source(cfg, transformer.config.text_dim)[0], step=1, slot=0)
     measured = saved_activation_bytes(forward, ti)
-    plan = estimate(model_dims(cfg), ParallelDims(1, 1, sp, sp), cfg)
+    # The CPU's kernels (the composite RMSNorm), which the measured forward runs.
+    dims = model_dims(cfg)
+    plan = estimate(dims, ParallelDims(1, 1, sp, sp), cfg, device="cpu")
     # No block is recomputed when nothing before the output projections trains: none kept anything.
+    planned = plan.activation_bytes - plan.transient_bytes
     if ckpt == "full" and not (plan.lora is not None and plan.lora.heads_only):
         measured += recompute_bytes(forward, ti.model_inputs)
-    return plan.activation_bytes, measured
+        # Measured: everything the forward keeps plus one recomputed block. The plan frees the output stage
+        # before the stack's backward recomputes (its backward runs first): add it back to compare alike.
+        frozen_outside = _frozen_parts(dims, plan.lora)[1]
+        planned += plan.local_rows * output_stage_row_bytes(dims, cfg.model.dtype, frozen_outside)
+    # What the forward keeps; the backward's own transients (`StepPeak.transient`) are not saved tensors.
+    return planned, measured
