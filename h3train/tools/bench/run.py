@@ -211,6 +211,19 @@ def bench_plan(
     return run_plan(cfg, ParallelDims(1, 1, 1, 1), device_kind, memory_gib, fused_norm)
 
 
+def plan_fields(step_plan: plan.MemoryPlan, memory_gib: float) -> dict[str, Any]:
+    """The report's `plan`: the device planned for, the blocks' policies, their recompute, where the peak is."""
+    return {
+        "device_memory_gib": memory_gib,
+        "policies": list(step_plan.policies),
+        "recompute_share": step_plan.recompute_share,
+        "peak_phase": step_plan.peak_phase,
+        "fused_norm": step_plan.fused_norm,
+        "reserve_bytes": step_plan.reserve_bytes,
+        "fits": step_plan.fits,
+    }
+
+
 def _planned_report(
     layers: int | None, checkpointing: str, memory_gib: float | None, clip: Clip, seed: int
 ) -> BenchReport:
@@ -241,15 +254,7 @@ def _planned_report(
         peak_tflops=None,
         peak_tflops_source="not run",
         plan_memory_bytes=step_plan.peak_bytes - step_plan.reserve_bytes,
-        plan={
-            "device_memory_gib": memory,
-            "policies": list(step_plan.policies),
-            "recompute_share": step_plan.recompute_share,
-            "peak_phase": step_plan.peak_phase,
-            "fused_norm": step_plan.fused_norm,
-            "reserve_bytes": step_plan.reserve_bytes,
-            "fits": step_plan.fits,
-        },
+        plan=plan_fields(step_plan, memory),
         notes=[] if step_plan.fits else [f"the plan does not fit {memory:.1f} GiB: {summary(step_plan)}"],
     )
 
@@ -375,15 +380,7 @@ def run_bench(
         peak_tflops=peak,
         peak_tflops_source=peak_source,
         plan_memory_bytes=step_plan.peak_bytes - step_plan.reserve_bytes,
-        plan={
-            "device_memory_gib": memory_gib,
-            "policies": list(step_plan.policies),
-            "recompute_share": step_plan.recompute_share,
-            "peak_phase": step_plan.peak_phase,
-            "fused_norm": step_plan.fused_norm,
-            "reserve_bytes": step_plan.reserve_bytes,
-            "fits": step_plan.fits,
-        },
+        plan=plan_fields(step_plan, memory_gib),
         notes=notes,
         step_setup={
             "what": "Trainer.forward_backward + Trainer.update (build_trainer: one rank, sp = 1; "
