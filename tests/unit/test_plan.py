@@ -365,7 +365,8 @@ def test_lora_config_fits_per_the_plan_and_checks_without_the_model_folder(name:
     world, rows, total = int(m[1]), int(m[2]), float(m[3])
     cfg = _load_cluster_config(name, tmp_path)
     assert cfg.lora.rank > 0 and world == 8
-    plan = estimate(_defaults(), ParallelDims.from_config(cfg.parallel, world), cfg, rows)
+    # The header states the plan of CUDA's fused RMSNorm (torch 2.9 and later), whatever torch runs this test.
+    plan = estimate(_defaults(), ParallelDims.from_config(cfg.parallel, world), cfg, rows, fused_norm=True)
     assert plan.lora is not None and plan.fits, format_plan(plan)
     assert round(plan.total_bytes / GIB, 2) == total
     assert main(["check", str(ROOT / "configs" / name), f"model.pretrained={tmp_path}", "--world-size", "8"]) == 0
