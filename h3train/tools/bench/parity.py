@@ -35,7 +35,6 @@ planted bug's (their geometric mean is 1.96).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 import time
@@ -204,9 +203,7 @@ def _config(dims: dict[str, Any], clip: Clip, dtype: str, seed: int, root: Path)
     """The bench's trainer config of `dims` on `clip` in `dtype`, native attention, nothing recomputed."""
     from .sample import trainer_config
 
-    cfg = trainer_config(dims, clip, dtype, "none", REFERENCE_BACKEND, seed, root / dtype)
-    cfg.model = dataclasses.replace(cfg.model, activation_checkpointing="none")
-    return cfg
+    return trainer_config(dims, clip, dtype, "none", REFERENCE_BACKEND, seed, root / dtype)
 
 
 def backend_parity(

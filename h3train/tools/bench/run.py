@@ -211,6 +211,10 @@ def bench_plan(
     return run_plan(cfg, ParallelDims(1, 1, 1, 1), device_kind, memory_gib, fused_norm)
 
 
+# How a CUDA case holds and computes its weights (FSDP2's mixed-precision policy on one rank).
+CUDA_PRECISION = "float32 master weights; blocks compute in bfloat16 (FSDP2 policy), _keep_in_fp32_modules in float32"
+
+
 def plan_fields(step_plan: plan.MemoryPlan, memory_gib: float) -> dict[str, Any]:
     """The report's `plan`: the device planned for, the blocks' policies, their recompute, where the peak is."""
     return {
@@ -239,7 +243,7 @@ def _planned_report(
         device=f"plan only: a {memory:.1f} GiB CUDA device",
         mode="full",
         dtype="bfloat16",
-        precision="float32 master weights; blocks compute in bfloat16 (FSDP2 policy), _keep_in_fp32_modules in float32",
+        precision=CUDA_PRECISION,
         gradient_checkpointing=checkpointing_line(step_plan),
         model={k: (list(v) if isinstance(v, tuple) else v) for k, v in dims.items()},
         parameters=_parameter_count(dims),
@@ -357,11 +361,7 @@ def run_bench(
         device=device_name,
         mode="reduced" if reduced else "full",
         dtype=dtype_name,
-        precision=(
-            "float32 master weights; blocks compute in bfloat16 (FSDP2 policy), _keep_in_fp32_modules in float32"
-            if cuda
-            else "float32 weights, gradients and AdamW state (plain tensors)"
-        ),
+        precision=(CUDA_PRECISION if cuda else "float32 weights, gradients and AdamW state (plain tensors)"),
         gradient_checkpointing=checkpointing_line(step_plan),
         model={k: (list(v) if isinstance(v, tuple) else v) for k, v in dims.items()},
         parameters=_parameter_count(dims),
