@@ -26,13 +26,14 @@ import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 from diffusers import MiniMaxH3Scheduler
 
 from .config import CfgConfig, Config, LossWeights, TimestepConfig
 from .tasks.layout import CONDITION_VIDEO_T, REFERENCE_AUDIO_T, Layout, row_timesteps
-from .tasks.packed import PackedSample
+from .tasks.sample import TrainingSample
 
 # The pipeline's forward process. `scale_noise` reads nothing of the scheduler's shift or schedule.
 _FORWARD_PROCESS = MiniMaxH3Scheduler()
@@ -117,7 +118,7 @@ def guidance_for(cfg: CfgConfig, sigma_video: float, sigma_audio: float) -> Guid
 
 
 def negative_prompt(
-    sample: PackedSample, cfg: CfgConfig, shared: tuple[torch.Tensor, torch.Tensor] | None
+    sample: TrainingSample, cfg: CfgConfig, shared: tuple[torch.Tensor, torch.Tensor] | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The negative text prefix `(embeds [L', D], tags [L'])` this config asks for."""
     if cfg.negative == "shared":
@@ -148,9 +149,21 @@ def text_dropped(seed: int, step: int, sample_id: str, p: float) -> bool:
     return torch.rand((), generator=torch.Generator().manual_seed(key), dtype=torch.float64).item() < p
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`. To CUDA the copy goes through pinned memory and does not block: a pageable copy
+    would make the host wait for the previous micro-batch's backward to drain."""
+    pinned = device.type == "cuda"
+    return (t.pin_memory() if pinned else t).to(device, non_blocking=pinned)
+
+
+def move_rows(rows: dict[str, torch.Tensor] | None, device: torch.device) -> dict[str, torch.Tensor] | None:
+    """A branch's forward arguments on `device` (`to_device` each); None stays None."""
+    return None if rows is None else {k: to_device(v, device) for k, v in rows.items()}
+
+
 @dataclass
 class TrainingInputs:
-    """One micro-batch, unsharded and unpadded.
+    """One sample's micro-batch, unsharded and unpadded (a pack of several: `packing.PackedInputs`).
 
     `model_inputs` holds the ten `model.forward` arguments (batch dim 1 on the row tensors);
     `uncond_inputs` the same rows under the negative text prefix when the run has CFG on (every
@@ -158,6 +171,7 @@ class TrainingInputs:
     target_video `[N_v, 96]` / target_audio `[N_a, 32]`: velocity targets in the row order of
     `hidden_states` / `audio_hidden_states`; loss masks are 1 on target rows, 0 on conditioning rows.
     weight_video / weight_audio: loss weight times timestep weight (0 for audio without sound).
+    `sample_id`, `has_audio` and `seq_len` (its packed length under its prompt) are the sample's.
     """
 
     model_inputs: dict[str, torch.Tensor]
@@ -172,45 +186,38 @@ class TrainingInputs:
     t_audio: float
     guidance: Guidance = Guidance()
     uncond_inputs: dict[str, torch.Tensor] | None = None
-    pack: Pack | None = None
+    sample_id: str = ""
+    has_audio: bool = True
+    seq_len: int = 0
 
     @property
     def samples(self) -> tuple[TrainingInputs, ...]:
-        """The per-sample inputs of a packed micro-batch (targets, masks, weights, guidance), else itself."""
-        return self.pack.parts if self.pack is not None else (self,)
+        """The micro-batch's samples' own inputs (`MicroBatch`): this one."""
+        return (self,)
 
     def forward_kwargs(self, uncond: bool = False) -> dict[str, object]:
-        """The forward's arguments of one branch: the rows, and a pack's sample segments."""
-        rows = self.uncond_inputs if uncond else self.model_inputs
-        if self.pack is None:
-            return dict(rows)
-        return {**rows, **self.pack.segments(uncond)}
+        """The forward's arguments of one branch."""
+        return dict(self.uncond_inputs if uncond else self.model_inputs)
+
+    def split_predictions(
+        self, video: torch.Tensor, audio: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """The forward's predictions `[1, N, C]` per sample (`MicroBatch`): all of them are this sample's."""
+        return ((video, audio),)
 
     def to(self, device: torch.device) -> TrainingInputs:
         """Copy to `device`. To CUDA the copies go through pinned memory and do not block: a pageable
         copy would make the host wait for the previous micro-batch's backward to drain."""
         if device.type == "cpu":
             return self
-        pinned = device.type == "cuda"
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return (t.pin_memory() if pinned else t).to(device, non_blocking=pinned)
-
-        def move_all(d):
-            return None if d is None else {k: move(v) for k, v in d.items()}
-
-        pack = self.pack
-        if pack is not None:
-            pack = replace(pack, parts=tuple(part.to(device) for part in pack.parts))
         return replace(
             self,
-            model_inputs=move_all(self.model_inputs),
-            uncond_inputs=move_all(self.uncond_inputs),
-            target_video=move(self.target_video),
-            target_audio=move(self.target_audio),
-            loss_mask_video=move(self.loss_mask_video),
-            loss_mask_audio=move(self.loss_mask_audio),
-            pack=pack,
+            model_inputs=move_rows(self.model_inputs, device),
+            uncond_inputs=move_rows(self.uncond_inputs, device),
+            target_video=to_device(self.target_video, device),
+            target_audio=to_device(self.target_audio, device),
+            loss_mask_video=to_device(self.loss_mask_video, device),
+            loss_mask_audio=to_device(self.loss_mask_audio, device),
         )
 
     def full_weights(self) -> tuple[float, float]:
@@ -220,96 +227,6 @@ class TrainingInputs:
             self.weight_video * guided_factor(g.scale_video, g.curvature_power),
             self.weight_audio * guided_factor(g.scale_audio, g.curvature_power),
         )
-
-
-@dataclass(frozen=True)
-class Pack:
-    """How a packed micro-batch's rows split into its samples, in sample order.
-
-    `rows` / `text_rows`: each sample's packed length and text length under its prompt; `uncond_*` the
-    same under the negative prefix (the CFG branch). `video_rows` / `audio_rows`: each sample's rows of
-    `hidden_states` / `audio_hidden_states` (the same in both branches). `parts`: each sample's own
-    `TrainingInputs` without its forward rows (targets, masks, weights, guidance).
-    """
-
-    parts: tuple[TrainingInputs, ...]
-    rows: tuple[int, ...]
-    text_rows: tuple[int, ...]
-    uncond_rows: tuple[int, ...]
-    uncond_text_rows: tuple[int, ...]
-    video_rows: tuple[int, ...]
-    audio_rows: tuple[int, ...]
-
-    def segments(self, uncond: bool = False) -> dict[str, tuple[int, ...]]:
-        """`SequenceParallelH3.forward`'s `segments` and `text_segments` for one branch."""
-        if uncond:
-            return {"segments": self.uncond_rows, "text_segments": self.uncond_text_rows}
-        return {"segments": self.rows, "text_segments": self.text_rows}
-
-
-def pack_forward_rows(branches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The ten forward arguments of several samples as one sequence, each sample keeping its own.
-
-    Sample `i`'s rows follow sample `i - 1`'s: its row indices move by the rows before it, its timestep
-    indices by the timesteps before it (each sample keeps its own table entries, so its AdaLN rows are
-    its own), and its positions stay those diffusers built for it alone (its RoPE is unchanged).
-    """
-    row_offset, time_offset = 0, 0
-    shifted: dict[str, list[torch.Tensor]] = {k: [] for k in ("timestep_indices", *_ROW_INDEX_ARGS)}
-    for rows in branches:
-        shifted["timestep_indices"].append(rows["timestep_indices"] + time_offset)
-        for key in _ROW_INDEX_ARGS:
-            shifted[key].append(rows[key] + row_offset)
-        row_offset += rows["position_ids"].shape[0]
-        time_offset += rows["timestep"].shape[0]
-    out = {key: torch.cat(parts) for key, parts in shifted.items()}
-    for key in ("hidden_states", "audio_hidden_states", "encoder_hidden_states"):
-        out[key] = torch.cat([rows[key] for rows in branches], dim=1)
-    for key in ("timestep", "token_tags", "position_ids"):
-        out[key] = torch.cat([rows[key] for rows in branches])
-    return {key: out[key] for key in branches[0]}
-
-
-_ROW_INDEX_ARGS = ("video_indices", "audio_indices", "text_indices")
-
-
-def pack_inputs(items: list[TrainingInputs]) -> TrainingInputs:
-    """Several samples' inputs (each as `make_training_inputs` built it alone) as one packed micro-batch.
-
-    The pack's loss is the sum of each sample's loss as it is alone (`compute_loss`), so its gradient
-    is that of the samples trained as separate micro-batches. Under CFG every sample has its negative
-    branch (the run's), and the negative rows pack the same way.
-    """
-    if not items:
-        raise ValueError("a pack holds at least one sample")
-    if len({item.uncond_inputs is None for item in items}) > 1:
-        raise ValueError("the samples of a pack must agree on the CFG branch")
-    uncond = None if items[0].uncond_inputs is None else pack_forward_rows([i.uncond_inputs for i in items])
-
-    def lengths(branch: str, key: str, dim: int) -> tuple[int, ...]:
-        return tuple(int(getattr(i, branch)[key].shape[dim]) for i in items)
-
-    with_uncond = uncond is not None
-    pack = Pack(
-        parts=tuple(replace(item, model_inputs={}, uncond_inputs=None) for item in items),
-        rows=lengths("model_inputs", "position_ids", 0),
-        text_rows=lengths("model_inputs", "encoder_hidden_states", 1),
-        uncond_rows=lengths("uncond_inputs", "position_ids", 0) if with_uncond else (),
-        uncond_text_rows=lengths("uncond_inputs", "encoder_hidden_states", 1) if with_uncond else (),
-        video_rows=tuple(int(i.target_video.shape[0]) for i in items),
-        audio_rows=tuple(int(i.target_audio.shape[0]) for i in items),
-    )
-    first = items[0]
-    return replace(
-        first,
-        model_inputs=pack_forward_rows([i.model_inputs for i in items]),
-        uncond_inputs=uncond,
-        target_video=torch.cat([i.target_video for i in items]),
-        target_audio=torch.cat([i.target_audio for i in items]),
-        loss_mask_video=torch.cat([i.loss_mask_video for i in items]),
-        loss_mask_audio=torch.cat([i.loss_mask_audio for i in items]),
-        pack=pack,
-    )
 
 
 def guided_factor(scale: float, k: float) -> float:
@@ -341,7 +258,7 @@ def forward_inputs(
 
 
 def make_training_inputs(
-    sample: PackedSample,
+    sample: TrainingSample,
     generator: torch.Generator,
     tcfg: TimestepConfig,
     weights: LossWeights,
@@ -416,11 +333,14 @@ def make_training_inputs(
         t_audio=t_audio,
         guidance=guidance,
         uncond_inputs=uncond,
+        sample_id=sample.sample_id,
+        has_audio=sample.has_audio,
+        seq_len=layout.seq_len,
     )
 
 
 def negative_inputs(
-    sample: PackedSample,
+    sample: TrainingSample,
     ti: TrainingInputs,
     cfg: CfgConfig,
     shared_negative: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -457,11 +377,33 @@ def guided_mse(
     return guided_factor(scale, k) * masked_mse(calibrated, target, mask)
 
 
+class MicroBatch(Protocol):
+    """What one forward-backward trains: one sample (`TrainingInputs`) or a pack of them (`packing.PackedInputs`).
+
+    `samples` are each sample's own inputs (targets, masks, weights, guidance) in row order; the
+    forward rows of both branches are the micro-batch's, with `forward_kwargs` its arguments, and
+    `split_predictions` cuts a forward's `[1, N, C]` predictions back into each sample's rows.
+    """
+
+    uncond_inputs: dict[str, torch.Tensor] | None
+
+    @property
+    def samples(self) -> tuple[TrainingInputs, ...]: ...
+
+    def forward_kwargs(self, uncond: bool = False) -> dict[str, object]: ...
+
+    def split_predictions(
+        self, video: torch.Tensor, audio: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]: ...
+
+    def to(self, device: torch.device) -> MicroBatch: ...
+
+
 @dataclass
 class LossParts:
     """`loss = w_v * video + w_a * audio`; `*_fm` are the plain flow-matching MSEs `MSE(p, v)`.
 
-    A packed micro-batch's parts are sums over its samples, each sample's own parts in `samples`.
+    The micro-batch's parts are sums over its samples; `samples` holds each sample's own, in row order.
     """
 
     loss: torch.Tensor
@@ -472,49 +414,60 @@ class LossParts:
     samples: tuple[LossParts, ...] = ()
 
     def per_sample(self) -> tuple[LossParts, ...]:
-        """Each sample's own parts, in pack order (one sample: itself)."""
+        """Each sample's own parts, in row order (a sample's own parts: itself)."""
         return self.samples or (self,)
 
 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def compute_loss(forward: Forward, ti: TrainingInputs) -> LossParts:
-    """Run the forward(s) of one micro-batch and build its loss.
+def compute_loss(forward: Forward, batch: MicroBatch) -> LossParts:
+    """Run the forward(s) of one micro-batch and build its loss: the sum of each sample's loss as it is alone.
 
     `forward(**inputs) -> (video [1, N_v, 96], audio [1, N_a, 32])`. Under CFG the unconditional
     forward runs first, without gradient. A zero audio weight (no soundtrack) still multiplies the
-    audio term, so every rank runs the same backward graph. A packed micro-batch runs each branch
-    once over all its samples and sums each sample's loss as it is alone.
+    audio term, so every rank runs the same backward graph. Each branch runs once over all the
+    micro-batch's rows; its predictions are cut into each sample's (`split_predictions`).
     """
-    u_video = u_audio = None
-    if ti.uncond_inputs is not None:
+    samples = batch.samples
+    uncond: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...] = ((None, None),) * len(samples)
+    if batch.uncond_inputs is not None:
         with torch.no_grad():
-            u_video, u_audio = forward(**ti.forward_kwargs(uncond=True))
-    p_video, p_audio = forward(**ti.forward_kwargs())
-    if ti.pack is None:
-        return _sample_loss(ti, p_video, p_audio, u_video, u_audio)
-    pack = ti.pack
-
-    def split(x: torch.Tensor | None, sizes: tuple[int, ...]) -> tuple[torch.Tensor | None, ...]:
-        return (None,) * len(sizes) if x is None else x.split(sizes, dim=1)
-
-    per_sample = tuple(
-        _sample_loss(part, *rows)
-        for part, *rows in zip(
-            pack.parts,
-            split(p_video, pack.video_rows),
-            split(p_audio, pack.audio_rows),
-            split(u_video, pack.video_rows),
-            split(u_audio, pack.audio_rows),
-            strict=True,
-        )
-    )
+            uncond = batch.split_predictions(*forward(**batch.forward_kwargs(uncond=True)))
+    cond = batch.split_predictions(*forward(**batch.forward_kwargs()))
+    per_sample = tuple(_sample_loss(s, *p, *u) for s, p, u in zip(samples, cond, uncond, strict=True))
+    if len(per_sample) == 1:
+        return per_sample[0]
 
     def total(name: str) -> torch.Tensor:
         return torch.stack([getattr(parts, name) for parts in per_sample]).sum()
 
     return LossParts(*(total(n) for n in ("loss", "video", "audio", "video_fm", "audio_fm")), samples=per_sample)
+
+
+def step_sums(batch: MicroBatch, parts: LossParts) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """What one micro-batch adds to its step's sums (`train.reduction.StepTotals`), sample by sample.
+
+    Returns the device terms (`loss_video`, `loss_audio`, `loss_video_fm`, `loss_audio_fm`; a silent
+    sample's audio terms zeroed) and the host counts (`audio_samples`, `cfg_scale_video`,
+    `cfg_scale_audio`, `rows`: the samples' own packed lengths). `loss` itself is the caller's: hooks
+    may change it.
+    """
+    pairs = list(zip(batch.samples, parts.per_sample(), strict=True))
+    sound = [float(s.has_audio) for s, _ in pairs]
+    device = {
+        "loss_video": torch.stack([own.video.detach() for _, own in pairs]).sum(),
+        "loss_audio": torch.stack([own.audio.detach() * a for (_, own), a in zip(pairs, sound)]).sum(),
+        "loss_video_fm": torch.stack([own.video_fm for _, own in pairs]).sum(),
+        "loss_audio_fm": torch.stack([own.audio_fm * a for (_, own), a in zip(pairs, sound)]).sum(),
+    }
+    host = {
+        "audio_samples": sum(sound),
+        "cfg_scale_video": sum(s.guidance.scale_video for s, _ in pairs),
+        "cfg_scale_audio": sum(s.guidance.scale_audio for s, _ in pairs),
+        "rows": float(sum(s.seq_len for s, _ in pairs)),
+    }
+    return device, host
 
 
 def _sample_loss(
@@ -540,7 +493,7 @@ def _sample_loss(
 
 def micro_batch_inputs(
     cfg: Config,
-    sample: PackedSample,
+    sample: TrainingSample,
     step: int,
     slot: int,
     shared_negative: tuple[torch.Tensor, torch.Tensor] | None = None,

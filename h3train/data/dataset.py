@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..tasks.packed import PackedSample
+from ..tasks.sample import TrainingSample
 from ..tasks.table import TRAINING_TASKS
 from .format import INDEX_NAME, DatasetError, SampleError, open_index, read_sample, resolve_in_folder
 from .index_table import IndexRows, IndexTable, Lengths
@@ -60,7 +60,7 @@ class DroppedSamples(Sequence[tuple[str, int]]):
 
 
 class CachedDataset:
-    """Indexable `PackedSample`s of one dataset folder.
+    """Indexable `TrainingSample`s of one dataset folder.
 
     `task_filter` is a `task.name`: the dataset holds the index entries of its `TRAINING_TASKS[...].sample_tasks`
     (a t2va run skips the fl2va clips of a mixed folder). `on_error="skip"` replaces a sample
@@ -127,7 +127,7 @@ class CachedDataset:
     def path(self, index: int) -> Path:
         return resolve_in_folder(self.folder, self.entries[index].file, f"dataset '{self.folder}'")
 
-    def load(self, index: int) -> PackedSample:
+    def load(self, index: int) -> TrainingSample:
         """Read sample `index`, checking it is the one the index describes (a stale index raises)."""
         entry = self.entries[index]
         path = self.path(index)
@@ -146,7 +146,7 @@ class CachedDataset:
             )
         return sample
 
-    def __getitem__(self, index: int) -> PackedSample:
+    def __getitem__(self, index: int) -> TrainingSample:
         if not 0 <= index < len(self.entries):
             raise IndexError(f"sample {index} outside [0, {len(self.entries)})")
         if self.on_error == "raise":

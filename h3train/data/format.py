@@ -61,7 +61,7 @@ from ..tasks.layout import (
     audio_latents_to_rows,
     video_latents_to_rows,
 )
-from ..tasks.packed import PackedSample, build_layout
+from ..tasks.sample import TrainingSample, build_layout
 from ..tasks.table import (
     FRAME_RULE,
     SAMPLE_TASKS,
@@ -160,7 +160,7 @@ class CachedSample:
             "source": self.source,
         }
 
-    def to_packed(self) -> PackedSample:
+    def to_packed(self) -> TrainingSample:
         """Pack into model rows in the pipeline's order (`MiniMaxH3Ref2VAPrepareLatentsStep` and kin).
 
         video rows: keyframes in anchor order, or visual references in request order, then the target.
@@ -170,7 +170,7 @@ class CachedSample:
         kinds = CONDITIONING_KINDS.values()
         visual = [latents for kind in kinds for latents in kind.visual_latents(self)]
         sounds = [latents for kind in kinds for latents in kind.sound_latents(self)]
-        return PackedSample(
+        return TrainingSample(
             sample_id=self.sample_id,
             task=self.task,
             geometry=self.geometry,
@@ -605,7 +605,7 @@ def read_cached_sample(path: str | os.PathLike) -> CachedSample:
     )
 
 
-def read_sample(path: str | os.PathLike) -> PackedSample:
+def read_sample(path: str | os.PathLike) -> TrainingSample:
     """Load, validate and pack one sample file into model rows. Raises `SampleError`."""
     return read_cached_sample(path).to_packed()
 

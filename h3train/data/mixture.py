@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import DatasetSpec
 from ..errors import ConfigError
-from ..tasks.packed import PackedSample
+from ..tasks.sample import TrainingSample
 from .dataset import CachedDataset
 from .index_table import Lengths
 
@@ -73,7 +73,7 @@ def describe_parts(specs: Sequence[DatasetSpec], parts: Sequence[tuple[int, int]
 
 
 class DatasetMixture:
-    """Indexable `PackedSample`s of several `CachedDataset`s, numbered one dataset after the other.
+    """Indexable `TrainingSample`s of several `CachedDataset`s, numbered one dataset after the other.
 
     `parts` gives the sampler each dataset's `(size, draws per epoch)`.
     """
@@ -101,7 +101,7 @@ class DatasetMixture:
         d = bisect.bisect_right(self.offsets, index) - 1
         return d, index - self.offsets[d]
 
-    def __getitem__(self, index: int) -> PackedSample:
+    def __getitem__(self, index: int) -> TrainingSample:
         d, local = self.locate(index)
         return self.datasets[d][local]
 

@@ -1,6 +1,6 @@
 """Where training samples come from: one interface, built in one place.
 
-A **sample source** is indexable: `len(source)`, `source[i]` -> `PackedSample`, and `lengths` (the
+A **sample source** is indexable: `len(source)`, `source[i]` -> `TrainingSample`, and `lengths` (the
 packed length of every sample, for bucketing and planning, known without reading the samples).
 `DATA_SOURCES` holds the kinds `data.source` names, each saying how its samples are made, which sample
 tasks it holds (the partition check) and its longest sample (the memory plan, the rehearsal);
@@ -28,10 +28,10 @@ import torch
 
 from ..config import Config, dataset_specs, register_entry
 from ..errors import ConfigError
-from ..tasks.packed import PackedSample, SamplePack
-from .packing import Packing, StepPlan
+from ..tasks.sample import TrainingSample
 from .prefetch import Prefetcher
 from .sampler import DistributedSampler
+from .step_plan import StepPlan, StepPlanner
 
 if TYPE_CHECKING:
     from ..objective import TrainingInputs
@@ -41,11 +41,11 @@ logger = logging.getLogger(__name__)
 
 
 class SampleSource(Protocol):
-    """Indexable `PackedSample`s of one run; sample `i` is the same on every rank that asks."""
+    """Indexable `TrainingSample`s of one run; sample `i` is the same on every rank that asks."""
 
     def __len__(self) -> int: ...
 
-    def __getitem__(self, index: int) -> PackedSample: ...
+    def __getitem__(self, index: int) -> TrainingSample: ...
 
     @property
     def lengths(self) -> Sequence[int]:
@@ -84,7 +84,7 @@ class DataSource:
         cannot be read here (the plan then assumes the longest released clip)."""
         raise NotImplementedError
 
-    def longest_sample(self, cfg: Config, text_dim: int) -> PackedSample:
+    def longest_sample(self, cfg: Config, text_dim: int) -> TrainingSample:
         """The sample `longest` describes."""
         source = self.build(cfg, text_dim, None)
         return source[int(np.argmax(np.asarray(source.lengths)))]
@@ -111,7 +111,7 @@ class SyntheticData(DataSource):
 
     def longest(self, cfg: Config) -> tuple[int, int, str] | None:
         from ..tasks.layout import Geometry
-        from ..tasks.packed import build_layout
+        from ..tasks.sample import build_layout
         from ..tasks.synthetic import synthetic_anchors
         from ..tasks.table import sample_task_of
 
@@ -123,7 +123,7 @@ class SyntheticData(DataSource):
         tags = torch.ones(syn.text_len, dtype=torch.long)
         return build_layout(task, tags, geometry, anchors).seq_len, syn.text_len, "synthetic geometry"
 
-    def longest_sample(self, cfg: Config, text_dim: int) -> PackedSample:
+    def longest_sample(self, cfg: Config, text_dim: int) -> TrainingSample:
         return self.build(cfg, text_dim, None)[0]  # every sample has the configured geometry
 
 
@@ -278,14 +278,14 @@ def load_shared_negative(cfg: Config) -> tuple[torch.Tensor, torch.Tensor] | Non
     return tensors["negative_prompt_embeds"].float(), tensors["negative_text_token_tags"].long()
 
 
-MakeInputs = Callable[[PackedSample, int, int], "TrainingInputs"]
+MakeInputs = Callable[[TrainingSample, int, int], "TrainingInputs"]
 """`make(sample, step, slot)`: the noised inputs of `sample` as micro-batch `slot` of step `step`."""
 
 
 class MicroBatchStream:
     """Micro-batches of an indexable source in the sampler's order, read and noised ahead of the loop.
 
-    Each step's samples are planned by `packing` (`data/packing.py`): the step's window of the global
+    Each step's samples are planned by `packing` (`data/step_plan.py`): the step's window of the global
     order, and which slots of it this DP rank trains in each micro-batch, one sample each or packed.
     A sample's slot in the window and the step seed its noise, so a micro-batch is the same whatever
     the prefetch depth, the rank or the pack it lands in. The checkpointed state is the sampler's
@@ -298,7 +298,7 @@ class MicroBatchStream:
         source: SampleSource,
         sampler: DistributedSampler,
         make_inputs: MakeInputs,
-        packing: Packing,
+        packing: StepPlanner,
         depth: int,
     ) -> None:
         """`packing` plans the steps of `sampler`'s DP size, `packing.grad_accum` micro-batches a rank."""
@@ -334,11 +334,10 @@ class MicroBatchStream:
         items = [self.make_inputs(sample, at.step, slot) for sample, slot in zip(samples, slots, strict=True)]
         if not self.packing.budget:
             return samples[0], items[0]
-        from ..objective import pack_inputs
+        from ..packing import Pack, pack_inputs
 
         packed = pack_inputs(items)
-        assert packed.pack is not None
-        rows = max(sum(packed.pack.rows), sum(packed.pack.uncond_rows))
+        rows = packed.rows.longest
         if len(samples) > 1 and rows > self.packing.budget:
             # The plan read the index's lengths; a sample `data.on_error=skip` put in place of an
             # unreadable one, or a longer negative prompt, can make the pack longer.
@@ -349,10 +348,10 @@ class MicroBatchStream:
                 rows,
                 self.packing.budget,
             )
-        return SamplePack(tuple(samples)), packed
+        return Pack(tuple(samples)), packed
 
     def next(self, step: int, micro: int) -> tuple[Any, TrainingInputs]:
-        """Micro-batch `micro` (0-based) of optimizer step `step` (1-based): the sample (a `SamplePack`
+        """Micro-batch `micro` (0-based) of optimizer step `step` (1-based): the sample (a `packing.Pack`
         when packing) and its inputs."""
         if self._prefetcher is None:
             # Started lazily, so that it reads from the sampler state a resume has restored.

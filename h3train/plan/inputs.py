@@ -64,7 +64,7 @@ def released_rows(task_name: str) -> int:
     import torch
 
     from ..tasks.layout import Geometry
-    from ..tasks.packed import build_layout
+    from ..tasks.sample import build_layout
     from ..tasks.table import sample_task_of
 
     if not prompt_only_task(task_name):
@@ -208,7 +208,7 @@ def request_rows(cfg: Config) -> int:
     from ..data.format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
     from ..render.requests import parse_requests
     from ..tasks.layout import Geometry
-    from ..tasks.packed import build_layout
+    from ..tasks.sample import build_layout
     from ..tasks.table import sample_task_of
 
     tags = torch.ones(RELEASED_TEXT_ROWS, dtype=torch.long)
@@ -360,15 +360,15 @@ def refuse_over_plan(plan: MemoryPlan, device_type: str, ignored: bool) -> None:
 def balance_line(cfg: Config, dp: int, dims: Mapping[str, Any], steps: int = 100) -> str | None:
     """`h3train check`'s line on how evenly `dp` ranks would work through the run's cached dataset.
 
-    The mean per-step imbalance (`data/packing.py`'s cost model, `max / mean - 1` of the ranks' costs)
+    The mean per-step imbalance (`data/step_plan.py`'s cost model, `max / mean - 1` of the ranks' costs)
     over the first `steps` steps of the sampler's order, with one sample per micro-batch and packed and
     balanced (`data.pack`, or the longest sample's rows when the run does not pack). None for one DP
     rank or a source whose lengths are not read here.
     """
     import numpy as np
 
-    from ..data.packing import Packing, attention_rows, mean_imbalance
     from ..data.source import build_sampler, build_source, data_source
+    from ..data.step_plan import StepPlanner, attention_rows, mean_imbalance
 
     if dp < 2 or not data_source(cfg).reads_folders:
         return None
@@ -378,8 +378,8 @@ def balance_line(cfg: Config, dp: int, dims: Mapping[str, Any], steps: int = 100
     rows_at = lambda p: int(lengths[sampler.global_index(p)])  # noqa: E731
     s0, accum = attention_rows(dims), cfg.train.grad_accum
     budget = cfg.data.pack or int(np.max(np.asarray(lengths)))
-    one, _ = mean_imbalance(Packing(dp, accum, s0=s0), rows_at, steps)
-    packed, _ = mean_imbalance(Packing(dp, accum, budget, True, s0), rows_at, steps)
+    one, _ = mean_imbalance(StepPlanner(dp, accum, s0=s0), rows_at, steps)
+    packed, _ = mean_imbalance(StepPlanner(dp, accum, budget, True, s0), rows_at, steps)
     return (
         f"balance       per-step imbalance across {dp} DP ranks over {steps} steps: {100 * one:.1f} % one sample "
         f"per micro-batch, {100 * packed:.1f} % with data.pack={budget} + data.balance (docs/training.md)"

@@ -28,8 +28,8 @@ from ..checkpoint import Checkpointer, checkpoint_root, room_needed
 from ..config import Config, dataset_specs
 from ..config.checks import resolve_compile
 from ..data.mixture import DatasetMixture
-from ..data.packing import Packing, attention_rows
 from ..data.source import MicroBatchStream, build_sampler, build_source, load_shared_negative
+from ..data.step_plan import StepPlanner, attention_rows
 from ..debug.faults import FaultInjector
 from ..infra.diskspace import check_room
 from ..infra.quiet import known_notices
@@ -191,7 +191,7 @@ def _assemble(
         source,
         sampler,
         lambda sample, step, slot: micro_batch_inputs(cfg, sample, step, slot, shared_negative),
-        step_packing(cfg, dims.dp, model_config),
+        step_planner(cfg, dims.dp, model_config),
         cfg.data.prefetch,
     )
     watch = validation_watch(cfg)
@@ -306,10 +306,10 @@ def build_sharded_model(
     return model
 
 
-def step_packing(cfg: Config, dp: int, dims: dict[str, Any]) -> Packing:
+def step_planner(cfg: Config, dp: int, dims: dict[str, Any]) -> StepPlanner:
     """How the run plans each step's samples: `data.pack` rows per micro-batch, `data.balance` by the
     cost model of the architecture `dims`."""
-    return Packing(dp, cfg.train.grad_accum, cfg.data.pack, cfg.data.balance, attention_rows(dims))
+    return StepPlanner(dp, cfg.train.grad_accum, cfg.data.pack, cfg.data.balance, attention_rows(dims))
 
 
 def wrap_and_shard(

@@ -21,9 +21,10 @@ from ..debug.faults import FaultInjector
 from ..infra.runlock import RunLock
 from ..model.adapter import ModelAdapter
 from ..model.sp_forward import SequenceParallelH3
-from ..objective import TrainingInputs
+from ..objective import MicroBatch
+from ..packing import Pack
 from ..parallel.dims import ParallelContext
-from ..tasks.packed import PackedSample, SamplePack
+from ..tasks.sample import TrainingSample
 from ..train.adapter_files import AdapterFiles
 from ..train.events import EventLog, Progress, SpikeDetector
 from ..train.guard import ValidationWatch
@@ -38,7 +39,7 @@ class MicroBatches(Protocol):
     """The step's micro-batches (`data.source.MicroBatchStream`): `next(step, slot)` is micro-batch `slot`
     of optimizer step `step` as (packed sample or pack, its inputs on the host); its position is checkpointed."""
 
-    def next(self, step: int, slot: int) -> tuple[PackedSample | SamplePack, TrainingInputs]: ...
+    def next(self, step: int, slot: int) -> tuple[TrainingSample | Pack, MicroBatch]: ...
 
     def samples_in_step(self) -> int:
         """Samples of the current step over all DP ranks (the loss is their mean)."""

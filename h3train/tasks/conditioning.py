@@ -164,7 +164,7 @@ class ConditioningKind:
         return []
 
     def layout_fields(self, sample: Any) -> dict[str, Any]:
-        """`PackedSample` / `build_layout` keyword arguments of this kind."""
+        """`TrainingSample` / `build_layout` keyword arguments of this kind."""
         raise NotImplementedError
 
     def build_layout(

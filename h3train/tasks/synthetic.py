@@ -22,7 +22,7 @@ from .layout import (
     audio_latents_to_rows,
     video_latents_to_rows,
 )
-from .packed import PackedSample
+from .sample import TrainingSample
 from .table import TRAINING_TASKS, sample_task_of
 
 
@@ -46,7 +46,7 @@ def synthetic_anchors(cfg: SyntheticDataConfig, task: str) -> tuple[str, ...]:
 
 
 class SyntheticSource:
-    """Indexable source of the `PackedSample`s `task.name=task` trains: fl2va, or t2va (see `synthetic_anchors`)."""
+    """Indexable source of the `TrainingSample`s `task.name=task` trains: fl2va, or t2va (see `synthetic_anchors`)."""
 
     def __init__(self, cfg: SyntheticDataConfig, text_dim: int, seed: int, task: str = "fl2va") -> None:
         self.cfg = cfg
@@ -64,7 +64,7 @@ class SyntheticSource:
         """Packed length of every sample (all share one geometry and text length)."""
         return [self[0].layout.seq_len] * len(self)
 
-    def __getitem__(self, index: int) -> PackedSample:
+    def __getitem__(self, index: int) -> TrainingSample:
         cfg, geo = self.cfg, self.geometry
         g = torch.Generator().manual_seed(self.seed * 7919 + index + 1)
         video = torch.randn(
@@ -90,7 +90,7 @@ class SyntheticSource:
         negative_visual = torch.cat([negative[:1], vision, negative[1:]])
         negative_visual_tags = torch.ones(negative_visual.shape[0], dtype=torch.long)
         negative_visual_tags[1 : 1 + vision.shape[0]] = 0
-        return PackedSample(
+        return TrainingSample(
             sample_id=f"synthetic-{index:06d}",
             task=self.sample_task,
             geometry=geo,

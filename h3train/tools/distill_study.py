@@ -15,7 +15,7 @@ from h3train.data.format import CachedSample, write_index, write_sample
 from h3train.data.synth import _presentation_tags
 from h3train.objective import compute_loss, make_training_inputs, masked_mse
 from h3train.tasks.layout import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
-from h3train.tasks.packed import PackedSample
+from h3train.tasks.sample import TrainingSample
 from h3train.train.validation import heldout_generator
 
 # The checkout whose configs/tiny_fl2va.yaml the study's model and runs take (`scripts/distill_study.py`).
@@ -70,7 +70,7 @@ class World:
             source=f"distill_study(concept={concept}, styled={styled})",
         )
 
-    def dataset(self, folder: Path, count: int, seed: int, styled: bool) -> list[PackedSample]:
+    def dataset(self, folder: Path, count: int, seed: int, styled: bool) -> list[TrainingSample]:
         """`count` clips, concepts in turn, written as a cached dataset; returns them packed."""
         g = torch.Generator().manual_seed(seed)
         folder.mkdir(parents=True, exist_ok=True)
@@ -87,7 +87,7 @@ def _forward(model: MiniMaxH3Transformer3DModel):
     return lambda **inputs: model(**inputs, return_dict=False)
 
 
-def train_teacher(samples: list[PackedSample], steps: int, seed: int) -> MiniMaxH3Transformer3DModel:
+def train_teacher(samples: list[TrainingSample], steps: int, seed: int) -> MiniMaxH3Transformer3DModel:
     """Flow matching, the prompt dropped to the negative one on a quarter of the steps."""
     torch.manual_seed(seed)
     model = MiniMaxH3Transformer3DModel(**TINY).float().train()
@@ -103,13 +103,13 @@ def train_teacher(samples: list[PackedSample], steps: int, seed: int) -> MiniMax
     return model.eval()
 
 
-def _guided_pair(sample: PackedSample, g: torch.Generator, scale: float, sigma: float | None = None):
+def _guided_pair(sample: TrainingSample, g: torch.Generator, scale: float, sigma: float | None = None):
     """Inputs of one pair with the negative branch (`uncond_inputs`) built, at `sigma` or a drawn one."""
     return make_training_inputs(sample, g, TIMESTEPS, WEIGHTS, CfgConfig(scale=scale), sigma=sigma)
 
 
 def distill_student(
-    teacher: MiniMaxH3Transformer3DModel, samples: list[PackedSample], steps: int, scale: float, seed: int
+    teacher: MiniMaxH3Transformer3DModel, samples: list[TrainingSample], steps: int, scale: float, seed: int
 ) -> MiniMaxH3Transformer3DModel:
     """The student's conditional prediction toward the teacher's `u + s (c - u)`, its negative toward `u`."""
     student = MiniMaxH3Transformer3DModel(**TINY).float()
@@ -138,7 +138,7 @@ def distill_student(
 def held_out_measures(
     model: MiniMaxH3Transformer3DModel,
     teacher: MiniMaxH3Transformer3DModel,
-    heldout: list[PackedSample],
+    heldout: list[TrainingSample],
     scale: float,
     seed: int,
 ) -> dict[str, float]:

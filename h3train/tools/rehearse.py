@@ -60,7 +60,6 @@ from ..optim.kinds import optimizer_kind
 from ..parallel.dims import ParallelContext, ParallelDims
 from ..parallel.shards import local_tensor
 from ..plan import GIB, RELEASED_MAX_ROWS, RELEASED_TEXT_ROWS, MemoryPlan, config_sample_rows, estimate
-from ..tasks.packed import SamplePack
 from ..tasks.synthetic import SyntheticSource
 from ..train.hooks import MicroBatchEvent, TrainerHook, TrainerView
 from ..train.reduction import ReducedStep, StepTotals
@@ -535,7 +534,8 @@ def rehearse(
 
     from ..infra.quiet import known_notices
     from ..model.dims import planned_model_dims
-    from ..objective import micro_batch_inputs, pack_inputs
+    from ..objective import micro_batch_inputs
+    from ..packing import Pack, pack_inputs
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -571,7 +571,7 @@ def rehearse(
             rows_origin += f", and a {filler[0].layout.seq_len:,}-row clip"
         per_micro = len(members)
         ti = pack_inputs(items)
-        sample = SamplePack(tuple(members))
+        sample = Pack(tuple(members))
         text_rows = text_rows * copies + sum(int(m.text_token_tags.numel()) for m in members[copies:])
         rows = sample.seq_len
     plan = estimate(dims, mesh, cfg, rows=rows, text_rows=text_rows, fused_norm=fused_norm)

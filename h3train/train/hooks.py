@@ -42,9 +42,10 @@ from ..config import Config
 
 if TYPE_CHECKING:
     from ..model.sp_forward import SequenceParallelH3
-    from ..objective import TrainingInputs
+    from ..objective import MicroBatch
+    from ..packing import Pack
     from ..parallel.dims import ParallelContext
-    from ..tasks.packed import PackedSample, SamplePack
+    from ..tasks.sample import TrainingSample
 
 
 class TrainerView(Protocol):
@@ -109,7 +110,7 @@ class EvaluationWeights(Protocol):
 class MicroBatchEvent:
     """One micro-batch of optimizer step `step` after its forward: what `on_micro_batch` sees.
 
-    `index` counts the step's micro-batches from 0; `sample` is its sample, or a `SamplePack` of its
+    `index` counts the step's micro-batches from 0; `sample` is its sample, or a `Pack` of its
     samples (`data.pack`); `inputs` are as the stream gave them, before the forward moved them to the
     device. `loss` is what the backward runs on (the micro-batch's loss, the sum of its samples',
     before the division by the step's samples per rank) and what the step sums; a hook may replace it.
@@ -117,8 +118,8 @@ class MicroBatchEvent:
 
     step: int
     index: int
-    sample: PackedSample | SamplePack
-    inputs: TrainingInputs
+    sample: TrainingSample | Pack
+    inputs: MicroBatch
     loss: torch.Tensor
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
-from ..tasks.packed import members
+from ..packing import members
 from .hooks import MicroBatchEvent, TrainerHook, TrainerView
 
 

@@ -17,8 +17,6 @@ import warnings
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from functools import reduce
-from operator import add
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,10 +30,9 @@ from ..config import Config, to_yaml
 from ..config.checks import resolve_compile
 from ..errors import TrainingError
 from ..model.sp_forward import SequenceParallelH3
-from ..objective import cfg_enabled, compute_loss
+from ..objective import cfg_enabled, compute_loss, step_sums
 from ..parallel.dims import ParallelContext
 from ..parallel.shards import local_tensor
-from ..tasks.packed import members
 from .guard import Verdict
 from .hooks import EvaluationWeights, MicroBatchEvent
 from .metrics import (
@@ -72,9 +69,9 @@ class StepGradients:
 
     `device_sums` float64 on the device: `StepTotals.loss_names` summed over micro-batches (audio
     terms of silent clips zeroed). `host_sums`: the host's counts by their `StepTotals` names.
-    `losses`: each micro-batch's loss on the device (spike detection); `sample_ids` the
-    micro-batches' samples (a pack's joined by `+`); `samples` how many samples the step trains
-    over all DP ranks, whose mean the loss and the gradient are.
+    `losses`: each sample's own loss on the device (spike detection), `sample_ids` their ids, in the
+    order trained; `samples` how many samples the step trains over all DP ranks, whose mean the loss
+    and the gradient are.
     """
 
     started: float
@@ -238,7 +235,6 @@ class Trainer:
             sample, ti = self.parts.batches.next(step, micro)
             # Every rank plans the whole step, so all agree on its sample count without a collective.
             grads.samples = self.parts.batches.samples_in_step()
-            grads.sample_ids.append(sample.sample_id)
             self.phase = f"forward of step {step}"
             parts = compute_loss(self.model, ti.to(self.device))
             event = MicroBatchEvent(step, micro, sample, ti, parts.loss)
@@ -252,27 +248,14 @@ class Trainer:
             # The step's gradient is the mean over its samples; FSDP2's reduction averages over the DP
             # ranks, so each rank divides by its share (`grad_accum` with one sample per micro-batch).
             (loss / (grads.samples / self.ctx.dims.dp)).backward()
-            grads.losses.append(loss.detach() / len(members(sample)))
-            # The loss as the hooks left it; the other terms, and the counts, sample by sample (a lone
-            # sample's terms are its own, with no sum to take).
-            per_sample = list(zip(members(sample), parts.per_sample(), ti.samples, strict=True))
-            sound = [float(member.has_audio) for member, _, _ in per_sample]
-            terms = {
-                "loss_video": reduce(add, [own.video.detach() for _, own, _ in per_sample]),
-                "loss_audio": reduce(add, [own.audio.detach() * s for (_, own, _), s in zip(per_sample, sound)]),
-                "loss_video_fm": reduce(add, [own.video_fm for _, own, _ in per_sample]),
-                "loss_audio_fm": reduce(add, [own.audio_fm * s for (_, own, _), s in zip(per_sample, sound)]),
-            }
-            for has_audio, (_, _, inputs) in zip(sound, per_sample):
-                counts = {
-                    "audio_samples": has_audio,
-                    "cfg_scale_video": inputs.guidance.scale_video,
-                    "cfg_scale_audio": inputs.guidance.scale_audio,
-                }
-                for name, value in counts.items():
-                    grads.host_sums[name] = grads.host_sums.get(name, 0.0) + value
+            # Spikes are looked for sample by sample: a pack's mean would hide one sample's.
+            for inputs, own in zip(ti.samples, parts.per_sample(), strict=True):
+                grads.losses.append(own.loss.detach())
+                grads.sample_ids.append(inputs.sample_id)
+            terms, counts = step_sums(ti, parts)
             grads.device_sums += StepTotals.loss_terms(loss=loss.detach(), **terms)
-            grads.host_sums["rows"] = grads.host_sums.get("rows", 0.0) + sum(m.layout.seq_len for m in members(sample))
+            for name, value in counts.items():
+                grads.host_sums[name] = grads.host_sums.get(name, 0.0) + value
         for hook in self.parts.hooks:
             hook.after_backward(self, step)
         return grads

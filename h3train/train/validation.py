@@ -54,7 +54,7 @@ from ..data.sampler import assigned_indices
 from ..errors import DatasetError, SampleError
 from ..infra.digest import digest_tensor
 from ..objective import TrainingInputs, cfg_enabled, compute_loss, make_training_inputs, negative_inputs
-from ..tasks.packed import PackedSample
+from ..tasks.sample import TrainingSample
 from .hooks import TrainerHook, TrainerView
 from .metrics import METRICS_FILE, first_row
 
@@ -298,7 +298,7 @@ class HeldOutLoss(TrainerHook):
             with torch.no_grad(), base:
                 for index in assigned_indices(n, ctx.dp_rank, ctx.dims.dp):
                     counted = index is not None
-                    sample: PackedSample = self._samples()[index if counted else 0]
+                    sample: TrainingSample = self._samples()[index if counted else 0]
                     tensors = {}
                     for label, sigma in zip(self.labels, self.sigmas):
                         ti = self._inputs(sample, sigma).to(trainer.device)
@@ -324,7 +324,7 @@ class HeldOutLoss(TrainerHook):
 
     # -- one validation ----------------------------------------------------------------------------
 
-    def _inputs(self, sample: PackedSample, sigma: float) -> TrainingInputs:
+    def _inputs(self, sample: TrainingSample, sigma: float) -> TrainingInputs:
         """The fixed inputs of one pair; with retention the negative prompt's branch always (CFG or not)."""
         cfg = self.cfg
         gen = heldout_generator(self.v.seed, sample.sample_id, sigma)
@@ -350,7 +350,7 @@ class HeldOutLoss(TrainerHook):
             with torch.no_grad(), weights:
                 for index in assigned_indices(n, ctx.dp_rank, ctx.dims.dp):
                     counted = index is not None
-                    sample: PackedSample = self._samples()[index if counted else 0]
+                    sample: TrainingSample = self._samples()[index if counted else 0]
                     # A padding repeat runs its forwards for the collectives only: no base to read.
                     base = self.base.read(index) if self.base is not None and counted else None
                     for k, (label, sigma) in enumerate(zip(self.labels, self.sigmas)):
@@ -369,7 +369,7 @@ class HeldOutLoss(TrainerHook):
     def _pair(
         self,
         trainer: TrainerView,
-        sample: PackedSample,
+        sample: TrainingSample,
         sigma: float,
         label: str,
         base: dict[str, torch.Tensor] | None,

@@ -1,6 +1,6 @@
 """diffusers' own MiniMax-H3 pipeline blocks run on a cached sample, and h3train's inputs held against them.
 
-`check_against_pipeline` writes a sample, reads it back as a `PackedSample`, and runs the pipeline's
+`check_against_pipeline` writes a sample, reads it back as a `TrainingSample`, and runs the pipeline's
 block sequence (the workflow's core-denoise blocks up to, not including, the denoising loop) on the
 same latents and text tags; the layout, the rows and the per-step timestep plan must be equal.
 """
@@ -28,7 +28,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3Mod
 from h3train.data.format import CachedSample, read_sample, write_sample
 from h3train.tasks.conditioning import ReferenceLatents
 from h3train.tasks.layout import row_timesteps
-from h3train.tasks.packed import PackedSample
+from h3train.tasks.sample import TrainingSample
 
 VAE_SCALE = 16
 NUM_STEPS = 6
@@ -109,7 +109,7 @@ def _run_blocks(sample: CachedSample, components: MiniMaxH3ModularPipeline, tags
     return state
 
 
-def _assert_layout_matches(packed: PackedSample, tags: torch.Tensor, state: PipelineState) -> None:
+def _assert_layout_matches(packed: TrainingSample, tags: torch.Tensor, state: PipelineState) -> None:
     layout = packed.layout_for(tags)
     for name in ("position_ids", "token_tags", "video_indices", "audio_indices", "text_indices"):
         ours, theirs = getattr(layout, name), state.get(name)

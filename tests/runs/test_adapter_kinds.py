@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
-from peft import LoHaConfig, LoKrConfig, LoraConfig, set_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -38,12 +36,24 @@ from h3train.model.build import build_model
 from h3train.model.dims import model_dims
 from h3train.plan import checkpoint_bytes
 
+from helpers.launch import (
+    checkpoint_dir,
+    checkpoint_tensor_bytes,
+    checkpoint_tensors,
+    dump_dir,
+    read_metrics,
+    tiny_args,
+)
 from helpers.paths import ROOT
-
-from helpers.reference import Parity, peft_model_from_dump, reference_backward, dump_forward_inputs, forward_outputs, relative_l2
-
+from helpers.reference import (
+    Parity,
+    dump_forward_inputs,
+    forward_outputs,
+    peft_model_from_dump,
+    reference_backward,
+    relative_l2,
+)
 from helpers.runs import TrainedRuns
-from helpers.launch import checkpoint_dir, checkpoint_tensor_bytes, checkpoint_tensors, dump_dir, read_metrics, tiny_args, train
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 TOL = 1e-5

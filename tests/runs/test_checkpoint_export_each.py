@@ -28,9 +28,8 @@ from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
 from h3train.run.checks import check
 from h3train.train.adapter_files import AdapterFiles
 
-from helpers.paths import ROOT
-
 from helpers.launch import checkpoint_dir, read_metrics, run_forked, tiny_args
+from helpers.paths import ROOT
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 STEPS = 4

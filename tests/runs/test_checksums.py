@@ -17,7 +17,15 @@ from h3train.data.synth import write_synthetic_dataset
 from h3train.errors import SampleError
 from h3train.infra.digest import digest_file
 
-from helpers.launch import checkpoint_dir, h3train_command, read_metrics, run_env, run_forked, start_in_session, tiny_args
+from helpers.launch import (
+    checkpoint_dir,
+    h3train_command,
+    read_metrics,
+    run_env,
+    run_forked,
+    start_in_session,
+    tiny_args,
+)
 
 
 def _payload_span(path: Path, name: str) -> tuple[int, int]:

@@ -33,9 +33,8 @@ from h3train.tools.plot import metrics_figure
 from h3train.train.hooks import TrainerHook, TrainerView
 from h3train.train.metrics import MEMORY_KEY, TENSORBOARD_DIR, format_duration
 
-from helpers.paths import TINY_FL2VA
-
 from helpers.launch import read_metrics, tiny_args
+from helpers.paths import TINY_FL2VA
 
 STEPS = 6
 SAMPLES = 6

@@ -20,9 +20,8 @@ from h3train.infra.diskspace import check_room, free_bytes, no_space
 from h3train.model.dims import model_dims
 from h3train.plan import checkpoint_bytes
 
-from helpers.paths import TINY_FL2VA
-
 from helpers.launch import checkpoint_tensor_bytes, on_small_disk, read_metrics, torchrun_error_line
+from helpers.paths import TINY_FL2VA
 
 
 def _planned() -> int:

@@ -11,9 +11,8 @@ from h3train.model.build import build_model
 from h3train.model.dims import model_dims
 from h3train.plan import checkpoint_bytes
 
-from helpers.paths import TINY_FL2VA
-
 from helpers.launch import checkpoint_tensor_bytes, checkpoint_tensors, read_metrics, run_forked
+from helpers.paths import TINY_FL2VA
 
 DECAY = 0.75
 

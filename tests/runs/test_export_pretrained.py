@@ -18,10 +18,8 @@ from h3train.infra.atomic import file_mode
 from h3train.model.build import build_model
 from h3train.model.sp_forward import FORWARD_ARGS
 
-from helpers.paths import TINY_FL2VA
-
 from helpers.launch import checkpoint_dir, dump_dir, read_metrics, run_forked, tiny_args
-
+from helpers.paths import TINY_FL2VA
 from helpers.reference import reference_step
 
 

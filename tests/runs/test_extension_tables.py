@@ -33,11 +33,16 @@ from h3train.plan import checkpoint_bytes
 from h3train.tasks import conditioning
 from h3train.tasks import table as task_table
 
+from helpers.launch import (
+    checkpoint_dir,
+    checkpoint_tensor_bytes,
+    checkpoint_tensors,
+    dump_dir,
+    read_metrics,
+    tiny_args,
+)
 from helpers.paths import ROOT
-
-from helpers.launch import checkpoint_dir, checkpoint_tensor_bytes, checkpoint_tensors, dump_dir, read_metrics, tiny_args
-
-from helpers.reference import peft_model_from_dump, dump_forward_inputs, forward_outputs, relative_l2
+from helpers.reference import dump_forward_inputs, forward_outputs, peft_model_from_dump, relative_l2
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 
@@ -243,7 +248,7 @@ def test_an_outside_conditioning_kind_is_one_registration(first_frame: FirstFram
     """Its sample task is laid out by its builder and encoded by its recipe, which the entry names."""
     from h3train.data.encode.clip import encode_conditioning
     from h3train.tasks.layout import Geometry
-    from h3train.tasks.packed import build_layout
+    from h3train.tasks.sample import build_layout
 
     assert conditioning.conditioning_of("ff2va") is first_frame and first_frame.sample_task == "ff2va"
     tags, geometry = torch.ones(7, dtype=torch.long), Geometry(7, 4, 6, 10)

@@ -17,9 +17,17 @@ from h3train.cli import main
 from h3train.config import load_config
 from h3train.data.format import read_index
 
+from helpers.launch import (
+    checkpoint_dir,
+    checkpoint_tensors,
+    h3train_command,
+    read_metrics,
+    run_env,
+    run_forked,
+    run_h3train,
+    tiny_args,
+)
 from helpers.paths import ROOT, TINY_FL2VA
-
-from helpers.launch import checkpoint_dir, checkpoint_tensors, h3train_command, read_metrics, run_env, run_forked, run_h3train, tiny_args
 
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"
 

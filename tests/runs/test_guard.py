@@ -13,9 +13,8 @@ from h3train.data.synth import write_synthetic_dataset
 from h3train.errors import ConfigError
 from h3train.train.guard import GUARD_EXIT, ValidationWatch
 
-from helpers.paths import TINY_FL2VA
-
 from helpers.launch import read_metrics
+from helpers.paths import TINY_FL2VA
 
 
 def test_keep_best_follows_the_metric_in_its_direction_and_ignores_step_0() -> None:

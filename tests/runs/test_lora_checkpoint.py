@@ -31,12 +31,10 @@ from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
 from h3train.model.dims import model_dims
 from h3train.plan import checkpoint_bytes
 
-from helpers.paths import ROOT
-
-from helpers.runs import TrainedRuns
 from helpers.launch import checkpoint_dir, checkpoint_tensor_bytes, dump_dir, read_metrics, run_forked, tiny_args
-
+from helpers.paths import ROOT
 from helpers.reference import dump_forward_inputs, forward_outputs, reference_model_from_dump, relative_l2
+from helpers.runs import TrainedRuns
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"

@@ -11,11 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.paths import ROOT
-
-from helpers.reference import lora_parity_run
-
 from helpers.launch import read_metrics, tiny_args, train
+from helpers.paths import ROOT
+from helpers.reference import lora_parity_run
 
 TOL = 1e-5
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"

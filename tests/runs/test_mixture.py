@@ -17,11 +17,9 @@ from h3train.data.source import build_sampler, build_source
 from h3train.data.synth import write_synthetic_dataset
 from h3train.errors import ConfigError
 
-from helpers.paths import ROOT
-
-from helpers.reference import parity_step
-
 from helpers.launch import read_metrics, tiny_args
+from helpers.paths import ROOT
+from helpers.reference import parity_step
 
 TOL = 1e-5
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"

@@ -10,9 +10,8 @@ import pytest
 from h3train.cli import main
 from h3train.data.synth import write_synthetic_dataset
 
-from helpers.paths import ROOT, TINY_FL2VA
-
 from helpers.launch import read_metrics
+from helpers.paths import ROOT, TINY_FL2VA
 
 TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 

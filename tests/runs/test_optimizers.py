@@ -21,9 +21,8 @@ from h3train.optim.lowbit import QUANT_BLOCK, BF16AdamW, stochastic_round_bf16, 
 from h3train.parallel.dims import ParallelDims
 from h3train.plan import checkpoint_bytes, estimate
 
-from helpers.paths import TINY_FL2VA
-
 from helpers.launch import checkpoint_tensors, read_metrics, run_forked, tiny_args
+from helpers.paths import TINY_FL2VA
 
 pytestmark = pytest.mark.slow
 

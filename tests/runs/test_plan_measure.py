@@ -77,7 +77,9 @@ def _state(rank: int, world: int, log_dir: str) -> dict[str, dict[str, tuple[int
             params = list(trainer.model.parameters())
             grads = _local_bytes(p.grad for p in params if p.grad is not None)
             trainer.update(1, step)
-            state = [t for s in trainer.parts.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+            state = [
+                t for s in trainer.parts.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+            ]
             plan = estimate(model_dims(cfg), trainer.ctx.dims, cfg)
             out[kind] = {
                 "weights": (plan.master_weights_bytes, _local_bytes(params)),

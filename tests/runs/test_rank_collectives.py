@@ -16,7 +16,6 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers.ranks import collective_checks
 
 from h3train.config import load_config
 from h3train.data.dataset import CachedDataset
@@ -24,9 +23,9 @@ from h3train.data.sampler import DistributedSampler
 from h3train.data.synth import write_synthetic_dataset
 from h3train.objective import text_dropped
 
-from helpers.paths import TINY_FL2VA
-
 from helpers.launch import read_metrics, run_forked, tiny_args
+from helpers.paths import TINY_FL2VA
+from helpers.ranks import collective_checks
 
 STEPS = 6
 SEED = 4

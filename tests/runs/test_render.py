@@ -30,8 +30,8 @@ from h3train.render.pipeline import denoising_steps, render_line, write_clip
 from h3train.run.preflight import load_checked
 from h3train.train.metrics import MetricsLogger
 
-from helpers.pipeline import TinyClipPipeline
 from helpers.launch import read_metrics, run_forked
+from helpers.pipeline import TinyClipPipeline
 
 STEPS = 4  # sigma grid points: three forwards per render
 # fl2va: 22 frames (7 latent frames, the fewest the video VAE decodes) on a 96x64 canvas; t2va on 64x64.

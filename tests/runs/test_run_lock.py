@@ -15,7 +15,15 @@ import torch.distributed as dist
 from h3train.cli import main
 from h3train.infra.runlock import LOCK_NAME, OWNER_NAME, STALE_AFTER_S, RunLock, writer_record
 
-from helpers.launch import checkpoint_dir, h3train_command, read_metrics, run_env, start_in_session, tiny_args, torchrun_error_line
+from helpers.launch import (
+    checkpoint_dir,
+    h3train_command,
+    read_metrics,
+    run_env,
+    start_in_session,
+    tiny_args,
+    torchrun_error_line,
+)
 
 
 def _lines(capsys: pytest.CaptureFixture) -> list[str]:

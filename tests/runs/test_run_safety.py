@@ -24,9 +24,20 @@ from h3train.config import load_config
 from h3train.infra.atomic import atomic_save_file, file_mode
 from h3train.optim.kinds import lr_factor
 
+from helpers.launch import (
+    checkpoint_dir,
+    h3train_command,
+    read_metrics,
+    run_cli,
+    run_env,
+    run_forked,
+    run_h3train,
+    signal_after_steps,
+    start_in_session,
+    tiny_args,
+    torchrun_error_line,
+)
 from helpers.paths import ROOT, TINY_FL2VA
-
-from helpers.launch import checkpoint_dir, h3train_command, read_metrics, run_cli, run_env, run_forked, run_h3train, signal_after_steps, start_in_session, tiny_args, torchrun_error_line
 
 COMMON = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=0"]
 SP2 = ["parallel.sp=2"]

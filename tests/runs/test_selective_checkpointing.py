@@ -23,7 +23,8 @@ from h3train.config import load_config
 from h3train.model import sp_forward
 from h3train.model.build import build_model
 from h3train.model.sp_forward import ATTENTION_OPS, SequenceParallelH3
-from h3train.objective import micro_batch_inputs, pack_inputs
+from h3train.objective import micro_batch_inputs
+from h3train.packing import pack_inputs
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.tasks.synthetic import SyntheticSource
 
@@ -50,7 +51,7 @@ def _inputs(cfg, packed: bool) -> dict:
     if not packed:
         return dict(_sample_inputs(cfg).model_inputs)
     pack = pack_inputs([_sample_inputs(cfg, 0), _sample_inputs(cfg, 1)])
-    return {**pack.model_inputs, **pack.pack.segments()}
+    return pack.forward_kwargs()
 
 
 def _wrapped(cfg, policy, group=None, packed: bool = False) -> SequenceParallelH3:

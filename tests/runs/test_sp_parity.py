@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.ranks import SUMS_AVERAGE
 
-from helpers.paths import ROOT, TINY_FL2VA
-
-from helpers.reference import Parity, parity_of, parity_overrides, parity_step
-
-from helpers.runs import TrainedRuns
 from helpers.launch import read_metrics, run_env, tiny_args, train
+from helpers.paths import ROOT, TINY_FL2VA
+from helpers.ranks import SUMS_AVERAGE
+from helpers.reference import Parity, parity_of, parity_overrides, parity_step
+from helpers.runs import TrainedRuns
 
 TOL = 1e-5
 TINY_REF2VA = ROOT / "configs" / "tiny_ref2va.yaml"

@@ -17,9 +17,8 @@ from h3train.config import load_config
 from h3train.run.assemble import build_trainer
 from h3train.tools.host_syncs import SyncCounter
 
-from helpers.paths import TINY_FL2VA
-
 from helpers.launch import tiny_overrides
+from helpers.paths import TINY_FL2VA
 
 
 def _counting_all_reduces(monkeypatch, counts: Counter, active: list[bool]) -> None:

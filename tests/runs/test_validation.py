@@ -23,9 +23,8 @@ from h3train.run.assemble import build_trainer
 from h3train.tools.plot import metrics_figure
 from h3train.train.validation import HeldOutLoss, heldout_generator, sigma_label
 
-from helpers.paths import TINY_FL2VA
-
 from helpers.launch import read_metrics, run_forked
+from helpers.paths import TINY_FL2VA
 
 SIGMAS = [0.2, 0.5, 0.9]
 

@@ -208,7 +208,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("loop", ("train",)),
     ("services", ("checkpoint", "export", "optim", "plan", "render")),
     ("data", ("data",)),
-    ("model", ("lora", "model", "objective")),
+    ("model", ("lora", "model", "objective", "packing")),
     ("layout", ("ops", "parallel", "tasks")),
     ("base", ("config", "debug", "errors", "infra")),
 ]

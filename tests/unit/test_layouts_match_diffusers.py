@@ -1,6 +1,6 @@
 """The inputs h3train trains on equal what diffusers' pipeline blocks build for the same request.
 
-Each case writes a cached sample, reads it back as a `PackedSample`, and runs the pipeline's own
+Each case writes a cached sample, reads it back as a `TrainingSample`, and runs the pipeline's own
 block sequence (the workflow's core-denoise blocks up to, not including, the denoising loop) on the
 same latents and text tags. Compared exactly: the layout (positions, tags, the three index tensors,
 conditioning row counts), the video and audio rows (row order), and the per-step

@@ -304,7 +304,7 @@ def test_a_t2va_plan_away_from_the_data_uses_the_released_clip_without_keyframes
     from h3train.parallel.dims import ParallelDims
     from h3train.plan.inputs import RELEASED_GEOMETRY
     from h3train.tasks.layout import Geometry
-    from h3train.tasks.packed import build_layout
+    from h3train.tasks.sample import build_layout
 
     plans = {}
     for task in ("fl2va", "t2va"):

@@ -1,4 +1,4 @@
-"""Step plans (`data/packing.py`): which samples each DP rank trains in each micro-batch, packed and balanced."""
+"""Step plans (`data/step_plan.py`): which samples each DP rank trains in each micro-batch, packed and balanced."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from h3train.data.packing import Packing, attention_rows, imbalance, sample_cost
 from h3train.data.sampler import DistributedSampler
+from h3train.data.step_plan import StepPlanner, attention_rows, imbalance, sample_cost
 
 S0 = 26_880.0
 
@@ -17,7 +17,7 @@ def _lengths(n: int, seed: int = 0, low: int = 1_000, spread: float = 8.0) -> li
     return [int(low * rng.uniform(1.0, spread)) for _ in range(n)]
 
 
-def _steps(packing: Packing, rows_at, steps: int, start: int = 0):
+def _steps(packing: StepPlanner, rows_at, steps: int, start: int = 0):
     plans = []
     for _ in range(steps):
         plans.append(packing.plan(start, rows_at))
@@ -35,7 +35,7 @@ def test_the_cost_model_is_the_released_models_flops() -> None:
 def test_unpacked_unbalanced_plans_are_the_samplers_order() -> None:
     dp, accum = 3, 2
     sampler = DistributedSampler(40, 0, dp, seed=5)
-    packing = Packing(dp, accum)
+    packing = StepPlanner(dp, accum)
     plan = packing.plan(12, lambda p: 100)
     assert plan.count == dp * accum
     for rank in range(dp):
@@ -53,7 +53,7 @@ def test_unpacked_unbalanced_plans_are_the_samplers_order() -> None:
 @pytest.mark.parametrize(("budget", "balance"), [(0, True), (8_000, False), (8_000, True), (16_000, True)])
 def test_every_sample_of_the_order_trains_once_within_budget(budget: int, balance: bool) -> None:
     lengths = _lengths(500)
-    packing = Packing(4, 2, budget, balance, S0)
+    packing = StepPlanner(4, 2, budget, balance, S0)
     plans = _steps(packing, lambda p: lengths[p % 500], 60)
     position = 0
     for plan in plans:
@@ -72,20 +72,20 @@ def test_packing_and_balance_even_out_the_ranks() -> None:
     lengths = _lengths(2_000, seed=1)
     rows_at = lambda p: lengths[p % len(lengths)]  # noqa: E731
 
-    def mean_imbalance(packing: Packing) -> float:
+    def mean_imbalance(packing: StepPlanner) -> float:
         plans = _steps(packing, rows_at, 200)
         return sum(imbalance(packing.rank_costs(plan, rows_at)) for plan in plans) / len(plans)
 
-    unpacked = mean_imbalance(Packing(4, 1, s0=S0))
-    balanced = mean_imbalance(Packing(4, 1, 16_000, True, S0))
+    unpacked = mean_imbalance(StepPlanner(4, 1, s0=S0))
+    balanced = mean_imbalance(StepPlanner(4, 1, 16_000, True, S0))
     assert unpacked > 0.35
     assert balanced < 0.10
-    assert mean_imbalance(Packing(4, 1, 16_000, False, S0)) > balanced
+    assert mean_imbalance(StepPlanner(4, 1, 16_000, False, S0)) > balanced
 
 
 def test_a_sample_over_the_budget_trains_alone() -> None:
     lengths = [500, 3_000, 400, 600, 700, 800, 900, 100]
-    packing = Packing(2, 1, 2_000, True, S0)
+    packing = StepPlanner(2, 1, 2_000, True, S0)
     plan = packing.plan(0, lambda p: lengths[p])
     alone = [micro for rank in plan.micro_batches for micro in rank if 1 in micro]
     assert alone == [(1,)]
@@ -93,8 +93,8 @@ def test_a_sample_over_the_budget_trains_alone() -> None:
 
 def test_plans_do_not_depend_on_the_rank_that_computes_them() -> None:
     lengths = _lengths(300, seed=2)
-    first = _steps(Packing(2, 3, 9_000, True, S0), lambda p: lengths[p % 300], 20)
-    again = _steps(Packing(2, 3, 9_000, True, S0), lambda p: lengths[p % 300], 20)
+    first = _steps(StepPlanner(2, 3, 9_000, True, S0), lambda p: lengths[p % 300], 20)
+    again = _steps(StepPlanner(2, 3, 9_000, True, S0), lambda p: lengths[p % 300], 20)
     assert first == again
 
 

@@ -16,7 +16,7 @@ from ...data.format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
 from ...model.dims import model_kwargs
 from ...objective import TrainingInputs
 from ...ops.attention import ATTENTION_BACKENDS
-from ...tasks.packed import PackedSample
+from ...tasks.sample import TrainingSample
 from ...tasks.synthetic import SyntheticSource
 
 REDUCED_DIMS: dict[str, Any] = {
@@ -70,7 +70,7 @@ def clip_data(clip: Clip, num_samples: int = 1) -> SyntheticDataConfig:
     )
 
 
-def bench_sample(clip: Clip, text_dim: int, seed: int) -> PackedSample:
+def bench_sample(clip: Clip, text_dim: int, seed: int) -> TrainingSample:
     """One random FL2VA sample (first + last keyframes, stereo audio) of `clip`'s geometry."""
     return SyntheticSource(clip_data(clip), text_dim, seed)[0]
 

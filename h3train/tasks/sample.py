@@ -21,7 +21,7 @@ def build_layout(
 ) -> Layout:
     """The packed layout of a sample of `task` (a `SAMPLE_TASKS` name), built by its conditioning kind.
 
-    `keyframe_anchors` / `references` are the conditioning fields of a `PackedSample`; each kind reads its own.
+    `keyframe_anchors` / `references` are the conditioning fields of a `TrainingSample`; each kind reads its own.
     A prompt-only task has diffusers' packed layout with no conditioning rows.
     """
     if task not in SAMPLE_TASKS:
@@ -34,7 +34,7 @@ def build_layout(
 
 
 @dataclass
-class PackedSample:
+class TrainingSample:
     """One training sample before noising.
 
     video_rows `[N_v, 24 * 4]`: clean conditioning rows (keyframes / visual references), then clean
@@ -86,34 +86,3 @@ class PackedSample:
             "text_len": int(self.text_token_tags.numel()),
             "seq_len": self.layout.seq_len,
         }
-
-
-@dataclass(frozen=True)
-class SamplePack:
-    """The samples of one packed micro-batch, in pack order (`objective.pack_inputs` packs their inputs).
-
-    It answers what the training loop asks of a micro-batch's sample: its id (the members' joined by
-    `+`), whether it has sound (any member), its packed length (the members' together) and its meta.
-    """
-
-    samples: tuple[PackedSample, ...]
-
-    @property
-    def sample_id(self) -> str:
-        return "+".join(s.sample_id for s in self.samples)
-
-    @property
-    def has_audio(self) -> bool:
-        return any(s.has_audio for s in self.samples)
-
-    @property
-    def seq_len(self) -> int:
-        return sum(s.layout.seq_len for s in self.samples)
-
-    def meta(self) -> dict:
-        return {"pack": [s.meta() for s in self.samples]}
-
-
-def members(sample: PackedSample | SamplePack) -> tuple[PackedSample, ...]:
-    """The samples a micro-batch trains: a pack's members, or the one sample."""
-    return sample.samples if isinstance(sample, SamplePack) else (sample,)

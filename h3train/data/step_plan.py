@@ -69,7 +69,7 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
-class Packing:
+class StepPlanner:
     """How steps are planned: `budget` rows per micro-batch (0: one sample each), `balance` by cost."""
 
     dp: int
@@ -198,7 +198,9 @@ def imbalance(costs: Sequence[float]) -> float:
     return max(costs) / mean - 1.0 if mean > 0 else 0.0
 
 
-def mean_imbalance(packing: Packing, rows_at: Callable[[int], int], steps: int, start: int = 0) -> tuple[float, float]:
+def mean_imbalance(
+    packing: StepPlanner, rows_at: Callable[[int], int], steps: int, start: int = 0
+) -> tuple[float, float]:
     """(mean, worst) per-step `imbalance` of `packing`'s plans over `steps` steps from position `start`."""
     seen = []
     for _ in range(steps):
