@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from ..tasks.sample import TrainingSample
 from .prefetch import Prefetcher
 from .sampler import DistributedSampler
-from .step_plan import StepPlan, StepPlanner
+from .step_plan import StepPlan, StepPlanner, StepStats, step_stats
 
 if TYPE_CHECKING:
     from ..objective import TrainingInputs
@@ -313,19 +313,24 @@ class MicroBatchStream:
         self._lengths = source.lengths
         self._prefetcher: Prefetcher | None = None
         self._items: Iterator[tuple[_At, tuple[Any, TrainingInputs]]] | None = None
-        self._step_samples = 0
+        self._step_stats: StepStats | None = None
+        self._stats_of: tuple[int, int] | None = None
 
     def _rows_at(self, position: int) -> int:
         return int(self._lengths[self.sampler.global_index(position)])
+
+    def plan(self, start: int) -> StepPlan:
+        """The plan of the step that starts at global position `start` (the same on every rank)."""
+        return self.packing.plan(start, self._rows_at, self.sampler.global_index, self.sampler.epoch_length)
 
     def _positions(self, step: int, micro: int) -> Iterator[_At]:
         """Every micro-batch this rank trains from micro-batch `micro` of step `step` on, with its step's plan."""
         start = self.sampler.position
         while True:
-            plan = self.packing.plan(start, self._rows_at)
+            plan = self.plan(start)
             for m in range(micro, self.grad_accum):
                 yield _At(step, m, plan)
-            start, step, micro = start + plan.count, step + 1, 0
+            start, step, micro = plan.end, step + 1, 0
 
     def _load(self, at: _At) -> tuple[Any, TrainingInputs]:
         # On the prefetch thread: reading and noising stay off the training thread.
@@ -359,18 +364,22 @@ class MicroBatchStream:
             self._items = iter(self._prefetcher)
         assert self._items is not None
         at, item = next(self._items)
-        assert (at.step, at.micro, at.plan.start) == (step, micro, self.sampler.position), (
-            f"prefetcher delivered micro-batch {at.micro} of step {at.step} at position {at.plan.start}, the "
+        assert (at.step, at.micro, at.plan.origin) == (step, micro, self.sampler.position), (
+            f"prefetcher delivered micro-batch {at.micro} of step {at.step} at position {at.plan.origin}, the "
             f"training loop expects micro-batch {micro} of step {step} at position {self.sampler.position}"
         )
-        self._step_samples = at.plan.count
+        if self._step_stats is None or self._stats_of != (step, at.plan.origin):
+            self._step_stats = step_stats(self.packing, at.plan, self._rows_at, self.sampler.epoch_length)
+            self._stats_of = (step, at.plan.origin)
         if micro == self.grad_accum - 1:
-            self.sampler.position += at.plan.count
+            self.sampler.position = at.plan.end
         return item
 
-    def samples_in_step(self) -> int:
-        """Samples of the step (all DP ranks) whose micro-batch `next` delivered last: the loss is their mean."""
-        return self._step_samples
+    def step_stats(self) -> StepStats:
+        """The plan of the step whose micro-batch `next` delivered last (all DP ranks): its samples, whose
+        mean the loss is, its packs' fill and its ranks' imbalance."""
+        assert self._step_stats is not None, "no micro-batch was delivered yet"
+        return self._step_stats
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()

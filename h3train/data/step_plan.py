@@ -63,20 +63,34 @@ class StepPlan:
     start: int
     count: int
     micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
+    #: Positions before `start` the step passed over: an epoch's tail too short for every micro-batch.
+    skipped: int = 0
 
     def slots(self, rank: int, micro: int) -> tuple[int, ...]:
         return self.micro_batches[rank][micro]
 
+    @property
+    def origin(self) -> int:
+        """The position the step was planned from (the sampler's position before it)."""
+        return self.start - self.skipped
+
+    @property
+    def end(self) -> int:
+        """The position after the step's window: where the next step is planned from."""
+        return self.start + self.count
+
 
 @dataclass(frozen=True)
 class StepPlanner:
-    """How steps are planned: `budget` rows per micro-batch (0: one sample each), `balance` by cost."""
+    """How steps are planned: `budget` rows per micro-batch (0: one sample each), `balance` by cost,
+    and with a budget at most `global_batch` samples a step (0: as many as the packs' rows hold)."""
 
     dp: int
     grad_accum: int
     budget: int = 0
     balance: bool = False
     s0: float = float("inf")
+    global_batch: int = 0
 
     @property
     def micro_batches(self) -> int:
@@ -86,12 +100,29 @@ class StepPlanner:
     def cost(self, rows: int) -> float:
         return sample_cost(rows, self.s0)
 
-    def plan(self, start: int, rows_at: Callable[[int], int]) -> StepPlan:
-        """The step whose window starts at global position `start`; `rows_at(p)` is the packed length of
-        the sample at position `p`."""
+    def plan(
+        self,
+        start: int,
+        rows_at: Callable[[int], int],
+        sample_at: Callable[[int], int] | None = None,
+        epoch_length: int = 0,
+    ) -> StepPlan:
+        """The step planned from global position `start`; `rows_at(p)` is the packed length of the sample
+        at position `p`, `sample_at(p)` its index in the source, `epoch_length` the order's positions per
+        epoch (0: not known; then neither bound below applies).
+
+        A packed step never holds a sample twice and never reaches into the next epoch: its window
+        ends before a sample it already holds and at the epoch's end. An epoch's tail too short to
+        give every micro-batch a sample is passed over (`StepPlan.skipped`): the next epoch's order
+        is another permutation, so those samples train in other epochs.
+        """
         if not self.budget:
             return self._unpacked(start, rows_at)
-        rows = [rows_at(start + i) for i in range(self._window(start, rows_at))]
+        skipped = 0
+        if epoch_length >= self.micro_batches and epoch_length - start % epoch_length < self.micro_batches:
+            skipped = epoch_length - start % epoch_length
+            start += skipped
+        rows = [rows_at(start + i) for i in range(self._window(start, rows_at, sample_at, epoch_length))]
         bins = self._pack(rows)
         if bins is None:
             # The longest prefix of the window that packs, by bisection: one sample per micro-batch
@@ -107,7 +138,7 @@ class StepPlanner:
                     low, bins = mid, found
             rows = rows[:low]
         assert bins is not None
-        return StepPlan(start, len(rows), self._to_ranks(bins, rows))
+        return StepPlan(start, len(rows), self._to_ranks(bins, rows), skipped)
 
     def _unpacked(self, start: int, rows_at: Callable[[int], int]) -> StepPlan:
         """One sample per micro-batch: the window's samples are the micro-batches, dealt as packs are."""
@@ -115,14 +146,29 @@ class StepPlanner:
         rows = [rows_at(start + i) for i in range(count)] if self.balance else [0] * count
         return StepPlan(start, count, self._to_ranks([[slot] for slot in range(count)], rows))
 
-    def _window(self, start: int, rows_at: Callable[[int], int]) -> int:
-        """How many samples from `start` the step takes before packing: their rows fit the budget share."""
-        need, room = self.micro_batches, FILL * self.micro_batches * self.budget
+    def _window(
+        self, start: int, rows_at: Callable[[int], int], sample_at: Callable[[int], int] | None, epoch_length: int
+    ) -> int:
+        """How many samples from `start` the step takes before packing.
+
+        At least one per micro-batch; then, while the next one fits the rows (a `FILL` share of the
+        micro-batches' budget, or all of it with `global_batch`), the step has fewer than `global_batch`,
+        the epoch has not ended and the sample is not already in the window.
+        """
+        need = self.micro_batches
+        room = self.micro_batches * self.budget * (1.0 if self.global_batch else FILL)
+        cap = self.global_batch or float("inf")
+        end = (start // epoch_length + 1) * epoch_length if epoch_length >= need else float("inf")
+        seen: set[int] = set()
         count, rows = 0, 0
         while True:
-            nxt = min(rows_at(start + count), self.budget)
-            if count >= need and rows + nxt > room:
+            position = start + count
+            nxt = min(rows_at(position), self.budget)
+            index = sample_at(position) if sample_at is not None else None
+            if count >= need and (count >= cap or position >= end or index in seen or rows + nxt > room):
                 return count
+            if index is not None:
+                seen.add(index)
             count, rows = count + 1, rows + nxt
 
     def _pack(self, rows: Sequence[int]) -> list[list[int]] | None:
@@ -206,5 +252,80 @@ def mean_imbalance(
     for _ in range(steps):
         plan = packing.plan(start, rows_at)
         seen.append(imbalance(packing.rank_costs(plan, rows_at)))
-        start += plan.count
+        start = plan.end
     return sum(seen) / len(seen), max(seen)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step's plan trains: `samples` over every DP rank, `fill` the share of the packs' rows
+    the samples take (`rows / (dp * grad_accum * budget)`; None unpacked), `imbalance` of the ranks'
+    costs (`max / mean - 1`), `epoch` the epochs of the order done after it (None: not known)."""
+
+    samples: int
+    fill: float | None
+    imbalance: float
+    epoch: float | None = None
+
+
+def step_stats(planner: StepPlanner, plan: StepPlan, rows_at: Callable[[int], int], epoch_length: int = 0) -> StepStats:
+    """`StepStats` of `plan` (the same on every rank: it reads the plan and the lengths only)."""
+    fill = None
+    if planner.budget:
+        rows = sum(min(rows_at(plan.start + s), planner.budget) for rank in plan.micro_batches for m in rank for s in m)
+        fill = rows / (planner.micro_batches * planner.budget)
+    epoch = plan.end / epoch_length if epoch_length else None
+    return StepStats(plan.count, fill, imbalance(planner.rank_costs(plan, rows_at)), epoch)
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """The first steps of a run's order as planned: samples per step, steps per epoch, fill, imbalance.
+
+    `steps` steps were planned from position 0. `steps_per_epoch` is the count of steps that start in
+    the first epoch when those steps covered it (`exact`), else the epoch's length over the mean
+    samples per step. Means are over the planned steps.
+    """
+
+    steps: int
+    samples_mean: float
+    samples_min: int
+    samples_max: int
+    steps_per_epoch: float
+    exact: bool
+    fill: float | None
+    imbalance: float
+    epoch_length: int
+
+
+def outlook(
+    planner: StepPlanner,
+    rows_at: Callable[[int], int],
+    sample_at: Callable[[int], int],
+    epoch_length: int,
+    steps: int = 100,
+) -> Outlook:
+    """Plan up to `steps` steps from position 0 (stopping after the first epoch when it ends sooner)."""
+    stats, start, in_first = [], 0, 0
+    while len(stats) < steps and start < epoch_length:
+        plan = planner.plan(start, rows_at, sample_at, epoch_length)
+        if plan.start >= epoch_length:
+            break
+        stats.append(step_stats(planner, plan, rows_at))
+        in_first += 1
+        start = plan.end
+    exact = start >= epoch_length
+    counts = [s.samples for s in stats]
+    mean = sum(counts) / len(counts)
+    fills = [s.fill for s in stats if s.fill is not None]
+    return Outlook(
+        steps=len(stats),
+        samples_mean=mean,
+        samples_min=min(counts),
+        samples_max=max(counts),
+        steps_per_epoch=float(in_first) if exact else epoch_length / mean,
+        exact=exact,
+        fill=sum(fills) / len(fills) if fills else None,
+        imbalance=sum(s.imbalance for s in stats) / len(stats),
+        epoch_length=epoch_length,
+    )

@@ -69,7 +69,6 @@ from .arithmetic import (
 )
 from .inputs import (
     adapter_counts,
-    balance_line,
     base_predictions_line,
     checkpoint_bytes,
     config_rows,
@@ -78,6 +77,7 @@ from .inputs import (
     estimate,
     refuse_over_plan,
     render_components_line,
+    samples_lines,
 )
 from .report import format_plan, summary, verdict
 
@@ -124,7 +124,7 @@ __all__ = [
     "summary",
     "verdict",
     "EvaluationPlan",
-    "balance_line",
+    "samples_lines",
     "dropped_line",
     "refuse_over_plan",
 ]

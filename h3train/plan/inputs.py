@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
+from ..config import Config, dataset_specs
 from ..data.format import INDEX_NAME
 from ..model.adapter import AdapterCounts
 from .arithmetic import (
@@ -357,30 +357,58 @@ def refuse_over_plan(plan: MemoryPlan, device_type: str, ignored: bool) -> None:
     )
 
 
-def balance_line(cfg: Config, dp: int, dims: Mapping[str, Any], steps: int = 100) -> str | None:
-    """`h3train check`'s line on how evenly `dp` ranks would work through the run's cached dataset.
+def samples_lines(cfg: Config, dp: int, dims: Mapping[str, Any], source: Any = None, steps: int = 100) -> list[str]:
+    """What the run's steps train, planned over the data as indexed: `h3train check`'s and the start's lines.
 
-    The mean per-step imbalance (`data/step_plan.py`'s cost model, `max / mean - 1` of the ranks' costs)
-    over the first `steps` steps of the sampler's order, with one sample per micro-batch and packed and
-    balanced (`data.pack`, or the longest sample's rows when the run does not pack). None for one DP
-    rank or a source whose lengths are not read here.
+    `samples`: samples per step (the mean and range over the first `steps` steps of the sampler's order
+    for a packed run) and steps per epoch. `balance` (two or more DP ranks): the mean per-step imbalance of
+    the config as set (`data/step_plan.py`: the costliest rank's compute over the ranks' mean, less 1),
+    and, when the run does not pack and balance, what `data.pack` + `data.balance` would give. `source` is
+    the run's (built here from `cfg` when None); no lines for a source whose data is not here.
     """
     import numpy as np
 
     from ..data.source import build_sampler, build_source, data_source
-    from ..data.step_plan import StepPlanner, attention_rows, mean_imbalance
+    from ..data.step_plan import StepPlanner, attention_rows, outlook
 
-    if dp < 2 or not data_source(cfg).reads_folders:
-        return None
-    source = build_source(cfg)
-    lengths = source.lengths
+    if source is None:
+        if data_source(cfg).reads_folders and not all(Path(s.path).is_dir() for s in dataset_specs(cfg.data)):
+            return []
+        source = build_source(cfg, int(dims["text_dim"]))
+    lengths = np.asarray(source.lengths)
     sampler = build_sampler(source, cfg, 0, dp)
     rows_at = lambda p: int(lengths[sampler.global_index(p)])  # noqa: E731
-    s0, accum = attention_rows(dims), cfg.train.grad_accum
-    budget = cfg.data.pack or int(np.max(np.asarray(lengths)))
-    one, _ = mean_imbalance(StepPlanner(dp, accum, s0=s0), rows_at, steps)
-    packed, _ = mean_imbalance(StepPlanner(dp, accum, budget, True, s0), rows_at, steps)
-    return (
-        f"balance       per-step imbalance across {dp} DP ranks over {steps} steps: {100 * one:.1f} % one sample "
-        f"per micro-batch, {100 * packed:.1f} % with data.pack={budget} + data.balance (docs/training.md)"
-    )
+    s0, accum, budget = attention_rows(dims), cfg.train.grad_accum, cfg.data.pack
+    planner = StepPlanner(dp, accum, budget, cfg.data.balance, s0, cfg.train.global_batch)
+    seen = outlook(planner, rows_at, sampler.global_index, sampler.epoch_length, steps)
+    per_epoch = f"{seen.steps_per_epoch:,.0f}" if seen.exact else f"about {seen.steps_per_epoch:,.1f}"
+    plural = "" if seen.exact and seen.steps_per_epoch == 1 else "s"
+    epoch = f"{per_epoch} step{plural} per epoch of {seen.epoch_length:,} samples"
+    if not budget:
+        lines = [f"samples       {dp * accum} per step (dp {dp} x train.grad_accum {accum}), {epoch}"]
+    else:
+        if seen.samples_min == seen.samples_max:
+            count = f"{seen.samples_min:,} per step"
+        else:
+            count = (
+                f"{seen.samples_mean:,.1f} per step on average ({seen.samples_min:,} to {seen.samples_max:,} "
+                f"over the first {seen.steps} steps)"
+            )
+        goal = f"train.global_batch={cfg.train.global_batch}" if cfg.train.global_batch else "train.global_batch unset"
+        lines = [
+            f"samples       {count} ({goal}), "
+            f"{epoch}; dp {dp} x train.grad_accum {accum} packs of up to {budget:,} rows, "
+            f"{100 * (seen.fill or 0.0):.0f} % filled; a step holds each sample at most once"
+        ]
+    if dp > 1:
+        line = (
+            f"balance       imbalance {100 * seen.imbalance:.1f} % as configured (data.pack={budget}, "
+            f"data.balance={str(cfg.data.balance).lower()}; mean over {seen.steps} steps; docs/training.md)"
+        )
+        if not (budget and cfg.data.balance):
+            advice_budget = budget or int(np.max(lengths))
+            advised = StepPlanner(dp, accum, advice_budget, True, s0, cfg.train.global_batch if budget else 0)
+            other = outlook(advised, rows_at, sampler.global_index, sampler.epoch_length, steps)
+            line += f"; data.pack={advice_budget} + data.balance=true would give {100 * other.imbalance:.1f} %"
+        lines.append(line)
+    return lines

@@ -54,7 +54,7 @@ from ..ops.attention import resolve_attention_backend
 from ..optim.kinds import build_optimizer, build_scheduler, weights_dtype
 from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
 from ..parallel.ulysses import SequenceParallel
-from ..plan import checkpoint_bytes
+from ..plan import checkpoint_bytes, samples_lines
 from ..train.adapter_files import AdapterFiles
 from ..train.dump import StepDump
 from ..train.events import EventLog, Progress, SpikeDetector
@@ -194,6 +194,9 @@ def _assemble(
         step_planner(cfg, dims.dp, model_config),
         cfg.data.prefetch,
     )
+    if ctx.is_main:
+        for line in samples_lines(cfg, dims.dp, model_config, source):
+            print(line, flush=True)
     watch = validation_watch(cfg)
     adapter_files = export_files(cfg, adapter)
     owner = lock.token if lock is not None else ""
@@ -309,7 +312,9 @@ def build_sharded_model(
 def step_planner(cfg: Config, dp: int, dims: dict[str, Any]) -> StepPlanner:
     """How the run plans each step's samples: `data.pack` rows per micro-batch, `data.balance` by the
     cost model of the architecture `dims`."""
-    return StepPlanner(dp, cfg.train.grad_accum, cfg.data.pack, cfg.data.balance, attention_rows(dims))
+    return StepPlanner(
+        dp, cfg.train.grad_accum, cfg.data.pack, cfg.data.balance, attention_rows(dims), cfg.train.global_batch
+    )
 
 
 def wrap_and_shard(

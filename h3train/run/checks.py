@@ -168,8 +168,14 @@ def _check_max_rows(cfg: Config) -> None:
 
 
 def _check_pack(cfg: Config) -> None:
-    """With `data.pack_oversize=refuse`, no sample is longer than a pack's `data.pack` rows."""
+    """`train.global_batch` only with packs; with `data.pack_oversize=refuse`, no sample is longer than a
+    pack's `data.pack` rows."""
     budget = cfg.data.pack
+    if cfg.train.global_batch < 0 or (cfg.train.global_batch and not budget):
+        raise ConfigError(
+            f"config key 'train.global_batch' is {cfg.train.global_batch}: it sets the samples of a packed step "
+            "(data.pack > 0); without packs a step trains dp x train.grad_accum samples: unset it or set data.pack"
+        )
     if not budget or cfg.data.pack_oversize != "refuse":
         return
     found = data_source(cfg).longest(cfg)

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..checkpoint import AttributeState, Checkpointer, ModelState, OptimizerState, ScheduleState
 from ..config import Config
 from ..data.source import SampleSource
+from ..data.step_plan import StepStats
 from ..debug.faults import FaultInjector
 from ..infra.runlock import RunLock
 from ..model.adapter import ModelAdapter
@@ -41,8 +42,9 @@ class MicroBatches(Protocol):
 
     def next(self, step: int, slot: int) -> tuple[TrainingSample | Pack, MicroBatch]: ...
 
-    def samples_in_step(self) -> int:
-        """Samples of the current step over all DP ranks (the loss is their mean)."""
+    def step_stats(self) -> StepStats:
+        """The current step's plan: its samples over all DP ranks (the loss is their mean), its packs' fill
+        and its ranks' imbalance."""
         ...
 
     def close(self) -> None: ...

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ..config import Config, load_config
+from ..errors import ConfigError
 from ..model.dims import planned_model_dims
 from ..parallel.dims import ParallelDims
 from ..plan import MemoryPlan
@@ -38,8 +39,19 @@ def preflight(cfg: Config, planning: bool = False, world_size: int | None = None
     """
     check(cfg, planning)
     if world_size is not None:
-        ParallelDims.from_config(cfg.parallel, world_size)
+        check_global_batch(cfg, ParallelDims.from_config(cfg.parallel, world_size))
     return check_inputs(cfg, planning)
+
+
+def check_global_batch(cfg: Config, dims: ParallelDims) -> None:
+    """`train.global_batch` gives each of the step's `dp x grad_accum` micro-batches a sample at least."""
+    want, micro_batches = cfg.train.global_batch, dims.dp * cfg.train.grad_accum
+    if cfg.data.pack and 0 < want < micro_batches:
+        raise ConfigError(
+            f"config key 'train.global_batch' is {want}, but a step gives each of its {micro_batches} micro-batches "
+            f"(dp {dims.dp} x train.grad_accum {cfg.train.grad_accum}) a sample: set it to at least "
+            f"{micro_batches} or lower train.grad_accum"
+        )
 
 
 def device_memory_gib(device_kind: str) -> float:

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 
 from ..config import Config
+from ..data.step_plan import StepStats
 from ..errors import ConfigError, UsageError
 from ..optim.kinds import optimizer_kind
 from ..parallel.dims import ParallelContext, ParallelDims
@@ -316,8 +317,8 @@ class _PlannedMicroBatch:
             raise RuntimeError("this rehearsal builds the run's state only and has no micro-batch to step on")
         return self.sample, self.inputs
 
-    def samples_in_step(self) -> int:
-        return self.per_step
+    def step_stats(self) -> StepStats:
+        return StepStats(self.per_step, None, 0.0)
 
     def close(self) -> None:
         pass

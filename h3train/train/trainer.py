@@ -28,6 +28,7 @@ from ..checkpoint import complete_checkpoints, step_dir_name, step_of
 from ..checkpoint.run_config import write_resolved_config
 from ..config import Config, to_yaml
 from ..config.checks import resolve_compile
+from ..data.step_plan import StepStats
 from ..errors import TrainingError
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import cfg_enabled, compute_loss, step_sums
@@ -79,7 +80,13 @@ class StepGradients:
     host_sums: dict[str, float] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     sample_ids: list[str] = field(default_factory=list)
-    samples: int = 0
+    plan: StepStats | None = None
+
+    @property
+    def samples(self) -> int:
+        """Samples the step trains over all DP ranks: the loss and the gradient are their mean."""
+        assert self.plan is not None, "the step's first micro-batch sets its plan"
+        return self.plan.samples
 
 
 class Trainer:
@@ -108,6 +115,9 @@ class Trainer:
         # Until the first step of a run that compiles its blocks is said (`_say_compile_time`): True.
         self._compile_unsaid = False
         self._compile_before: float | None = None
+        # For the summary: samples this process trained, and where the data order is (epochs done).
+        self._samples_trained = 0
+        self._epoch: float | None = None
         for hook in parts.hooks:
             hook.on_attach(self)
 
@@ -234,7 +244,7 @@ class Trainer:
             self.phase = f"loading micro-batch {micro} of step {step}"
             sample, ti = self.parts.batches.next(step, micro)
             # Every rank plans the whole step, so all agree on its sample count without a collective.
-            grads.samples = self.parts.batches.samples_in_step()
+            grads.plan = self.parts.batches.step_stats()
             self.phase = f"forward of step {step}"
             parts = compute_loss(self.model, ti.to(self.device))
             event = MicroBatchEvent(step, micro, sample, ti, parts.loss)
@@ -309,12 +319,17 @@ class Trainer:
             "lr": lr,
             "seq_len": totals.rows / (cfg.train.grad_accum * self.ctx.dims.dp),
             "samples": n,
+            "imbalance": grads.plan.imbalance,
             "tokens_per_s": totals.rows / dt,
             "step_time_s": dt,
             "skipped_steps": self.skipped_steps,
             "data_errors": int(totals.data_errors),
             MEMORY_KEY: peak_memory_gib(self.device),
         }
+        if grads.plan.fill is not None:
+            stats["pack_fill"] = grads.plan.fill
+        if grads.plan.epoch is not None:
+            stats["epoch"] = grads.plan.epoch
         if self.cfg_enabled:
             stats.update(
                 {
@@ -450,6 +465,8 @@ class Trainer:
             hook.before_step(self, step)
         stats = self.train_step(step)
         self.step = step
+        self._samples_trained += int(stats["samples"] or 0)
+        self._epoch = stats.get("epoch", self._epoch)
         if show is not None:
             show(step, stats)
         for hook in self.parts.hooks:
@@ -535,7 +552,11 @@ class Trainer:
         if trained:
             stopped = "stopped" if self.step < cfg.train.steps else "done"
             steps = f"{stopped}: trained steps {first_step + 1}-{self.step} of {cfg.train.steps}"
-            lines = [f"{steps} ({trained} step{'s' * (trained != 1)}) in {format_duration(elapsed_s)}"]
+            n = self._samples_trained
+            counts = f"{trained} step{'s' * (trained != 1)}, {n:,} samples: {n / trained:,.1f} per step"
+            lines = [f"{steps} ({counts}) in {format_duration(elapsed_s)}"]
+            if self._epoch is not None:
+                lines[0] += f"; the data order is at epoch {self._epoch:.2f}"
         else:
             lines = [f"done: nothing to train, the run is at step {self.step} of {cfg.train.steps}"]
         checkpoint = self._last_checkpoint or (None if trained else self.parts.resumed_from)

@@ -38,10 +38,11 @@ from helpers.paths import TINY_FL2VA
 
 STEPS = 6
 SAMPLES = 6
-# step 3/6 video=0.1234 audio=- grad_norm=0.5678 lr=1.000e-03 peak_mem=1.23GiB (0.05 s/step, elapsed 0:00:01, eta ..)
+# step 3/6 video=0.1234 audio=- grad_norm=0.5678 lr=1.000e-03 peak_mem=1.23GiB samples=2 (0.05 s/step, elapsed 0:00:01,
+# eta ..)
 LINE = re.compile(
     r"^step (?P<step>\d+)/(?P<total>\d+) video=(?P<video>\S+) audio=(?P<audio>\S+) grad_norm=\S+ lr=\S+ "
-    r"peak_mem=(?P<mem>[\d.]+)GiB "
+    r"peak_mem=(?P<mem>[\d.]+)GiB samples=(?P<samples>\d+) "
     r"\((?P<per_step>[\d.]+) s/step, elapsed (?P<elapsed>\d+:\d\d:\d\d), eta (?P<eta>\d+:\d\d:\d\d)\)$"
 )
 
@@ -94,6 +95,7 @@ def test_every_step_line_shows_elapsed_time_eta_and_peak_memory(run: Run) -> Non
         done, left = int(m["step"]), STEPS - int(m["step"])
         assert _seconds(m["eta"]) == pytest.approx(_seconds(m["elapsed"]) / done * left, abs=1 + left / done)
         assert float(m["mem"]) == pytest.approx(row[MEMORY_KEY], abs=0.006)
+        assert int(m["samples"]) == row["samples"]
 
 
 def test_step_lines_show_each_modality_loss_and_a_dash_without_sound(run: Run) -> None:
@@ -149,7 +151,15 @@ def test_the_run_closes_with_a_summary_and_a_working_export_command(run: Run, tm
     checkpoint = run.dir / "checkpoints" / step_dir_name(STEPS)
     lines = run.out.strip().splitlines()
     summary = lines[-3:]
-    assert re.fullmatch(rf"done: trained steps 1-{STEPS} of {STEPS} \({STEPS} steps\) in \d+:\d\d:\d\d", summary[0])
+    trained = sum(row["samples"] for row in run.rows)
+    epoch = run.rows[-1]["epoch"]
+    assert re.fullmatch(
+        rf"done: trained steps 1-{STEPS} of {STEPS} "
+        rf"\({STEPS} steps, {trained} samples: {trained / STEPS:.1f} per step\) "
+        rf"in \d+:\d\d:\d\d; the data order is at epoch {epoch:.2f}",
+        summary[0],
+    )
+    assert epoch == pytest.approx(trained / SAMPLES)
     assert summary[1] == f"last checkpoint: {checkpoint}"
     prefix = "export it with: "
     assert summary[2].startswith(prefix)

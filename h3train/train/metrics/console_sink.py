@@ -29,7 +29,7 @@ _CFG_LOSS_KEYS = {
 }
 _TRACKED = tuple(_CFG_LOSS_KEYS)
 # Keys shown after the losses, in this order, when present, and the name each is shown under.
-_CONSOLE_KEYS = {"grad_norm": "grad_norm", "lr": "lr", MEMORY_KEY: "peak_mem"}
+_CONSOLE_KEYS = {"grad_norm": "grad_norm", "lr": "lr", MEMORY_KEY: "peak_mem", "samples": "samples"}
 
 
 def format_duration(seconds: float) -> str:
@@ -77,6 +77,8 @@ def _format_value(key: str, value: Any) -> str:
         return f"{value:.3e}"
     if key == MEMORY_KEY:
         return f"{value:.2f}GiB"
+    if key == "samples":
+        return f"{value:.0f}"
     return f"{value:.4g}" if key == "grad_norm" else f"{value:.4f}"
 
 
@@ -90,14 +92,14 @@ def _stderr_is_tty() -> bool:
 
 class ConsoleSink(MetricSink):
     """The bar (a TTY and `progress`) or plain stderr lines, at most about 50 per run:
-    `step 20/40 video=0.1234 audio=0.5678 grad_norm=0.8123 lr=1.000e-03 peak_mem=1.52GiB (0.31 s/step,
+    `step 20/40 video=0.1234 audio=0.5678 grad_norm=0.8123 lr=1.000e-03 peak_mem=1.52GiB samples=16 (0.31 s/step,
     elapsed 0:00:06, eta 0:00:06)`.
 
     `video` and `audio` are `RecentLosses` over the last steps as many as the plain lines are apart (one
     in a run of up to 50 steps; the bar uses the same window): `audio` averages only the steps with sound, and reads
     `audio=-` when none of them had any. Under CFG they are the flow-matching losses (`loss_*_fm`, what
     held-out reports), followed by the calibrated objective as `cfg_video` and `cfg_audio`.
-    `grad_norm`, `lr` and `peak_mem` are the step's own. A row
+    `grad_norm`, `lr`, `peak_mem` and `samples` (trained over all DP ranks) are the step's own. A row
     without either modality loss shows its `loss`. Elapsed time counts from `start_clock` (the first
     step of this process, so a resumed run times its own steps) and the ETA extrapolates its mean time
     per step to `total_steps`. `show` prints a step's line as soon as the step is done; `log` prints it
