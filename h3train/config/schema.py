@@ -32,8 +32,9 @@ class ModelConfig:
     # Attention kernel (`ops/attention.py`); `auto`: flash-attn where it runs (CUDA, installed, bf16), else native.
     attention_backend: str = "native"
     # Regional torch.compile of each transformer block, with `compile_backend` (inductor, aot_eager, ...):
-    # auto (on for bfloat16 compute on CUDA; off in float32, on the CPU and with `data.pack`) | true |
-    # false (`config.checks.resolve_compile`). One of `auto`, `true`, `false`.
+    # auto (on for bfloat16 compute on CUDA; off in float32 and on the CPU) | true | false
+    # (`config.checks.resolve_compile`). With `data.pack` each pack then attends in one varlen call: CUDA,
+    # bfloat16 and torch >= 2.10 only (`auto` is off elsewhere, `true` refused). One of `auto`, `true`, `false`.
     compile: str | bool = "auto"
     # The `torch.compile` backend of `compile`.
     compile_backend: str = "inductor"
@@ -167,6 +168,11 @@ class TrainConfig:
     steps: int = 10
     # Micro-batches (one packed sequence each) per optimizer step on each DP rank.
     grad_accum: int = 1
+    # With data.pack: samples per optimizer step over all DP ranks, packed into the dp x grad_accum
+    # micro-batches (fewer when their rows do not fit the packs; 0: as many as the packs' rows hold).
+    # A step never holds a sample twice nor reaches into the next epoch. Without data.pack a step
+    # trains dp x grad_accum samples.
+    global_batch: int = 0
     # Start on a GPU, and pass `h3train check`, even when the memory plan says the run does not fit.
     ignore_memory_plan: bool = False
     # Seeds the model's random init, the noise, timesteps and data order of every step.

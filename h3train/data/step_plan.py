@@ -238,6 +238,45 @@ class StepPlanner:
         ]
 
 
+def batch_layout(dp: int, grad_accum: int, pack: int, global_batch: int) -> dict[str, int]:
+    """What sets a step's samples, as a checkpoint records it (`global_batch_change` compares two)."""
+    return {"dp": dp, "grad_accum": grad_accum, "pack": pack, "global_batch": global_batch}
+
+
+def _batch_text(layout: dict[str, int]) -> str:
+    dp, accum, pack, want = (layout[k] for k in ("dp", "grad_accum", "pack", "global_batch"))
+    grid = f"dp {dp} x train.grad_accum {accum}"
+    if not pack:
+        return f"{dp * accum} samples per step ({grid})"
+    if want:
+        return f"{want} samples per step (train.global_batch, in {grid} packs of up to {pack:,} rows)"
+    return f"{grid} packs of up to {pack:,} rows per step"
+
+
+def global_batch_change(saved: dict[str, int], now: dict[str, int]) -> str | None:
+    """One line when a resume trains another global batch than the checkpoint's run did, naming the setting
+    that keeps the old one; None when the step's samples stay what they were. Layouts: `batch_layout`."""
+    saved = {**batch_layout(1, 1, 0, 0), **saved}
+    before, after = _batch_text(saved), _batch_text(now)
+    if before == after or (saved["pack"] and saved["global_batch"] and saved["global_batch"] == now["global_batch"]):
+        return None
+    dp = now["dp"]
+    if saved["pack"] and saved["global_batch"]:
+        keep = f"train.global_batch={saved['global_batch']} keeps it"
+    else:
+        micro_batches = saved["dp"] * saved["grad_accum"]
+        keep = (
+            f"train.grad_accum={micro_batches // dp} keeps it"
+            if micro_batches % dp == 0
+            else f"no train.grad_accum keeps it at dp {dp}"
+        )
+        if saved["pack"] and saved["pack"] != now["pack"]:
+            keep += f" with data.pack={saved['pack']}"
+        elif now["pack"] and not saved["pack"]:
+            keep = f"data.pack=0 and {keep}"
+    return f"the global batch changes: {before} -> {after}; {keep}"
+
+
 def imbalance(costs: Sequence[float]) -> float:
     """`max / mean - 1` of the ranks' costs: 0 when every rank finishes together."""
     mean = sum(costs) / len(costs)

@@ -47,6 +47,7 @@ from ..checkpoint import (
     verify_file_digests,
 )
 from ..config import Config
+from ..data.step_plan import batch_layout, global_batch_change
 from ..errors import CheckpointError, ConfigError, H3TrainError, UsageError
 from ..infra.atomic import set_aside
 from ..lora.base import read_record
@@ -287,7 +288,11 @@ class Resume:
     # -- after the load ------------------------------------------------------------------------
 
     def _report(self, parts: Restorable, path: Path) -> None:
-        changes = schedule_changes(read_trainer_state(path).get("config_yaml", ""), self.cfg)
+        state = read_trainer_state(path)
+        changes = schedule_changes(state.get("config_yaml", ""), self.cfg)
+        cfg, dp = self.cfg, self._context().dims.dp
+        now = batch_layout(dp, cfg.train.grad_accum, cfg.data.pack, cfg.train.global_batch)
+        batch = global_batch_change(state["batch"], now) if isinstance(state.get("batch"), dict) else None
         step = parts.progress.step
         # Later history is kept, under names that no resume or prune picks up.
         parts.checkpointer.protected_after = step
@@ -300,6 +305,8 @@ class Resume:
             if log is not None:
                 set_aside_later_lines(log, step)
         print(f"resumed from {path} at step {step}", flush=True)
+        if batch is not None:
+            print(f"resume: {batch} (since {path.name})", flush=True)
         if changes:
             sched = parts.scheduler
             print(

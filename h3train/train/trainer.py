@@ -28,7 +28,7 @@ from ..checkpoint import complete_checkpoints, step_dir_name, step_of
 from ..checkpoint.run_config import write_resolved_config
 from ..config import Config, to_yaml
 from ..config.checks import resolve_compile
-from ..data.step_plan import StepStats
+from ..data.step_plan import StepStats, batch_layout
 from ..errors import TrainingError
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import cfg_enabled, compute_loss, step_sums
@@ -200,6 +200,9 @@ class Trainer:
             "model_config": parts.model_config,
             "config_yaml": self._config_yaml(),
             "skipped_steps": self.skipped_steps,
+            "batch": batch_layout(
+                self.ctx.dims.dp, self.cfg.train.grad_accum, self.cfg.data.pack, self.cfg.train.global_batch
+            ),
         }
         if parts.adapter is not None:
             info.update(parts.adapter.checkpoint_info(self.model))
