@@ -128,7 +128,8 @@ def resume_steps(records: list[dict[str, Any]]) -> list[int]:
 def plot_metrics(metrics_path: str | os.PathLike[str], out_png: str | os.PathLike[str]) -> Path:
     """Plot the losses (`loss_video`, `loss_audio`; `loss` when neither is logged), `grad_norm`, `lr` against step.
 
-    Writes one PNG with three stacked axes sharing the step axis and returns its path. A null value
+    Writes one PNG with four stacked axes (the last: samples per step) sharing the step axis and returns its
+    path. A null value
     (a non-finite one in strict JSON, or a loss the step did not have) is skipped. Raises `UsageError` (a
     `ValueError`) naming the file if it is missing, holds no step records, or no `loss` values, or if the
     PNG cannot be written.
@@ -144,7 +145,8 @@ def plot_metrics(metrics_path: str | os.PathLike[str], out_png: str | os.PathLik
 
 
 def metrics_figure(metrics_path: str | os.PathLike[str]) -> Figure:
-    """The figure `plot_metrics` writes: losses (held-out points beside them), grad_norm, lr; legends outside."""
+    """The figure `plot_metrics` writes: losses (held-out points beside them), grad_norm, lr, samples per
+    step; legends outside."""
     path = Path(metrics_path)
     everything = read_metrics(path)
     records = [r for r in everything if r.get("kind") is None]
@@ -158,9 +160,9 @@ def metrics_figure(metrics_path: str | os.PathLike[str]) -> Figure:
     if not curves:
         raise UsageError(f"metrics file '{path}' has no finite 'loss' values to plot")
 
-    fig = Figure(figsize=(10, 8.5), layout="constrained")
+    fig = Figure(figsize=(10, 10), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_loss, ax_grad, ax_lr = fig.subplots(3, 1, sharex=True, height_ratios=(2.2, 1.2, 1.0))
+    ax_loss, ax_grad, ax_lr, ax_samples = fig.subplots(4, 1, sharex=True, height_ratios=(2.2, 1.2, 1.0, 1.0))
 
     colors = {key: _draw(ax_loss, key, curve, linewidth=1.3).get_color() for key, curve in curves.items()}
     for key in _VALIDATION_KEYS:
@@ -200,10 +202,11 @@ def metrics_figure(metrics_path: str | os.PathLike[str]) -> Figure:
     else:
         ax_lr.text(0.5, 0.5, "no lr logged", ha="center", va="center", transform=ax_lr.transAxes)
     ax_lr.set_ylabel("lr")
-    ax_lr.set_xlabel("step")
+    _samples_axis(ax_samples, records)
+    ax_samples.set_xlabel("step")
 
     resumes = resume_steps(records)
-    for ax in (ax_loss, ax_grad, ax_lr):
+    for ax in (ax_loss, ax_grad, ax_lr, ax_samples):
         for i, step in enumerate(resumes):
             label = "resumed" if i == 0 and ax is ax_loss else None
             ax.axvline(step, color="0.35", linestyle=":", linewidth=1.0, label=label)
@@ -212,6 +215,23 @@ def metrics_figure(metrics_path: str | os.PathLike[str]) -> Figure:
             # Outside the axes, on the right: a legend never covers the curves.
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize="small")
     return fig
+
+
+def _samples_axis(ax: Any, records: list[dict[str, Any]]) -> None:
+    """Samples per step (all DP ranks), titled with the steps an epoch took where the run logged its epochs."""
+    steps, values = _series(records, "samples")
+    if not any(math.isfinite(v) for v in values):
+        ax.text(0.5, 0.5, "no samples logged", ha="center", va="center", transform=ax.transAxes)
+        ax.set_ylabel("samples / step")
+        return
+    ax.plot(steps, values, color="tab:purple", linewidth=1.2, drawstyle="steps-mid", label="samples")
+    ax.set_ylabel("samples / step")
+    epoch_steps, epochs = _series(records, "epoch")
+    done = [(s, e) for s, e in zip(epoch_steps, epochs) if math.isfinite(e)]
+    if len(done) > 1 and done[-1][1] > done[0][1]:
+        per_epoch = (done[-1][0] - done[0][0]) / (done[-1][1] - done[0][1])
+        last_step, last_epoch = done[-1]
+        ax.set_title(f"{per_epoch:,.1f} steps per epoch; epoch {last_epoch:.2f} at step {last_step}", fontsize="small")
 
 
 def _smoothed_curve(ax: Any, records: list[dict[str, Any]], key: str, **style: Any) -> Line2D | None:

@@ -147,6 +147,15 @@ def test_a_step_without_sound_logs_null_audio_losses(run: Run) -> None:
     assert list(line.get_xdata()) == [row["step"] for row in run.rows if row["loss_audio"] is not None]
 
 
+def test_the_plot_shows_samples_per_step_and_steps_per_epoch(run: Run) -> None:
+    samples_axis = metrics_figure(run.dir / "metrics.jsonl").axes[3]
+    (line,) = [ln for ln in samples_axis.get_lines() if ln.get_label() == "samples"]
+    assert list(line.get_ydata()) == [row["samples"] for row in run.rows]
+    first, last = run.rows[0], run.rows[-1]
+    per_epoch = (last["step"] - first["step"]) / (last["epoch"] - first["epoch"])
+    assert samples_axis.get_title().startswith(f"{per_epoch:,.1f} steps per epoch")
+
+
 def test_the_run_closes_with_a_summary_and_a_working_export_command(run: Run, tmp_path: Path) -> None:
     checkpoint = run.dir / "checkpoints" / step_dir_name(STEPS)
     lines = run.out.strip().splitlines()
