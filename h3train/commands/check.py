@@ -40,13 +40,23 @@ def add_arguments(parser: Parser) -> None:
 
 
 def compile_line(cfg: Config) -> str:
-    """Whether the planned (CUDA) run compiles its transformer blocks, and the `model.compile` that says so."""
-    from ..config.checks import resolve_compile
+    """Whether the planned (CUDA) run compiles its transformer blocks, and the `model.compile` that says so.
+
+    A packed run says how its packs attend when compiled (one varlen call each); `model.compile: true`
+    with packs this torch cannot compile is the one-line `ConfigError` of `resolve_compile`.
+    """
+    from ..config.checks import packed_compile_missing, resolve_compile
 
     given = str(cfg.model.compile).lower()
     if resolve_compile(cfg, "cuda"):
-        return f"compile: each transformer block, on CUDA (model.compile: {given})"
-    why = ": it compiles bfloat16 compute on CUDA without data.pack" if given == "auto" else ""
+        packs = ", each pack attending in one varlen call" if cfg.data.pack else ""
+        return f"compile: each transformer block, on CUDA{packs} (model.compile: {given})"
+    why = ""
+    if given == "auto":
+        why = ": it compiles bfloat16 compute on CUDA"
+        missing = packed_compile_missing(cfg, "cuda") if cfg.data.pack and cfg.model.dtype == "bfloat16" else None
+        if missing is not None:
+            why += f", packs with torch >= 2.10's varlen attention, and {missing}"
     return f"compile: off (model.compile: {given}{why})"
 
 
@@ -72,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
         if isinstance(source := build_source(cfg), DatasetMixture):
             print(source.describe())
-    from ..plan import balance_line, dropped_line, estimate, format_plan, refuse_over_plan
+    from ..plan import dropped_line, estimate, format_plan, refuse_over_plan, samples_lines
 
     per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "8"))
     model_dims = planned_model_dims(cfg)[0]
@@ -81,9 +91,8 @@ def run(args: argparse.Namespace) -> int:
     if dropped:
         print(dropped)
     print(format_plan(plan), flush=True)
-    balance = balance_line(cfg, dims.dp, model_dims) if not notes else None
-    if balance:
-        print(balance)
+    for line in samples_lines(cfg, dims.dp, model_dims) if not notes else []:
+        print(line)
     if args.rehearse:
         from ..tools.rehearse import format_rehearsal, rehearse
 

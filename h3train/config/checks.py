@@ -99,16 +99,15 @@ def check_values(cfg: Config) -> None:
         )
     if not isinstance(cfg.model.compile, bool) and cfg.model.compile != "auto":
         raise ConfigError(compile_choice_error(cfg.model.compile))
-    if cfg.data.pack:
-        # A compiled block guards on the number of samples a pack holds; a dump replays one sequence.
-        # `model.compile: auto` does not compile a packed run (`resolve_compile`): only `true` is refused.
-        compiles = cfg.model.compile is True
-        for key, on in (("model.compile", compiles), ("debug.dump_step", cfg.debug.dump_step is not None)):
-            if on:
-                raise ConfigError(
-                    f"config key '{key}' does not take packed micro-batches (data.pack={cfg.data.pack}): "
-                    "unset one of them"
-                )
+    if cfg.data.pack and cfg.debug.dump_step is not None:
+        # A dump replays one sequence.
+        raise ConfigError(
+            f"config key 'debug.dump_step' does not take packed micro-batches (data.pack={cfg.data.pack}): "
+            "unset one of them"
+        )
+    if cfg.data.pack and cfg.model.compile is True and (missing := packed_compile_missing(cfg, None)):
+        # What the values alone rule out; the device and torch are asked when the run is built.
+        raise ConfigError(packed_compile_refusal(cfg, missing))
     prof = cfg.debug.profile_steps
     if prof and (len(prof) != 2 or not 1 <= prof[0] <= prof[1]):
         raise ConfigError(
@@ -172,18 +171,68 @@ def compile_choice_error(value: Any) -> str:
     return f"config key 'model.compile' is {value!r}; it takes auto, true or false{hint}"
 
 
+def torch_varlen_available() -> bool:
+    """Whether this torch has `torch.nn.attention.varlen` (torch >= 2.10), found, not imported.
+
+    The config package imports no h3train module but `errors`, so it asks torch itself; a test holds
+    the answer equal to `ops.attention.torch_varlen_available`.
+    """
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    except ModuleNotFoundError:  # no torch at all
+        return False
+
+
+def packed_compile_missing(cfg: Config, device_type: str | None) -> str | None:
+    """Why a packed run of `cfg` (`data.pack`) cannot compile its blocks on a `device_type` device, as a
+    clause, or None when it can.
+
+    A compiled block must attend over a pack in one call, or it would compile again for each pack's
+    composition: torch's `varlen_attn` does (`ops.attention.packed_attention_path`), on CUDA, in
+    bfloat16 compute, with torch >= 2.10. `device_type` None: what the values alone rule out (the value
+    checks, before the device is known).
+    """
+    if cfg.model.dtype != "bfloat16":
+        return f"model.dtype is '{cfg.model.dtype}'"
+    if cfg.parallel.backend == "gloo" or (device_type is not None and device_type != "cuda"):
+        return "this run trains on the CPU"
+    if device_type is not None and not torch_varlen_available():
+        from importlib.metadata import version
+
+        return f"this torch ({version('torch')}) has none"
+    return None
+
+
+def packed_compile_refusal(cfg: Config, missing: str) -> str:
+    """The one-line refusal of `model.compile: true` with `data.pack`, `missing` saying why (a clause)."""
+    return (
+        f"config key 'model.compile' is true with data.pack={cfg.data.pack}: a packed sequence compiles as one "
+        f"call only with CUDA's varlen attention (torch >= 2.10, bfloat16 compute), but {missing}; "
+        "set model.compile=false"
+    )
+
+
 def resolve_compile(cfg: Config, device_type: str) -> bool:
     """Whether the run compiles each transformer block (`model.compile`) on a `device_type` device.
 
     `true` and `false` are kept as given. `auto` compiles where it pays: bfloat16 compute on CUDA
     (on one H200 the step ran 7.8 % faster and peaked 3 GiB lower), not float32 compute, not the
-    CPU (inductor's C++ build there takes minutes), and not packed micro-batches (`data.pack`: a
-    compiled block would compile again for every count of samples a pack holds).
+    CPU (inductor's C++ build there takes minutes). Packed micro-batches (`data.pack`) compile only
+    where a pack attends in one call (`packed_compile_missing`): `auto` there is off, and `true` a
+    one-line `ConfigError`, since per-sample attention would compile again for every composition.
     """
     choice = cfg.model.compile
+    if cfg.data.pack and choice is not False:
+        missing = packed_compile_missing(cfg, device_type)
+        if missing is not None and choice is True:
+            raise ConfigError(packed_compile_refusal(cfg, missing))
+        if missing is not None:
+            return False
     if choice != "auto":
         return choice is True
-    return device_type == "cuda" and cfg.model.dtype == "bfloat16" and not cfg.data.pack
+    return device_type == "cuda" and cfg.model.dtype == "bfloat16"
 
 
 def dataset_specs(data: DataConfig) -> list[DatasetSpec]:

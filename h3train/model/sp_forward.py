@@ -40,9 +40,11 @@ the selective checkpoint and the partitioner saves what the policy saves.
 
 Regional compilation (`compile_blocks`): each transformer block's `forward` is compiled on its own
 (the block's module hooks, FSDP2's unshard and reshard, stay eager around it). The Ulysses
-processor reads everything it needs from its arguments, so the block traces as one graph. Not with
-packed sequences: a compiled block would guard on how many samples each pack holds and compile again
-for every count (`data.pack` refuses `model.compile`).
+processor reads everything it needs from its arguments, so the block traces as one graph. A packed
+sequence compiles where it attends in one varlen call (CUDA, bfloat16, torch >= 2.10:
+`ops.attention.packed_attention_path`): the call reads only the offsets tensor, its count of samples
+dynamic, so a new pack composition runs the same graph; per-sample attention would guard on each
+sample's length, and `model.compile` is refused with packs elsewhere (`config.checks.resolve_compile`).
 """
 
 from __future__ import annotations
@@ -89,9 +91,10 @@ BLOCK_POLICIES = ("none", "selective", "full")
 #: The attention kernels whose whole output (attention output, logsumexp, the kernel's bookkeeping) a
 #: `selective` block saves, by operator name: the SDPA kernels of every device (float64 and float32 SDPA
 #: on the CPU run `_scaled_dot_product_flash_attention_for_cpu`), the kernels under them that a varlen call
-#: reaches, flash-attn 2's ops and diffusers' flash-attn 3 op. flash-attn's interface, where it is loaded,
-#: names its own (`_flash_attn_ops`); a flash-attn that calls its extension without a registered op runs
-#: no op the policy sees, and a `selective` block recomputes its attention. SDPA's math kernel (the
+#: reaches, torch's varlen op (a packed sequence's one call), flash-attn 2's ops and diffusers' flash-attn
+#: 3 op. flash-attn's interface, where it is loaded, names its own (`_flash_attn_ops`); a flash-attn that
+#: calls its extension without a registered op runs no op the policy sees, and a `selective` block
+#: recomputes its attention. SDPA's math kernel (the
 #: `_native_math` backend, benchmark only) is a composite of matmuls and a softmax: recomputed as well.
 ATTENTION_OPS = frozenset(
     {
@@ -101,6 +104,7 @@ ATTENTION_OPS = frozenset(
         "aten::_scaled_dot_product_cudnn_attention",
         "aten::_flash_attention_forward",
         "aten::_efficient_attention_forward",
+        "torch_attn::_varlen_attn",
         "flash_attn::_flash_attn_forward",
         "flash_attn::_flash_attn_varlen_forward",
         "_diffusers_flash_attn_3::_flash_attn_forward",

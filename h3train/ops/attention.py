@@ -6,6 +6,9 @@ diffusers `dispatch_attention_fn` backend and its requirements (a CUDA device, b
 flash-attn package) are written here only. `register_attention_backend` adds one, and one that trains
 becomes a choice of `model.attention_backend`; the config package imports nothing from h3train but
 `errors`, so it lists the built-in choices itself and a test holds them equal to `CONFIG_CHOICES`.
+
+A packed sequence (several samples attending block-diagonally, `segment_attention`) attends in one
+call where a varlen kernel runs (`packed_attention_path`), else once per sample.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ class AttentionBackend:
     """One attention kernel: h3train's name for it, diffusers' name, and what it needs to run.
 
     `trains` is False for a kernel only the benchmark runs: it is not a `model.attention_backend` choice.
-    `varlen`: how it attends block-diagonally over a packed sequence's samples: `True` in one call over
-    sequence offsets (flash-attn's varlen kernel), `False` one call per sample segment.
+    `varlen`: the kernel has its own one-call path over a packed sequence's sample offsets (flash-attn's
+    varlen kernel). Any other attends through torch's `varlen_attn` where it runs, else once per sample
+    (`packed_attention_path`).
     """
 
     name: str
@@ -118,24 +122,82 @@ def resolve_attention_backend(name: str, device_type: str, dtype: str) -> str:
     return backend.diffusers
 
 
+#: How a packed sequence attends (`packed_attention_path`): flash-attn's varlen kernel in one call.
+FLASH_VARLEN = "flash_varlen"
+#: Core torch's `torch.nn.attention.varlen.varlen_attn` in one call (torch >= 2.10, CUDA, half precision).
+TORCH_VARLEN = "torch_varlen"
+#: One call of the model's kernel per sample, then a concatenation: everywhere else.
+PER_SAMPLE = "per_sample"
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _torch_varlen_attn():
+    """Core torch's one-call varlen attention, or None where this torch has none (before 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+# Looked up once: a compiled block reads a module global, where a cached lookup would be a call to trace.
+_VARLEN_ATTN = _torch_varlen_attn()
+
+
+def torch_varlen_available() -> bool:
+    """Whether this torch has `torch.nn.attention.varlen.varlen_attn` (torch >= 2.10)."""
+    return _VARLEN_ATTN is not None
+
+
+def packed_attention_path(backend: str | None, device_type: str, dtype: torch.dtype, torch_varlen: bool) -> str:
+    """How a packed sequence attends: `FLASH_VARLEN`, `TORCH_VARLEN` or `PER_SAMPLE`.
+
+    `backend` is the diffusers name the model's processors carry (None: diffusers' default),
+    `device_type` and `dtype` those of q, k, v, `torch_varlen` whether this torch has `varlen_attn`.
+    A kernel with `varlen` (flash-attn) keeps its own one-call path. Any other kernel on CUDA in half
+    precision attends through torch's `varlen_attn` (its flash kernel, whatever SDPA kernel the
+    unpacked rows use): one call whatever the pack holds, so a compiled block does not compile again
+    per composition. Elsewhere (the CPU, float32, torch < 2.10) each sample attends alone.
+    """
+    if device_type != "cuda":
+        return PER_SAMPLE
+    if any(b.varlen and b.diffusers == backend for b in ATTENTION_BACKENDS.values()):
+        return FLASH_VARLEN
+    if torch_varlen and dtype in _HALF:
+        return TORCH_VARLEN
+    return PER_SAMPLE
+
+
 @dataclass(frozen=True)
 class Segments:
     """A packed sequence's samples: their lengths in rows, in order, and on CUDA their offsets.
 
-    `offsets` `[k + 1]` int32 (`cu_seqlens`) are copied to the device once per forward
-    (`segments_on`), not in every block: a copy per attention call would stall the host each time.
+    `offsets` `[k + 1]` int32 (`cu_seqlens`, from 0 to the total rows) are copied to the device once
+    per forward (`segments_on`), not in every block: a copy per attention call would stall the host
+    each time. A one-call kernel reads only `offsets` (a tensor whose length a compiled block takes as
+    dynamic), never `lengths`: python ints a compiled block would guard on.
     """
 
     lengths: tuple[int, ...]
     offsets: torch.Tensor | None = None
 
 
+def packed_offsets(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`[len(lengths) + 1]` int32 offsets of samples of `lengths` rows (`0, l0, l0 + l1, ...`) on `device`.
+
+    The count of samples is marked dynamic: a compiled block takes packs of any count in one graph
+    instead of compiling once for the first count and again for the next.
+    """
+    host = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    offsets = host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+    torch._dynamo.maybe_mark_dynamic(offsets, 0)
+    return offsets
+
+
 def segments_on(lengths: Sequence[int], device: torch.device) -> Segments:
     """`Segments` of `lengths` for attention on `device` (offsets only where a varlen kernel can run)."""
-    offsets = None
-    if device.type == "cuda":
-        host = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        offsets = host.pin_memory().to(device, non_blocking=True)
+    offsets = packed_offsets(lengths, device) if device.type == "cuda" else None
     return Segments(tuple(int(n) for n in lengths), offsets)
 
 
@@ -145,19 +207,28 @@ def segment_attention(
     """Attention of a packed sequence, each sample attending over its own rows only (block-diagonal).
 
     q, k, v `[1, S, H, D]` with `S = sum(segments.lengths)`; returns `[1, S, H, D]`. `backend` is the
-    diffusers name the model's processors carry (None: diffusers' default). A kernel with `varlen` takes
-    the sample offsets in one call; any other runs once per sample, which is each sample's attention as
-    it is alone, with the same kernel.
+    diffusers name the model's processors carry (None: diffusers' default). Where a one-call kernel
+    runs (`packed_attention_path`) it takes the sample offsets; otherwise the kernel runs once per
+    sample, which is each sample's attention as it is alone, with the same kernel.
     """
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
+    path = PER_SAMPLE
     # Offsets exist on CUDA only: on the CPU the table is not looked at.
-    if segments.offsets is not None and any(b.varlen and b.diffusers == backend for b in ATTENTION_BACKENDS.values()):
-        from flash_attn import flash_attn_varlen_func
-
-        longest = max(segments.lengths)
+    if segments.offsets is not None:
+        path = packed_attention_path(backend, query.device.type, query.dtype, _VARLEN_ATTN is not None)
+    if path != PER_SAMPLE:
         offsets = segments.offsets
-        out = flash_attn_varlen_func(query[0], key[0], value[0], offsets, offsets, longest, longest, causal=False)
+        # The longest sample bounds each kernel's grid. Compiled, it must not depend on the pack: a
+        # python int taken from `lengths` would be guarded on, and every new longest sample would
+        # compile the block again. The total rows bound every sample and are the tensor's own size.
+        longest = query.shape[1] if torch.compiler.is_compiling() else max(segments.lengths)
+        if path == FLASH_VARLEN:
+            from flash_attn import flash_attn_varlen_func
+
+            out = flash_attn_varlen_func(query[0], key[0], value[0], offsets, offsets, longest, longest, causal=False)
+        else:
+            out = _VARLEN_ATTN(query[0], key[0], value[0], offsets, offsets, longest, longest)
         return out[None]
     sizes = list(segments.lengths)
     outs = [

@@ -1,6 +1,7 @@
-"""`model.compile: auto`: the blocks compile where it pays (bfloat16 compute on CUDA, no packs), decided by
-`resolve_compile` alone; `true` and `false` stay explicit, every spelling of them loads, anything else is
-one line naming the key; a compiling run says what its first step spent compiling."""
+"""`model.compile: auto`: the blocks compile where it pays (bfloat16 compute on CUDA, packs where they attend
+in one varlen call: `test_packed_attention.py`), decided by `resolve_compile` alone; `true` and `false` stay
+explicit, every spelling of them loads, anything else is one line naming the key; a compiling run says what
+its first step spent compiling."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import pytest
 
 from h3train.cli import main
 from h3train.config import Config, load_config
-from h3train.config.checks import resolve_compile
+from h3train.config.checks import resolve_compile, torch_varlen_available
 from h3train.train.trainer import Trainer
 
 from helpers.launch import tiny_args, tiny_overrides
 from helpers.paths import TINY_FL2VA
 
 PACK = "data.pack=200"
+# Packs compile on CUDA where this torch attends a pack in one call (torch >= 2.10's varlen_attn).
+VARLEN = torch_varlen_available()
 
 
 def _cfg(*overrides: str) -> Config:
@@ -52,7 +55,9 @@ def test_auto_is_the_default() -> None:
         (["model.dtype=bfloat16"], "cuda", True),
         (["model.dtype=float32"], "cuda", False),
         (["model.dtype=bfloat16"], "cpu", False),
-        (["model.dtype=bfloat16", PACK], "cuda", False),
+        (["model.dtype=bfloat16", PACK], "cuda", VARLEN),
+        (["model.dtype=bfloat16", PACK], "cpu", False),
+        (["model.dtype=float32", PACK], "cuda", False),
         # Explicit choices are kept, on any device and in any dtype.
         (["model.compile=true"], "cpu", True),
         (["model.compile=true", "model.dtype=float32"], "cuda", True),
@@ -63,12 +68,19 @@ def test_resolve_compile(overrides: list[str], device: str, compiles: bool) -> N
     assert resolve_compile(_cfg(*overrides), device) is compiles
 
 
-def test_a_packed_run_loads_with_auto_and_is_refused_with_true(capsys: pytest.CaptureFixture) -> None:
+def test_a_packed_run_loads_with_auto_and_true_only_where_it_attends_in_one_call(
+    capsys: pytest.CaptureFixture,
+) -> None:
     assert _cfg("model.dtype=bfloat16", PACK).model.compile == "auto"
     assert _cfg("model.compile=false", PACK).model.compile is False
+    # float32 compute has no varlen kernel: refused as the config loads, on any machine.
     assert main(["check", str(TINY_FL2VA), "model.compile=true", PACK]) == 2
     line = _one_line(capsys)
-    assert "'model.compile' does not take packed micro-batches (data.pack=200)" in line
+    assert "'model.compile' is true with data.pack=200" in line and "but model.dtype is 'float32'" in line
+    # bfloat16: `check` plans a CUDA run, which compiles its packs where this torch has varlen_attn.
+    assert main(["check", str(TINY_FL2VA), "model.compile=true", "model.dtype=bfloat16", PACK]) == (0 if VARLEN else 2)
+    if not VARLEN:
+        assert "has none; set model.compile=false" in _one_line(capsys)
 
 
 @pytest.mark.parametrize(
@@ -121,8 +133,15 @@ def test_a_number_in_yaml_is_one_line_naming_the_key(tmp_path: Path, capsys: pyt
 def test_check_prints_what_the_planned_run_compiles(capsys: pytest.CaptureFixture) -> None:
     for overrides, line in [
         (["model.dtype=bfloat16"], "compile: each transformer block, on CUDA (model.compile: auto)"),
-        ([], "compile: off (model.compile: auto: it compiles bfloat16 compute on CUDA without data.pack)"),
-        (["model.dtype=bfloat16", PACK], "compile: off (model.compile: auto: "),
+        ([], "compile: off (model.compile: auto: it compiles bfloat16 compute on CUDA)"),
+        (
+            ["model.dtype=bfloat16", PACK],
+            "compile: each transformer block, on CUDA, each pack attending in one varlen call (model.compile: auto)"
+            if VARLEN
+            else "compile: off (model.compile: auto: it compiles bfloat16 compute on CUDA, packs with torch >= 2.10's "
+            "varlen attention, and this torch",
+        ),
+        ([PACK], "compile: off (model.compile: auto: it compiles bfloat16 compute on CUDA)"),
         (["model.compile=on"], "compile: each transformer block, on CUDA (model.compile: true)"),
         (["model.compile=false", "model.dtype=bfloat16"], "compile: off (model.compile: false)"),
     ]:
