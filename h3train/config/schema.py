@@ -246,7 +246,8 @@ class LoggingConfig:
     progress: bool = True
     # Also write metrics.jsonl's numbers and the rendered samples to TensorBoard, in <dir>/tensorboard.
     tensorboard: bool = False
-    # Append every micro-batch's sample ids to <dir>/trained_samples/dp<R>.jsonl (a data-order audit).
+    # Record every micro-batch's sample ids under <dir>/trained_samples/, per start of the run (a data-order
+    # audit; read back with h3train.train.sample_log.trained_samples).
     sample_ids: bool = False
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
