@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..config import Config, dataset_specs, measures_held_out_loss
+from ..config.checks import resolve_compile
 from ..data.dataset import index_entries
 from ..data.format import INDEX_NAME, read_header, resolve_in_folder
 from ..data.mixture import dataset_key, epoch_draws
@@ -148,6 +149,9 @@ def check_inputs(cfg: Config, planning: bool = False) -> list[str]:
     check_partition(cfg, data_source(cfg).sample_tasks)
     kind = device_type(cfg)
     resolve_attention_backend(cfg.model.attention_backend, kind, cfg.model.dtype)
+    if not planning:
+        # A compile this device or torch cannot take with packs is refused here, before any process group.
+        resolve_compile(cfg, kind)
     if cfg.model.dtype == "bfloat16" and kind == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("config key 'model.dtype' is 'bfloat16' but this GPU has no bf16 support; use float32")
     return notes
