@@ -361,9 +361,14 @@ def negative_inputs(
     )
 
 
+def _loss_precision(pred: torch.Tensor) -> torch.Tensor:
+    """A prediction in the loss's precision: float32, or float64 when the model computes in float64."""
+    return pred.to(torch.promote_types(pred.dtype, torch.float32))
+
+
 def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `(pred - target)^2` over the rows where `mask` is 1 and all channels. pred `[1, N, C]`."""
-    err = (pred[0].float() - target).square() * mask[:, None]
+    err = (_loss_precision(pred[0]) - target).square() * mask[:, None]
     return err.sum() / (mask.sum().clamp_min(1) * target.shape[-1])
 
 
@@ -373,7 +378,7 @@ def guided_mse(
     """`s^(2-k) * MSE((p + (s-1) u) / s, v)`; at `s = 1` exactly the plain `MSE(p, v)`."""
     if scale == 1.0:
         return masked_mse(pred, target, mask)
-    calibrated = (pred.float() + (scale - 1.0) * uncond.detach().float()) / scale
+    calibrated = (_loss_precision(pred) + (scale - 1.0) * _loss_precision(uncond.detach())) / scale
     return guided_factor(scale, k) * masked_mse(calibrated, target, mask)
 
 
