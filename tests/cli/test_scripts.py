@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from helpers.launch import run_env, run_process_group
 from helpers.paths import ROOT
@@ -145,7 +146,9 @@ def _parity(out: str, err: str, tmp: Path) -> None:
     loss, norm, worst, param = rows[0][32:].split()
     for ratio in (float(loss), float(norm)):
         assert abs(ratio - 1) <= 1e-6, out
-    assert math.isfinite(float(worst)) and float(worst) <= 1e-5 and param.startswith("transformer_blocks."), out
+    # Which parameter is worst is float32 rounding's choice; it must be one of the model's.
+    names = set(load_file(tmp / "case0" / "dump" / "step_1" / "grads.safetensors"))
+    assert math.isfinite(float(worst)) and float(worst) <= 1e-5 and param in names, out
     assert (tmp / "case0" / "dump" / "step_1" / "grads.safetensors").is_file()
 
 
