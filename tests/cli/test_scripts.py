@@ -3,6 +3,11 @@ case is heavy (minutes on two CPU cores, or a GPU or a Slurm cluster), and what 
 
 `CASES` holds one entry per script, found by listing the folder: a new script without an entry, or
 an entry whose script is gone, fails here. A shell script is parsed (`bash -n`) before it runs.
+
+A shell script, and a Python one that launches ranks, runs as a user starts it, in a session of its
+own. A Python script that launches none runs as `python SCRIPT` runs it, in a process forked from a
+server that has imported torch, diffusers and h3train (`helpers.ranks.fork_script`): those imports,
+most of what a `--help` costs, are made once per test process.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from safetensors.torch import load_file
 
 from helpers.launch import run_env, run_process_group
 from helpers.paths import ROOT
+from helpers.ranks import fork_script
 
 SCRIPTS = ROOT / "scripts"
 SHELL = (".sh", ".sbatch")
@@ -221,6 +227,10 @@ def test_script_runs_its_case(name: str, tmp_path: Path) -> None:
         assert parsed.returncode == 0, parsed.stderr
     argv = [a.replace("{tmp}", str(tmp_path)) for a in case.argv]
     # gpu_check.sh runs `h3train` with $PYTHON: this lane's interpreter.
-    done = run_process_group(_command(script, argv), run_env(PYTHON=sys.executable), case.timeout)
+    env = run_env(PYTHON=sys.executable)
+    if script.suffix in SHELL or case.slow:
+        done = run_process_group(_command(script, argv), env, case.timeout)
+    else:
+        done = fork_script(script, argv, env, ROOT, case.timeout)
     assert done.returncode == case.returncode, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-4000:]}"
     case.check(done.stdout, done.stderr, tmp_path)

@@ -113,6 +113,51 @@ def _rank_main(args: list[str], env: dict[str, str], cwd: str, out: str, err: st
     run()
 
 
+def _script_main(script: str, args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """`python SCRIPT ARGS` in a fork of the server: a rank's streams and environment (`_rank_main`), the
+    script's folder first on `sys.path`, then the script as `__main__`. Its `SystemExit` is the exit code;
+    an exception it raises prints its traceback and exits 1, as the interpreter does."""
+    import runpy
+
+    for path, fd in ((out, 1), (err, 2)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(file, fd)
+        os.close(file)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    import torch
+    import torch.distributed
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    torch.distributed.set_debug_level_from_env()
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).parent))
+    runpy.run_path(script, run_name="__main__")
+
+
+def fork_script(
+    script: Path, args: list[str], env: dict[str, str], cwd: Path, timeout: float
+) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` in a process forked from the server, which has imported what the scripts of
+    `scripts/` import (torch, diffusers, h3train) once for the test process: the script's own lines run
+    in a fresh process, without a fresh interpreter's imports. stdout and stderr as `subprocess.run`
+    captures them; on a timeout the process is killed and `subprocess.TimeoutExpired` raised."""
+    ctx = _context()
+    with tempfile.TemporaryDirectory(prefix="h3train-script-") as tmp:
+        out, err = f"{tmp}/out", f"{tmp}/err"
+        proc = ctx.Process(target=_script_main, args=(str(script), list(args), dict(env), str(cwd), out, err))
+        proc.start()
+        code = _wait([proc], timeout, [str(script), *args])
+        stdout, stderr = _read(Path(out)), _read(Path(err))
+    return subprocess.CompletedProcess([sys.executable, str(script), *args], code, stdout, stderr)
+
+
 def fork_ranks(
     args: list[str], nproc: int, env: dict[str, str], cwd: Path, timeout: float
 ) -> subprocess.CompletedProcess:
