@@ -285,7 +285,7 @@ MakeInputs = Callable[[TrainingSample, int, int], "TrainingInputs"]
 class MicroBatchStream:
     """Micro-batches of an indexable source in the sampler's order, read and noised ahead of the loop.
 
-    Each step's samples are planned by `packing` (`data/step_plan.py`): the step's window of the global
+    Each step's samples are planned by `planner` (`data/step_plan.py`): the step's window of the global
     order, and which slots of it this DP rank trains in each micro-batch, one sample each or packed.
     A sample's slot in the window and the step seed its noise, so a micro-batch is the same whatever
     the prefetch depth, the rank or the pack it lands in. The checkpointed state is the sampler's
@@ -298,17 +298,17 @@ class MicroBatchStream:
         source: SampleSource,
         sampler: DistributedSampler,
         make_inputs: MakeInputs,
-        packing: StepPlanner,
+        planner: StepPlanner,
         depth: int,
     ) -> None:
-        """`packing` plans the steps of `sampler`'s DP size, `packing.grad_accum` micro-batches a rank."""
-        if packing.dp != sampler.dp_size:
-            raise ValueError(f"packing plans for {packing.dp} DP ranks, the sampler draws for {sampler.dp_size}")
+        """`planner` plans the steps of `sampler`'s DP size, `planner.grad_accum` micro-batches a rank."""
+        if planner.dp != sampler.dp_size:
+            raise ValueError(f"the planner plans for {planner.dp} DP ranks, the sampler draws for {sampler.dp_size}")
         self.source = source
         self.sampler = sampler
         self.make_inputs = make_inputs
-        self.packing = packing
-        self.grad_accum = packing.grad_accum
+        self.planner = planner
+        self.grad_accum = planner.grad_accum
         self.depth = max(1, depth)
         self._lengths = source.lengths
         self._prefetcher: Prefetcher | None = None
@@ -321,7 +321,7 @@ class MicroBatchStream:
 
     def plan(self, start: int) -> StepPlan:
         """The plan of the step that starts at global position `start` (the same on every rank)."""
-        return self.packing.plan(start, self._rows_at, self.sampler.global_index, self.sampler.epoch_length)
+        return self.planner.plan(start, self._rows_at, self.sampler.global_index, self.sampler.epoch_length)
 
     def _positions(self, step: int, micro: int) -> Iterator[_At]:
         """Every micro-batch this rank trains from micro-batch `micro` of step `step` on, with its step's plan."""
@@ -337,13 +337,13 @@ class MicroBatchStream:
         slots = at.plan.slots(self.sampler.dp_rank, at.micro)
         samples = [self.source[self.sampler.global_index(at.plan.start + slot)] for slot in slots]
         items = [self.make_inputs(sample, at.step, slot) for sample, slot in zip(samples, slots, strict=True)]
-        if not self.packing.budget:
+        if not self.planner.budget:
             return samples[0], items[0]
         from ..packing import Pack, pack_inputs
 
         packed = pack_inputs(items)
         rows = packed.rows.longest
-        if len(samples) > 1 and rows > self.packing.budget:
+        if len(samples) > 1 and rows > self.planner.budget:
             # The plan read the index's lengths; a sample `data.on_error=skip` put in place of an
             # unreadable one, or a longer negative prompt, can make the pack longer.
             logger.warning(
@@ -351,7 +351,7 @@ class MicroBatchStream:
                 at.step,
                 "+".join(s.sample_id for s in samples),
                 rows,
-                self.packing.budget,
+                self.planner.budget,
             )
         return Pack(tuple(samples)), packed
 
@@ -369,7 +369,7 @@ class MicroBatchStream:
             f"training loop expects micro-batch {micro} of step {step} at position {self.sampler.position}"
         )
         if self._step_stats is None or self._stats_of != (step, at.plan.origin):
-            self._step_stats = step_stats(self.packing, at.plan, self._rows_at, self.sampler.epoch_length)
+            self._step_stats = step_stats(self.planner, at.plan, self._rows_at, self.sampler.epoch_length)
             self._stats_of = (step, at.plan.origin)
         if micro == self.grad_accum - 1:
             self.sampler.position = at.plan.end

@@ -284,13 +284,13 @@ def imbalance(costs: Sequence[float]) -> float:
 
 
 def mean_imbalance(
-    packing: StepPlanner, rows_at: Callable[[int], int], steps: int, start: int = 0
+    planner: StepPlanner, rows_at: Callable[[int], int], steps: int, start: int = 0
 ) -> tuple[float, float]:
-    """(mean, worst) per-step `imbalance` of `packing`'s plans over `steps` steps from position `start`."""
+    """(mean, worst) per-step `imbalance` of `planner`'s plans over `steps` steps from position `start`."""
     seen = []
     for _ in range(steps):
-        plan = packing.plan(start, rows_at)
-        seen.append(imbalance(packing.rank_costs(plan, rows_at)))
+        plan = planner.plan(start, rows_at)
+        seen.append(imbalance(planner.rank_costs(plan, rows_at)))
         start = plan.end
     return sum(seen) / len(seen), max(seen)
 

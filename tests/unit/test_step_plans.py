@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -17,10 +18,10 @@ def _lengths(n: int, seed: int = 0, low: int = 1_000, spread: float = 8.0) -> li
     return [int(low * rng.uniform(1.0, spread)) for _ in range(n)]
 
 
-def _steps(packing: StepPlanner, rows_at, steps: int, start: int = 0):
+def _steps(planner: StepPlanner, rows_at, steps: int, start: int = 0):
     plans = []
     for _ in range(steps):
-        plans.append(packing.plan(start, rows_at))
+        plans.append(planner.plan(start, rows_at))
         start += plans[-1].count
     return plans
 
@@ -35,8 +36,8 @@ def test_the_cost_model_is_the_released_models_flops() -> None:
 def test_unpacked_unbalanced_plans_are_the_samplers_order() -> None:
     dp, accum = 3, 2
     sampler = DistributedSampler(40, 0, dp, seed=5)
-    packing = StepPlanner(dp, accum)
-    plan = packing.plan(12, lambda p: 100)
+    planner = StepPlanner(dp, accum)
+    plan = planner.plan(12, lambda p: 100)
     assert plan.count == dp * accum
     for rank in range(dp):
         for micro in range(accum):
@@ -53,8 +54,8 @@ def test_unpacked_unbalanced_plans_are_the_samplers_order() -> None:
 @pytest.mark.parametrize(("budget", "balance"), [(0, True), (8_000, False), (8_000, True), (16_000, True)])
 def test_every_sample_of_the_order_trains_once_within_budget(budget: int, balance: bool) -> None:
     lengths = _lengths(500)
-    packing = StepPlanner(4, 2, budget, balance, S0)
-    plans = _steps(packing, lambda p: lengths[p % 500], 60)
+    planner = StepPlanner(4, 2, budget, balance, S0)
+    plans = _steps(planner, lambda p: lengths[p % 500], 60)
     position = 0
     for plan in plans:
         assert plan.start == position
@@ -72,9 +73,9 @@ def test_packing_and_balance_even_out_the_ranks() -> None:
     lengths = _lengths(2_000, seed=1)
     rows_at = lambda p: lengths[p % len(lengths)]  # noqa: E731
 
-    def mean_imbalance(packing: StepPlanner) -> float:
-        plans = _steps(packing, rows_at, 200)
-        return sum(imbalance(packing.rank_costs(plan, rows_at)) for plan in plans) / len(plans)
+    def mean_imbalance(planner: StepPlanner) -> float:
+        plans = _steps(planner, rows_at, 200)
+        return sum(imbalance(planner.rank_costs(plan, rows_at)) for plan in plans) / len(plans)
 
     unpacked = mean_imbalance(StepPlanner(4, 1, s0=S0))
     balanced = mean_imbalance(StepPlanner(4, 1, 16_000, True, S0))
@@ -85,8 +86,8 @@ def test_packing_and_balance_even_out_the_ranks() -> None:
 
 def test_a_sample_over_the_budget_trains_alone() -> None:
     lengths = [500, 3_000, 400, 600, 700, 800, 900, 100]
-    packing = StepPlanner(2, 1, 2_000, True, S0)
-    plan = packing.plan(0, lambda p: lengths[p])
+    planner = StepPlanner(2, 1, 2_000, True, S0)
+    plan = planner.plan(0, lambda p: lengths[p])
     alone = [micro for rank in plan.micro_batches for micro in rank if 1 in micro]
     assert alone == [(1,)]
 
@@ -111,8 +112,18 @@ def test_check_plans_packs_names_the_imbalance_and_refuses_a_sample_over_the_bud
     out = capsys.readouterr().out
     assert "2,000 rows (data.pack=2000 rows per micro-batch" in out
     (line,) = [x for x in out.splitlines() if x.startswith("balance")]
-    one, packed = (float(p.split(" %")[0].split()[-1]) for p in line.split(": ", 1)[1].split(", "))
-    assert one > packed >= 0.0 and "data.pack=2000 + data.balance" in line
+    found = re.fullmatch(
+        r"balance +imbalance ([\d.]+) % as configured \(data.pack=2000, data.balance=false; mean over \d+ steps; "
+        r"docs/training.md\); data.pack=2000 \+ data.balance=true would give ([\d.]+) %",
+        line,
+    )
+    assert found is not None, line
+    as_set, balanced = float(found[1]), float(found[2])
+    assert as_set > balanced >= 0.0
+    assert main([*args, "data.pack=2000", "data.balance=true"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("balance")]
+    assert f"imbalance {balanced:.1f} % as configured (data.pack=2000, data.balance=true" in line
+    assert "would give" not in line
 
     assert main([*args, "data.pack=100"]) == 2
     err = capsys.readouterr().err.strip()
