@@ -12,6 +12,9 @@ fails takes the others down with it.
 Tests about the launcher itself (signals sent from outside, restarts, what a node prints, the launch
 scripts) keep launching torchrun (`launch.run_h3train`).
 
+The same server runs a test's own function on several gloo ranks (`run_ranks`, `start_processes`, in
+place of spawned processes) and a Python script of `scripts/` (`fork_script`).
+
 At its top this module imports only the standard library: the server unpickles `_rank_main` from it.
 """
 
@@ -24,7 +27,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # What the server imports once: the command line and everything a training rank loads.
 PRELOAD = [
@@ -198,6 +204,64 @@ def fork_ranks(
         stdout = "".join(_read(Path(tmp, f"{rank}.out")) for rank in range(nproc))
         stderr = "".join(_read(Path(tmp, f"{rank}.err")) for rank in range(nproc))
     return subprocess.CompletedProcess(["h3train", *args], code, stdout, stderr)
+
+
+def _process_main(rank: int, env: dict[str, str], errors: str, fn: Callable, args: tuple) -> None:
+    """`fn(rank, *args)` in a fork of the server, in the environment of the test that started it; a failure
+    leaves its traceback in `errors/<rank>` for `start_processes` to raise."""
+    os.environ.clear()
+    os.environ.update(env)
+    import torch.distributed
+
+    torch.distributed.set_debug_level_from_env()
+    try:
+        fn(rank, *args)
+    except BaseException:
+        Path(errors, str(rank)).write_text(traceback.format_exc())
+        raise
+
+
+def start_processes(fn: Callable, args: tuple = (), nprocs: int = 1, timeout: float = 600) -> None:
+    """`torch.multiprocessing.start_processes(fn, args, nprocs, start_method="spawn")` on processes forked from
+    the server: `fn(rank, *args)` in each, without a spawned interpreter's imports of torch, diffusers
+    and h3train. `fn` must be importable (a module-level function of a test module or of h3train). The
+    first process that fails raises here with its traceback, after the others are stopped."""
+    ctx = _context()
+    with tempfile.TemporaryDirectory(prefix="h3train-processes-") as errors:
+        env = dict(os.environ)
+        procs = [ctx.Process(target=_process_main, args=(rank, env, errors, fn, tuple(args))) for rank in range(nprocs)]
+        for proc in procs:
+            proc.start()
+        code = _wait(procs, timeout, [fn.__qualname__])
+        if code != 0:
+            said = [Path(errors, str(rank)) for rank in range(nprocs)]
+            tracebacks = "\n".join(f"process {p.name}:\n{p.read_text()}" for p in said if p.is_file())
+            raise AssertionError(f"{fn.__qualname__} exited {code} on a forked process\n{tracebacks}")
+
+
+def _run_ranks_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
+    """`h3train.tools.bench_memory.run_ranks` on forked processes (`start_processes`): `fn(rank, world, *args)`
+    in `world` CPU processes over gloo; each rank's return value."""
+    import torch
+
+    from h3train.parallel.dims import free_port
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        start_processes(_run_ranks_main, args=(world, free_port(), out_dir, fn, args), nprocs=world)
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 def _read(path: Path) -> str:

@@ -21,9 +21,9 @@ import torch
 
 from h3train.checkpoint import file_digest_problem, read_trainer_state
 from h3train.infra.digest import digest_file
-from h3train.tools.bench_memory import run_ranks
 
 from helpers.launch import checkpoint_tensors
+from helpers.ranks import run_ranks
 
 WORLD = 4
 # Elements of each rank's shard (float32): 256 KiB, so a shard dwarfs DCP's framing and `.metadata`.

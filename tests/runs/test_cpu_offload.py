@@ -20,9 +20,9 @@ from h3train.optim.kinds import build_optimizer
 from h3train.parallel.dims import ParallelContext, ParallelDims
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.tasks.synthetic import SyntheticSource
-from h3train.tools.bench_memory import run_ranks
 
 from helpers.paths import TINY_FL2VA
+from helpers.ranks import run_ranks
 
 
 def _train(ctx: ParallelContext, cpu_offload: bool) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from h3train.parallel.dims import free_port
+
+from helpers.ranks import start_processes
 
 # Neither backend's default (600 s on NCCL, 1800 s on gloo), so a group that kept one is seen.
 TIMEOUT_S = 123
@@ -60,7 +61,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_every_group_of_a_dp2_sp2_mesh_has_the_configured_timeout() -> None:
     world = 4
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_main, args=(world, free_port(), out_dir), nprocs=world, start_method="spawn")
+        start_processes(_rank_main, args=(world, free_port(), out_dir), nprocs=world)
         results = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(world)]
     expected_sizes = {"world": 4, "sp": 2, "dp_shard": 2, "dp_replicate": 1, "dp_shard_sp": 4, "dp": 2}
     for rank, result in enumerate(results):

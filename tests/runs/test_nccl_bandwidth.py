@@ -8,9 +8,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from h3train.parallel.dims import free_port
+
+from helpers.ranks import start_processes
 
 
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
@@ -31,7 +32,7 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
 def test_bandwidth_of_every_collective_over_the_world_and_each_node() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bandwidth.json"
-        mp.start_processes(_rank_main, args=(4, free_port(), str(out)), nprocs=4, start_method="spawn")
+        start_processes(_rank_main, args=(4, free_port(), str(out)), nprocs=4)
         rows = json.loads(out.read_text())["rows"]
     kinds = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
     expected = {(k, g, n, mib * 2**20) for k in kinds for g, n in (("world", 4), ("node", 2)) for mib in (1, 2)}

@@ -1,7 +1,7 @@
 """The memory plan against measurement on two gloo ranks: the state a training step leaves on each rank
 and the activations a forward keeps, each within `TOLERANCE` of `h3train.plan.estimate`.
 
-One launch (`h3train.tools.bench_memory.run_ranks`) measures every configuration in one process group:
+One launch (`helpers.ranks.run_ranks`) measures every configuration in one process group:
 
 - state: the trainer's own tensors after one step (`build_trainer`, `Trainer.train_step`), the local
   shards' bytes of the parameters, of their gradients and of AdamW's state on each rank, against the
@@ -28,9 +28,9 @@ import torch
 from h3train.model.dims import model_dims
 from h3train.parallel.shards import local_tensor
 from h3train.plan import estimate
-from h3train.tools.bench_memory import run_ranks
 
 from helpers.activations import HEADS_ONLY, KINDS, QUANT, TOLERANCE, VARIANTS, WIDTHS, activations, config
+from helpers.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 

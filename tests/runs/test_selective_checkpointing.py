@@ -178,7 +178,7 @@ def _sp2_grads(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 def test_selective_gradients_equal_none_at_sp2_under_fsdp2() -> None:
-    from h3train.tools.bench_memory import run_ranks
+    from helpers.ranks import run_ranks
 
     cfg = _config()
     ranks = run_ranks(_sp2_grads, 2)

@@ -12,10 +12,11 @@ import pytest
 import yaml
 
 from h3train.parallel.collectives import fsdp_collectives_per_step, functional_all_to_alls_per_step
-from h3train.tools.bench_memory import run_ranks, step_collectives
+from h3train.tools.bench_memory import step_collectives
 
 from helpers.launch import tiny_overrides
 from helpers.paths import TINY_FL2VA
+from helpers.ranks import run_ranks
 
 
 @pytest.mark.slow
