@@ -247,7 +247,7 @@ class LoggingConfig:
     # Also write metrics.jsonl's numbers and the rendered samples to TensorBoard, in <dir>/tensorboard.
     tensorboard: bool = False
     # Record every micro-batch's sample ids under <dir>/trained_samples/, per start of the run (a data-order
-    # audit; read back with h3train.train.sample_log.trained_samples).
+    # audit; read back with h3train.data.trained_samples.trained_samples).
     sample_ids: bool = False
     wandb: WandbConfig = field(default_factory=WandbConfig)
 

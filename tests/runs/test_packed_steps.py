@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from h3train.train.sample_log import trained_samples
+from h3train.data.trained_samples import trained_samples
 
 from helpers.launch import read_metrics, run_forked, tiny_args, train
 

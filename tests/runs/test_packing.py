@@ -24,8 +24,8 @@ import torch
 from h3train.config import Config, load_config
 from h3train.data.source import build_sampler, build_source
 from h3train.data.synth import write_synthetic_dataset
+from h3train.data.trained_samples import attempts, trained_samples
 from h3train.objective import text_dropped
-from h3train.train.sample_log import attempts, trained_samples
 
 from helpers.launch import run_env, run_forked, tiny_args
 from helpers.pack_ranks import MUTATIONS, StepRuns, run_on_ranks, step_gradients

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
+from h3train.data.trained_samples import attempts, begin_attempt, trained_samples
 from h3train.train.hooks import MicroBatchEvent
-from h3train.train.sample_log import TrainedSamples, attempts, begin_attempt, trained_samples
+from h3train.train.sample_log import TrainedSamples
 
 from helpers.launch import read_metrics, run_forked, tiny_args
 
