@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import torch
@@ -14,6 +13,7 @@ import torch
 from h3train.tools import distill_study as study
 
 from helpers.paths import ROOT
+from helpers.ranks import fork_script
 
 SCRIPT = ROOT / "scripts" / "distill_study.py"
 
@@ -33,7 +33,8 @@ def test_teacher_and_student_are_the_same_under_the_same_seed(tmp_path: Path) ->
 
 def test_the_study_writes_a_row_per_arm_from_what_the_runs_logged(tmp_path: Path) -> None:
     args = ["--out", str(tmp_path), "--teacher-steps", "8", "--distill-steps", "8", "--finetune-steps", "2"]
-    done = subprocess.run([sys.executable, str(SCRIPT), *args, "--clips", "4"], capture_output=True, text=True)
+    # `python SCRIPT ARGS`, forked from a server that has imported what the script imports.
+    done = fork_script(SCRIPT, [*args, "--clips", "4"], dict(os.environ), Path.cwd(), timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((tmp_path / "distill_study.json").read_text())
     assert list(result["rows"]) == ["student", "plain_full", "cfg_full", "plain_lora", "cfg_lora"]

@@ -25,7 +25,7 @@ from h3train.objective import micro_batch_inputs
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.tasks.synthetic import SyntheticSource
 
-from helpers.launch import dump_dir, read_metrics, run_env, run_h3train, tiny_args
+from helpers.launch import dump_dir, read_metrics, run_env, run_forked, run_h3train, tiny_args
 from helpers.paths import TINY_FL2VA
 from helpers.reference import reference_step, relative_l2
 
@@ -43,9 +43,11 @@ def _overrides(run_dir) -> list[str]:
 
 
 def _train(run_dir, extra: list[str], env: dict[str, str] | None = None):
-    """Metrics, step 2's dumped gradients and the run's stderr."""
+    """Metrics, step 2's dumped gradients and the run's stderr: on forked ranks, or under torchrun when the
+    run has an environment of its own (torch reads `TORCH_LOGS` when it is imported)."""
     overrides = [*_overrides(run_dir), *extra]
-    proc = run_h3train(tiny_args(run_dir, *overrides), nproc=2, timeout=240, env=env)
+    launch = run_forked if env is None else run_h3train
+    proc = launch(tiny_args(run_dir, *overrides), nproc=2, timeout=240, env=env)
     return read_metrics(run_dir), load_file(dump_dir(run_dir, 2) / "grads.safetensors"), proc.stderr
 
 
