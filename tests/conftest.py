@@ -15,6 +15,18 @@ for _name, _value in collective_checks().items():
     os.environ.setdefault(_name, _value)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, each worker gets its share of the machine's cores for torch's intra-op threads, and so
+    do the processes it starts (`OMP_NUM_THREADS`, unless set already). Two workers of a thread per core
+    each, on those same cores, spin in each other's way: the in-process runs take several times as long."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(workers))))
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 @pytest.fixture(autouse=True)
 def _restore_diffusers_attention_backend():
     """`ModelMixin.set_attention_backend` also changes diffusers' process-wide default backend."""
