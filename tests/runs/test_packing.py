@@ -159,6 +159,7 @@ def test_packed_step_trains_the_unpacked_gradients(name: str, steps: StepCache, 
         assert all(per_rank) and sum(len(r) for r in per_rank) == len(set().union(*per_rank)) == WINDOW
 
     worst, param = worst_gradient(packed.grads, unpacked.grads)
+    print(f"{name}: packed vs unpacked, worst parameter relative L2 {worst:.2e} ({param})")
     assert worst <= TOL, f"{name}: gradient of {param} off by relative L2 {worst:.3e}"
     assert any(g.abs().sum() > 0 for g in unpacked.grads.values())
     for sample_id, loss in unpacked.losses.items():
@@ -176,6 +177,7 @@ def test_planted_packing_fault_misses_the_bound(name: str, mutation: str, steps:
     mutated = runs.mutated[mutation]
     assert set(mutated.losses) == set(runs.unpacked.losses)
     worst, param = worst_gradient(mutated.grads, runs.unpacked.grads)
+    print(f"{name} with {mutation}: worst parameter relative L2 {worst:.2e} ({param})")
     assert worst > FAULT, f"{name}: {mutation} left every gradient within {worst:.3e} (worst: {param})"
 
 
