@@ -1,28 +1,22 @@
 """What the ranks of `tests/runs/test_packing.py` run: one optimizer step's gradients, packed and unpacked.
 
 `run_on_ranks` forks `nproc` ranks from the server `helpers.ranks` preloads (torch, diffusers and h3train
-imported once), sets what torchrun sets for its workers, and calls a function of this module on each;
+imported once, `start_processes`), sets what torchrun sets for its workers, and calls a function of this
+module on each;
 rank 0's return value comes back. `step_gradients` is that function: on every rank it builds two trainers
 with `build_trainer`, trains step 1 through `Trainer.forward_backward` and gathers each parameter's full
 gradient, once unpacked, once packed and once packed under each planted fault (`MUTATIONS`), all in one
 process group, since starting the ranks is most of what a tiny step costs.
 
 Float64: `build_model` is cast to float64 before it is wrapped and sharded, and FSDP2's units gather and
-reduce in float64. The loss's MSE still casts the predictions to float32 (`objective.masked_mse`): the
-packed and unpacked predictions agree far below float32's rounding, so both runs feed the same float32
-loss gradient into a float64 backward.
+reduce in float64; the loss then takes the float64 predictions in float64 (`objective.masked_mse`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
-import signal
-import sys
 import tempfile
-import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,95 +27,49 @@ import torch
 from h3train.packing import members
 from h3train.train.hooks import MicroBatchEvent, TrainerHook, TrainerView
 
-from helpers.ranks import PRELOAD
+from helpers.ranks import start_processes
 
 # -- forked ranks that call a function --------------------------------------------------------------
 
 
 def run_on_ranks(fn: Callable[..., Any], nproc: int, *args: Any, env: dict[str, str], timeout: float = 240) -> Any:
-    """`fn(*args)` on `nproc` ranks forked from the preloaded server; rank 0's return value.
+    """`fn(*args)` on `nproc` ranks forked from the preloaded server (`ranks.start_processes`), each with what
+    torchrun sets for its workers; rank 0's return value.
 
     `fn` must be a module-level function of an importable module (the server unpickles it), `env` the
-    ranks' environment (`launch.run_env`). A rank that fails stops the others; the error names its output.
+    ranks' environment (`launch.run_env`). A rank that fails stops the others and raises with its traceback.
     """
     from h3train.parallel.dims import free_port
 
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    port = str(free_port())
     with tempfile.TemporaryDirectory(prefix="h3train-pack-ranks-") as tmp:
-        procs = []
-        for rank in range(nproc):
-            rank_env = {
-                **env,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "GROUP_RANK": "0",
-                "WORLD_SIZE": str(nproc),
-                "LOCAL_WORLD_SIZE": str(nproc),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-            }
-            proc = ctx.Process(target=_rank_call, args=(fn, args, rank_env, tmp, rank))
-            proc.start()
-            procs.append(proc)
-        failure = _join(procs, timeout)
-        if failure is not None:
-            logs = "".join(_read(Path(tmp, f"{r}.err")) + _read(Path(tmp, f"{r}.out")) for r in range(nproc))
-            raise AssertionError(f"{fn.__name__} on {nproc} ranks: {failure}\n{logs[-6000:]}")
+        start_processes(_torchrun_rank, (nproc, str(free_port()), env, tmp, fn, args), nprocs=nproc, timeout=timeout)
         return torch.load(Path(tmp, "result.pt"), weights_only=False)
 
 
-def _rank_call(fn: Callable[..., Any], args: tuple, env: dict[str, str], tmp: str, rank: int) -> None:
-    """One rank: torchrun's environment, its own output files, `fn(*args)`; rank 0 saves the result."""
-    for name, fd in (("out", 1), ("err", 2)):
-        file = os.open(f"{tmp}/{rank}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(file, fd)
-        os.close(file)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.environ.clear()
+def _torchrun_rank(
+    rank: int, nproc: int, port: str, env: dict[str, str], tmp: str, fn: Callable[..., Any], args: tuple
+) -> None:
+    """One rank: torchrun's environment for it, then `fn(*args)`; rank 0 saves the result."""
     os.environ.update(env)
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "GROUP_RANK": "0",
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+    )
     import torch.distributed
 
     # The server imported torch before this rank's thread count and debug level were set.
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     torch.distributed.set_debug_level_from_env()
-    try:
-        result = fn(*args)
-        if rank == 0:
-            torch.save(result, f"{tmp}/result.pt")
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(0)
-
-
-def _join(procs: list, timeout: float) -> str | None:
-    """Wait for every rank; what went wrong (the others then killed), else None."""
-    deadline = time.monotonic() + timeout
-    failure = None
-    while failure is None and any(p.is_alive() for p in procs):
-        bad = next((i for i, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
-        if bad is not None:
-            failure = f"rank {bad} exited {procs[bad].exitcode}"
-        elif time.monotonic() > deadline:
-            failure = f"still running after {timeout:.0f} s"
-        else:
-            time.sleep(0.05)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join()
-    if failure is None:
-        bad = next((i for i, p in enumerate(procs) if p.exitcode != 0), None)
-        failure = None if bad is None else f"rank {bad} exited {procs[bad].exitcode}"
-    return failure
-
-
-def _read(path: Path) -> str:
-    return path.read_text(errors="replace") if path.is_file() else ""
+    result = fn(*args)
+    if rank == 0:
+        torch.save(result, f"{tmp}/result.pt")
 
 
 # -- the planted faults -------------------------------------------------------------------------------
