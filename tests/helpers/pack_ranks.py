@@ -27,7 +27,7 @@ import torch
 from h3train.packing import members
 from h3train.train.hooks import MicroBatchEvent, TrainerHook, TrainerView
 
-from helpers.ranks import start_processes
+from helpers.ranks import start_processes, torchrun_env
 
 # -- forked ranks that call a function --------------------------------------------------------------
 
@@ -50,18 +50,7 @@ def _torchrun_rank(
     rank: int, nproc: int, port: str, env: dict[str, str], tmp: str, fn: Callable[..., Any], args: tuple
 ) -> None:
     """One rank: torchrun's environment for it, then `fn(*args)`; rank 0 saves the result."""
-    os.environ.update(env)
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "GROUP_RANK": "0",
-            "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-        }
-    )
+    os.environ.update(torchrun_env(env, rank, nproc, port))
     import torch.distributed
 
     # The server imported torch before this rank's thread count and debug level were set.

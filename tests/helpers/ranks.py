@@ -91,8 +91,23 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def _rank_main(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
-    """One rank: the environment and streams of a torchrun worker, then `h3train.cli.run` (never returns)."""
+def torchrun_env(env: dict[str, str], rank: int, nproc: int, port: str) -> dict[str, str]:
+    """`env` with what torchrun sets for worker `rank` of `nproc` on one node (its rendezvous at `port`)."""
+    return {
+        **env,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+    }
+
+
+def _as_launched(env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """A forked process as a launched one: its own stdout and stderr files, default signal handlers,
+    exactly `env`, `cwd`; torch's threads and debug level read from that environment."""
     for path, fd in ((out, 1), (err, 2)):
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(file, fd)
@@ -108,9 +123,14 @@ def _rank_main(args: list[str], env: dict[str, str], cwd: str, out: str, err: st
     import torch
     import torch.distributed
 
-    # The server imported torch before OMP_NUM_THREADS and the debug level were set for this rank.
+    # The server imported torch before OMP_NUM_THREADS and the debug level were set for this process.
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     torch.distributed.set_debug_level_from_env()
+
+
+def _rank_main(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """One rank: the environment and streams of a torchrun worker, then `h3train.cli.run` (never returns)."""
+    _as_launched(env, cwd, out, err)
     if env.get(SUMS_AVERAGE) == "1":
         _sum_when_averaging()
     sys.argv = ["h3train", *args]
@@ -125,23 +145,7 @@ def _script_main(script: str, args: list[str], env: dict[str, str], cwd: str, ou
     an exception it raises prints its traceback and exits 1, as the interpreter does."""
     import runpy
 
-    for path, fd in ((out, 1), (err, 2)):
-        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(file, fd)
-        os.close(file)
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.stderr.reconfigure(line_buffering=True)
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    import torch
-    import torch.distributed
-
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
-    torch.distributed.set_debug_level_from_env()
+    _as_launched(env, cwd, out, err)
     sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).parent))
     runpy.run_path(script, run_name="__main__")
@@ -182,20 +186,7 @@ def fork_ranks(
         procs = []
         for rank in range(nproc):
             # One process is `python -m h3train` alone: it sets none of torchrun's variables.
-            rank_env = (
-                env
-                if nproc == 1
-                else {
-                    **env,
-                    "RANK": str(rank),
-                    "LOCAL_RANK": str(rank),
-                    "GROUP_RANK": "0",
-                    "WORLD_SIZE": str(nproc),
-                    "LOCAL_WORLD_SIZE": str(nproc),
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": port,
-                }
-            )
+            rank_env = env if nproc == 1 else torchrun_env(env, rank, nproc, port)
             out, err = f"{tmp}/{rank}.out", f"{tmp}/{rank}.err"
             proc = ctx.Process(target=_rank_main, args=(list(args), rank_env, str(cwd), out, err))
             proc.start()
