@@ -135,7 +135,8 @@ def saved_activation_bytes(model: torch.nn.Module, inputs: TrainingInputs | dict
     return total
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def rank_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    """Rank `rank` of `run_ranks`: joins the gloo group at `port`, saves `fn(rank, world, *args)` in `out_dir`."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -151,7 +152,7 @@ def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
     `fn` must be importable (a module-level function) and its result picklable.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_main, args=(world, free_port(), out_dir, fn, args), nprocs=world, start_method="spawn")
+        mp.start_processes(rank_main, args=(world, free_port(), out_dir, fn, args), nprocs=world, start_method="spawn")
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

@@ -230,28 +230,16 @@ def start_processes(fn: Callable, args: tuple = (), nprocs: int = 1, timeout: fl
             raise AssertionError(f"{fn.__qualname__} exited {code} on a forked process\n{tracebacks}")
 
 
-def _run_ranks_main(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
-    import torch
-    import torch.distributed as dist
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 def run_ranks(fn: Callable, world: int, *args: Any) -> list[Any]:
     """`h3train.tools.bench_memory.run_ranks` on forked processes (`start_processes`): `fn(rank, world, *args)`
     in `world` CPU processes over gloo; each rank's return value."""
     import torch
 
     from h3train.parallel.dims import free_port
+    from h3train.tools.bench_memory import rank_main
 
     with tempfile.TemporaryDirectory() as out_dir:
-        start_processes(_run_ranks_main, args=(world, free_port(), out_dir, fn, args), nprocs=world)
+        start_processes(rank_main, args=(world, free_port(), out_dir, fn, args), nprocs=world)
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
