@@ -26,6 +26,8 @@ import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import reduce
+from operator import add
 from typing import Protocol
 
 import torch
@@ -460,11 +462,12 @@ def step_sums(batch: MicroBatch, parts: LossParts) -> tuple[dict[str, torch.Tens
     """
     pairs = list(zip(batch.samples, parts.per_sample(), strict=True))
     sound = [float(s.has_audio) for s, _ in pairs]
+    # Added pairwise: a lone sample's terms are its own, with no kernel for a sum of one.
     device = {
-        "loss_video": torch.stack([own.video.detach() for _, own in pairs]).sum(),
-        "loss_audio": torch.stack([own.audio.detach() * a for (_, own), a in zip(pairs, sound)]).sum(),
-        "loss_video_fm": torch.stack([own.video_fm for _, own in pairs]).sum(),
-        "loss_audio_fm": torch.stack([own.audio_fm * a for (_, own), a in zip(pairs, sound)]).sum(),
+        "loss_video": reduce(add, [own.video.detach() for _, own in pairs]),
+        "loss_audio": reduce(add, [own.audio.detach() * a for (_, own), a in zip(pairs, sound)]),
+        "loss_video_fm": reduce(add, [own.video_fm for _, own in pairs]),
+        "loss_audio_fm": reduce(add, [own.audio_fm * a for (_, own), a in zip(pairs, sound)]),
     }
     host = {
         "audio_samples": sum(sound),

@@ -368,7 +368,7 @@ class MicroBatchStream:
             f"prefetcher delivered micro-batch {at.micro} of step {at.step} at position {at.plan.origin}, the "
             f"training loop expects micro-batch {micro} of step {step} at position {self.sampler.position}"
         )
-        if self._step_stats is None or self._stats_of != (step, at.plan.origin):
+        if self._stats_of != (step, at.plan.origin):
             self._step_stats = step_stats(self.planner, at.plan, self._rows_at, self.sampler.epoch_length)
             self._stats_of = (step, at.plan.origin)
         if micro == self.grad_accum - 1:

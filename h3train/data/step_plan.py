@@ -34,9 +34,12 @@ global order from the same sample.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 # The share of the micro-batches' row budget a window fills before it is packed: a little room
 # lets first-fit place every sample without handing many back.
@@ -91,6 +94,13 @@ class StepPlanner:
     balance: bool = False
     s0: float = float("inf")
     global_batch: int = 0
+
+    @classmethod
+    def of(cls, cfg: Config, dp: int, dims: Mapping[str, Any]) -> StepPlanner:
+        """The planner of a run of `cfg` at `dp` DP ranks: `data.pack` rows per micro-batch, `data.balance` by
+        the cost model of the architecture `dims`, `train.global_batch` samples a packed step."""
+        train = cfg.train
+        return cls(dp, train.grad_accum, cfg.data.pack, cfg.data.balance, attention_rows(dims), train.global_batch)
 
     @property
     def micro_batches(self) -> int:
@@ -345,13 +355,12 @@ def outlook(
     steps: int = 100,
 ) -> Outlook:
     """Plan up to `steps` steps from position 0 (stopping after the first epoch when it ends sooner)."""
-    stats, start, in_first = [], 0, 0
+    stats, start = [], 0
     while len(stats) < steps and start < epoch_length:
         plan = planner.plan(start, rows_at, sample_at, epoch_length)
         if plan.start >= epoch_length:
             break
         stats.append(step_stats(planner, plan, rows_at))
-        in_first += 1
         start = plan.end
     exact = start >= epoch_length
     counts = [s.samples for s in stats]
@@ -362,7 +371,7 @@ def outlook(
         samples_mean=mean,
         samples_min=min(counts),
         samples_max=max(counts),
-        steps_per_epoch=float(in_first) if exact else epoch_length / mean,
+        steps_per_epoch=float(len(stats)) if exact else epoch_length / mean,
         exact=exact,
         fill=sum(fills) / len(fills) if fills else None,
         imbalance=sum(s.imbalance for s in stats) / len(stats),

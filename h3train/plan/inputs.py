@@ -369,7 +369,7 @@ def samples_lines(cfg: Config, dp: int, dims: Mapping[str, Any], source: Any = N
     import numpy as np
 
     from ..data.source import build_sampler, build_source, data_source
-    from ..data.step_plan import StepPlanner, attention_rows, outlook
+    from ..data.step_plan import StepPlanner, outlook
 
     if source is None:
         if data_source(cfg).reads_folders and not all(Path(s.path).is_dir() for s in dataset_specs(cfg.data)):
@@ -378,8 +378,8 @@ def samples_lines(cfg: Config, dp: int, dims: Mapping[str, Any], source: Any = N
     lengths = np.asarray(source.lengths)
     sampler = build_sampler(source, cfg, 0, dp)
     rows_at = lambda p: int(lengths[sampler.global_index(p)])  # noqa: E731
-    s0, accum, budget = attention_rows(dims), cfg.train.grad_accum, cfg.data.pack
-    planner = StepPlanner(dp, accum, budget, cfg.data.balance, s0, cfg.train.global_batch)
+    accum, budget = cfg.train.grad_accum, cfg.data.pack
+    planner = StepPlanner.of(cfg, dp, dims)
     seen = outlook(planner, rows_at, sampler.global_index, sampler.epoch_length, steps)
     per_epoch = f"{seen.steps_per_epoch:,.0f}" if seen.exact else f"about {seen.steps_per_epoch:,.1f}"
     plural = "" if seen.exact and seen.steps_per_epoch == 1 else "s"
@@ -407,7 +407,9 @@ def samples_lines(cfg: Config, dp: int, dims: Mapping[str, Any], source: Any = N
         )
         if not (budget and cfg.data.balance):
             advice_budget = budget or int(np.max(lengths))
-            advised = StepPlanner(dp, accum, advice_budget, True, s0, cfg.train.global_batch if budget else 0)
+            advised = replace(
+                planner, budget=advice_budget, balance=True, global_batch=planner.global_batch if budget else 0
+            )
             other = outlook(advised, rows_at, sampler.global_index, sampler.epoch_length, steps)
             line += f"; data.pack={advice_budget} + data.balance=true would give {100 * other.imbalance:.1f} %"
         lines.append(line)

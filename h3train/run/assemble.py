@@ -29,7 +29,7 @@ from ..config import Config, dataset_specs
 from ..config.checks import resolve_compile
 from ..data.mixture import DatasetMixture
 from ..data.source import MicroBatchStream, build_sampler, build_source, load_shared_negative
-from ..data.step_plan import StepPlanner, attention_rows
+from ..data.step_plan import StepPlanner
 from ..debug.faults import FaultInjector
 from ..infra.diskspace import check_room
 from ..infra.quiet import known_notices
@@ -191,7 +191,7 @@ def _assemble(
         source,
         sampler,
         lambda sample, step, slot: micro_batch_inputs(cfg, sample, step, slot, shared_negative),
-        step_planner(cfg, dims.dp, model_config),
+        StepPlanner.of(cfg, dims.dp, model_config),
         cfg.data.prefetch,
     )
     if ctx.is_main:
@@ -307,14 +307,6 @@ def build_sharded_model(
     if not resumed:
         after_load(transforms, model)
     return model
-
-
-def step_planner(cfg: Config, dp: int, dims: dict[str, Any]) -> StepPlanner:
-    """How the run plans each step's samples: `data.pack` rows per micro-batch, `data.balance` by the
-    cost model of the architecture `dims`."""
-    return StepPlanner(
-        dp, cfg.train.grad_accum, cfg.data.pack, cfg.data.balance, attention_rows(dims), cfg.train.global_batch
-    )
 
 
 def wrap_and_shard(

@@ -17,6 +17,7 @@ from typing import IO, Any
 
 import torch.distributed as dist
 
+from ..data.step_plan import batch_layout
 from ..data.trained_samples import ATTEMPTS_FILE, FOLDER, begin_attempt, end_torn_line
 from ..errors import TrainingError
 from ..packing import members
@@ -84,13 +85,5 @@ class TrainedSamples(TrainerHook):
 def run_layout(trainer: TrainerView) -> dict[str, Any]:
     """What decides how a step's samples are split over ranks and micro-batches (`attempts.jsonl`'s `layout`)."""
     cfg, dims = trainer.cfg, trainer.ctx.dims
-    layout: dict[str, Any] = {
-        "dp": dims.dp,
-        "sp": dims.sp,
-        "dp_replicate": dims.dp_replicate,
-        "grad_accum": cfg.train.grad_accum,
-        "pack": cfg.data.pack,
-        "balance": cfg.data.balance,
-        "global_batch": cfg.train.global_batch,
-    }
-    return layout
+    batch = batch_layout(dims.dp, cfg.train.grad_accum, cfg.data.pack, cfg.train.global_batch)
+    return {**batch, "sp": dims.sp, "dp_replicate": dims.dp_replicate, "balance": cfg.data.balance}
