@@ -211,7 +211,9 @@ def mesh_groups(ctx: ParallelContext) -> dict[str, ProcessGroup]:
 
 class GroupNames:
     """Names process groups by `groups` (`mesh_groups`): the first name held by the very group object,
-    else the first whose group has its name; else `world` for the default group, or the group's own name."""
+    else the first whose group has its name, else the first whose group has its ranks (a group of another
+    mesh over the same ranks: DTensor may redistribute over the mesh of an earlier, equal one); else
+    `world` for the default group, or the group's own name."""
 
     def __init__(self, groups: Mapping[str, ProcessGroup] | None = None) -> None:
         self.groups = dict(groups or {})
@@ -222,6 +224,10 @@ class GroupNames:
                 return name
         for name, known in self.groups.items():
             if known.group_name == group.group_name:
+                return name
+        ranks = dist.get_process_group_ranks(group)
+        for name, known in self.groups.items():
+            if dist.get_process_group_ranks(known) == ranks:
                 return name
         if group is dist.distributed_c10d._get_default_group():
             return "world"
