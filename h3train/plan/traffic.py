@@ -65,6 +65,7 @@ __all__ = [
     "TableShape",
     "UnitTraffic",
     "fsdp_units",
+    "served_projections",
     "group_link",
     "planned_forwards",
     "planned_transformer",
@@ -223,12 +224,14 @@ def served_projection(block: nn.Module) -> nn.Module | None:
     return layer
 
 
-def tables_served(cfg: Config, dims: ParallelDims, transformer: nn.Module) -> bool:
-    """Whether the run serves the AdaLN tables: `parallel.adaln_tables`, a shard group of more than one
-    rank, no CPU offload, and every block's projection servable (`served_projection`)."""
+def served_projections(cfg: Config, dims: ParallelDims, transformer: nn.Module) -> list[nn.Module | None]:
+    """Per transformer block, the module whose weights the AdaLN tables serve (`served_projection`), None
+    where FSDP2 gathers them: everywhere unless `parallel.adaln_tables`, a shard group of more than one rank
+    and no CPU offload (`model.fsdp.serves_tables`)."""
+    blocks = transformer.transformer_blocks
     if not (cfg.parallel.adaln_tables and dims.shard_size > 1 and not cfg.parallel.cpu_offload):
-        return False
-    return all(served_projection(block) is not None for block in transformer.transformer_blocks)
+        return [None] * len(blocks)
+    return [served_projection(block) for block in blocks]
 
 
 def _gather_dtype(param: torch.Tensor, policy: torch.dtype) -> torch.dtype:
@@ -258,16 +261,17 @@ def fsdp_units(
     transformer: nn.Module, compute_dtype: torch.dtype, shard_size: int, mesh_size: int, tables: bool
 ) -> tuple[UnitTraffic, ...]:
     """The FSDP2 units of `model/fsdp.py`'s plan over `transformer` (the diffusers model, real or meta):
-    each refiner block, each transformer block (less its served AdaLN projection when `tables`), the
-    float32 islands, the root (the rest). `mesh_size`: ranks of the FSDP2 mesh (R x S); on one, no unit
-    reshards after forward."""
+    each refiner block, each transformer block (less its AdaLN projection where the tables serve it, with
+    `tables`: `served_projection`), the float32 islands, the root (the rest). `mesh_size`: ranks of the
+    FSDP2 mesh (R x S); on one, no unit reshards after forward."""
     from ..model.build import fp32_island_names
 
     one_rank = mesh_size == 1
     ignored: set[int] = set()
-    if tables:
-        for block in transformer.transformer_blocks:
-            ignored.update(id(p) for p in served_projection(block).parameters(recurse=False))
+    for block in transformer.transformer_blocks if tables else ():
+        layer = served_projection(block)
+        if layer is not None:
+            ignored.update(id(p) for p in layer.parameters(recurse=False))
     blocks = [
         *((f"refiner_blocks.{i}", b) for i, b in enumerate(transformer.token_refiner.refiner_blocks)),
         *((f"transformer_blocks.{i}", b) for i, b in enumerate(transformer.transformer_blocks)),
@@ -286,9 +290,8 @@ def fsdp_units(
     return tuple(units)
 
 
-def table_shape(transformer: nn.Module, shard_size: int, shard_rank: int) -> TableShape:
-    """The first transformer block's served projection (every block's has the same shape and training)."""
-    layer = served_projection(transformer.transformer_blocks[0])
+def table_shape(layer: nn.Module, transformer: nn.Module, shard_size: int, shard_rank: int) -> TableShape:
+    """The served projection `layer` of a block of `transformer`, as rank `shard_rank` of the shard group holds it."""
     rows, in_features = layer.out_features, layer.in_features
     c = -(-rows // shard_size)
     local = max(0, min(c, rows - shard_rank * c))
@@ -416,6 +419,33 @@ class _Tally:
         )
 
 
+def _table_exchanges(
+    tally: _Tally, table: TableShape, f: ForwardShape, shard_size: int, replicas: int, b: int, recomputes: bool
+) -> None:
+    """One served block's table exchanges in forward `f` (`b` bytes per element of the compute dtype)."""
+    tm, d, c = f.timesteps, table.in_features, -(-table.rows // shard_size)
+    embeddings, exchanged = tm * d * b, shard_size * tm * c * b
+    for phase, calls in (("forward", 1), ("backward", int(f.grad and recomputes))):
+        tally.add("table embeddings all-gather", "all_gather", "dp_shard_sp", phase, embeddings, calls)
+        tally.add("table all-to-all", "all_to_all", "dp_shard_sp", phase, exchanged, calls)
+    if not f.grad or not (table.weight_trains or table.embedding_trains):
+        return
+    # Backward: the table gradients back; the embeddings' gradients when the time embedding trains; the
+    # weight's local gradient across replicas when it trains (every micro-batch, not once a step).
+    tally.add("table gradient all-to-all", "all_to_all", "dp_shard_sp", "backward", exchanged)
+    calls = int(table.embedding_trains)
+    tally.add("table embeddings reduce-scatter", "reduce_scatter", "dp_shard_sp", "backward", embeddings, calls)
+    weight = table.local_rows * (d + 1) * table.weight_bytes
+    tally.add(
+        "table weight all-reduce",
+        "all_reduce",
+        "dp_replicate",
+        "backward",
+        weight,
+        int(table.weight_trains and replicas > 1),
+    )
+
+
 def step_traffic(
     cfg: Config,
     dims: ParallelDims,
@@ -443,14 +473,20 @@ def step_traffic(
     b = compute.itemsize
     S, R, sp = dims.shard_size, dims.dp_replicate, dims.sp
     mesh_size = R * S
-    tables = tables_served(cfg, dims, transformer)
+    served = served_projections(cfg, dims, transformer)
+    tables = any(layer is not None for layer in served)
     units = fsdp_units(transformer, compute, S, mesh_size, tables)
     tally = _Tally(dims, ranks_per_node)
     config = transformer.config
     width = config.num_attention_heads * config.attention_head_dim
     out_width = transformer.proj_out.out_features + transformer.audio_proj_out.out_features
     recomputed = sum(p != "none" for p in policies)
-    table = table_shape(transformer, S, shard_rank) if tables else None
+    # The served blocks' tables and whether each block is recomputed in backward.
+    served_tables = [
+        (table_shape(layer, transformer, S, shard_rank), policy != "none")
+        for layer, policy in zip(served, policies, strict=True)
+        if layer is not None
+    ]
 
     backwards = 0
     for f in forwards:
@@ -479,27 +515,10 @@ def step_traffic(
                 tally.add("ulysses q/k/v all-to-all", "all_to_all", "sp", phase, qkv, calls)
                 tally.add("ulysses output all-to-all", "all_to_all", "sp", phase, out, calls)
             tally.add("sp output rows all-gather", "all_gather", "sp", "forward", local * out_width * _FP32)
-        if table is not None:
-            tm, d, c = f.timesteps, table.in_features, -(-table.rows // S)
-            embeddings, exchanged = tm * d * b, S * tm * c * b
+        if tables:
             tally.add("table timesteps all-reduce", "all_reduce", "dp_shard_sp", "forward", _AGREE_BYTES)
-            for phase, calls in (("forward", layers), ("backward", recomputed if f.grad else 0)):
-                tally.add("table embeddings all-gather", "all_gather", "dp_shard_sp", phase, embeddings, calls)
-                tally.add("table all-to-all", "all_to_all", "dp_shard_sp", phase, exchanged, calls)
-            if f.grad and (table.weight_trains or table.embedding_trains):
-                tally.add("table gradient all-to-all", "all_to_all", "dp_shard_sp", "backward", exchanged, layers)
-                if table.embedding_trains:
-                    tally.add(
-                        "table embeddings reduce-scatter",
-                        "reduce_scatter",
-                        "dp_shard_sp",
-                        "backward",
-                        embeddings,
-                        layers,
-                    )
-                if table.weight_trains and R > 1:
-                    weight = table.local_rows * (d + 1) * table.weight_bytes
-                    tally.add("table weight all-reduce", "all_reduce", "dp_replicate", "backward", weight, layers)
+        for table, recomputes in served_tables:
+            _table_exchanges(tally, table, f, S, R, b, recomputes)
     if R > 1 and backwards:
         for u in units:
             # Once a step: FSDP2 all-reduces across replicas only on the last micro-batch.
