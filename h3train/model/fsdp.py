@@ -16,6 +16,11 @@ skip it and train plain tensors. `parallel.cpu_offload` keeps the shards, their 
 AdamW state in host memory. A LoRA run's units hold a bf16 base and float32 adapters; each unit
 gathers in its `param_dtype`, and only the float32 parameters get gradients.
 
+With `parallel.adaln_tables` (the default), each transformer block's AdaLN projection stays out of its
+block's unit (`ignored_params`) and is computed where its weights live (`model/adaln_tables.py`): its
+weight and bias are DTensors of the same mesh and placements, never all-gathered, their gradient made
+the average below by the projection's own backward.
+
 The gradient contract: every trainable parameter, full model or adapter, lives in one of these
 units, so FSDP2 reduce-scatters its gradient as the average over `dp_shard x sp` (all-reduced over
 `dp_replicate` under HSDP), and the gathered output's `sp` scale (`parallel/ulysses.py`) makes that
@@ -33,6 +38,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from ..parallel.dims import ParallelContext
+from .adaln_tables import TableGroup, ignored_parameters, serve_tables, table_projections
 from .build import fp32_island_names
 from .sp_forward import SequenceParallelH3
 
@@ -65,10 +71,24 @@ def shards_nothing(model: nn.Module, ctx: ParallelContext, compute_dtype: str, c
     )
 
 
+def serves_tables(mesh_size: int, shard_size: int, adaln_tables: bool, cpu_offload: bool) -> bool:
+    """Whether the AdaLN projections are computed where their weights live (`model/adaln_tables.py`):
+    `parallel.adaln_tables`, a shard group of more than one rank, no CPU offload."""
+    return adaln_tables and mesh_size > 1 and shard_size > 1 and not cpu_offload
+
+
 def apply_fsdp(
-    model: SequenceParallelH3, ctx: ParallelContext, compute_dtype: str, cpu_offload: bool = False
+    model: SequenceParallelH3,
+    ctx: ParallelContext,
+    compute_dtype: str,
+    cpu_offload: bool = False,
+    adaln_tables: bool = False,
 ) -> SequenceParallelH3:
-    """Shard `model` in place over `ctx.fsdp_mesh` (HSDP when it is 2-D); returns it."""
+    """Shard `model` in place over `ctx.fsdp_mesh` (HSDP when it is 2-D); returns it.
+
+    `adaln_tables`: the blocks' AdaLN projections stay out of their units and are computed where their
+    weights live (`model/adaln_tables.py`), where `serves_tables`.
+    """
     transformer = model.transformer
     mesh = ctx.fsdp_mesh
     one_rank = mesh.size() == 1
@@ -77,15 +97,30 @@ def apply_fsdp(
         common["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     block_policy = _policy(DTYPES[compute_dtype])
     island_policy = _policy(torch.float32)
+    tables = serves_tables(mesh.size(), mesh.size(mesh.ndim - 1), adaln_tables, cpu_offload)
+    projections = list(table_projections(transformer)) if tables else []
+    served = {layer for _, layer in projections}
     blocks = [*transformer.token_refiner.refiner_blocks, *transformer.transformer_blocks]
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
-        fully_shard(block, mp_policy=block_policy, reshard_after_forward=not (last or one_rank), **common)
+        ignored = ignored_parameters(block, served) or None
+        fully_shard(
+            block,
+            mp_policy=block_policy,
+            reshard_after_forward=not (last or one_rank),
+            ignored_params=ignored,
+            **common,
+        )
     islands = [getattr(transformer, name) for name in fp32_island_names(transformer)]
     fully_shard(islands, mp_policy=island_policy, reshard_after_forward=False, **common)
     # The root keeps what is left (context_embedder, refiner final norm, norm_out) and no longer
     # reshards after forward: backward needs those parameters straight away.
-    fully_shard(model, mp_policy=block_policy, reshard_after_forward=False, **common)
+    ignored = {p for _, layer in projections for p in layer.parameters(recurse=False)} or None
+    fully_shard(model, mp_policy=block_policy, reshard_after_forward=False, ignored_params=ignored, **common)
+    if projections:
+        group = TableGroup.of(mesh, block_policy.param_dtype)
+        serve_tables(projections, group, ctx.device)
+        model.table_group = group.shard
     model.register_forward_hook(_reshard_after_inference)
     if ctx.averaging.force_sum:
         for unit in model.modules():

@@ -44,6 +44,12 @@ class _AllToAll(torch.autograd.Function):
         return wait_tensor(all_to_all_single(grad.contiguous(), None, None, ctx.group)), None
 
 
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Chunk j of `x`'s dim 0 to rank j of `group`, chunk i received from rank i (even chunks); its
+    backward is the same exchange of the gradients."""
+    return _AllToAll.apply(x, group)
+
+
 class _GatherRows(torch.autograd.Function):
     """All-gather dim-1 row slices; backward keeps the local slice's gradient times `scale`."""
 

@@ -345,7 +345,9 @@ def wrap_and_shard(
             model.to(device)
     else:
         # fully_shard moves the (CPU-initialised) shards to the mesh's device.
-        apply_fsdp(model, ctx, cfg.model.dtype, cpu_offload=cfg.parallel.cpu_offload)
+        apply_fsdp(
+            model, ctx, cfg.model.dtype, cpu_offload=cfg.parallel.cpu_offload, adaln_tables=cfg.parallel.adaln_tables
+        )
     return model
 
 

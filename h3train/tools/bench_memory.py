@@ -233,7 +233,7 @@ def _collectives_worker(
         SequenceParallel(ctx.sp_group),
         activation_checkpointing=checkpoint_policies(cfg, ctx.dims, "cpu", transformer.config.num_layers),
     )
-    apply_fsdp(model, ctx, cfg.model.dtype, cpu_offload=cpu_offload)
+    apply_fsdp(model, ctx, cfg.model.dtype, cpu_offload=cpu_offload, adaln_tables=cfg.parallel.adaln_tables)
     optimizer = build_optimizer(model, cfg.optim)
     source = build_source(cfg, transformer.config.text_dim)
     for step in (1, 2):

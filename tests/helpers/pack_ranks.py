@@ -154,7 +154,7 @@ def float64_training() -> None:
     )
 
 
-class _MicroBatches(TrainerHook):
+class MicroBatches(TrainerHook):
     """A step hook that records the sample ids of each micro-batch this rank trains."""
 
     def __init__(self) -> None:
@@ -164,7 +164,7 @@ class _MicroBatches(TrainerHook):
         self.seen.append([s.sample_id for s in members(batch.sample)])
 
 
-def _train_step_one(trainer, recorder: _MicroBatches, start: dict, update: bool) -> StepRecord:
+def train_step_one(trainer, recorder: MicroBatches, start: dict, update: bool) -> StepRecord:
     """Step 1 of `trainer` from sampler state `start`, its gradients gathered (and then taken, with `update`)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -204,7 +204,7 @@ def step_gradients(config: str, unpacked: list[str], packed: list[str], mutation
     float64_training()
     trainers, records = [], {}
     for name, overrides in (("unpacked", unpacked), ("packed", packed)):
-        recorder = _MicroBatches()
+        recorder = MicroBatches()
         trainer = build_trainer(load_config(config, overrides), hooks=[recorder])
         trainers.append(trainer)
         start = trainer.parts.batches.state_dict()
@@ -212,8 +212,8 @@ def step_gradients(config: str, unpacked: list[str], packed: list[str], mutation
             # The faults first: the clean step's update changes the weights they must share.
             for mutation in mutations:
                 with planted(mutation):
-                    records[mutation] = _train_step_one(trainer, recorder, start, update=False)
-        records[name] = _train_step_one(trainer, recorder, start, update=True)
+                    records[mutation] = train_step_one(trainer, recorder, start, update=False)
+        records[name] = train_step_one(trainer, recorder, start, update=True)
     for trainer in trainers:
         trainer.parts.batches.close()
         trainer.parts.checkpointer.close()

@@ -31,9 +31,10 @@ from helpers.runs import TrainedRuns
 COMMON = ["train.steps=6", "optim.schedule=cosine", "optim.warmup_steps=2"]
 SP2 = (2, ("parallel.sp=2",))
 SP1 = (1, ())
-DP2 = (2, ("parallel.dp_shard=2", "train.grad_accum=1"))
-# The global batch of DP2 (2 ranks x 1 micro-batch) in one rank: 2 micro-batches.
-DP1 = (1, ("train.grad_accum=2",))
+DP2 = (2, ("parallel.dp_shard=2", "train.grad_accum=2"))
+# The global batch of DP2 (2 ranks x 2 micro-batches) in one rank and in four.
+DP1 = (1, ("train.grad_accum=4",))
+DP4 = (4, ("parallel.dp_shard=4", "train.grad_accum=1"))
 EVERY_2 = ("checkpoint.every=2", "checkpoint.keep_last=0")
 
 
@@ -85,9 +86,10 @@ def test_interrupted_run_resumes_bitwise(runs, tmp_path, layout) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("saved", "resumed"),
-    [(SP2, SP1), (SP1, SP2), (DP2, DP1)],
-    # One rank in float32 trains plain tensors, more ranks DTensors: DCP reshards both ways.
-    ids=["sp2_to_sp1", "sp1_to_sp2", "dp_shard2_to_1"],
+    [(SP2, SP1), (SP1, SP2), (DP2, DP1), (DP2, DP4)],
+    # One rank in float32 trains plain tensors, more ranks DTensors: DCP reshards both ways. Sharded
+    # over 2 and 4 ranks, the AdaLN projections are computed where their weights live, resharded too.
+    ids=["sp2_to_sp1", "sp1_to_sp2", "dp_shard2_to_1", "dp_shard2_to_4"],
 )
 def test_resume_on_another_layout_continues_the_same_run(runs, tmp_path, saved, resumed) -> None:
     path = runs.preempted_copy(saved, tmp_path / "resumed")
