@@ -7,7 +7,8 @@ Every collective call of the step is recorded (its kind, group and tensor bytes:
 per process group, its bytes sent and received (`wire_bytes`) must equal the function's count for the
 forwards the rank ran, exactly; so must the calls and bytes per group and kind. Three layouts, each with a
 different recompute policy: dp 4 (none), dp 2 x sp 2 (selective), HSDP 2 x 2 (full); and a LoRA run in
-bfloat16 at dp 2 x sp 2 (full), whose block units hold a bfloat16 base and float32 adapters. Each with the
+bfloat16 at dp 2 x sp 2 (full), whose block units hold a bfloat16 base and float32 adapters, its AdaLN
+projections adapted and its time embedding trained. Each with the
 AdaLN tables off.
 """
 
@@ -38,9 +39,18 @@ LAYOUTS = {
     "dp4": Layout(("parallel.dp_shard=4",), "none"),
     "dp2_sp2": Layout(("parallel.dp_shard=2", "parallel.sp=2"), "selective"),
     "hsdp2x2": Layout(("parallel.dp_replicate=2", "parallel.dp_shard=2"), "full"),
-    # Adapters: a bfloat16 frozen base and float32 adapters in each block's unit, gathered in bfloat16.
+    # Adapters: a bfloat16 frozen base and float32 adapters in each block's unit, gathered in bfloat16; the
+    # AdaLN projection adapted (its frozen base is what the tables serve) and the time embedding trained.
     "lora_bf16_dp2_sp2": Layout(
-        ("parallel.dp_shard=2", "parallel.sp=2", "lora.rank=4", "model.dtype=bfloat16"), "full"
+        (
+            "parallel.dp_shard=2",
+            "parallel.sp=2",
+            "model.dtype=bfloat16",
+            "lora.rank=4",
+            "lora.target_modules=[video_and_audio,adaln_proj.linear]",
+            "lora.train_modules=[time_embedder]",
+        ),
+        "full",
     ),
 }
 TABLES = ("false",)
