@@ -211,27 +211,19 @@ def planned_transformer(cfg: Config) -> nn.Module:
     return transformer
 
 
-def served_projection(block: nn.Module) -> nn.Module | None:
-    """The module of a transformer block whose weights the AdaLN tables serve: `adaln_proj.linear`, or its
-    adapter's `base_layer`; None under DoRA (its weight norm needs the whole weight) or without a bias."""
-    layer = block.adaln_proj.linear
-    if hasattr(layer, "base_layer"):
-        if any(len(m) for m in getattr(layer, "lora_magnitude_vector", {}).values()):
-            return None
-        layer = layer.base_layer
-    if getattr(layer, "bias", None) is None or not hasattr(layer, "out_features"):
-        return None
-    return layer
-
-
 def served_projections(cfg: Config, dims: ParallelDims, transformer: nn.Module) -> list[nn.Module | None]:
-    """Per transformer block, the module whose weights the AdaLN tables serve (`served_projection`), None
-    where FSDP2 gathers them: everywhere unless `parallel.adaln_tables`, a shard group of more than one rank
-    and no CPU offload (`model.fsdp.serves_tables`)."""
+    """Per transformer block, the module whose weights the AdaLN tables serve, None where FSDP2 gathers them:
+    where `model.fsdp.serves_tables` (the key, a shard group of more than one rank, no CPU offload), the
+    projections `model.adaln_tables.table_projections` serves (not a DoRA-adapted one)."""
+    from ..model.adaln_tables import table_projections
+    from ..model.fsdp import serves_tables
+
     blocks = transformer.transformer_blocks
-    if not (cfg.parallel.adaln_tables and dims.shard_size > 1 and not cfg.parallel.cpu_offload):
+    S = dims.shard_size
+    if not serves_tables(dims.dp_replicate * S, S, cfg.parallel.adaln_tables, cfg.parallel.cpu_offload):
         return [None] * len(blocks)
-    return [served_projection(block) for block in blocks]
+    served = {id(modulation): layer for modulation, layer in table_projections(transformer)}
+    return [served.get(id(block.adaln_proj)) for block in blocks]
 
 
 def _gather_dtype(param: torch.Tensor, policy: torch.dtype) -> torch.dtype:
@@ -258,20 +250,20 @@ def _unit(name: str, block: bool, params: Iterable[torch.Tensor], policy: torch.
 
 
 def fsdp_units(
-    transformer: nn.Module, compute_dtype: torch.dtype, shard_size: int, mesh_size: int, tables: bool
+    transformer: nn.Module,
+    compute_dtype: torch.dtype,
+    shard_size: int,
+    mesh_size: int,
+    served: Sequence[nn.Module | None] = (),
 ) -> tuple[UnitTraffic, ...]:
     """The FSDP2 units of `model/fsdp.py`'s plan over `transformer` (the diffusers model, real or meta):
-    each refiner block, each transformer block (less its AdaLN projection where the tables serve it, with
-    `tables`: `served_projection`), the float32 islands, the root (the rest). `mesh_size`: ranks of the
-    FSDP2 mesh (R x S); on one, no unit reshards after forward."""
+    each refiner block, each transformer block (less the projection the tables serve, `served`: one per
+    block or none, `served_projections`), the float32 islands, the root (the rest). `mesh_size`: ranks of
+    the FSDP2 mesh (R x S); on one, no unit reshards after forward."""
     from ..model.build import fp32_island_names
 
     one_rank = mesh_size == 1
-    ignored: set[int] = set()
-    for block in transformer.transformer_blocks if tables else ():
-        layer = served_projection(block)
-        if layer is not None:
-            ignored.update(id(p) for p in layer.parameters(recurse=False))
+    ignored = {id(p) for layer in served if layer is not None for p in layer.parameters(recurse=False)}
     blocks = [
         *((f"refiner_blocks.{i}", b) for i, b in enumerate(transformer.token_refiner.refiner_blocks)),
         *((f"transformer_blocks.{i}", b) for i, b in enumerate(transformer.transformer_blocks)),
@@ -475,7 +467,7 @@ def step_traffic(
     mesh_size = R * S
     served = served_projections(cfg, dims, transformer)
     tables = any(layer is not None for layer in served)
-    units = fsdp_units(transformer, compute, S, mesh_size, tables)
+    units = fsdp_units(transformer, compute, S, mesh_size, served)
     tally = _Tally(dims, ranks_per_node)
     config = transformer.config
     width = config.num_attention_heads * config.attention_head_dim

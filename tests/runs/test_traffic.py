@@ -8,8 +8,9 @@ per process group, its bytes sent and received (`wire_bytes`) must equal the fun
 forwards the rank ran, exactly; so must the calls and bytes per group and kind. Three layouts, each with a
 different recompute policy: dp 4 (none), dp 2 x sp 2 (selective), HSDP 2 x 2 (full); and a LoRA run in
 bfloat16 at dp 2 x sp 2 (full), whose block units hold a bfloat16 base and float32 adapters, its AdaLN
-projections adapted and its time embedding trained. Each with the
-AdaLN tables off.
+projections adapted and its time embedding trained. Each with the AdaLN tables off and on
+(`model/adaln_tables.py`: the projections out of the block units, their embeddings gathered, table
+slices exchanged), two trainers in one process group.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ LAYOUTS = {
         "full",
     ),
 }
-TABLES = ("false",)
+TABLES = ("false", "true")
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,10 @@ def test_step_sends_what_the_traffic_plan_counts(name: str, mixed_data: Path, tm
             # The ranks ran different rows and timesteps: the counts are each rank's own.
             assert len({tuple(r.forwards) for r in ranks}) > 1, "every rank ran the same forwards"
             assert all(sum(not grad for *_, grad in r.forwards) == 2 for r in ranks), "no CFG negative forward"
-            print(f"{name} {variant} step {step}: rank 0 sends {ranks[0].recorded} (group, link)")
+            print(
+                f"{name} {variant} step {step}: rank 0 sends {ranks[0].recorded} (group, link); "
+                f"a block all-gathers {ranks[0].block_gathered} bytes"
+            )
             for r in ranks:
                 where = f"{name} {variant} step {step} rank {r.rank}"
                 assert not r.unplanned, f"{where}: object collectives or barriers in a step: {r.unplanned}"

@@ -29,6 +29,7 @@ from h3train.plan.traffic import (
     group_link,
     planned_forwards,
     planned_transformer,
+    served_projections,
     step_traffic,
 )
 
@@ -114,9 +115,10 @@ def _fsdp2_units(cfg: Config, world: int) -> list[tuple[int, int]]:
 def test_units_are_the_ones_fsdp2_shards(name: str, world: int, overrides: tuple[str, ...], tables: str) -> None:
     cfg = load(name, f"parallel.adaln_tables={tables}", *overrides)
     dims = world_of(cfg, world)
-    units = fsdp_units(
-        planned_transformer(cfg), torch.bfloat16, dims.shard_size, dims.dp_replicate * dims.shard_size, tables == "true"
-    )
+    transformer = planned_transformer(cfg)
+    served = served_projections(cfg, dims, transformer)
+    assert any(served) == (tables == "true")
+    units = fsdp_units(transformer, torch.bfloat16, dims.shard_size, dims.dp_replicate * dims.shard_size, served)
     assert sorted((u.gathered, u.reduced) for u in units) == sorted(_fsdp2_units(cfg, world))
 
 
