@@ -1,4 +1,5 @@
-"""`h3train check CONFIG [key=value ...]`: validate a config and its parallel plan; print memory per rank."""
+"""`h3train check CONFIG [key=value ...]`: validate a config and its parallel plan; print memory per rank and
+the estimated time of a step (`plan/step_time.py`), or with `--layouts` every layout of the ranks that fits."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from .arguments import Parser
 
 if TYPE_CHECKING:
     from ..config import Config
+    from ..plan import Rates
 
 NAME = "check"
-HELP = "validate a config and its parallel plan; print memory per rank"
+HELP = "validate a config and its parallel plan; print memory per rank and the estimated step time"
 
 
 def add_arguments(parser: Parser) -> None:
@@ -25,6 +27,42 @@ def add_arguments(parser: Parser) -> None:
         default=None,
         at_least=1,
         help="ranks on one node, for the host memory a node needs (default: $LOCAL_WORLD_SIZE or 8)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("a100", "h100", "h200"),
+        default="a100",  # the plan's 80 GiB card (`plan.DEFAULT_DEVICE`)
+        help="the GPU the plan and the step-time estimate are for: its memory, bf16 peak and assumed link "
+        "bandwidths (default: a100, 80 GiB)",
+    )
+    parser.add_argument(
+        "--tflops",
+        type=float,
+        default=None,
+        above_zero=True,
+        help="sustained TFLOP/s of one GPU on this model (measured: docs/cluster.md); default: the H200's "
+        "measured figure, elsewhere assumed at its MFU",
+    )
+    parser.add_argument(
+        "--intra-node-gbps",
+        type=float,
+        default=None,
+        above_zero=True,
+        help="bus bandwidth per GPU within a node in GB/s (h3train.tools.nccl_bandwidth, group 'node'); "
+        "default: assumed per --device",
+    )
+    parser.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=None,
+        above_zero=True,
+        help="bus bandwidth per GPU across nodes in GB/s (h3train.tools.nccl_bandwidth, group 'world' over two "
+        "nodes); default: assumed per --device",
+    )
+    parser.add_argument(
+        "--layouts",
+        action="store_true",
+        help="list the layouts (sp, dp_shard, dp_replicate) of --world-size ranks that fit, fastest first",
     )
     parser.add_argument(
         "--strict",
@@ -60,6 +98,24 @@ def compile_line(cfg: Config) -> str:
     return f"compile: off (model.compile: {given}{why})"
 
 
+def device_rates(args: argparse.Namespace) -> Rates:
+    """The estimate's rates for `--device` and the measured figures given as flags; the card's dense bf16
+    peak is the bench's (`tools/bench/flops.py`), which the MFU is of."""
+    from ..plan import DEVICE_KINDS
+    from ..plan import device_rates as rates_of
+    from ..tools.bench.flops import peak_tflops_for
+
+    peak = peak_tflops_for(DEVICE_KINDS[args.device].name)
+    assert peak is not None, f"no bf16 peak for {DEVICE_KINDS[args.device].name}"
+    return rates_of(
+        args.device,
+        peak,
+        tflops=args.tflops,
+        intra_node_gbps=args.intra_node_gbps,
+        inter_node_gbps=args.inter_node_gbps,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..model.dims import planned_model_dims
@@ -82,15 +138,40 @@ def run(args: argparse.Namespace) -> int:
 
         if isinstance(source := build_source(cfg), DatasetMixture):
             print(source.describe())
-    from ..plan import dropped_line, estimate, format_plan, refuse_over_plan, samples_lines
+    from ..plan import (
+        dropped_line,
+        estimate,
+        format_layouts,
+        format_plan,
+        format_step,
+        layout_estimates,
+        planned_step,
+        refuse_over_plan,
+        samples_lines,
+    )
 
     per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "8"))
     model_dims = planned_model_dims(cfg)[0]
-    plan = estimate(model_dims, dims, cfg, ranks_per_node=per_node)
+    rates = device_rates(args)
+    memory_gib = rates.device.memory_gib
+    plan = estimate(model_dims, dims, cfg, ranks_per_node=per_node, device_memory_gib=memory_gib)
     dropped = dropped_line(cfg)
     if dropped:
         print(dropped)
     print(format_plan(plan), flush=True)
+    if plan.fits:
+        step = planned_step(cfg, dims, plan, model_dims, rates, ranks_per_node=per_node)
+        print(format_step(step, packed=plan.packed), flush=True)
+    if args.layouts:
+        found = layout_estimates(
+            cfg,
+            world,
+            model_dims,
+            rates,
+            ranks_per_node=per_node,
+            plan_of=lambda c, d: estimate(model_dims, d, c, ranks_per_node=per_node, device_memory_gib=memory_gib),
+        )
+        print(format_layouts(found, world, rates, per_node), flush=True)
     for line in samples_lines(cfg, dims.dp, model_dims) if not notes else []:
         print(line)
     if args.rehearse:

@@ -29,6 +29,9 @@ the unsharded gradient is that of a block's trainable parameters, the frozen bas
 backward (nothing only a weight's gradient reads: `frozen_base`), and each adapted Linear keeps its
 rank-r `lora_A` output per row for the backward. `longest_fit_rows` solves the plan for the longest
 packed sequence that fits, which the printout turns into clip seconds (`rows_to_seconds`).
+
+Beside the memory, the time of a step (`step_time.py`): the step's FLOPs at a sustained rate per device
+kind and the bytes `traffic.py` counts at each link's bandwidth, less what FSDP2's prefetch hides.
 """
 
 from __future__ import annotations
@@ -80,6 +83,17 @@ from .inputs import (
     samples_lines,
 )
 from .report import format_plan, summary, verdict
+from .step_time import (
+    DEFAULT_DEVICE,
+    DEVICE_KINDS,
+    Rates,
+    StepEstimate,
+    device_rates,
+    format_layouts,
+    format_step,
+    layout_estimates,
+    planned_step,
+)
 
 __all__ = [
     "GIB",
@@ -127,4 +141,13 @@ __all__ = [
     "samples_lines",
     "dropped_line",
     "refuse_over_plan",
+    "DEFAULT_DEVICE",
+    "DEVICE_KINDS",
+    "Rates",
+    "StepEstimate",
+    "device_rates",
+    "planned_step",
+    "format_step",
+    "layout_estimates",
+    "format_layouts",
 ]

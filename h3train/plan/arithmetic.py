@@ -659,9 +659,17 @@ def forward_flops(dims: Mapping[str, Any], rows: int, text_rows: int = 0) -> tup
     video_patch = _dim(dims, "in_channels") * math.prod(int(p) for p in dims["patch_size"])
     linear = 2 * rows * (4 * h * a + 3 * h * f)
     attention = 4 * rows * rows * a
-    refiner = _dim(dims, "num_refiner_layers") * (2 * text_rows * (4 * h * a + 3 * h * f) + 4 * text_rows**2 * a)
     heads = 2 * rows * h * (video_patch + _dim(dims, "audio_in_channels"))
-    return linear, attention, refiner + heads
+    return linear, attention, refiner_forward_flops(dims, text_rows) + heads
+
+
+def refiner_forward_flops(dims: Mapping[str, Any], text_rows: int) -> int:
+    """Forward FLOPs of the matmuls of the text refiner's blocks over `text_rows` rows (every SP rank runs
+    them over every text row)."""
+    h = _dim(dims, "hidden_size")
+    a = _dim(dims, "num_attention_heads") * _dim(dims, "attention_head_dim")
+    f = _dim(dims, "ffn_dim")
+    return _dim(dims, "num_refiner_layers") * (2 * text_rows * (4 * h * a + 3 * h * f) + 4 * text_rows**2 * a)
 
 
 def recompute_share(dims: Mapping[str, Any], rows: int, policies: tuple[str, ...], text_rows: int = 0) -> float:
@@ -672,10 +680,7 @@ def recompute_share(dims: Mapping[str, Any], rows: int, policies: tuple[str, ...
     total = len(policies) * (linear + attention) + other
     again = sum(linear + attention if p == "full" else linear if p == "selective" else 0 for p in policies)
     if refiner_recomputed(policies):
-        h = _dim(dims, "hidden_size")
-        a = _dim(dims, "num_attention_heads") * _dim(dims, "attention_head_dim")
-        f = _dim(dims, "ffn_dim")
-        again += _dim(dims, "num_refiner_layers") * (2 * text_rows * (4 * h * a + 3 * h * f) + 4 * text_rows**2 * a)
+        again += refiner_forward_flops(dims, text_rows)
     return again / total if total else 0.0
 
 
