@@ -156,6 +156,9 @@ class MemoryPlan:
     longest_fit: int = 0
     # Whether micro-batches are packs of `data.pack` rows: the bound that fits is then a pack budget.
     packed: bool = False
+    # `parallel.adaln_tables`: over a shard group of more than one rank, not offloaded (`local_adaln`), the AdaLN
+    # projections stay out of the unsharded blocks and their gradient (`plan_memory`).
+    adaln_tables: bool = False
 
     @property
     def world_size(self) -> int:
@@ -170,6 +173,11 @@ class MemoryPlan:
     def shard_size(self) -> int:
         """Ranks each parameter is sharded over."""
         return self.dp_shard * self.sp
+
+    @property
+    def local_adaln(self) -> bool:
+        """Whether the AdaLN projections are computed from their shards, never all-gathered (`adaln_tables`)."""
+        return self.adaln_tables and self.shard_size > 1 and not self.cpu_offload
 
     @property
     def sharded_state_bytes(self) -> int:
@@ -747,6 +755,7 @@ def plan_memory(
     base_quant: str = "none",
     grad_accum: int | None = None,
     fused_norm: bool = False,
+    adaln_tables: bool = False,
 ) -> MemoryPlan:
     """Per-rank memory of an AdamW fine-tune on a resolved `(dp_replicate, dp_shard, sp)` mesh.
 
@@ -767,7 +776,11 @@ def plan_memory(
     left out), its vectors in bfloat16 and islands in float32. `grad_accum`: `train.grad_accum`; at 1
     no gradient is resident as the step starts and the backward walk (`step_peak`) places them; None
     (or more) counts all of them beside the activations. `fused_norm`: the run's RMSNorm is CUDA's fused
-    kernel (`fused_norm_for`).
+    kernel (`fused_norm_for`). `adaln_tables`: `parallel.adaln_tables`; over a shard group of more than one
+    rank and without `cpu_offload` (`model/fsdp.py`'s `serves_tables`), each block's AdaLN projection
+    (`ParameterCounts.block_adaln`) is never all-gathered nor its gradient reduce-scattered, so the
+    unsharded block and its unsharded gradient leave it out (its shards stay resident in the sharded
+    state). A DoRA-adapted projection, which the run gathers as before, is counted as not gathered.
     """
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
@@ -791,6 +804,7 @@ def plan_memory(
         "base_quant": base_quant,
         "grad_accum": grad_accum,
         "fused_norm": fused_norm,
+        "adaln_tables": adaln_tables,
     }
     layers = _dim(dims, "num_layers")
     if policies is None and activation_checkpointing == "auto":
@@ -816,8 +830,13 @@ def plan_memory(
         trainable, frozen_base = -(-lora.trainable // shard), -(-base // shard)
         block_params, block_grads = counts.block + lora.block_adapters, lora.block_trainable
     trainable_bytes, moment_bytes = trainable_state_bytes(counts, trainable, optimizer, lora is None, shard)
-    unsharded_block = _unsharded_block_bytes(dims, counts, block_params, b, lora, base_quant)
     one_rank = shard == 1
+    # Where the projection is computed from its own shards, its weight and bias stay out of the gathered
+    # block, and a full fine-tune's unsharded block gradient (a LoRA's frozen projection has none).
+    tables = adaln_tables and not one_rank and not cpu_offload
+    local_adaln = counts.block_adaln if tables else 0
+    unsharded_block = _unsharded_block_bytes(dims, counts, block_params, b, lora, base_quant, local_adaln)
+    gathered_grads = block_grads - (local_adaln if lora is None else 0)
     plain = one_rank and b == _FP32 and not cpu_offload and lora is None
 
     def unsharded(i: int | None) -> int:
@@ -856,7 +875,7 @@ def plan_memory(
             head_grads_bytes=int(head_grads * trainable_bytes / max(trainable, 1)),
             grads_resident=accum,
             unsharded=unsharded,
-            unsharded_block_grads=0 if plain else block_grads * b,
+            unsharded_block_grads=0 if plain else gathered_grads * b,
         )
     full = all(p == "full" for p in policies) and bool(policies)
     return MemoryPlan(
@@ -894,6 +913,7 @@ def plan_memory(
         recompute_share=recompute_share(dims, rows, policies, text_rows),
         fused_norm=fused_norm,
         auto=activation_checkpointing == "auto",
+        adaln_tables=adaln_tables,
     )
 
 
@@ -927,17 +947,28 @@ def choose_policies(dims: Mapping[str, Any], **kwargs: Any) -> MemoryPlan:
 
 
 def _unsharded_block_bytes(
-    dims: Mapping[str, Any], counts: ParameterCounts, block_params: int, b: int, lora: AdapterCounts | None, quant: str
+    dims: Mapping[str, Any],
+    counts: ParameterCounts,
+    block_params: int,
+    b: int,
+    lora: AdapterCounts | None,
+    quant: str,
+    local_adaln: int = 0,
 ) -> int:
     """Bytes of one all-gathered block: every parameter in the compute dtype (`b` bytes), except an int8
-    base's matrices, which FSDP2 all-gathers as they are stored (integer codes are not cast)."""
+    base's matrices, which FSDP2 all-gathers as they are stored (integer codes are not cast).
+    `local_adaln`: the AdaLN projection's parameters (weight and bias, `ParameterCounts.block_adaln`) when
+    they are not gathered (`parallel.adaln_tables`), else 0."""
     if lora is None or quant == "none" or CODES[quant][0].is_floating_point:
         # float8 codes are floating point: FSDP2 casts them to the compute dtype like any parameter.
-        return block_params * b
+        return (block_params - local_adaln) * b
     h = _dim(dims, "hidden_size")
-    vectors = 2 * h + 2 * _dim(dims, "attention_head_dim") + _ADALN_VECTORS * _MODALITIES * h
+    adaln_bias = _ADALN_VECTORS * _MODALITIES * h
+    vectors = 2 * h + 2 * _dim(dims, "attention_head_dim") + adaln_bias
     matrices = counts.block - vectors
-    return matrices * base_bytes_per_weight(quant) + (block_params - matrices) * b
+    if local_adaln:
+        matrices -= local_adaln - adaln_bias
+    return matrices * base_bytes_per_weight(quant) + (block_params - local_adaln - matrices) * b
 
 
 def trainable_state_bytes(
@@ -1020,6 +1051,7 @@ def fit_kwargs(plan: MemoryPlan) -> dict[str, Any]:
         "base_quant": plan.base_quant,
         "grad_accum": 1 if plan.peak_grads_bytes is not None else None,
         "fused_norm": plan.fused_norm,
+        "adaln_tables": plan.adaln_tables,
     }
 
 

@@ -162,6 +162,7 @@ def estimate(
         base_quant=cfg.lora.base_quant,
         grad_accum=cfg.train.grad_accum,
         fused_norm=fused_norm_for(device) if fused_norm is None else fused_norm,
+        adaln_tables=cfg.parallel.adaln_tables,
     )
     ckpt = checkpoint_bytes(dims, cfg, lora)
     plan = replace(

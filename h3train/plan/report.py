@@ -167,9 +167,10 @@ def format_plan(plan: MemoryPlan) -> str:
     if plan.ema_bytes:
         lines.append(f"  EMA shadows fp32              {_gib(plan.ema_bytes)}{where}")
     lines += [
-        f"  2 unsharded blocks {plan.dtype:<11}{_gib(plan.unsharded_params_bytes)}  (running + prefetched)",
+        f"  2 unsharded blocks {plan.dtype:<11}{_gib(plan.unsharded_params_bytes)}  (running + prefetched"
+        + ("; AdaLN projections stay sharded: parallel.adaln_tables)" if plan.local_adaln else ")"),
         f"  unsharded block grad {plan.dtype:<9}{_gib(plan.unsharded_grads_bytes)}"
-        + ("  (trainable only)" if lora else ""),
+        + ("  (trainable only)" if lora else "  (no AdaLN projection)" if plan.local_adaln else ""),
         f"  activations                   {_gib(plan.activation_bytes)}" + _refiner_note(plan),
         f"  reserve (CUDA, NCCL, frag.)   {_gib(plan.reserve_bytes)}",
         f"  total                         {_gib(plan.total_bytes)} of {plan.device_bytes / GIB:.0f} GiB"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,28 @@ def test_sharded_state_scales_with_one_over_shard_size(full_dims: dict, dp_shard
     two = _plan(full_dims, dp_shard=2)
     assert many.unsharded_params_bytes == two.unsharded_params_bytes == 2 * full_dims_block_bytes(full_dims)
     assert one.unsharded_params_bytes > many.unsharded_params_bytes
+
+
+@pytest.mark.parametrize("dp_shard,sp", [(2, 1), (1, 8), (2, 8)])
+def test_adaln_tables_keep_the_projection_out_of_the_gathered_block_and_its_gradient(
+    full_dims: dict, dp_shard: int, sp: int
+) -> None:
+    """`parallel.adaln_tables`: the projection's weight and bias stay sharded where they live, so neither the
+    two unsharded blocks nor the unsharded block gradient holds them; its shards stay in the sharded state."""
+    counts = parameter_counts(full_dims)
+    gathered = _plan(full_dims, dp_shard=dp_shard, sp=sp)
+    tables = _plan(full_dims, dp_shard=dp_shard, sp=sp, adaln_tables=True)
+    assert tables.local_adaln and not gathered.local_adaln
+    assert tables.unsharded_params_bytes == 2 * 2 * (counts.block - counts.block_adaln)
+    assert gathered.unsharded_params_bytes - tables.unsharded_params_bytes == 2 * 2 * counts.block_adaln
+    assert gathered.unsharded_grads_bytes - tables.unsharded_grads_bytes == 2 * counts.block_adaln
+    assert tables.sharded_state_bytes == gathered.sharded_state_bytes
+    assert "AdaLN projections stay sharded" in format_plan(tables)
+    # Nothing to serve on one rank (no shard group) or offloaded: the projection is gathered as before.
+    for kw in ({}, {"dp_shard": 2, "cpu_offload": True}):
+        served = _plan(full_dims, adaln_tables=True, **kw)
+        assert not served.local_adaln
+        assert served == replace(_plan(full_dims, **kw), adaln_tables=True)
 
 
 def test_replication_does_not_divide_state(full_dims: dict) -> None:
