@@ -19,9 +19,11 @@ One forward of the projection, on each rank r of the shard group of S ranks (`pr
 Its backward is the same exchanges reversed: an all-to-all of the table gradients, after which rank r
 holds the gradient of every rank's table on its own rows, so its weight gradient is local; the
 embeddings' gradients are reduce-scattered back. FSDP2 would reduce-scatter the weight gradient as the
-average over the group (and average it over `dp_replicate` under HSDP): the local gradient is the sum
-over the group's ranks, so it is divided by S, and all-reduced over `dp_replicate` and divided by its
-size (`_LocalLinear`), which is that same average, whatever the backend's averaging.
+average over the group (and average it over `dp_replicate` under HSDP, once a step): the local gradient
+is the sum over the group's ranks, so it is divided by S (`_LocalLinear`), and under HSDP the gradient
+accumulated over the step's micro-batches is all-reduced over `dp_replicate` after the last one and
+divided by its size (`_reduce_across_replicas`, weight and bias each): that same average, whatever the
+backend's averaging.
 
 Every rank issues the same collectives whatever its samples: the embeddings are padded to the group's
 largest count of timesteps, agreed once per model forward (`agree_timesteps`, one all-reduce of one
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -54,13 +56,21 @@ _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_te
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
+class ReplicaReduction:
+    """Whether the backward that runs next all-reduces the projections' gradients across `dp_replicate`
+    (HSDP). As FSDP2's units, once a step: the trainer turns it on for the last micro-batch only."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+
+
 @dataclass(frozen=True)
 class TableGroup:
     """The ranks one projection's weight is sharded over, and what its forward computes in.
 
     `shard`: the `dp_shard x sp` group (S ranks, this rank's index `index`); `replicate`: the
     `dp_replicate` group under HSDP, else None. `dtype`: the compute dtype (the block unit's
-    `param_dtype`).
+    `param_dtype`). `reduction`: whether this backward reduces across replicas.
     """
 
     mesh: DeviceMesh
@@ -70,6 +80,7 @@ class TableGroup:
     index: int
     replicas: int
     dtype: torch.dtype
+    reduction: ReplicaReduction = field(default_factory=ReplicaReduction, compare=False)
 
     @classmethod
     def of(cls, mesh: DeviceMesh, dtype: torch.dtype) -> TableGroup:
@@ -103,9 +114,9 @@ class _GatherEmbeddings(torch.autograd.Function):
 
 class _LocalLinear(torch.autograd.Function):
     """`x @ weight.T + bias` in `x`'s dtype over this rank's weight rows, saving the resident weight rather
-    than its compute-dtype copy. Backward: the weight's gradient (summed over the shard group's tables, in
-    the weight's dtype) made the one FSDP2 would give: divided by S, all-reduced over `dp_replicate`
-    (weight and bias in one call) and divided by its size."""
+    than its compute-dtype copy. Backward: the weight's gradient (summed over the shard group's tables in
+    float32, or float64 for a float64 weight) divided by S, the reduce-scatter's average; under HSDP
+    `_reduce_across_replicas` averages it over `dp_replicate` once a step."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, group: TableGroup) -> torch.Tensor:
@@ -120,15 +131,27 @@ class _LocalLinear(torch.autograd.Function):
         grad_x = grad @ weight.to(grad.dtype) if ctx.needs_input_grad[0] else None
         if not ctx.needs_input_grad[1]:
             return grad_x, None, None, None
-        wide = grad.to(weight.dtype)
-        grad_weight, grad_bias = wide.T @ x.to(weight.dtype), wide.sum(0)
-        scale = 1.0 / (group.size * group.replicas)
-        if group.replicate is None:
-            return grad_x, grad_weight * scale, grad_bias * scale, None
-        both = torch.cat([grad_weight.reshape(-1), grad_bias])
-        both = funcol.wait_tensor(funcol.all_reduce(both, "sum", group.replicate)) * scale
-        grad_weight, grad_bias = both.split([grad_weight.numel(), grad_bias.numel()])
-        return grad_x, grad_weight.view_as(weight), grad_bias, None
+        # Summed in float32 at least, as FSDP2's `reduce_dtype`, then stored in the weight's dtype.
+        wide = torch.promote_types(weight.dtype, torch.float32)
+        grad_wide = grad.to(wide)
+        scale = 1.0 / group.size
+        grad_weight, grad_bias = (grad_wide.T @ x.to(wide)) * scale, grad_wide.sum(0) * scale
+        return grad_x, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype), None
+
+
+def _reduce_across_replicas(group: TableGroup) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook of a served parameter under HSDP: its accumulated local gradient averaged
+    over `dp_replicate` (in float32 at least), on the backward `group.reduction` enables."""
+
+    def hook(param: torch.Tensor) -> None:
+        if not group.reduction.enabled:
+            return
+        local = param.grad.to_local()
+        wide = local.to(torch.promote_types(local.dtype, torch.float32))
+        dist.all_reduce(wide, group=group.replicate)
+        local.copy_(wide.div_(group.replicas))
+
+    return hook
 
 
 def project(x: torch.Tensor, rows: int, local: Callable[[torch.Tensor], torch.Tensor], group: TableGroup):
@@ -215,7 +238,10 @@ def serve_tables(projections: list[tuple[nn.Module, nn.Module]], group: TableGro
     their units."""
     for modulation, layer in projections:
         for name, param in list(layer.named_parameters(recurse=False)):
-            setattr(layer, name, _shard(param, group, device))
+            sharded = _shard(param, group, device)
+            if sharded.requires_grad and group.replicate is not None:
+                sharded.register_post_accumulate_grad_hook(_reduce_across_replicas(group))
+            setattr(layer, name, sharded)
         layer.table_group = modulation.table_group = group
         forward = _quantized_forward if isinstance(layer, QuantizedLinear) else _linear_forward
         layer.forward = types.MethodType(forward, layer)

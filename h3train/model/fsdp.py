@@ -77,6 +77,15 @@ def serves_tables(mesh_size: int, shard_size: int, adaln_tables: bool, cpu_offlo
     return adaln_tables and mesh_size > 1 and shard_size > 1 and not cpu_offload
 
 
+def requires_all_reduce(model: nn.Module, last: bool) -> None:
+    """HSDP: whether the backward that runs next all-reduces gradients across `dp_replicate`, for FSDP2's
+    units and the AdaLN tables' projections alike (the last micro-batch of a step)."""
+    model.set_requires_all_reduce(last)
+    tables = getattr(model, "tables", None)
+    if tables is not None:
+        tables.reduction.enabled = last
+
+
 def apply_fsdp(
     model: SequenceParallelH3,
     ctx: ParallelContext,
@@ -120,7 +129,7 @@ def apply_fsdp(
     if projections:
         group = TableGroup.of(mesh, block_policy.param_dtype)
         serve_tables(projections, group, ctx.device)
-        model.table_group = group.shard
+        model.tables = group
     model.register_forward_hook(_reshard_after_inference)
     if ctx.averaging.force_sum:
         for unit in model.modules():

@@ -69,7 +69,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..ops.attention import Segments, segment_attention, segments_on
 from ..parallel.ulysses import SequenceParallel
-from .adaln_tables import agree_timesteps
+from .adaln_tables import TableGroup, agree_timesteps
 
 FORWARD_ARGS = (
     "hidden_states",
@@ -323,9 +323,9 @@ class SequenceParallelH3(nn.Module):
         if heads % sp.size:
             raise ValueError(f"sequence parallel size {sp.size} does not divide {heads} attention heads")
         self.processors: list[UlyssesAttnProcessor] = []
-        # The shard group whose ranks compute the AdaLN tables together (`model/adaln_tables.py`), set
-        # by `apply_fsdp` where it serves them.
-        self.table_group: torch.distributed.ProcessGroup | None = None
+        # The ranks that compute the AdaLN tables together (`model/adaln_tables.py`), set by `apply_fsdp`
+        # where it serves them.
+        self.tables: TableGroup | None = None
         self.packed = packed
         if packed:
             for block in transformer.token_refiner.refiner_blocks:
@@ -418,9 +418,9 @@ class SequenceParallelH3(nn.Module):
         temb = m.time_proj(timestep)
         temb = m.time_embedder(temb.to(get_parameter_dtype(m.time_embedder)))
         adaln_indices = timestep_indices * MINIMAX_H3_MODALITY_NUM + token_tags
-        if self.table_group is not None:
+        if self.tables is not None:
             # Every rank of the group exchanges tables of the same rows; padding rows are never read.
-            temb = agree_timesteps(temb, self.table_group)
+            temb = agree_timesteps(temb, self.tables.shard)
 
         if sp.enabled:
             adaln_indices = sp.local_slice(sp.pad(adaln_indices, 0))

@@ -23,8 +23,8 @@ R = dp_replicate:
   one all-reduce of one int64 over the shard group; per block and forward an all-gather of the
   `[Tm, D]` embeddings and an all-to-all of `S x Tm x ceil(N / S)` table elements (again per
   recompute); per block backward the table gradients' all-to-all, the embeddings' reduce-scatter
-  when the time embedding trains and, under HSDP, one all-reduce of the projection's local weight and
-  bias gradients when it trains. Their weights leave the blocks' units.
+  when the time embedding trains; under HSDP, once a step, one all-reduce of the projection's accumulated
+  local weight gradient and one of its bias's when it trains. Their weights leave the blocks' units.
 - The step: the gradient norm's all-reduce over the shard group (one norm per trainable parameter,
   stacked, float32) and the step's one all-reduce of its sums (`STEP_VALUES` float64) over every rank.
 """
@@ -412,7 +412,7 @@ class _Tally:
 
 
 def _table_exchanges(
-    tally: _Tally, table: TableShape, f: ForwardShape, shard_size: int, replicas: int, b: int, recomputes: bool
+    tally: _Tally, table: TableShape, f: ForwardShape, shard_size: int, b: int, recomputes: bool
 ) -> None:
     """One served block's table exchanges in forward `f` (`b` bytes per element of the compute dtype)."""
     tm, d, c = f.timesteps, table.in_features, -(-table.rows // shard_size)
@@ -422,20 +422,19 @@ def _table_exchanges(
         tally.add("table all-to-all", "all_to_all", "dp_shard_sp", phase, exchanged, calls)
     if not f.grad or not (table.weight_trains or table.embedding_trains):
         return
-    # Backward: the table gradients back; the embeddings' gradients when the time embedding trains; the
-    # weight's local gradient across replicas when it trains (every micro-batch, not once a step).
+    # Backward: the table gradients back; the embeddings' gradients when the time embedding trains.
     tally.add("table gradient all-to-all", "all_to_all", "dp_shard_sp", "backward", exchanged)
     calls = int(table.embedding_trains)
     tally.add("table embeddings reduce-scatter", "reduce_scatter", "dp_shard_sp", "backward", embeddings, calls)
-    weight = table.local_rows * (d + 1) * table.weight_bytes
-    tally.add(
-        "table weight all-reduce",
-        "all_reduce",
-        "dp_replicate",
-        "backward",
-        weight,
-        int(table.weight_trains and replicas > 1),
-    )
+
+
+def _table_replica_reductions(tally: _Tally, table: TableShape) -> None:
+    """One served block's HSDP all-reduces, once a step: its weight's and its bias's accumulated local
+    gradients (float32 at least)."""
+    wide = max(table.weight_bytes, _FP32)
+    d = table.in_features
+    tally.add("table weight all-reduce", "all_reduce", "dp_replicate", "backward", table.local_rows * d * wide)
+    tally.add("table bias all-reduce", "all_reduce", "dp_replicate", "backward", table.local_rows * wide)
 
 
 def step_traffic(
@@ -510,8 +509,11 @@ def step_traffic(
         if tables:
             tally.add("table timesteps all-reduce", "all_reduce", "dp_shard_sp", "forward", _AGREE_BYTES)
         for table, recomputes in served_tables:
-            _table_exchanges(tally, table, f, S, R, b, recomputes)
+            _table_exchanges(tally, table, f, S, b, recomputes)
     if R > 1 and backwards:
+        for table, _ in served_tables:
+            if table.weight_trains:
+                _table_replica_reductions(tally, table)
         for u in units:
             # Once a step: FSDP2 all-reduces across replicas only on the last micro-batch.
             tally.add(

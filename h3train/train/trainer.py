@@ -30,6 +30,7 @@ from ..config import Config, to_yaml
 from ..config.checks import resolve_compile
 from ..data.step_plan import StepStats, batch_layout
 from ..errors import TrainingError
+from ..model.fsdp import requires_all_reduce
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import cfg_enabled, compute_loss, step_sums
 from ..parallel.dims import ParallelContext
@@ -257,7 +258,7 @@ class Trainer:
             self.phase = f"backward of step {step}"
             if self.ctx.dims.dp_replicate > 1:
                 # HSDP: reduce-scatter every micro-batch, all-reduce across replicas once per step.
-                self.model.set_requires_all_reduce(micro == accum - 1)
+                requires_all_reduce(self.model, micro == accum - 1)
             # The step's gradient is the mean over its samples; FSDP2's reduction averages over the DP
             # ranks, so each rank divides by its share (`grad_accum` with one sample per micro-batch).
             (loss / (grads.samples / self.ctx.dims.dp)).backward()

@@ -59,7 +59,7 @@ def table_steps(config: str, runs: dict[str, list[str]]) -> dict[str, tuple[Step
         trainer = build_trainer(load_config(config, overrides), hooks=[recorder])
         start = trainer.parts.batches.state_dict()
         record = train_step_one(trainer, recorder, start, update=True)
-        served = getattr(trainer.model, "table_group", None) is not None
+        served = getattr(trainer.model, "tables", None) is not None
         out[name] = (record, served, _fsdp_unmanaged(trainer.model))
         trainer.parts.batches.close()
         trainer.parts.checkpointer.close()

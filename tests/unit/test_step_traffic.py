@@ -169,7 +169,8 @@ def test_released_step_issues_each_collective_the_step_makes(tables: str) -> Non
         assert _calls(traffic, "table timesteps all-reduce") == len(forwards)
         assert _calls(traffic, "table all-to-all") == accum * (layers + recomputed)
         assert _calls(traffic, "table gradient all-to-all") == accum * layers
-        assert _calls(traffic, "table weight all-reduce") == accum * layers
+        # Across replicas once a step, as FSDP2's units: the accumulated weight and bias gradients.
+        assert _calls(traffic, "table weight all-reduce") == _calls(traffic, "table bias all-reduce") == layers
     else:
         assert not [e for e in traffic.exchanges if e.what.startswith("table")]
     # The HSDP all-reduce carries every gradient shard once, in float32: 2 (R - 1) / R of them.
