@@ -330,6 +330,10 @@ def decimal_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _counted(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _sci(x: float) -> str:
     """`7.21e16`: three figures and a bare exponent."""
     mantissa, exponent = f"{x:.2e}".split("e")
@@ -349,7 +353,8 @@ def format_step(estimate: StepEstimate, packed: bool = False) -> str:
     lines = [
         f"step time     ~{e.step_s:,.1f} s per optimizer step (estimate), {e.samples_per_s:.3g} {what}/s, "
         f"MFU {100 * e.mfu:.1f} % of the {r.peak_tflops:g} TFLOP/s peak; limit: {e.limit} "
-        f"({device.key}: {device.name}, {f.forwards} forwards, {f.backwards} backwards per rank)",
+        f"({device.key}: {device.name}, {_counted(f.forwards, 'forward')}, {_counted(f.backwards, 'backward')} "
+        "per rank)",
     ]
     negative = f", CFG negative forwards {_sci(f.negative)} of it" if f.negative else ", no CFG negative"
     lines.append(
