@@ -112,6 +112,28 @@ def planted(mutation: str) -> Iterator[None]:
         setattr(module, attr, original)
 
 
+def mixed_overrides(data: Path, log_dir: Path) -> list[str]:
+    """A forked trainer's overrides on the mixed dataset `data` (`conftest.mixed_data`): its samples up to
+    100 rows, no checkpoint, no progress bar, its files in `log_dir`."""
+    return [
+        f"logging.dir={log_dir}",
+        "logging.progress=false",
+        "task.name=mixed",
+        f"data.path={data}",
+        "data.create_synthetic=false",
+        "data.max_rows=100",
+        "checkpoint.every=0",
+    ]
+
+
+def close_trainer(trainer: Any) -> None:
+    """Stop what a trainer built in a forked rank holds open: its prefetch, its checkpointer, its run lock."""
+    trainer.parts.batches.close()
+    trainer.parts.checkpointer.close()
+    if trainer.parts.lock is not None:
+        trainer.parts.lock.release()
+
+
 # -- one step, packed and unpacked ---------------------------------------------------------------------
 
 
@@ -215,10 +237,7 @@ def step_gradients(config: str, unpacked: list[str], packed: list[str], mutation
                     records[mutation] = train_step_one(trainer, recorder, start, update=False)
         records[name] = train_step_one(trainer, recorder, start, update=True)
     for trainer in trainers:
-        trainer.parts.batches.close()
-        trainer.parts.checkpointer.close()
-        if trainer.parts.lock is not None:
-            trainer.parts.lock.release()
+        close_trainer(trainer)
     dist.barrier()
     dist.destroy_process_group()
     unpacked_record, packed_record = records.pop("unpacked"), records.pop("packed")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from helpers.pack_ranks import MicroBatches, StepRecord, float64_training, train_step_one
+from helpers.pack_ranks import MicroBatches, StepRecord, close_trainer, float64_training, train_step_one
 
 
 def _fsdp_unmanaged(model: Any) -> set[str]:
@@ -61,10 +61,7 @@ def table_steps(config: str, runs: dict[str, list[str]]) -> dict[str, tuple[Step
         record = train_step_one(trainer, recorder, start, update=True)
         served = getattr(trainer.model, "tables", None) is not None
         out[name] = (record, served, _fsdp_unmanaged(trainer.model))
-        trainer.parts.batches.close()
-        trainer.parts.checkpointer.close()
-        if trainer.parts.lock is not None:
-            trainer.parts.lock.release()
+        close_trainer(trainer)
     dist.barrier()
     dist.destroy_process_group()
     return out

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from helpers.pack_ranks import close_trainer
+
 
 @dataclass
 class StepBytes:
@@ -123,10 +125,7 @@ def recorded_steps(config: str, variants: dict[str, list[str]], steps: int = 2) 
             everyone: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
             out[name].append(everyone)
-        trainer.parts.batches.close()
-        trainer.parts.checkpointer.close()
-        if trainer.parts.lock is not None:
-            trainer.parts.lock.release()
+        close_trainer(trainer)
     dist.barrier()
     dist.destroy_process_group()
     return out

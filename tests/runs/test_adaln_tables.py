@@ -16,10 +16,9 @@ import pytest
 
 from h3train.config import load_config
 from h3train.data.source import build_source
-from h3train.data.synth import write_synthetic_dataset
 
 from helpers.launch import run_env
-from helpers.pack_ranks import run_on_ranks
+from helpers.pack_ranks import mixed_overrides, run_on_ranks
 from helpers.paths import ROOT
 from helpers.reference import relative_l2
 from helpers.table_ranks import table_steps
@@ -55,23 +54,8 @@ LAYOUTS = {
 
 
 def common(data: Path, log_dir: Path) -> list[str]:
-    return [
-        f"logging.dir={log_dir}",
-        "logging.progress=false",
-        "task.name=mixed",
-        f"data.path={data}",
-        "data.create_synthetic=false",
-        "data.max_rows=100",
-        "cfg.scale=3",
-        "cfg.curvature_power=0.5",
-        "cfg.text_dropout=0.25",
-        "checkpoint.every=0",
-    ]
-
-
-@pytest.fixture(scope="module")
-def mixed_data(tmp_path_factory) -> Path:
-    return write_synthetic_dataset(tmp_path_factory.mktemp("tables") / "data", "mixed", 16, text_dim=16)
+    """Every run's overrides: the mixed dataset, CFG with prompt dropout."""
+    return [*mixed_overrides(data, log_dir), "cfg.scale=3", "cfg.curvature_power=0.5", "cfg.text_dropout=0.25"]
 
 
 class Steps:

@@ -23,12 +23,11 @@ import torch
 
 from h3train.config import Config, load_config
 from h3train.data.source import build_sampler, build_source
-from h3train.data.synth import write_synthetic_dataset
 from h3train.data.trained_samples import attempts, trained_samples
 from h3train.objective import text_dropped
 
 from helpers.launch import run_env, run_forked, tiny_args
-from helpers.pack_ranks import MUTATIONS, StepRuns, run_on_ranks, step_gradients
+from helpers.pack_ranks import MUTATIONS, StepRuns, mixed_overrides, run_on_ranks, step_gradients
 from helpers.paths import ROOT
 from helpers.reference import relative_l2
 
@@ -65,16 +64,7 @@ LAYOUTS = {
 
 def common_overrides(data: Path, log_dir: Path) -> list[str]:
     """Both runs' overrides: the mixed dataset's samples up to 100 rows, prompt dropout, no checkpoint."""
-    return [
-        f"logging.dir={log_dir}",
-        "logging.progress=false",
-        "task.name=mixed",
-        f"data.path={data}",
-        "data.create_synthetic=false",
-        "data.max_rows=100",
-        f"cfg.text_dropout={TEXT_DROPOUT}",
-        "checkpoint.every=0",
-    ]
+    return [*mixed_overrides(data, log_dir), f"cfg.text_dropout={TEXT_DROPOUT}"]
 
 
 def run_overrides(layout: Layout, data: Path, root: Path) -> tuple[list[str], list[str]]:
@@ -92,12 +82,6 @@ def run_overrides(layout: Layout, data: Path, root: Path) -> tuple[list[str], li
         f"train.global_batch={WINDOW}",
     ]
     return unpacked, packed
-
-
-@pytest.fixture(scope="module")
-def mixed_data(tmp_path_factory) -> Path:
-    """16 synthetic samples of every sample task (fl2va and ref2va alternating, two t2va), some silent."""
-    return write_synthetic_dataset(tmp_path_factory.mktemp("packing") / "data", "mixed", 16, text_dim=16)
 
 
 class StepCache:

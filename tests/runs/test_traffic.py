@@ -20,10 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from h3train.data.synth import write_synthetic_dataset
-
 from helpers.launch import run_env
-from helpers.pack_ranks import run_on_ranks
+from helpers.pack_ranks import mixed_overrides, run_on_ranks
 from helpers.paths import ROOT
 from helpers.traffic_ranks import StepBytes, recorded_steps
 
@@ -57,21 +55,9 @@ LAYOUTS = {
 TABLES = ("false", "true")
 
 
-@pytest.fixture(scope="module")
-def mixed_data(tmp_path_factory) -> Path:
-    """16 synthetic samples of every sample task, some silent: lengths and timesteps differ by rank."""
-    return write_synthetic_dataset(tmp_path_factory.mktemp("traffic") / "data", "mixed", 16, text_dim=16)
-
-
 def variant_overrides(layout: Layout, data: Path, log_dir: Path, tables: str) -> list[str]:
     return [
-        f"logging.dir={log_dir}",
-        "logging.progress=false",
-        "task.name=mixed",
-        f"data.path={data}",
-        "data.create_synthetic=false",
-        "data.max_rows=100",
-        "checkpoint.every=0",
+        *mixed_overrides(data, log_dir),
         "train.grad_accum=2",
         "cfg.scale=3",
         f"model.activation_checkpointing={layout.recompute}",
