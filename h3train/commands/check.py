@@ -155,9 +155,11 @@ def run(args: argparse.Namespace) -> int:
     rates = device_rates(args)
     memory_gib = rates.device.memory_gib
     plan = estimate(model_dims, dims, cfg, ranks_per_node=per_node, device_memory_gib=memory_gib)
-    dropped = dropped_line(cfg)
-    if dropped:
-        print(dropped)
+    from ..data.source import left_out_lines
+
+    for line in [*left_out_lines(cfg), dropped_line(cfg)]:
+        if line:
+            print(line)
     print(format_plan(plan), flush=True)
     if plan.fits:
         step = planned_step(cfg, dims, plan, model_dims, rates, ranks_per_node=per_node)

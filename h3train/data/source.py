@@ -232,6 +232,44 @@ def data_source(cfg: Config) -> DataSource:
     return DATA_SOURCES[cfg.data.source]
 
 
+#: How many sample ids a left-out line names before it counts the rest.
+LEFT_OUT_NAMED = 3
+
+
+def left_out_lines(cfg: Config) -> list[str]:
+    """One line per dataset and sample task that `task.name` leaves out of a cached run, naming the count,
+    the first few sample ids and the `task.name` that would train them; none for data not read from
+    folders or a dataset without an index here (preflight names that).
+
+    `task.name=fl2va leaves out 3 ref2va samples of dataset '/data/x' ('a', 'b', 'c'); task.name=mixed trains them`
+    """
+    if not data_source(cfg).reads_folders:
+        return []
+    from ..tasks.table import TRAINING_TASKS, training_task_for
+    from .dataset import index_entries
+    from .format import INDEX_NAME
+
+    accepted = TRAINING_TASKS[cfg.task.name].sample_tasks
+    lines = []
+    for spec in dataset_specs(cfg.data):
+        if not (Path(spec.path) / INDEX_NAME).is_file():
+            continue
+        table = index_entries(spec.path)
+        for task, count in sorted(table.task_counts().items()):
+            if task in accepted:
+                continue
+            rows = table.rows_of([task])[:LEFT_OUT_NAMED].tolist()
+            named = ", ".join(f"'{table[row].sample_id}'" for row in rows)
+            if count > len(rows):
+                named += f" and {count - len(rows):,} more"
+            wider = training_task_for({*accepted, task})
+            lines.append(
+                f"task.name={cfg.task.name} leaves out {count:,} {task} sample{'s' if count != 1 else ''} of "
+                f"dataset '{spec.path}' ({named}); task.name={wider} trains {'them' if count != 1 else 'it'}"
+            )
+    return lines
+
+
 def build_source(
     cfg: Config,
     text_dim: int | None = None,

@@ -118,8 +118,11 @@ def start_plan(
     dims = dims or ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
     plan = run_plan(cfg, dims, device_kind, device_memory_gib)
     if int(os.environ.get("RANK", "0")) == 0:
-        dropped = dropped_line(cfg)
+        from ..data.source import left_out_lines
+
+        dropped = [*left_out_lines(cfg), dropped_line(cfg)]
         print(f"memory plan: {summary(plan)} ({plan.rows_origin})", flush=True)
-        if dropped:
-            print(dropped, flush=True)
+        for line in dropped:
+            if line:
+                print(line, flush=True)
     refuse_over_plan(plan, device_kind, cfg.train.ignore_memory_plan)
