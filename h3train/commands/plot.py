@@ -1,4 +1,5 @@
-"""`h3train plot METRICS --out FILE.png`: losses (smoothed), grad_norm and lr from metrics.jsonl."""
+"""`h3train plot METRICS --out FILE.png`: losses (smoothed; under CFG the objective on its own axis), grad_norm,
+lr and samples per step from metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 from .arguments import Parser, output_file
 
 NAME = "plot"
-HELP = "plot losses (smoothed), grad_norm and lr from metrics.jsonl to a PNG"
+HELP = "plot losses (smoothed; under CFG the objective on its own axis), grad_norm, lr and samples from metrics.jsonl"
 
 
 def add_arguments(parser: Parser) -> None:

@@ -5,6 +5,11 @@ their sum `loss` is left out, since a step without sound logs about half of it a
 while neither modality does. Each training curve is drawn raw (faint) under its exponential moving
 average (`SMOOTHING`); held-out rows (`"kind": "validation"`) are points; a dotted vertical line
 marks each step where the run was resumed.
+
+Under CFG (rows with `loss_video_fm`) the loss panel draws the flow-matching losses (`loss_video_fm`,
+`loss_audio_fm`: the console's `video=` / `audio=`) beside the held-out loss, which is flow matching
+too, and the calibrated objective the step trains on (`loss_video`, `loss_audio`, an order of magnitude
+larger) gets an axis of its own below it, with its held-out counterpart (`val/loss_*_cfg`).
 Usage: `python -m h3train.tools.plot runs/x/metrics.jsonl runs/x/metrics.png`.
 """
 
@@ -29,8 +34,18 @@ from ..train.metrics import iter_rows
 # The loss panel's curves; a file with neither (no modality losses logged) draws `loss` instead.
 _LOSS_KEYS = ("loss_video", "loss_audio")
 _TOTAL_KEY = "loss"
-# Held-out rows (`"kind": "validation"`) drawn beside the training losses they measure.
-_VALIDATION_KEYS = ("val/loss", "val/loss_video", "val/loss_audio")
+# Under CFG: the flow-matching losses, which the loss panel draws instead (`_LOSS_KEYS` are then the objective's).
+_FM_KEYS = ("loss_video_fm", "loss_audio_fm")
+# Each training loss -> the held-out key that measures the same quantity, drawn as points beside it.
+_HELD_OUT = {
+    "loss": "val/loss",
+    "loss_video": "val/loss_video",
+    "loss_audio": "val/loss_audio",
+    "loss_video_fm": "val/loss_video",
+    "loss_audio_fm": "val/loss_audio",
+}
+# Under CFG the objective's curves are measured by the calibrated held-out loss instead.
+_HELD_OUT_CFG = {"loss_video": "val/loss_video_cfg", "loss_audio": "val/loss_audio_cfg"}
 # Weight of the past in the smoothed curves: s_i = SMOOTHING * s_(i-1) + (1 - SMOOTHING) * x_i over
 # the logged values (nulls skipped), divided by 1 - SMOOTHING^i so the curve starts at the first value
 # rather than at 0 (TensorBoard's smoothing at 0.9: about the last 10 values).
@@ -99,17 +114,44 @@ class Curve:
     smoothed: list[float]
 
 
-def loss_curves(records: list[dict[str, Any]]) -> dict[str, Curve]:
-    """The loss panel's curves by key: `loss_video` and `loss_audio`, each with a point only at the steps
-    that logged it (a step without sound logs `loss_audio` null) and smoothed over those steps alone;
-    `loss` instead when the rows hold neither. A key with no finite value has no curve."""
-    keys = [k for k in _LOSS_KEYS if any(r.get(k) is not None for r in records)] or [_TOTAL_KEY]
+def is_cfg(records: list[dict[str, Any]]) -> bool:
+    """Whether the rows are of a CFG run: they log the flow-matching losses apart (`loss_*_fm`)."""
+    return any(r.get(k) is not None for r in records for k in _FM_KEYS)
+
+
+def loss_curves(records: list[dict[str, Any]], keys: tuple[str, ...] | None = None) -> dict[str, Curve]:
+    """The loss panel's curves by key: `loss_video` and `loss_audio` (under CFG `loss_video_fm` and
+    `loss_audio_fm`), each with a point only at the steps that logged it (a step without sound logs its
+    audio loss null) and smoothed over those steps alone; `loss` instead when the rows hold neither.
+    `keys`: those curves instead. A key with no finite value has no curve."""
+    if keys is None:
+        wanted = _FM_KEYS if is_cfg(records) else _LOSS_KEYS
+        keys = tuple(k for k in wanted if any(r.get(k) is not None for r in records)) or (_TOTAL_KEY,)
     curves = {}
     for key in keys:
         steps, values = _series(records, key)
         if any(math.isfinite(v) for v in values):
             curves[key] = Curve(steps, values, smoothed(values))
     return curves
+
+
+def _draw_losses(ax: Any, curves: dict[str, Curve], validation: list[dict[str, Any]], held_out: dict[str, str]) -> None:
+    """Draw `curves` on `ax` and, as points in each one's colour, the held-out key `held_out` names for it."""
+    for key, curve in curves.items():
+        color = _draw(ax, key, curve, linewidth=1.3).get_color()
+        steps, values = _series(validation, held_out[key])
+        if any(math.isfinite(v) for v in values):
+            # In the colour of the training loss it measures, edged in black to tell it from that curve.
+            ax.plot(
+                steps,
+                values,
+                label=f"{held_out[key]} (held out)",
+                linestyle="none",
+                marker="o",
+                markersize=5,
+                markeredgecolor="black",
+                color=color,
+            )
 
 
 def resume_steps(records: list[dict[str, Any]]) -> list[int]:
@@ -128,8 +170,8 @@ def resume_steps(records: list[dict[str, Any]]) -> list[int]:
 def plot_metrics(metrics_path: str | os.PathLike[str], out_png: str | os.PathLike[str]) -> Path:
     """Plot the losses (`loss_video`, `loss_audio`; `loss` when neither is logged), `grad_norm`, `lr` against step.
 
-    Writes one PNG with four stacked axes (the last: samples per step) sharing the step axis and returns its
-    path. A null value
+    Writes one PNG with four stacked axes (five under CFG; the last: samples per step) sharing the step axis
+    and returns its path. A null value
     (a non-finite one in strict JSON, or a loss the step did not have) is skipped. Raises `UsageError` (a
     `ValueError`) naming the file if it is missing, holds no step records, or no `loss` values, or if the
     PNG cannot be written.
@@ -145,8 +187,8 @@ def plot_metrics(metrics_path: str | os.PathLike[str], out_png: str | os.PathLik
 
 
 def metrics_figure(metrics_path: str | os.PathLike[str]) -> Figure:
-    """The figure `plot_metrics` writes: losses (held-out points beside them), grad_norm, lr, samples per
-    step; legends outside."""
+    """The figure `plot_metrics` writes: losses (held-out points beside them), under CFG the calibrated
+    objective on an axis of its own (the second), grad_norm, lr, samples per step; legends outside."""
     path = Path(metrics_path)
     everything = read_metrics(path)
     records = [r for r in everything if r.get("kind") is None]
@@ -160,30 +202,24 @@ def metrics_figure(metrics_path: str | os.PathLike[str]) -> Figure:
     if not curves:
         raise UsageError(f"metrics file '{path}' has no finite 'loss' values to plot")
 
-    fig = Figure(figsize=(10, 10), layout="constrained")
+    cfg = is_cfg(records)
+    fig = Figure(figsize=(10, 12 if cfg else 10), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_loss, ax_grad, ax_lr, ax_samples = fig.subplots(4, 1, sharex=True, height_ratios=(2.2, 1.2, 1.0, 1.0))
+    if cfg:
+        axes = fig.subplots(5, 1, sharex=True, height_ratios=(2.2, 1.6, 1.2, 1.0, 1.0))
+        ax_loss, ax_cfg, ax_grad, ax_lr, ax_samples = axes
+    else:
+        axes = fig.subplots(4, 1, sharex=True, height_ratios=(2.2, 1.2, 1.0, 1.0))
+        ax_loss, ax_grad, ax_lr, ax_samples = axes
 
-    colors = {key: _draw(ax_loss, key, curve, linewidth=1.3).get_color() for key, curve in curves.items()}
-    for key in _VALIDATION_KEYS:
-        if key[4:] not in colors:
-            # The held-out total goes with the training total, drawn only when nothing else is.
-            continue
-        steps, values = _series(validation, key)
-        if any(math.isfinite(v) for v in values):
-            # In the colour of the training loss it measures, edged in black to tell it from that curve.
-            ax_loss.plot(
-                steps,
-                values,
-                label=f"{key} (held out)",
-                linestyle="none",
-                marker="o",
-                markersize=5,
-                markeredgecolor="black",
-                color=colors[key[4:]],
-            )
-    ax_loss.set_ylabel("loss")
+    # Each held-out key beside the training loss it measures: the total only when it is the curve drawn.
+    _draw_losses(ax_loss, curves, validation, _HELD_OUT)
+    ax_loss.set_ylabel("flow-matching loss" if cfg else "loss")
     ax_loss.set_title(f"{path}  (smoothed: EMA {SMOOTHING:g}; raw faint)", fontsize="medium")
+    if cfg:
+        objective = loss_curves(records, tuple(k for k in _LOSS_KEYS if any(r.get(k) is not None for r in records)))
+        _draw_losses(ax_cfg, objective, validation, _HELD_OUT_CFG)
+        ax_cfg.set_ylabel("CFG objective")
 
     if _smoothed_curve(ax_grad, records, "grad_norm", color="tab:red") is not None:
         finite = [v for v in _series(records, "grad_norm")[1] if math.isfinite(v)]
@@ -206,7 +242,7 @@ def metrics_figure(metrics_path: str | os.PathLike[str]) -> Figure:
     ax_samples.set_xlabel("step")
 
     resumes = resume_steps(records)
-    for ax in (ax_loss, ax_grad, ax_lr, ax_samples):
+    for ax in axes:
         for i, step in enumerate(resumes):
             label = "resumed" if i == 0 and ax is ax_loss else None
             ax.axvline(step, color="0.35", linestyle=":", linewidth=1.0, label=label)

@@ -486,6 +486,43 @@ def test_plot_draws_smoothed_over_raw_lr_resumes_and_held_out_points(tmp_path: P
         assert len(markers) == 1, "one marker where the run resumed (from step 3)"
 
 
+def test_plot_under_cfg_puts_flow_matching_beside_held_out_and_the_objective_on_its_own_axis(
+    tmp_path: Path,
+) -> None:
+    from h3train.tools.plot import metrics_figure
+
+    with _logger(tmp_path) as logger:
+        for step in range(1, 5):
+            # The calibrated objective is an order of magnitude above the flow-matching loss it calibrates.
+            logger.log(step, {**_metrics(step), "loss_video": 23.0 / step, "loss_audio": 21.0 / step,
+                              "loss_video_fm": 1.6 / step, "loss_audio_fm": 1.2 / step, "samples": 2})  # fmt: skip
+        held_out = {"val/loss": 1.0, "val/loss_video": 0.4, "val/loss_audio": 0.3}
+        logger.log_validation(4, {**held_out, "val/loss_video_cfg": 6.0, "val/loss_audio_cfg": 5.0})
+    fig = metrics_figure(tmp_path / "metrics.jsonl")
+    ax_loss, ax_cfg, *_, ax_samples = fig.axes
+    assert len(fig.axes) == 5
+
+    def labels(ax) -> set[str]:
+        return {ln.get_label() for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+
+    assert labels(ax_loss) == {
+        "loss_video_fm", "loss_audio_fm", "val/loss_video (held out)", "val/loss_audio (held out)"
+    }  # fmt: skip
+    assert labels(ax_cfg) == {
+        "loss_video",
+        "loss_audio",
+        "val/loss_video_cfg (held out)",
+        "val/loss_audio_cfg (held out)",
+    }
+    assert ax_loss.get_ylabel() == "flow-matching loss" and ax_cfg.get_ylabel() == "CFG objective"
+    # The objective's size sets no scale on the panel held-out shares: nothing there above the fm losses.
+    assert max(max(ln.get_ydata()) for ln in ax_loss.get_lines()) == pytest.approx(1.6)
+    (held_out,) = [ln for ln in ax_loss.get_lines() if ln.get_label() == "val/loss_video (held out)"]
+    (fm,) = [ln for ln in ax_loss.get_lines() if ln.get_label() == "loss_video_fm"]
+    assert held_out.get_color() == fm.get_color() and list(held_out.get_ydata()) == [0.4]
+    assert {ln.get_label() for ln in ax_samples.get_lines()} >= {"samples"}
+
+
 def test_plot_loss_curves_smooth_each_modality_over_the_steps_that_have_it() -> None:
     from h3train.tools.plot import loss_curves, smoothed
 
