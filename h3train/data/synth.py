@@ -13,6 +13,10 @@ presentations (labels as text, vision blocks tagged 0).
 Sample `i` is a pure function of `(seed, i)`. Written to disk and read back as any cached dataset
 (`h3train synth`, `data.create_synthetic`); `tasks/synthetic.py` is the in-memory source of one
 fixed geometry (`data.source=synthetic`).
+
+`released=True` writes the longest released clip instead (`released_sample`): 15 s at 768x1344 with
+a 2,048-token prompt prefix, the sample the memory plan and the step-time estimate assume, so that a
+first run on a new cluster measures that sample before any real data is encoded.
 """
 
 from __future__ import annotations
@@ -63,6 +67,15 @@ PROMPT_TOKENS = (6, 12)
 NEGATIVE_TOKENS = 1
 TEXT_TAG, VISION_TAG = 1, 0
 
+# The longest released clip as the pipeline encodes it: 15 s at 24 fps is 362 = 17 x 21 + 5 pixel
+# frames (107 latent frames, 603 audio latents per channel) on the 768x1344 canvas (48 x 84 latents),
+# under a 2,048-token prefix (prompt plus vision blocks). The plan's `RELEASED_GEOMETRY` and
+# `RELEASED_TEXT_ROWS` say the same in latent units; data sits below the plan, so a test holds the
+# two equal rather than an import.
+RELEASED_PIXEL_FRAMES = 362
+RELEASED_LATENT_SIZE = (48, 84)
+RELEASED_TEXT_TOKENS = 2_048
+
 
 def write_synthetic_dataset(
     out_dir: str | os.PathLike,
@@ -71,6 +84,7 @@ def write_synthetic_dataset(
     seed: int = 0,
     text_dim: int = 16,
     overwrite: bool = False,
+    released: bool = False,
 ) -> Path:
     """Write `num_samples` synthetic samples and their `index.jsonl` into `out_dir`; return the folder.
 
@@ -78,6 +92,8 @@ def write_synthetic_dataset(
     ref2va samples alternating). `text_dim` is the
     width of the prompt embeddings (the model's `text_dim`). A folder that already holds samples or
     an index is refused unless `overwrite`, which first removes those files (and nothing else).
+    `released`: every sample is the longest released clip (`released_sample`, about 60 MiB each)
+    rather than a tiny one of the cycles above.
     """
     if task not in TRAINING_TASKS:
         raise DatasetError(f"synthetic task '{task}' is not one of {', '.join(TRAINING_TASKS)}")
@@ -85,8 +101,9 @@ def write_synthetic_dataset(
         raise DatasetError(f"need num_samples >= 1 and text_dim >= 1, got {num_samples} and {text_dim}")
     out = Path(out_dir)
     _prepare_folder(out, overwrite)
+    make = released_sample if released else synthetic_sample
     for i in range(num_samples):
-        sample = synthetic_sample(task, i, seed, text_dim)
+        sample = make(task, i, seed, text_dim)
         write_sample(out / f"{sample.sample_id}{SAMPLE_SUFFIX}", sample)
     write_index(out)
     return out
@@ -170,6 +187,65 @@ def synthetic_sample(task: str, i: int, seed: int, text_dim: int) -> CachedSampl
         negative_visual_prompt_embeds=torch.randn(len(visual_tags), text_dim, generator=g) if blocks else negative,
         negative_visual_text_token_tags=visual_tags,
         source=f"synthetic(seed={seed}, index={i})",
+    )
+
+
+def released_sample(task: str, i: int, seed: int, text_dim: int) -> CachedSample:
+    """Sample `i` of `task` (a `task.name`) at the longest released clip's geometry, random values.
+
+    The packed layout's turn (t2va / fl2va) has first and last keyframes when the task trains fl2va
+    samples, none for t2va alone; the ref2va turn has two image references on the canvas, whose rows
+    are those of the two keyframes. Either packs to the plan's longest released clip. Prompt
+    embeddings are bfloat16 (the format takes it), which halves the largest tensor beside the video.
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+    trained = TRAINING_TASKS[task].sample_tasks
+    turns = tuple(dict.fromkeys(isinstance(conditioning_of(t), ReferencesKind) for t in trained))
+    with_references = turns[i % len(turns)]
+    num_frames = RELEASED_PIXEL_FRAMES
+    frames = video_latent_num_frames(num_frames, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK)
+    height, width = RELEASED_LATENT_SIZE
+    video = torch.randn(VIDEO_LATENT_CHANNELS, frames, height, width, generator=g)
+    audio = _audio(audio_latent_num_frames(num_frames), g)
+    anchors: tuple[str, ...] = ()
+    references: tuple[ReferenceLatents, ...] = ()
+    if with_references:
+        references = tuple(
+            ReferenceLatents("image", video=torch.randn(VIDEO_LATENT_CHANNELS, 1, height, width, generator=g))
+            for _ in range(2)
+        )
+        blocks = _reference_blocks(references)
+    else:
+        anchors = ("first", "last") if sample_task_of("keyframes") in trained else ()
+        blocks = [1] * len(anchors)
+    keyframes = (video[:, :1], video[:, -1:])[: len(anchors)]
+    # The prompt fills the prefix the presentation's labels and vision blocks leave.
+    prompt_len = RELEASED_TEXT_TOKENS - len(_presentation_tags(blocks, 0))
+    tags = _presentation_tags(blocks, prompt_len)
+    negative_tags = _presentation_tags([], NEGATIVE_TOKENS)
+    visual_tags = _presentation_tags(blocks, NEGATIVE_TOKENS) if blocks else negative_tags
+
+    def embeds(rows: int) -> torch.Tensor:
+        return torch.randn(rows, text_dim, generator=g).to(torch.bfloat16)
+
+    negative = embeds(len(negative_tags))
+    return CachedSample(
+        sample_id=f"synth-{i:06d}",
+        task=sample_task_of("references" if references else "keyframes" if anchors else None),
+        num_frames=num_frames,
+        video_latents=video,
+        audio_latents=audio,
+        prompt_embeds=embeds(len(tags)),
+        text_token_tags=tags,
+        negative_prompt_embeds=negative,
+        negative_text_token_tags=negative_tags,
+        has_audio=True,
+        keyframe_anchors=anchors,
+        keyframes=keyframes,
+        references=references,
+        negative_visual_prompt_embeds=embeds(len(visual_tags)) if blocks else negative,
+        negative_visual_text_token_tags=visual_tags,
+        source=f"synthetic released clip(seed={seed}, index={i})",
     )
 
 
