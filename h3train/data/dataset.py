@@ -137,12 +137,12 @@ class CachedDataset:
         if sample.sample_id != entry.sample_id or sample.task != entry.task:
             raise SampleError(
                 f"sample '{path}': holds {sample.task} sample '{sample.sample_id}', the index lists "
-                f"{entry.task} sample '{entry.sample_id}'; rebuild the index with write_index"
+                f"{entry.task} sample '{entry.sample_id}'; rebuild the index with 'h3train index {self.folder}'"
             )
         if sample.layout.seq_len != entry.seq_len:
             raise SampleError(
                 f"sample '{path}': packs to {sample.layout.seq_len} rows, the index says "
-                f"{entry.seq_len}; rebuild the index with write_index"
+                f"{entry.seq_len}; rebuild the index with 'h3train index {self.folder}'"
             )
         return sample
 

@@ -33,14 +33,16 @@ rebuilt from it whenever it no longer matches its bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from functools import partial
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -698,12 +700,235 @@ def write_index(folder: str | os.PathLike) -> list[IndexEntry]:
                 has_audio=meta["has_audio"],
             )
         )
+    _write_entries(folder, entries)
+    return entries
+
+
+def _write_entries(folder: Path, entries: list[IndexEntry]) -> None:
+    """Write `entries` as `folder/index.jsonl` and its compact index, each atomically."""
     text = "".join(json.dumps(e.to_json()) + "\n" for e in entries).encode("utf-8")
     index = folder / INDEX_NAME
     atomic_write(index, lambda tmp: tmp.write_bytes(text))
     source = IndexSource(len(text), index.stat().st_mtime_ns, hashlib.sha256(text).hexdigest())
     table_of(entries, tuple(SAMPLE_TASKS)).write(folder / COMPACT_NAME, source)
-    return entries
+
+
+def entry_of(folder: Path, path: Path, header: SampleHeader) -> IndexEntry:
+    """The index entry of the sample file `path` (under `folder`), from its validated header."""
+    meta = header.meta
+    return IndexEntry(
+        sample_id=meta["sample_id"],
+        file=path.relative_to(folder).as_posix(),
+        task=meta["task"],
+        seq_len=header.seq_len(),
+        geometry=header.geometry,
+        has_audio=meta["has_audio"],
+    )
+
+
+def _differences(listed: IndexEntry, found: IndexEntry) -> str:
+    """What an index line says and its file's header holds instead, in words; empty when they agree."""
+    said, held = [], []
+    for name, attribute in (
+        ("sample", "sample_id"),
+        ("task", "task"),
+        ("seq_len", "seq_len"),
+        ("geometry", "geometry"),
+        ("has_audio", "has_audio"),
+    ):
+        a, b = getattr(listed, attribute), getattr(found, attribute)
+        if a != b:
+            said.append(f"{name} {_said(a)}")
+            held.append(f"{name} {_said(b)}")
+    if not said:
+        return ""
+    return f"the line says {', '.join(said)}, its file '{found.file}' holds {', '.join(held)}"
+
+
+def _said(value: Any) -> str:
+    if isinstance(value, Geometry):
+        return "x".join(str(n) for n in dataclasses.astuple(value))
+    return f"'{value}'" if isinstance(value, str) else str(value)
+
+
+def index_problems(folder: str | os.PathLike, table: IndexTable, files: bool = True, headers: bool = True) -> list[str]:
+    """What `folder`'s index (`table`, its open compact index) gets wrong about the sample files: one line
+    each, `index.jsonl line N: ...`, in line order; empty when nothing is.
+
+    `files` (cheap: the index's columns and one listing per directory, no sample file opened): a sample id
+    or a file listed twice (trained twice an epoch), a file that does not exist. `headers`: every listed
+    file's header (not its tensors) read and held against its line: sample id, task, seq_len, geometry
+    and has_audio; a header that does not validate is a problem too. A file listed twice or missing is
+    not read.
+    """
+    folder = Path(folder)
+    ids, names = table.sample_ids(), table.files()
+    # (row, the earlier row it repeats or None, what is wrong or what repeats): rows become line numbers at the end.
+    problems: list[tuple[int, int | None, str]] = []
+    first_id: dict[str, int] = {}
+    first_file: dict[str, int] = {}
+    listings: dict[str, frozenset[str]] = {}
+    skipped = set()
+    for row, (sample_id, name) in enumerate(zip(ids, names)):
+        if name in first_file or sample_id in first_id:
+            skipped.add(row)
+            if files:
+                earlier = first_file.get(name, first_id.get(sample_id))
+                what = f"sample '{sample_id}'" if sample_id in first_id else f"file '{name}'"
+                problems.append((row, earlier, what))
+            continue
+        first_id[sample_id], first_file[name] = row, row
+        directory, _, base = name.rpartition("/")
+        if directory not in listings:
+            listings[directory] = _names_in(folder / directory)
+        if base not in listings[directory]:
+            skipped.add(row)
+            if files:
+                problems.append((row, None, f"sample '{sample_id}': its file '{name}' does not exist"))
+    if headers:
+        for row in range(len(ids)):
+            if row in skipped:
+                continue
+            listed = table[row]
+            path = folder / listed.file
+            try:
+                found = entry_of(folder, path, read_header(path))
+            except SampleError as exc:
+                problems.append((row, None, f"sample '{listed.sample_id}': {exc}"))
+                continue
+            differences = _differences(listed, found)
+            if differences:
+                problems.append((row, None, f"sample '{listed.sample_id}': {differences}"))
+    if not problems:
+        return []
+    # Rows are counted without blank lines; a user edits index.jsonl by its line numbers.
+    lines = _line_numbers(folder / INDEX_NAME)
+    again = "is listed again (first on line {}): it trains twice an epoch"
+    return [
+        f"{INDEX_NAME} line {lines[row]}: {text}" + ("" if earlier is None else " " + again.format(lines[earlier]))
+        for row, earlier, text in sorted(problems, key=lambda problem: problem[0])
+    ]
+
+
+@dataclass(frozen=True)
+class IndexRebuild:
+    """What `rebuild_index` did: the entries the index now lists, one line per fix (empty: nothing to
+    fix, nothing written), and where the index it replaced was kept (None when none was replaced)."""
+
+    entries: list[IndexEntry]
+    fixes: list[str]
+    backup: Path | None
+
+
+def rebuild_index(folder: str | os.PathLike) -> IndexRebuild:
+    """Rewrite `folder/index.jsonl`, and its compact index, from the headers of the sample files it lists.
+
+    Only the files the index lists are read, so a sample file whose line was deleted stays out: a removal
+    is the absence of its line. A line is rewritten when its sample id, task, seq_len, geometry or
+    has_audio disagree with its file's header (or it is malformed but names a file), and dropped when its
+    file does not exist or an earlier line lists the same file. Without an `index.jsonl`, every sample
+    file under `folder` is listed (`write_index`). With nothing to fix nothing is written; otherwise the
+    old index is first kept beside it (`_backup_name`), then both files are written atomically.
+
+    Raises `DatasetError` (a line naming no file, two files holding one sample id) or `SampleError` (a
+    listed file whose header does not validate) naming the line, before anything is written.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DatasetError(f"dataset folder '{folder}' does not exist")
+    index = folder / INDEX_NAME
+    if not index.is_file():
+        entries = write_index(folder)
+        return IndexRebuild(entries, [f"{INDEX_NAME}: none was there; listed all {len(entries)} sample files"], None)
+    again = f"then run 'h3train index {folder}' again"
+    old = index.read_bytes()
+    try:
+        text = old.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"index '{index}': not UTF-8 text ({exc}); fix it, {again}") from None
+    paths = _FolderPaths(folder)
+    entries: list[IndexEntry] = []
+    fixes: list[str] = []
+    by_file: dict[str, int] = {}
+    by_id: dict[str, tuple[int, str]] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where, label = f"index '{index}' line {number}", f"{INDEX_NAME} line {number}"
+        listed: IndexEntry | None
+        try:
+            listed = _parse_index_line(paths, where, line)
+            name = listed.file
+        except DatasetError as exc:
+            listed, name = None, _file_named(line)
+            if name is None:
+                raise DatasetError(f"{exc}; fix or delete the line, {again}") from None
+            paths.check(name, where)
+        key = PurePosixPath(name).as_posix()
+        if key in by_file:
+            fixes.append(f"{label}: dropped, it lists file '{name}' again (first on line {by_file[key]})")
+            continue
+        path = folder / name
+        if not path.is_file():
+            fixes.append(f"{label}: dropped, its file '{name}' does not exist")
+            continue
+        try:
+            found = entry_of(folder, path, read_header(path))
+        except SampleError as exc:
+            raise SampleError(f"{exc}; re-encode it or delete {label}, {again}") from None
+        if found.sample_id in by_id:
+            first, other = by_id[found.sample_id]
+            raise DatasetError(
+                f"{where}: file '{found.file}' holds sample '{found.sample_id}', as does '{other}' (line {first}); "
+                f"delete one of the two lines, {again}"
+            )
+        by_file[key], by_id[found.sample_id] = number, (number, found.file)
+        if listed is None:
+            fixes.append(f"{label}: rewritten from its file '{found.file}' (the line was malformed)")
+        elif differences := _differences(listed, found):
+            fixes.append(f"{label}: rewritten, {differences}")
+        entries.append(found)
+    if not fixes:
+        return IndexRebuild(entries, [], None)
+    backup = _backup_name(index)
+    atomic_write(backup, lambda tmp: tmp.write_bytes(old))
+    _write_entries(folder, entries)
+    return IndexRebuild(entries, fixes, backup)
+
+
+def _file_named(line: str) -> str | None:
+    """The `file` a malformed index line still names, or None."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    name = row.get("file") if isinstance(row, dict) else None
+    return name if isinstance(name, str) and name else None
+
+
+def _backup_name(index: Path) -> Path:
+    """`index.jsonl.bak-<UTC time>` beside `index`, numbered on when one of that second is there already."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    backup = index.with_name(f"{index.name}.bak-{stamp}")
+    number = 1
+    while backup.exists():
+        number += 1
+        backup = index.with_name(f"{index.name}.bak-{stamp}-{number}")
+    return backup
+
+
+def _line_numbers(index: Path) -> list[int]:
+    """The line number (from 1) of each entry of `index`, blank lines skipped, as `read_index` counts them."""
+    return [number for number, line in enumerate(index.read_text().splitlines(), start=1) if line.strip()]
+
+
+def _names_in(directory: Path) -> frozenset[str]:
+    """The names in `directory` (empty when it is not one), listed once: a million stat calls cost more."""
+    try:
+        with os.scandir(directory) as listing:
+            return frozenset(entry.name for entry in listing)
+    except OSError:
+        return frozenset()
 
 
 def read_index(folder: str | os.PathLike) -> list[IndexEntry]:
@@ -748,7 +973,7 @@ def _index_file(folder: Path) -> Path:
         raise DatasetError(f"dataset folder '{folder}' does not exist")
     index = folder / INDEX_NAME
     if not index.is_file():
-        raise DatasetError(f"dataset folder '{folder}' has no {INDEX_NAME}; build it with write_index")
+        raise DatasetError(f"dataset folder '{folder}' has no {INDEX_NAME}; build it with 'h3train index {folder}'")
     return index
 
 

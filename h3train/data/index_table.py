@@ -125,6 +125,12 @@ def _decode(blob: np.ndarray, offsets: np.ndarray, row: int) -> str:
     return blob[int(offsets[row]) : int(offsets[row + 1])].tobytes().decode("utf-8", "surrogatepass")
 
 
+def _strings(blob: np.ndarray, offsets: np.ndarray) -> list[str]:
+    raw = blob.tobytes()
+    ends = offsets.tolist()
+    return [raw[a:b].decode("utf-8", "surrogatepass") for a, b in zip(ends[:-1], ends[1:])]
+
+
 class IndexTable(Sequence[IndexEntry]):
     """Every entry of one index as columns (numpy arrays, mapped from the file or in memory).
 
@@ -174,6 +180,14 @@ class IndexTable(Sequence[IndexEntry]):
         wanted = set(tasks)
         codes = [code for code, name in enumerate(self.tasks) if name in wanted]
         return np.flatnonzero(np.isin(self.task_codes, codes)).astype(np.int64, copy=False)
+
+    def sample_ids(self) -> list[str]:
+        """Every row's sample id, in row order, decoded in one pass over the column (no `IndexEntry` made)."""
+        return _strings(self.columns["ids"], self.columns["ids_offsets"])
+
+    def files(self) -> list[str]:
+        """Every row's file (relative to the dataset folder), in row order, as `sample_ids` decodes them."""
+        return _strings(self.columns["files"], self.columns["files_offsets"])
 
     def task_counts(self) -> dict[str, int]:
         """Samples of each task the index lists (tasks it lists none of left out)."""

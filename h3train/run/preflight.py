@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
-from ..config import Config, load_config
-from ..errors import ConfigError
+from ..config import Config, dataset_specs, load_config
+from ..data.dataset import index_entries
+from ..data.format import INDEX_NAME, index_problems
+from ..data.mixture import dataset_key
+from ..data.source import data_source
+from ..errors import ConfigError, DatasetError
 from ..model.dims import planned_model_dims
 from ..parallel.dims import ParallelDims
 from ..plan import MemoryPlan
@@ -40,7 +45,68 @@ def preflight(cfg: Config, planning: bool = False, world_size: int | None = None
     check(cfg, planning)
     if world_size is not None:
         check_global_batch(cfg, ParallelDims.from_config(cfg.parallel, world_size))
-    return check_inputs(cfg, planning)
+    if planning:
+        return check_inputs(cfg, planning)
+    headers = reads_every_header()
+    check_indexes(cfg, headers=headers, files=True)
+    notes = check_inputs(cfg, planning)
+    if headers:
+        check_indexes(cfg, headers=True, files=False)
+    return notes
+
+
+def reads_every_header() -> bool:
+    """Whether this start reads the header of every sample its indexes list (`check_indexes`): a process
+    alone does (`h3train check --strict`, which launch.sh runs once per node before torchrun; a
+    one-process `train`); the ranks of a launch do not, each would read every header again."""
+    return int(os.environ.get("WORLD_SIZE", "1")) <= 1
+
+
+def check_indexes(cfg: Config, headers: bool, files: bool = True) -> None:
+    """Each cached dataset's `index.jsonl` agrees with its sample files (`data.format.index_problems`), or
+    one `DatasetError` naming the dataset, each problem on a line of its own and `h3train index DIR`.
+
+    `files`: the cheap checks (a sample id or file listed twice, a listed file missing), which come before
+    the model's checks; `headers`: each listed file's header against its line (sample id, task, seq_len,
+    geometry, has_audio). The cheap checks that find something add the header checks (when `headers`), so
+    that one report names everything. A dataset without an index is left to `check_inputs`, which names it.
+    """
+    if not data_source(cfg).reads_folders:
+        return
+    specs = dataset_specs(cfg.data)
+    for i, spec in enumerate(specs):
+        folder = Path(spec.path)
+        if not (folder / INDEX_NAME).is_file():
+            continue
+        fix = f"'h3train index {folder}'"
+        try:
+            table = index_entries(folder)
+        except DatasetError as exc:
+            raise DatasetError(f"{exc}; fix or delete the line, or rebuild the index with {fix}") from None
+        problems = index_problems(folder, table, files=files, headers=headers and not files)
+        if problems and files and headers:
+            problems = index_problems(folder, table, files=True, headers=True)
+        if problems:
+            shown = [f"dataset '{folder}' {problem}" for problem in problems[:_PROBLEMS_SHOWN]]
+            if len(problems) > _PROBLEMS_SHOWN:
+                shown.append(f"dataset '{folder}': and {len(problems) - _PROBLEMS_SHOWN} more")
+            raise DatasetError(
+                "\n".join(
+                    [
+                        f"dataset '{folder}' ({dataset_key(specs, i)}): {_lines(len(problems))} of its "
+                        f"{INDEX_NAME} disagree with its sample files, each below; rebuild the index with {fix}",
+                        *shown,
+                    ]
+                )
+            )
+
+
+def _lines(count: int) -> str:
+    return "1 line" if count == 1 else f"{count} lines"
+
+
+# The problems of one index a report lists; a dataset re-encoded under its index can have thousands.
+_PROBLEMS_SHOWN = 20
 
 
 def check_global_batch(cfg: Config, dims: ParallelDims) -> None:

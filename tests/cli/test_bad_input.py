@@ -60,7 +60,7 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], tuple[str, ...]]] = {
     ),
     "bad_shape": (lambda d: [str(TINY_FL2VA), "model.config.patch_size=[1,2]"], ("'model.config.patch_size'",)),
     "bad_fault": (lambda d: [str(TINY_FL2VA), "debug.fault=nan_loss"], ("'debug.fault'", "KIND@STEP")),
-    "bad_index": (lambda d: _cached(d / "torn"), ("index.jsonl' line 1", "write_index")),
+    "bad_index": (lambda d: _cached(d / "torn"), ("index.jsonl' line 1", "h3train index")),
     "empty_index": (lambda d: _cached(d / "empty"), ("lists no samples",)),
     "no_dataset": (lambda d: _cached(d / "nowhere"), ("'data.path'", "h3train synth")),
     "wrong_task": (lambda d: _cached(d / "fl2va", "task.name=ref2va"), ("'task.name' is 'ref2va'", "task.name=fl2va")),
