@@ -39,12 +39,17 @@ fi
 : "${MASTER_PORT:=29500}"
 : "${RDZV_ID:=h3train-${MASTER_PORT}}"
 : "${MAX_RESTARTS:=0}"
+# What the ranks run on, for the start line: a GPU each when torch counted them here; a
+# GPUS_PER_NODE given by hand may as well be CPU ranks (the config's device decides), so only
+# the count is said then.
+ranks_on="ranks"
 if [[ -z "${GPUS_PER_NODE:-}" ]]; then
   GPUS_PER_NODE="$(python -c 'import torch; print(torch.cuda.device_count())')"
   if [[ "$GPUS_PER_NODE" -eq 0 ]]; then
     echo "launch.sh: torch sees no GPU on $(hostname); set GPUS_PER_NODE to launch CPU ranks" >&2
     exit 2
   fi
+  ranks_on="ranks, one per GPU"
 fi
 
 # --- NCCL and CUDA settings that matter on A100 clusters ----------------------------------------
@@ -111,7 +116,7 @@ if [[ "$status" -ne 0 ]]; then
   exit "$status"
 fi
 
-echo "launch.sh: $(hostname) node ${NODE_RANK}/${NNODES}, ${GPUS_PER_NODE} GPUs," \
+echo "launch.sh: $(hostname) node ${NODE_RANK}/${NNODES}, ${GPUS_PER_NODE} ${ranks_on}," \
   "rendezvous ${MASTER_ADDR}:${MASTER_PORT} id ${RDZV_ID}" >&2
 
 # --- signals ---------------------------------------------------------------------------------------
@@ -124,6 +129,9 @@ echo "launch.sh: $(hostname) node ${NODE_RANK}/${NNODES}, ${GPUS_PER_NODE} GPUs,
 # cleanly. So torchrun ignores them too (TORCHELASTIC_SIGNALS_TO_HANDLE keeps its handlers for HUP
 # and QUIT), the ranks get TERM, save and exit 0, torchrun exits 0, and this script exits 0 for a
 # TERM and 130 for a Ctrl-C. A second Ctrl-C reaches the ranks as INT: they stop at once.
+# A first Ctrl-C reaches the ranks as TERM, not INT, because a rank stopped by INT exits 130, which
+# torchrun reports as a failed worker (its error report and a ChildFailedError traceback, exit 1).
+# The ranks therefore say "preempted by SIGTERM"; this script's last line says it was a Ctrl-C.
 # torch 2.8's torchrun installs its TERM and INT handlers whatever their disposition (2.13 reads
 # TORCHELASTIC_SIGNALS_TO_HANDLE), so torchrun also runs in a process group of its own (`set -m`):
 # a terminal's Ctrl-C, sent to the foreground process group, then reaches this script alone. HUP
@@ -194,6 +202,8 @@ done
 status=0
 wait "$torchrun_pid" || status=$?
 if [[ "$status" == 0 && "$interrupted" == 1 ]]; then
+  echo "launch.sh: interrupted by Ctrl-C on $(hostname): the ranks saved a checkpoint and stopped" \
+    "(they were handed TERM, hence their 'preempted by SIGTERM' line); resume with checkpoint.resume=auto" >&2
   status=130
 fi
 exit "$status"
