@@ -28,7 +28,9 @@ Any problem raises `SampleError` with a one-line message naming the file and the
 
 `index.jsonl` lists the samples, one JSON line each (`IndexEntry`); it is the source of truth, and beside
 it lies its compact index (`index_table.py`), which starts read instead (`open_index`) and which is
-rebuilt from it whenever it no longer matches its bytes.
+rebuilt from it whenever it no longer matches its bytes. A hand-edited index is held against the sample
+files' headers by `index_problems` (what `h3train check --strict` and a start report) and rewritten from
+them by `rebuild_index` (`h3train index DIR`).
 """
 
 from __future__ import annotations

@@ -130,3 +130,15 @@ def test_the_ranks_of_a_launch_check_only_duplicates_and_missing_files(tmp_path:
     lines = str(found.value).splitlines()
     assert "2 lines" in lines[0] and len(lines) == 3
     assert "line 3: sample 'gone'" in lines[1] and "line 7: sample 'synth-000000'" in lines[2]
+
+
+def test_a_rank_of_a_launch_starts_without_reading_every_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Under a launcher (WORLD_SIZE > 1) the start refuses the missing file and the repeated line alone."""
+    folder = tmp_path / "data"
+    _damaged(folder)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["check", *_cached(folder), "--strict", "--world-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "2 lines" in err and "line 3: sample 'gone'" in err and "line 2:" not in err, err
