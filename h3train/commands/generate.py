@@ -69,12 +69,13 @@ def add_arguments(parser: Parser) -> None:
         type=int,
         default=None,
         at_least=1,
-        help="17 n + 5 at 24 fps (default: a run's first sample's, else 124)",
+        help="17 n + 5 at 24 fps (default: a run's first validation sample's, else its training data's, else 124)",
     )
     parser.add_argument(
         "--resolution",
         default=None,
-        help="WIDTHxHEIGHT, multiples of 32 (default: a run's first sample's, else 1344x768)",
+        help="WIDTHxHEIGHT, multiples of 32 (default: a run's first validation sample's, else its training "
+        "canvas, else 1344x768)",
     )
     parser.add_argument(
         "--reference-short-edge",
@@ -111,12 +112,16 @@ def run(args: argparse.Namespace) -> int:
     from ..data.components import check_components_folder
 
     components = check_components_folder(components)
-    from ..run.generate import announce, default_device, generate, read_requests, request_partition
+    from ..run.generate import RELEASED_SHAPE, announce, default_device, generate, read_requests, request_partition
 
     flags = {"seed": args.seed, "frames": args.frames, "resolution": args.resolution}
-    defaults = default_shape(source) if source is not None else {}
+    shape = default_shape(source) if source is not None else None
+    defaults = dict(shape.values) if shape is not None else {}
     defaults.update({k: v for k, v in flags.items() if v is not None})
     requests = read_requests(args.prompt or [], args.requests, defaults)
+    # Where the shape of a request that sets neither came from; flags and request lines win over it.
+    unset = args.frames is None or args.resolution is None
+    origin = (shape.origin if shape is not None and shape.values else RELEASED_SHAPE) if unset else ""
     partition = request_partition(source, requests)
     if not (components / partition).is_dir():
         raise UsageError(f"--components '{components}' has no {partition}/ folder, the partition SOURCE renders with")
@@ -127,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     ]
     if int(os.environ.get("RANK", "0")) == 0:
-        print(announce(source, components, len(requests), args.steps, args.compare), flush=True)
+        print(announce(source, components, requests, args.steps, args.compare, origin), flush=True)
     try:
         generate(
             source,

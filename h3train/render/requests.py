@@ -29,6 +29,8 @@ from ..tasks.table import (
     PARTITIONS,
     SAMPLE_TASKS,
     TRAINING_TASKS,
+    VAE_FRAMES_PER_CHUNK,
+    VAE_LATENTS_PER_CHUNK,
     frame_counts_around,
     is_frame_count,
     partition_tasks,
@@ -48,6 +50,8 @@ _RESOLUTION = re.compile(r"\s*(\d+)\s*[xX]\s*(\d+)\s*")
 CANVAS_MULTIPLE = 32
 # 17 n + 5 frames with n >= 1: 7 latent frames, the fewest the video VAE decoder takes.
 MIN_CHUNKS = 1
+# Pixels per latent along each spatial axis: the video VAE's downsampling.
+VAE_SPATIAL_FACTOR = 16
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,22 @@ def parse_resolution(i: int, text: str, where: Where = _where) -> tuple[int, int
             f"{CANVAS_MULTIPLE} (one packed row covers 32x32 pixels)"
         )
     return height, width
+
+
+def latent_shape(num_latent_frames: int, latent_height: int, latent_width: int) -> dict[str, Any]:
+    """The request fields (`frames`, `resolution`) of a clip of this latent shape, as the pipeline counts it.
+
+    `5 n + 2` latent frames are `17 n + 5` pixel frames; a count between two of them takes the next
+    (so the clip holds at least what was trained), and at least `MIN_CHUNKS` chunks (22 frames), the
+    fewest the decoder takes. Each latent is 16x16 pixels, rounded up to the 32-pixel canvas multiple.
+    """
+    chunks = max(MIN_CHUNKS, -(-(num_latent_frames - 2) // VAE_LATENTS_PER_CHUNK))
+    frames = VAE_FRAMES_PER_CHUNK * chunks + VAE_LATENTS_PER_CHUNK
+
+    def pixels(latents: int) -> int:
+        return max(1, -(-latents * VAE_SPATIAL_FACTOR // CANVAS_MULTIPLE)) * CANVAS_MULTIPLE
+
+    return {"frames": frames, "resolution": f"{pixels(latent_width)}x{pixels(latent_height)}"}
 
 
 def _frames(i: int, frames: int, where: Where = _where) -> int:

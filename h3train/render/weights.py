@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from ..errors import UsageError
@@ -122,13 +123,82 @@ def saved_config(source: WeightsSource) -> dict[str, Any]:
         return {}
 
 
-def default_shape(source: WeightsSource) -> dict[str, Any]:
-    """The `frames` and `resolution` of the first of a run's `validation.samples` ({} if it has none):
-    a run's renders default to the clip shape it was checked with, not the released model's 124 frames
-    at 1344x768, which a stand-in's run never trained at."""
-    samples = (saved_config(source).get("validation") or {}).get("samples") or []
+@dataclass(frozen=True)
+class DefaultShape:
+    """The `frames` and `resolution` a SOURCE renders at when neither a flag nor a request line says,
+    and where they come from (`origin`, in words for the console); `values` is empty when nothing does."""
+
+    values: dict[str, Any]
+    origin: str
+
+
+def default_shape(source: WeightsSource) -> DefaultShape:
+    """A run's or checkpoint's render shape: the first of its `validation.samples` (the shape it was checked
+    at), else its training canvas (`training_shape`); a stand-in's run never trained at the released
+    model's 124 frames at 1344x768, and rendering it there takes minutes for nothing it learnt."""
+    saved = saved_config(source)
+    samples = (saved.get("validation") or {}).get("samples") or []
     first = samples[0] if samples and isinstance(samples[0], dict) else {}
-    return {k: first[k] for k in ("frames", "resolution") if k in first}
+    values = {k: first[k] for k in ("frames", "resolution") if k in first}
+    if values:
+        return DefaultShape(values, "the run's first validation.samples request")
+    found = training_shape(saved)
+    return DefaultShape({}, "") if found is None else found
+
+
+def training_shape(saved: dict[str, Any]) -> DefaultShape | None:
+    """The canvas and clip length a saved config's data had: `data.synthetic`'s one geometry, or the most
+    common latent canvas of the `data.path` indexes with the median latent frame count among its samples
+    (a typical clip, not the longest: that one can be 15 s). None when the data is not readable here."""
+    from ..tasks.table import TRAINING_TASKS
+    from .requests import latent_shape
+
+    data = saved.get("data") or {}
+    if data.get("source") == "synthetic":
+        syn = data.get("synthetic") or {}
+        keys = ("num_latent_frames", "latent_height", "latent_width")
+        if not all(isinstance(syn.get(k), int) for k in keys):
+            return None
+        return DefaultShape(latent_shape(*(syn[k] for k in keys)), "the run's training canvas from data.synthetic")
+    folders = _dataset_folders(data.get("path"))
+    task = TRAINING_TASKS.get(str((saved.get("task") or {}).get("name")))
+    geometry = _index_geometry(folders, task.sample_tasks if task is not None else None)
+    if geometry is None:
+        return None
+    canvases, counts = np.unique(geometry[:, 1:3], axis=0, return_counts=True)
+    height, width = (int(v) for v in canvases[int(np.argmax(counts))])
+    same = geometry[(geometry[:, 1] == height) & (geometry[:, 2] == width)]
+    frames = int(np.median(same[:, 0]))
+    origin = f"the run's training canvas, the most common in its dataset index{'es' * (len(folders) > 1)}"
+    return DefaultShape(latent_shape(frames, height, width), origin)
+
+
+def _dataset_folders(path: Any) -> list[Path]:
+    """The folders of a saved `data.path`: one folder, or a list of folders and `{path: DIR, ...}` mappings."""
+    items = path if isinstance(path, list) else [path]
+    folders = [item.get("path") if isinstance(item, dict) else item for item in items]
+    return [Path(f) for f in folders if isinstance(f, str) and f]
+
+
+def _index_geometry(folders: list[Path], tasks: tuple[str, ...] | None) -> np.ndarray | None:
+    """Every indexed sample's `(num_latent_frames, latent_height, latent_width)` of the tasks a run trains
+    (all of them when `tasks` is None), `[N, 3]` int64; None when a folder's index is not readable here."""
+    from ..data.dataset import index_entries
+    from ..data.format import INDEX_NAME
+    from ..errors import DatasetError
+
+    if not folders or not all((f / INDEX_NAME).is_file() for f in folders):
+        return None
+    parts = []
+    for folder in folders:
+        try:
+            table = index_entries(folder)
+        except DatasetError:
+            return None
+        geometry = np.asarray(table.columns["geometry"])[:, :3]
+        parts.append(geometry if tasks is None else geometry[table.rows_of(tasks)])
+    geometry = np.concatenate(parts)
+    return geometry if len(geometry) else None
 
 
 def default_components(source: WeightsSource) -> Path | None:

@@ -52,6 +52,8 @@ from ..train.validation import MODALITIES, guidance_retention, guidance_sums
 
 # `--compare`'s audio streams, in order.
 TRACK_TITLES = ("base", "fine-tune")
+# Where a request's shape comes from when neither the flags nor the SOURCE say: `SampleRequestConfig`'s defaults.
+RELEASED_SHAPE = "the released model's default"
 # The type of each request field, for a line of a requests file (JSON has no schema of its own).
 _FIELD_TYPES = {f.name: type(f.default) for f in dataclasses.fields(SampleRequestConfig) if f.name in SAMPLE_FIELDS}
 
@@ -416,10 +418,33 @@ def generate(
     return written
 
 
-def announce(source: WeightsSource | None, components: Path, requests: int, steps: int, compare: bool) -> str:
-    """The line printed before the models load."""
+def shape_words(requests: Sequence[SampleRequest]) -> str:
+    """`96x64, 22 frames (0.9 s at 24 fps)`: the shape the requests render at, each distinct one once."""
+    from ..data.media import FPS
+
+    shapes = dict.fromkeys((r.width, r.height, r.num_frames) for r in requests)
+    return "; ".join(f"{w}x{h}, {n} frames ({n / FPS:.1f} s at {FPS} fps)" for w, h, n in shapes)
+
+
+def announce(
+    source: WeightsSource | None,
+    components: Path,
+    requests: Sequence[SampleRequest],
+    steps: int,
+    compare: bool,
+    origin: str = "",
+) -> str:
+    """The line printed before the models load: what renders, at what size and length, with what.
+
+    `origin`: where the shape of a request that sets neither `frames` nor `resolution` came from (empty
+    when the flags set both)."""
     what = "the base" if source is None else f"{source.kind} '{source.path}'"
     if source is not None and source.chosen is not None:
         what += f" ({source.checkpoint}: {source.chosen})"
     side = ", beside the base" if compare else ""
-    return f"generating {requests} request{'s' * (requests != 1)} with {what} on {components}{side}, {steps} steps"
+    n = len(requests)
+    said = f", {origin} (--resolution and --frames set another)" if origin else ""
+    return (
+        f"rendering {shape_words(requests)}{said}: {n} request{'s' * (n != 1)} with {what} on {components}"
+        f"{side}, {steps} steps"
+    )

@@ -1,7 +1,7 @@
 """`h3train generate`: a trained result rendered on the stand-in, alone or beside its base.
 
-One tiny LoRA run trains two steps on the stand-in's `transformer` partition (its base is the stand-in
-itself, as `model.pretrained`), and is exported once as a diffusers and a ComfyUI LoRA file and merged
+One tiny LoRA run trains two steps at 96x64 on the stand-in's `transformer` partition (its base is the
+stand-in itself, as `model.pretrained`), and is exported once as a diffusers and a ComfyUI LoRA file and merged
 into a transformer folder. Renders are one t2va request, 22 frames on 64x64, 2 sigma points (one
 denoising step); the raw arrays of each render are compared before any encoding, and the mp4s the
 command writes are decoded with PyAV.
@@ -46,8 +46,9 @@ def run(tmp_path_factory: pytest.TempPathFactory, components: Path) -> Path:
     cfg = {
         "model": {"pretrained": str(components), "dtype": "float32", "attention_backend": "native"},
         "task": {"name": "t2va"},
+        # Trained at 96x64 (4 x 6 latents of 16 pixels), without validation.samples: renders default to that canvas.
         "data": {"source": "synthetic", "synthetic": {"num_samples": 4, "text_len": 13, "num_latent_frames": 2,
-                                                      "latent_height": 2, "latent_width": 2, "num_audio_latents": 4}},
+                                                      "latent_height": 4, "latent_width": 6, "num_audio_latents": 4}},
         "lora": {"rank": 4, "alpha": 8},
         "train": {"steps": 2, "seed": 0},
         "optim": {"lr": 1.0e-2, "warmup_steps": 0},
@@ -174,6 +175,31 @@ def test_compare_of_a_run_folder_writes_one_mp4_with_two_titled_stereo_streams_a
     numbers = [float(x) for x in re.findall(r"(?:video|audio) ([-\d.]+)", line)]
     assert len(numbers) == 4 and all(math.isfinite(x) for x in numbers), line
     assert "first denoising step" in line
+
+
+def test_compare_of_a_run_renders_at_its_training_canvas_and_says_so_first(tmp_path, capsys, run) -> None:
+    out = tmp_path / "canvas.mp4"
+    # No --frames nor --resolution, and the run has no validation.samples: its data's 96x64 and 2 latent
+    # frames, which render as the fewest pixel frames the decoder takes (22).
+    rc, stdout, _ = run_cli(
+        capsys, ["generate", str(run), "--prompt", PROMPT, "--out", str(out), "--compare", "--steps", str(STEPS)]
+    )
+    assert rc == 0
+    first = stdout.splitlines()[0]
+    assert first.startswith("rendering 96x64, 22 frames (0.9 s at 24 fps), the run's training canvas"), first
+    assert "data.synthetic" in first and "--resolution and --frames set another" in first, first
+    count, size, _ = _streams(out)
+    assert (count, size) == (22, (bar_height(64) + 64, 2 * 96))
+
+
+def test_flags_win_over_the_training_canvas_and_the_first_line_names_them(tmp_path, capsys, run, monkeypatch):
+    monkeypatch.setattr(generate_module, "generate", lambda *a, **k: [])
+    rc, stdout, _ = run_cli(
+        capsys, ["generate", str(run), "--prompt", PROMPT, "--out", str(tmp_path / "x.mp4"), *FLAGS]
+    )
+    assert rc == 0
+    first = stdout.splitlines()[0]
+    assert first.startswith("rendering 64x64, 22 frames (0.9 s at 24 fps): 1 request with run "), first
 
 
 def test_ranks_render_their_share_into_files_of_their_own(tmp_path, components, lora_file) -> None:
