@@ -156,6 +156,9 @@ class MemoryPlan:
     longest_fit: int = 0
     # Whether micro-batches are packs of `data.pack` rows: the bound that fits is then a pack budget.
     packed: bool = False
+    # Packed rows of the longest sample the plan assumes (of the data, or the released clip away from it), for the
+    # advice: no pack budget below it is advised, and a budget below it is said to refuse it; 0: not known.
+    longest_sample_rows: int = 0
     # `parallel.adaln_tables`: over a shard group of more than one rank, not offloaded (`local_adaln`), the AdaLN
     # projections stay out of the unsharded blocks and their gradient (`plan_memory`).
     adaln_tables: bool = False

@@ -59,22 +59,57 @@ def checkpointing_line(plan: MemoryPlan) -> str:
 
 
 def fixes(plan: MemoryPlan) -> str:
-    """What makes a plan that does not fit fit, the cheapest first: a bound on the rows when one fits."""
-    if plan.packed:
-        bound = f"set data.pack={plan.longest_fit} (rows per micro-batch), " if plan.longest_fit else ""
-    else:
-        bound = f"set data.max_rows={plan.longest_fit} (drops longer samples), " if plan.longest_fit else ""
+    """What makes a plan that does not fit fit, the cheapest first: a bound on the rows when one fits.
+
+    Only what the run does not do already: no recompute advice when every block recomputes (`full`, or
+    `auto` that chose it for every block), no offload advice when offloaded. A pack budget is advised only
+    when it holds the longest sample (`MemoryPlan.longest_sample_rows`); a smaller one would refuse it.
+    """
+    bound = ""
+    if plan.longest_fit and not plan.packed:
+        bound = f"set data.max_rows={plan.longest_fit} (drops longer samples)"
+    elif plan.longest_fit and plan.longest_fit >= plan.longest_sample_rows:
+        unknown = " if no sample packs to more" if not plan.longest_sample_rows else ""
+        bound = f"set data.pack={plan.longest_fit} (rows per micro-batch){unknown}"
+    elif plan.longest_fit:
+        # No pack that fits holds the longest sample: only dropping it (and what is as long) makes one.
+        bound = (
+            f"set data.max_rows={plan.longest_fit} (drops the samples over it: the longest packs to "
+            f"{plan.longest_sample_rows:,} rows, more than fits) with data.pack={plan.longest_fit}"
+        )
+    others = ["shard over more ranks (dp_shard)", "raise sp"]
+    if not all(p == "full" for p in plan.policies) or not plan.policies:
+        others.append("set model.activation_checkpointing=full")
+    if not plan.cpu_offload:
+        others.append("set parallel.cpu_offload=true")
+    return ", ".join([*([bound] if bound else []), *others]) + ", or shorten the clips"
+
+
+def refused_sample(plan: MemoryPlan) -> str:
+    """The note that a packed plan's longest sample is longer than a pack (`data.pack_oversize=refuse`: the
+    plan is of the budget, and the run refuses that sample before training); empty otherwise."""
+    if not plan.packed or plan.longest_sample_rows <= plan.rows:
+        return ""
     return (
-        f"{bound}shard over more ranks (dp_shard), raise sp, set model.activation_checkpointing=full or "
-        "parallel.cpu_offload, or shorten the clips"
+        f"; but the longest sample packs to {plan.longest_sample_rows:,} rows, more than data.pack={plan.rows}: "
+        f"the run refuses it (raise data.pack to {plan.longest_sample_rows}, bound the samples with data.max_rows, "
+        "or set data.pack_oversize=alone)"
     )
 
 
 def verdict(plan: MemoryPlan) -> str:
     """`fits: yes, ...` or `fits: NO, ...` with the fixes, over the run's peak (`MemoryPlan.peak_bytes`)."""
     if plan.fits:
-        return f"fits: yes, {plan.headroom_bytes / GIB:.1f} GiB headroom"
-    return f"fits: NO, {-plan.headroom_bytes / GIB:.1f} GiB over: {fixes(plan)}"
+        return f"fits: yes, {plan.headroom_bytes / GIB:.1f} GiB headroom{refused_sample(plan)}"
+    return f"fits: NO, {-plan.headroom_bytes / GIB:.1f} GiB over: {fixes(plan)}{refused_sample(plan)}"
+
+
+def origin_words(origin: str) -> str:
+    """`rows_origin` as printed: a pack budget's note ("...; longest sample: <where>") names the longest
+    sample once when `<where>` says it already ("longest sample in the dataset index", "longest released
+    clip")."""
+    head, said, where = origin.partition("longest sample: ")
+    return head + where if said and where.startswith("longest ") else origin
 
 
 def summary(plan: MemoryPlan) -> str:
@@ -130,7 +165,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"parameters    {p.total:,} total ({_count(p.total)}); {plan.params_per_rank:,} per rank",
         f"              {p.num_layers} blocks x {p.block:,} (AdaLN {p.block_adaln:,}), "
         f"{p.num_refiner_layers} refiner x {p.refiner_block:,}, other {p.other:,}",
-        f"sequence      {plan.rows:,} rows{f' ({plan.rows_origin})' if plan.rows_origin else ''}, "
+        f"sequence      {plan.rows:,} rows{f' ({origin_words(plan.rows_origin)})' if plan.rows_origin else ''}, "
         f"{plan.local_rows:,} per rank",
         f"batch         {plan.global_batch:,} {'packs' if plan.packed else 'samples'} per optimizer step "
         f"(dp {plan.dp_replicate * plan.dp_shard} x grad_accum {plan.grad_accum}), "
