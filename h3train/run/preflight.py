@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config, dataset_specs, load_config
+from ..config import Config, dataset_specs, load_config, measures_held_out_loss
 from ..data.dataset import index_entries
 from ..data.format import INDEX_NAME, index_problems
 from ..data.mixture import dataset_key
@@ -36,18 +36,18 @@ def load_checked(path: str | os.PathLike | None, overrides: Sequence[str] = (), 
 
 
 def preflight(cfg: Config, planning: bool = False, world_size: int | None = None) -> list[str]:
-    """`check`, the mesh against a launch of `world_size` ranks, then `check_inputs`: the notes of what
-    was planned for rather than found.
+    """`check`, the mesh against a launch of `world_size` ranks, then `check_inputs` between the checks of
+    the datasets' indexes against their files (`check_indexes`: the cheap ones before, the headers after):
+    the notes of what was planned for rather than found.
 
     Every start runs it once on a config from `load_config` (`build_trainer`, `h3train check`), before
     any process group. The order is the order in which a config with several faults reports them.
+    `planning` reads no sample header: it checks the indexes found here cheaply.
     """
     check(cfg, planning)
     if world_size is not None:
         check_global_batch(cfg, ParallelDims.from_config(cfg.parallel, world_size))
-    if planning:
-        return check_inputs(cfg, planning)
-    headers = reads_every_header()
+    headers = not planning and reads_every_header()
     check_indexes(cfg, headers=headers, files=True)
     notes = check_inputs(cfg, planning)
     if headers:
@@ -63,19 +63,16 @@ def reads_every_header() -> bool:
 
 
 def check_indexes(cfg: Config, headers: bool, files: bool = True) -> None:
-    """Each cached dataset's `index.jsonl` agrees with its sample files (`data.format.index_problems`), or
-    one `DatasetError` naming the dataset, each problem on a line of its own and `h3train index DIR`.
+    """Each cached dataset's `index.jsonl` (`data.path`'s, `validation.dataset`'s) agrees with its sample
+    files (`data.format.index_problems`), or one `DatasetError` naming the dataset, each problem on a line of
+    its own and `h3train index DIR`.
 
     `files`: the cheap checks (a sample id or file listed twice, a listed file missing), which come before
     the model's checks; `headers`: each listed file's header against its line (sample id, task, seq_len,
     geometry, has_audio). The cheap checks that find something add the header checks (when `headers`), so
     that one report names everything. A dataset without an index is left to `check_inputs`, which names it.
     """
-    if not data_source(cfg).reads_folders:
-        return
-    specs = dataset_specs(cfg.data)
-    for i, spec in enumerate(specs):
-        folder = Path(spec.path)
+    for key, folder in _indexed_datasets(cfg):
         if not (folder / INDEX_NAME).is_file():
             continue
         fix = f"'h3train index {folder}'"
@@ -93,8 +90,8 @@ def check_indexes(cfg: Config, headers: bool, files: bool = True) -> None:
             raise DatasetError(
                 "\n".join(
                     [
-                        f"dataset '{folder}' ({dataset_key(specs, i)}): {_lines(len(problems))} of its "
-                        f"{INDEX_NAME} disagree with its sample files, each below; rebuild the index with {fix}",
+                        f"dataset '{folder}' ({key}): {_lines(len(problems))} with its sample files, "
+                        f"each below; rebuild the index with {fix}",
                         *shown,
                     ]
                 )
@@ -102,7 +99,19 @@ def check_indexes(cfg: Config, headers: bool, files: bool = True) -> None:
 
 
 def _lines(count: int) -> str:
-    return "1 line" if count == 1 else f"{count} lines"
+    return f"1 line of its {INDEX_NAME} disagrees" if count == 1 else f"{count} lines of its {INDEX_NAME} disagree"
+
+
+def _indexed_datasets(cfg: Config) -> list[tuple[str, Path]]:
+    """(config key, folder) of each cached dataset a run of `cfg` reads: `data.path`'s, and the held-out
+    `validation.dataset` when the run measures its loss."""
+    found = []
+    if data_source(cfg).reads_folders:
+        specs = dataset_specs(cfg.data)
+        found += [(dataset_key(specs, i), Path(spec.path)) for i, spec in enumerate(specs)]
+    if measures_held_out_loss(cfg.validation) and cfg.validation.dataset:
+        found.append(("validation.dataset", Path(cfg.validation.dataset)))
+    return found
 
 
 # The problems of one index a report lists; a dataset re-encoded under its index can have thousands.

@@ -142,3 +142,19 @@ def test_a_rank_of_a_launch_starts_without_reading_every_header(
     assert main(["check", *_cached(folder), "--strict", "--world-size", "1"]) == 2
     err = capsys.readouterr().err
     assert "2 lines" in err and "line 3: sample 'gone'" in err and "line 2:" not in err, err
+
+
+def test_the_held_out_dataset_index_is_checked_too(tmp_path: Path) -> None:
+    folder = tmp_path / "heldout"
+    _damaged(folder)
+    cfg = load_config(TINY_FL2VA, ["validation.every=2", f"validation.dataset={folder}"])
+    with pytest.raises(DatasetError, match=r"\(validation\.dataset\): 3 lines of its index.jsonl disagree"):
+        check_indexes(cfg, headers=True)
+
+
+def test_check_without_strict_finds_what_needs_no_header(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    folder = tmp_path / "data"
+    _damaged(folder)
+    assert main(["check", *_cached(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "2 lines" in err and "line 7: sample 'synth-000000'" in err and "line 2:" not in err, err
