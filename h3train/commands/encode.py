@@ -122,6 +122,17 @@ def run(args: argparse.Namespace) -> int:
     preset = encode_preset(args.components) or {}
     settings = EncodeSettings(**{**preset, **{k: v for k, v in flags.items() if v is not None}})
     windowing = Windowing(args.windows, args.window_seconds, args.stride, args.max_windows)
+    # A canvas flag against the preset's other bound: say where that bound comes from and how to change it.
+    area = settings.short_edge * settings.short_edge
+    if preset and args.max_pixels is None and "max_pixels" in preset and settings.max_pixels < area:
+        from ..data.components import ENCODE_PRESET_FILE
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            f"--short-edge {settings.short_edge} needs a canvas of at least {area} pixels, but max pixels "
+            f"{settings.max_pixels} comes from the preset of {args.components} ({ENCODE_PRESET_FILE}); "
+            f"pass --max-pixels {area} or more too"
+        )
     # Checked here too, before the settings line: a bad flag is the only line printed.
     settings.validate()
     windowing.validate(settings)

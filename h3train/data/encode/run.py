@@ -20,10 +20,11 @@ from ...errors import ConfigError
 from ...infra.atomic import atomic_write_text, is_temporary, set_aside
 from ...infra.diskspace import no_space
 from ...infra.runlock import RunLock
+from ...tasks.table import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
 from ..components import check_components_folder, components_fingerprint, load_components
 from ..format import INDEX_NAME, SAMPLE_SUFFIX, verify_sample, write_index, write_sample
-from ..manifest import ManifestEntry, read_clip_folder, read_manifest
-from ..media import FPS, ClipTooShort, MediaError, aligned_frame_count, shortest_kept
+from ..manifest import CAPTION_SUFFIX, VIDEO_SUFFIXES, ManifestEntry, read_clip_folder, read_manifest
+from ..media import FPS, ClipTooShort, MediaError, aligned_down, aligned_frame_count, shortest_kept
 from .clip import ENCODER_VERSION, EncodeSettings, EncodingPipeline, build_pipeline, encode_entry
 from .windows import Window, Windowing, footage_used, plan_clips
 
@@ -33,6 +34,32 @@ INPUTS_SUFFIX = ".inputs.json"
 TABLE_NAME = "clips.tsv"
 # The held-out split (`--heldout`): a dataset of its own inside the output folder.
 HELDOUT_NAME = "heldout"
+# Still images are no training samples: a clip folder's are skipped by name, a manifest's `video` fails
+# as one (see docs/encoding.md). Images serve as keyframes and references.
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+# The fewest frames the pipeline renders, one VAE chunk (`render/requests.py`, MIN_CHUNKS): a shorter
+# sample trains on a length inference never produces.
+SHORTEST_RENDERED = VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
+# How far a clip may be scaled up onto the canvas before the summary warns that it trains on blur.
+UPSCALE_WARNED = 2.0
+# Names a summary line lists before it counts the rest.
+NAMED = 5
+
+
+class NotAClip(MediaError):
+    """A manifest's `video` that is a still image: the encoder trains on clips only."""
+
+    kind = "image, not a clip"
+
+
+def _named(names: list[str], limit: int = NAMED) -> str:
+    """`'a', 'b' and 3 more`: the first `limit` of `names`, quoted, and a count of the rest."""
+    shown = ", ".join(f"'{name}'" for name in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -60,6 +87,8 @@ class ClipRow:
     clip: str = ""
     start: float | None = None
     duration: float | None = None
+    # How far the clip was scaled up onto the canvas (the larger of the two sides' ratios; None: not read).
+    upscale: float | None = None
 
     COLUMNS = ("id", "clip", "source", "canvas", "frames", "seconds", "covers", "audio", "outcome")
 
@@ -115,6 +144,11 @@ class EncodeSummary:
     `footage` / `used`: seconds of all the clips whose length is known, and of them held by a sample
     (overlapping windows counted once); `underused`: `(clip id, fraction used)` of each clip with a sample
     of which most goes unused; `more`: the flag that would use more of them (`Windowing.more_footage`).
+
+    `skipped_files`: why -> the files of a clip folder that became no sample (relative paths);
+    `failed_ids`: failure kind -> the sample ids that failed so; `short`: `(sample id, frames, clip seconds)`
+    of the samples shorter than `SHORTEST_RENDERED`; `upscaled`: `(clip id, source, canvas, ratio)` of the
+    clips scaled up more than `UPSCALE_WARNED`; `settings`: what the warnings name as the way out.
     """
 
     encoded: int
@@ -127,6 +161,11 @@ class EncodeSummary:
     used: float = 0.0
     underused: list[tuple[str, float]] = field(default_factory=list)
     more: str | None = None
+    skipped_files: dict[str, list[str]] = field(default_factory=dict)
+    failed_ids: dict[str, list[str]] = field(default_factory=dict)
+    short: list[tuple[str, int, float | None]] = field(default_factory=list)
+    upscaled: list[tuple[str, str, str, float]] = field(default_factory=list)
+    settings: EncodeSettings = field(default_factory=EncodeSettings)
 
     @property
     def ok(self) -> bool:
@@ -143,18 +182,50 @@ class EncodeSummary:
         line += f"; one line per sample in {self.out / TABLE_NAME}"
         if self.footage > 0:
             line += f"\nuses {self.used:.1f} s of {self.footage:.1f} s of footage ({self.used / self.footage:.0%})"
+        for kind, ids in sorted(self.failed_ids.items()):
+            line += f"\nfailed ({kind}): {_named(sorted(ids))}; reasons in {self.out / ERRORS_NAME}"
+        for why, files in sorted(self.skipped_files.items()):
+            line += f"\nskipped {_plural(len(files), 'file')}, {why}: {_named(files)}"
         return line
 
     def warnings(self) -> list[str]:
-        """One line naming the clips of which most goes unused, and what would use more; none if no clip."""
-        if not self.underused:
-            return []
-        named = ", ".join(f"{clip} ({used:.0%} used)" for clip, used in self.underused[:5])
-        more = len(self.underused) - 5
-        named += f" and {more} more (see {TABLE_NAME})" if more > 0 else ""
-        count = len(self.underused)
-        way = f"; {self.more} would use more" if self.more else ""
-        return [f"most of the footage of {count} clip{'s' if count > 1 else ''} goes unused: {named}{way}"]
+        """One line per thing to look at, each naming its clips and the setting that changes it: the clips of
+        which most goes unused, samples shorter than the pipeline renders, clips scaled up past 2x."""
+        found = []
+        if self.underused:
+            named = ", ".join(f"{clip} ({used:.0%} used)" for clip, used in self.underused[:NAMED])
+            more = len(self.underused) - NAMED
+            named += f" and {more} more (see {TABLE_NAME})" if more > 0 else ""
+            count = len(self.underused)
+            way = f"; {self.more} would use more" if self.more else ""
+            found.append(f"most of the footage of {count} clip{'s' if count > 1 else ''} goes unused: {named}{way}")
+        if self.short:
+            named = ", ".join(
+                f"'{sample}' ({frames} frames" + (f" of a {seconds:.2f} s clip)" if seconds else ")")
+                for sample, frames, seconds in self.short[:NAMED]
+            )
+            more = len(self.short) - NAMED
+            named += f" and {more} more (see {TABLE_NAME})" if more > 0 else ""
+            # --min-seconds at this value keeps a clip of SHORTEST_RENDERED frames (rounded down) and drops shorter.
+            floor = f"{SHORTEST_RENDERED / FPS:.2f}"
+            found.append(
+                f"{_plural(len(self.short), 'sample')} shorter than the {SHORTEST_RENDERED} frames "
+                f"({floor} s) the pipeline renders at least: {named}; --min-seconds {floor} "
+                f"(now {self.settings.min_seconds:g}) leaves such clips out, or give longer clips"
+            )
+        if self.upscaled:
+            named = ", ".join(
+                f"'{clip}' ({source} -> {canvas}, {ratio:.1f}x)"
+                for clip, source, canvas, ratio in self.upscaled[:NAMED]
+            )
+            more = len(self.upscaled) - NAMED
+            named += f" and {more} more (see {TABLE_NAME})" if more > 0 else ""
+            found.append(
+                f"{_plural(len(self.upscaled), 'clip')} scaled up more than {UPSCALE_WARNED:g}x onto the canvas: "
+                f"{named}; a lower --short-edge (now {self.settings.short_edge}) keeps them sharper, or give "
+                "larger clips"
+            )
+        return found
 
 
 def input_digest(
@@ -236,7 +307,8 @@ def encode_manifest(
     settings.validate()
     windowing = windowing or Windowing()
     windowing.validate(settings)
-    entries = read_clip_folder(manifest) if Path(manifest).is_dir() else read_manifest(manifest)
+    from_folder = Path(manifest).is_dir()
+    entries = read_clip_folder(manifest) if from_folder else read_manifest(manifest)
     if caption_prefix.strip():
         entries = [replace(e, prompt=f"{caption_prefix.strip()} {e.prompt}".strip()) for e in entries]
     training, held = split_heldout(entries, heldout)
@@ -260,7 +332,12 @@ def encode_manifest(
             for folder, group in [(out, training)] + ([(out / HELDOUT_NAME, held)] if keep_split else [])
         ]
         durations = {clip: plan.duration for clip, plan in plans.items()}
-        return _encode(groups, durations, windowing, components, out, settings, device, text_dtype, progress, verbose)
+        summary = _encode(
+            groups, durations, windowing, components, out, settings, device, text_dtype, progress, verbose, from_folder
+        )
+        if from_folder:
+            summary.skipped_files = skipped_files(Path(manifest), out)
+        return summary
     finally:
         if lock is not None:
             lock.release()
@@ -280,6 +357,7 @@ def _encode(
     text_dtype: torch.dtype,
     progress: bool,
     verbose: bool,
+    from_folder: bool = False,
 ) -> EncodeSummary:
     # Alone: a single-process state. Under torchrun: one process group (gloo for a CPU encode, NCCL on
     # the GPUs), each rank a contiguous share of the samples.
@@ -310,7 +388,11 @@ def _encode(
         )
         for folder, entry, window in bar:
             digest = input_digest(entry, settings, components_id, text_dtype, window)
-            row = _encode_to_folder(pipe, entry, window, durations[entry.sample_id], settings, folder, digest, bar)
+            # Where the clip came from, for its failure line: a clip folder has no manifest lines.
+            origin = f"file '{entry.video.relative}'" if from_folder else f"manifest line {entry.line}"
+            row = _encode_to_folder(
+                pipe, entry, window, durations[entry.sample_id], settings, folder, digest, bar, origin
+            )
             rows.append((str(folder), row))
             if verbose:
                 bar.write(f"h3train encode: {row.describe()}", file=sys.stderr)
@@ -328,6 +410,22 @@ def _encode(
     kept = [row for _, row in every if row.outcome in ("encoded", "up to date")]
     spans = [(row.clip, round(row.start * FPS), row.frames) for row in kept if row.start is not None and row.frames]
     footage, used, underused = footage_used(spans, durations)
+    # No flag gets a second sample out of a clip shorter than two windows: its unused footage is the
+    # 17 n + 5 rule's, not the windowing's, and `more` would send the user nowhere.
+    whole = 2 * aligned_down(windowing.window_frames(settings))
+    underused = [(clip, share) for clip, share in underused if (durations[clip] or 0) * FPS >= whole]
+    failed_ids: dict[str, list[str]] = {}
+    for _, row in every:
+        if row.outcome.startswith("failed: "):
+            failed_ids.setdefault(row.outcome.removeprefix("failed: "), []).append(row.sample_id)
+    short = sorted(
+        (row.sample_id, row.frames, row.duration) for row in kept if row.frames and row.frames < SHORTEST_RENDERED
+    )
+    upscaled = {
+        row.clip: (row.clip, row.source.split(" ")[0], row.canvas, row.upscale)
+        for row in sorted(kept, key=lambda r: r.sample_id)
+        if row.upscale is not None and row.upscale > UPSCALE_WARNED
+    }
     return EncodeSummary(
         encoded=outcomes.count("encoded"),
         skipped=outcomes.count("up to date"),
@@ -339,7 +437,41 @@ def _encode(
         used=used,
         underused=underused,
         more=windowing.more_footage() if underused else None,
+        failed_ids=failed_ids,
+        short=short,
+        upscaled=list(upscaled.values()),
+        settings=settings,
     )
+
+
+def skipped_files(folder: Path, out: Path) -> dict[str, list[str]]:
+    """The files of the clip folder `folder` that became no sample, by why (paths relative to `folder`, sorted).
+
+    Hidden files are left out, as `read_clip_folder` leaves them, and so is the output folder when it lies
+    inside; a clip's caption and an image's caption are its own, not skipped files of their own.
+    """
+    out = out.resolve()
+    files = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and not p.name.startswith(".") and not p.resolve().is_relative_to(out)
+    )
+    suffix_of = {p.with_suffix(""): p.suffix.lower() for p in files if p.suffix.lower() != CAPTION_SUFFIX}
+    found: dict[str, list[str]] = {}
+    for path in files:
+        suffix = path.suffix.lower()
+        if suffix in VIDEO_SUFFIXES:
+            continue
+        if suffix == CAPTION_SUFFIX:
+            if path.with_suffix("") in suffix_of:
+                continue
+            why = "captions without a clip of the same name"
+        elif suffix in IMAGE_SUFFIXES:
+            why = "image files are not clips (a sample is a video; stills serve as keyframes or references)"
+        else:
+            why = f"not a clip (clips are {', '.join(VIDEO_SUFFIXES)})"
+        found.setdefault(why, []).append(path.relative_to(folder).as_posix())
+    return found
 
 
 def _encode_to_folder(
@@ -351,8 +483,12 @@ def _encode_to_folder(
     out: Path,
     digest: str,
     bar: tqdm,
+    origin: str,
 ) -> ClipRow:
-    """Encode and write one window of an entry unless it is up to date; its table row says which it was."""
+    """Encode and write one window of an entry unless it is up to date; its table row says which it was.
+
+    `origin` names where the entry came from in its failure line (`manifest line 3`, `file 'a.mp4'`).
+    """
     sample_path = out / f"{window.sample_id}{SAMPLE_SUFFIX}"
     inputs_path = out / f"{window.sample_id}{INPUTS_SUFFIX}"
     where = {"clip": entry.sample_id, "start": window.start / FPS, "duration": duration}
@@ -360,6 +496,11 @@ def _encode_to_folder(
     if recorded is not None:
         return replace(recorded, outcome="up to date", **where)
     try:
+        if entry.video.path.suffix.lower() in IMAGE_SUFFIXES:
+            raise NotAClip(
+                f"image files are not clips: '{entry.video.relative}' is a still; give a video clip as 'video', "
+                "and stills as keyframes or references"
+            )
         sample, clip = encode_entry(pipe, entry, settings, window.start, window.frames, window.sample_id)
         write_sample(sample_path, sample)
     except Exception as exc:  # noqa: BLE001 - one bad clip must not stop the run; the reason is recorded
@@ -372,7 +513,7 @@ def _encode_to_folder(
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0] + _way_out(exc, settings)
         kind = exc.kind if isinstance(exc, MediaError) else type(exc).__name__
         _append_error(out, entry, window.sample_id, reason, kind)
-        bar.write(f"h3train encode: {window.sample_id} (manifest line {entry.line}): {reason}", file=sys.stderr)
+        bar.write(f"h3train encode: {window.sample_id} ({origin}): {reason}", file=sys.stderr)
         return ClipRow(window.sample_id, outcome=f"failed: {kind}", clip=entry.sample_id, duration=duration)
     file = clip.file
     assert file is not None, "load_clip describes the file of every clip"
@@ -385,6 +526,7 @@ def _encode_to_folder(
         seconds=sample.num_frames / FPS,
         audio="yes" if sample.has_audio else "none",
         outcome="encoded",
+        upscale=max(width / file.width, height / file.height),
         **where,
     )
     # Written after the sample: a run killed in between re-encodes the clip rather than trusting it.
