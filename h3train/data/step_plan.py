@@ -121,17 +121,18 @@ class StepPlanner:
         at position `p`, `sample_at(p)` its index in the source, `epoch_length` the order's positions per
         epoch (0: not known; then neither bound below applies).
 
-        A packed step never holds a sample twice and never reaches into the next epoch: its window
-        ends before a sample it already holds and at the epoch's end. An epoch's tail too short to
-        give every micro-batch a sample is passed over (`StepPlan.skipped`): the next epoch's order
-        is another permutation, so those samples train in other epochs.
+        No step reaches into the next epoch, where the order is another permutation and could hand it
+        a sample it already holds: an epoch's tail too short to give every micro-batch a sample is
+        passed over (`StepPlan.skipped`), so those samples train in other epochs. A packed step also
+        never holds a sample twice: its window ends before a sample it already holds and at the
+        epoch's end.
         """
-        if not self.budget:
-            return self._unpacked(start, rows_at)
         skipped = 0
         if epoch_length >= self.micro_batches and epoch_length - start % epoch_length < self.micro_batches:
             skipped = epoch_length - start % epoch_length
             start += skipped
+        if not self.budget:
+            return self._unpacked(start, rows_at, skipped)
         rows = [rows_at(start + i) for i in range(self._window(start, rows_at, sample_at, epoch_length))]
         bins = self._pack(rows)
         if bins is None:
@@ -150,11 +151,11 @@ class StepPlanner:
         assert bins is not None
         return StepPlan(start, len(rows), self._to_ranks(bins, rows), skipped)
 
-    def _unpacked(self, start: int, rows_at: Callable[[int], int]) -> StepPlan:
+    def _unpacked(self, start: int, rows_at: Callable[[int], int], skipped: int) -> StepPlan:
         """One sample per micro-batch: the window's samples are the micro-batches, dealt as packs are."""
         count = self.micro_batches
         rows = [rows_at(start + i) for i in range(count)] if self.balance else [0] * count
-        return StepPlan(start, count, self._to_ranks([[slot] for slot in range(count)], rows))
+        return StepPlan(start, count, self._to_ranks([[slot] for slot in range(count)], rows), skipped)
 
     def _window(
         self, start: int, rows_at: Callable[[int], int], sample_at: Callable[[int], int] | None, epoch_length: int
@@ -359,6 +360,8 @@ def outlook(
     while len(stats) < steps and start < epoch_length:
         plan = planner.plan(start, rows_at, sample_at, epoch_length)
         if plan.start >= epoch_length:
+            # The epoch's tail was passed over: its steps are all counted.
+            start = plan.start
             break
         stats.append(step_stats(planner, plan, rows_at))
         start = plan.end

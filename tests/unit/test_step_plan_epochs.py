@@ -1,4 +1,4 @@
-"""A packed step's samples: each at most once, within one epoch, `train.global_batch` of them; what check says."""
+"""A step's samples: each at most once, within one epoch, `train.global_batch` of a packed one; what check says."""
 
 from __future__ import annotations
 
@@ -58,6 +58,24 @@ def test_packed_steps_never_straddle_an_epoch_nor_repeat_a_sample(balance: bool)
         epochs.add(first)
         start = plan.end
     assert len(epochs) > 3
+
+
+@pytest.mark.parametrize("balance", [False, True])
+def test_unpacked_steps_never_straddle_an_epoch_nor_repeat_a_sample(balance: bool) -> None:
+    # 10 samples, 4 micro-batches a step: the third step of each epoch would take its last 2 samples and
+    # 2 of the next epoch's order, which may be the same samples. That tail is passed over instead.
+    sampler, rows_at, sample_at = _order(10)
+    planner = StepPlanner(2, 2, balance=balance)
+    steps = _trained(planner, sampler, rows_at, sample_at, 12)
+    assert all(len(samples) == 4 == len(set(samples)) for samples in steps)
+    start = 0
+    for _ in range(12):
+        plan = planner.plan(start, rows_at, sample_at, sampler.epoch_length)
+        assert plan.start // 10 == (plan.end - 1) // 10, "a step reached into the next epoch"
+        assert plan.skipped in (0, 2)
+        start = plan.end
+    # Two steps an epoch: positions 8 and 9 of every epoch are passed over.
+    assert outlook(planner, rows_at, sample_at, sampler.epoch_length).steps_per_epoch == 2
 
 
 def test_a_dataset_drawn_twice_an_epoch_still_trains_each_sample_once_a_step() -> None:
