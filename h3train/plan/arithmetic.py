@@ -839,6 +839,11 @@ def plan_memory(
     tables = adaln_tables and not one_rank and not cpu_offload
     local_adaln = counts.block_adaln if tables else 0
     unsharded_block = _unsharded_block_bytes(dims, counts, block_params, b, lora, base_quant, local_adaln)
+    # The block prefetched beside the running one is counted with its projection: the fake-tensor rehearsal,
+    # the plan's referee on a CPU, holds one gathered block where CUDA holds two, and shows the projection's
+    # saving once. Counting it once keeps the plan on the safe side by one projection's weights (0.48 GiB
+    # in bf16 at the released dims), which the rehearsal cannot confirm.
+    prefetched_block = _unsharded_block_bytes(dims, counts, block_params, b, lora, base_quant, 0)
     gathered_grads = block_grads - (local_adaln if lora is None else 0)
     plain = one_rank and b == _FP32 and not cpu_offload and lora is None
 
@@ -849,7 +854,7 @@ def plan_memory(
         if plain:
             return 0
         if not one_rank:
-            return 2 * unsharded_block
+            return unsharded_block + prefetched_block
         rest = (counts.total - layers * counts.block) * b
         if i is None:
             return layers * unsharded_block + rest
