@@ -25,8 +25,8 @@ R = dp_replicate:
   recompute); per block backward the table gradients' all-to-all, the embeddings' reduce-scatter
   when the time embedding trains; under HSDP, once a step, one all-reduce of the projection's accumulated
   local weight gradient and one of its bias's when it trains. Their weights leave the blocks' units.
-- The step: the gradient norm's all-reduce over the shard group (one norm per trainable parameter,
-  stacked, float32) and the step's one all-reduce of its sums (`STEP_VALUES` float64) over every rank.
+- The step: the gradient norm's all-reduce over the shard group (one sum of squares, float32) and the
+  step's one all-reduce of its sums (`STEP_VALUES` float64) over every rank.
 """
 
 from __future__ import annotations
@@ -294,11 +294,10 @@ def table_shape(layer: nn.Module, transformer: nn.Module, shard_size: int, shard
 
 
 def grad_norm_bytes(transformer: nn.Module) -> int:
-    """Bytes of the gradient norm's all-reduce: `get_total_norm` stacks one norm per gradient (each a
-    DTensor partial over the shard group) and the stack is reduced at once, in the gradients' promoted dtype."""
-    trainable = [p for p in transformer.parameters() if p.requires_grad]
-    dtype = torch.float32 if any(p.dtype == torch.float32 for p in trainable) else trainable[0].dtype
-    return len(trainable) * dtype.itemsize
+    """Bytes of the gradient norm's all-reduce (`parallel.shards.global_norm`): the sum of the squares of this
+    rank's shards, one value, float64 where a trainable parameter is float64, else float32."""
+    wide = any(p.dtype == torch.float64 for p in transformer.parameters() if p.requires_grad)
+    return 8 if wide else 4
 
 
 # -- the groups and their links -------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from ..model.fsdp import requires_all_reduce
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import cfg_enabled, compute_loss, step_sums
 from ..parallel.dims import ParallelContext
-from ..parallel.shards import local_tensor
+from ..parallel.shards import global_norm, local_tensor
 from .guard import Verdict
 from .hooks import EvaluationWeights, MicroBatchEvent
 from .metrics import (
@@ -411,10 +411,9 @@ class Trainer:
     def _grad_norm(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The gradients and their global L2 norm (over every shard), on the device (no sync)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return grads, norm
+        mesh = self.ctx.fsdp_mesh
+        sharded = any(isinstance(g, DTensor) for g in grads)
+        return grads, global_norm(grads, mesh.get_group(mesh.ndim - 1) if sharded else None).to(self.device)
 
     def _clip_coefficient(self, norm: torch.Tensor) -> torch.Tensor:
         """`clip_grad_norm_`'s factor for `train.max_grad_norm` (1 when it is off), on the device."""
