@@ -99,7 +99,8 @@ def config_sample_rows(cfg: Config) -> tuple[int, int, str]:
     if budget and (rows <= budget or cfg.data.pack_oversize == "refuse"):
         # A pack holds up to `budget` rows of samples, their prompts together in proportion.
         text = min(budget, -(-text_rows * budget // rows))
-        return budget, text, f"data.pack={budget} rows per micro-batch; longest sample: {where}"
+        longest = where if where.startswith("longest ") else f"longest sample: {where}"
+        return budget, text, f"data.pack={budget} rows per micro-batch; {longest}"
     return rows, text_rows, where
 
 
@@ -178,7 +179,12 @@ def estimate(
 
     if cfg.validation.retention and measures_held_out_loss(cfg.validation):
         plan = replace(plan, retention_line=base_predictions_line(cfg))
-    plan = replace(plan, evaluation=evaluation_plan(dims, plan, cfg), packed=cfg.data.pack > 0)
+    plan = replace(
+        plan,
+        evaluation=evaluation_plan(dims, plan, cfg),
+        packed=cfg.data.pack > 0,
+        longest_sample_rows=_longest_sample_rows(cfg)[0],
+    )
     if not plan.fits:
         mesh_kw = {"dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "sp": plan.sp}
         plan = replace(plan, longest_fit=longest_fit_rows(dims, **mesh_kw, **fit_kwargs(plan)))

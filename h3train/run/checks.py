@@ -249,11 +249,11 @@ def _check_one_dataset(cfg: Config, dims: dict[str, Any], key: str, folder: Path
     try:
         table = index_entries(folder)
     except DatasetError as exc:
-        raise DatasetError(f"{exc}; fix the line or rebuild the index with h3train.data.format.write_index") from None
+        raise DatasetError(f"{exc}; fix the line or rebuild the index with 'h3train index {folder}'") from None
     if not len(table):
         raise DatasetError(
             f"dataset '{folder}': '{index}' lists no samples; encode the data with 'h3train encode' "
-            "or rebuild the index with h3train.data.format.write_index"
+            f"or rebuild the index with 'h3train index {folder}'"
         )
     accepted = TRAINING_TASKS[cfg.task.name].sample_tasks
     trained = table.rows_of(accepted)
