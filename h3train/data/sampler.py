@@ -170,7 +170,9 @@ class DistributedSampler:
         if parts != self.parts:
             raise ValueError(
                 f"sampler state is for datasets of {_parts_text(parts)}, this run has {_parts_text(self.parts)}; "
-                "resume with the same data.path datasets, weights and repeats"
+                "resume with the same data.path datasets, weights and repeats, or, to train the new data from "
+                "this run's weights, export it ('h3train export RUN --out DIR') and start a new run from DIR "
+                "(model.pretrained=DIR; a LoRA: lora.init_from=DIR/pytorch_lora_weights.safetensors)"
             )
         self.position = int(state["position"])
 

@@ -257,6 +257,8 @@ def test_a_weighted_mixture_at_dp2_sp2_matches_the_unsharded_reference_and_resum
     assert main(["train", str(TINY_REF2VA), *resume, *_mixture_overrides(a, b, (1, 1))]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "same data.path datasets, weights and repeats" in lines[0], lines
+    # The way forward with other data: a new run from this one's exported weights.
+    assert "'h3train export RUN --out DIR'" in lines[0] and "model.pretrained=DIR" in lines[0], lines
     # The same list resumes (under another DP size) and trains on.
     assert main(["train", str(TINY_REF2VA), *resume, *_mixture_overrides(a, b)]) == 0
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("data: 2 datasets")]
