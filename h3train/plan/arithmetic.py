@@ -162,6 +162,9 @@ class MemoryPlan:
     # `parallel.adaln_tables`: over a shard group of more than one rank, not offloaded (`local_adaln`), the AdaLN
     # projections stay out of the unsharded blocks and their gradient (`plan_memory`).
     adaln_tables: bool = False
+    # One all-gathered transformer block, the unit running (the prefetched one beside it is counted with its
+    # AdaLN projection: `plan_memory`).
+    gathered_block_bytes: int = 0
 
     @property
     def world_size(self) -> int:
@@ -922,6 +925,7 @@ def plan_memory(
         fused_norm=fused_norm,
         auto=activation_checkpointing == "auto",
         adaln_tables=adaln_tables,
+        gathered_block_bytes=unsharded_block,
     )
 
 
