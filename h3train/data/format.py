@@ -692,16 +692,7 @@ def write_index(folder: str | os.PathLike) -> list[IndexEntry]:
                 f"'{seen[meta['sample_id']]}' and '{path}'"
             )
         seen[meta["sample_id"]] = path
-        entries.append(
-            IndexEntry(
-                sample_id=meta["sample_id"],
-                file=path.relative_to(folder).as_posix(),
-                task=meta["task"],
-                seq_len=header.seq_len(),
-                geometry=header.geometry,
-                has_audio=meta["has_audio"],
-            )
-        )
+        entries.append(entry_of(folder, path, header))
     _write_entries(folder, entries)
     return entries
 
