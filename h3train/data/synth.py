@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -164,11 +165,36 @@ def synthetic_sample(task: str, i: int, seed: int, text_dim: int) -> CachedSampl
     keyframes = tuple(video[:, frame_of[a] : frame_of[a] + 1] for a in anchors)
 
     prompt_len = rng.randint(*PROMPT_TOKENS)
+    return _sample(
+        i,
+        f"synthetic(seed={seed}, index={i})",
+        num_frames,
+        (video, audio, has_audio),
+        (anchors, keyframes, references, blocks),
+        prompt_len,
+        lambda rows: torch.randn(rows, text_dim, generator=g),
+    )
+
+
+def _sample(
+    i: int,
+    source: str,
+    num_frames: int,
+    media: tuple[torch.Tensor, torch.Tensor, bool],
+    conditioning: tuple[tuple[str, ...], tuple[torch.Tensor, ...], tuple[ReferenceLatents, ...], list[int]],
+    prompt_len: int,
+    embeds: Callable[[int], torch.Tensor],
+) -> CachedSample:
+    """Sample `i`: its `(video, audio, has_audio)` latents, `(anchors, keyframes, references, vision blocks)`,
+    and prompts of `prompt_len` text tokens whose embeddings `embeds(rows)` draws (prompt, negative, then
+    the visual negative, as the encoder writes them: without vision blocks the visual negative is the
+    text one)."""
+    video, audio, has_audio = media
+    anchors, keyframes, references, blocks = conditioning
     tags = _presentation_tags(blocks, prompt_len)
     negative_tags = _presentation_tags([], NEGATIVE_TOKENS)
-    prompt = torch.randn(len(tags), text_dim, generator=g)
-    negative = torch.randn(len(negative_tags), text_dim, generator=g)
-    # As the encoder writes them: without vision blocks (t2va) the visual negative is the text one.
+    prompt = embeds(len(tags))
+    negative = embeds(len(negative_tags))
     visual_tags = _presentation_tags(blocks, NEGATIVE_TOKENS) if blocks else negative_tags
     return CachedSample(
         sample_id=f"synth-{i:06d}",
@@ -184,9 +210,9 @@ def synthetic_sample(task: str, i: int, seed: int, text_dim: int) -> CachedSampl
         keyframe_anchors=anchors,
         keyframes=keyframes,
         references=references,
-        negative_visual_prompt_embeds=torch.randn(len(visual_tags), text_dim, generator=g) if blocks else negative,
+        negative_visual_prompt_embeds=embeds(len(visual_tags)) if blocks else negative,
         negative_visual_text_token_tags=visual_tags,
-        source=f"synthetic(seed={seed}, index={i})",
+        source=source,
     )
 
 
@@ -221,31 +247,14 @@ def released_sample(task: str, i: int, seed: int, text_dim: int) -> CachedSample
     keyframes = (video[:, :1], video[:, -1:])[: len(anchors)]
     # The prompt fills the prefix the presentation's labels and vision blocks leave.
     prompt_len = RELEASED_TEXT_TOKENS - len(_presentation_tags(blocks, 0))
-    tags = _presentation_tags(blocks, prompt_len)
-    negative_tags = _presentation_tags([], NEGATIVE_TOKENS)
-    visual_tags = _presentation_tags(blocks, NEGATIVE_TOKENS) if blocks else negative_tags
-
-    def embeds(rows: int) -> torch.Tensor:
-        return torch.randn(rows, text_dim, generator=g).to(torch.bfloat16)
-
-    negative = embeds(len(negative_tags))
-    return CachedSample(
-        sample_id=f"synth-{i:06d}",
-        task=sample_task_of("references" if references else "keyframes" if anchors else None),
-        num_frames=num_frames,
-        video_latents=video,
-        audio_latents=audio,
-        prompt_embeds=embeds(len(tags)),
-        text_token_tags=tags,
-        negative_prompt_embeds=negative,
-        negative_text_token_tags=negative_tags,
-        has_audio=True,
-        keyframe_anchors=anchors,
-        keyframes=keyframes,
-        references=references,
-        negative_visual_prompt_embeds=embeds(len(visual_tags)) if blocks else negative,
-        negative_visual_text_token_tags=visual_tags,
-        source=f"synthetic released clip(seed={seed}, index={i})",
+    return _sample(
+        i,
+        f"synthetic released clip(seed={seed}, index={i})",
+        num_frames,
+        (video, audio, True),
+        (anchors, keyframes, references, blocks),
+        prompt_len,
+        lambda rows: torch.randn(rows, text_dim, generator=g).to(torch.bfloat16),
     )
 
 
