@@ -91,17 +91,21 @@ class PackedInputs:
     (`pack_forward_rows`), the second under the negative prefix when the run has CFG on. `samples`:
     each sample's `TrainingInputs` without forward rows (targets, masks, weights, sigma, guidance,
     id). `rows`: how the rows split. There is no pack-wide sigma, weight or guidance: each is a sample's.
+    `step_samples`: the most samples a micro-batch of the step holds on any rank (the step planner's
+    `StepPlan.largest_micro_batch`; the pack's own count where no plan is shared).
     """
 
     model_inputs: dict[str, torch.Tensor]
     uncond_inputs: dict[str, torch.Tensor] | None
     samples: tuple[TrainingInputs, ...]
     rows: PackRows
+    step_samples: int
 
     def forward_kwargs(self, uncond: bool = False) -> dict[str, object]:
-        """The forward's arguments of one branch: its rows and the samples' segments."""
+        """The forward's arguments of one branch: its rows, the samples' segments and the step's largest
+        count of samples in a micro-batch (`SequenceParallelH3.forward`'s `pack_samples`)."""
         inputs = self.uncond_inputs if uncond else self.model_inputs
-        return {**inputs, **self.rows.segments(uncond)}
+        return {**inputs, **self.rows.segments(uncond), "pack_samples": self.step_samples}
 
     def split_predictions(
         self, video: torch.Tensor, audio: torch.Tensor
@@ -149,8 +153,9 @@ def pack_forward_rows(branches: list[dict[str, torch.Tensor]]) -> dict[str, torc
     return {key: out[key] for key in branches[0]}
 
 
-def pack_inputs(items: list[TrainingInputs]) -> PackedInputs:
-    """Several samples' inputs (each as `make_training_inputs` built it alone) as one packed micro-batch.
+def pack_inputs(items: list[TrainingInputs], step_samples: int | None = None) -> PackedInputs:
+    """Several samples' inputs (each as `make_training_inputs` built it alone) as one packed micro-batch;
+    `step_samples` the step's largest micro-batch (`PackedInputs`; None: this one).
 
     Under CFG every sample has its negative branch (the run's), and the negative rows pack the same way.
     """
@@ -176,4 +181,5 @@ def pack_inputs(items: list[TrainingInputs]) -> PackedInputs:
         uncond_inputs=pack_forward_rows([i.uncond_inputs for i in items]) if with_uncond else None,
         samples=tuple(replace(item, model_inputs={}, uncond_inputs=None) for item in items),
         rows=rows,
+        step_samples=len(items) if step_samples is None else step_samples,
     )

@@ -103,7 +103,7 @@ def device_rates(args: argparse.Namespace) -> Rates:
     peak is the bench's (`tools/bench/flops.py`), which the MFU is of."""
     from ..plan import DEVICE_KINDS
     from ..plan import device_rates as rates_of
-    from ..tools.bench.flops import peak_tflops_for
+    from ..plan.step_time import peak_tflops_for
 
     peak = peak_tflops_for(DEVICE_KINDS[args.device].name)
     assert peak is not None, f"no bf16 peak for {DEVICE_KINDS[args.device].name}"
@@ -149,12 +149,21 @@ def run(args: argparse.Namespace) -> int:
         refuse_over_plan,
         samples_lines,
     )
+    from ..plan.tables import choose_tables, tables_line, with_tables
 
     per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "8"))
     model_dims = planned_model_dims(cfg)[0]
     rates = device_rates(args)
     memory_gib = rates.device.memory_gib
-    plan = estimate(model_dims, dims, cfg, ranks_per_node=per_node, device_memory_gib=memory_gib)
+
+    def plan_of(c: Config, d: ParallelDims):
+        return estimate(model_dims, d, c, ranks_per_node=per_node, device_memory_gib=memory_gib)
+
+    choice = choose_tables(cfg, dims, model_dims, rates, ranks_per_node=per_node, plan_of=plan_of)
+    print(tables_line(choice))
+    # The run on CUDA takes the same choice (`run.preflight.resolve_tables`); what follows plans it.
+    cfg = with_tables(cfg, choice.served)
+    plan = choice.plans[choice.served]
     from ..data.source import left_out_lines
 
     for line in [*left_out_lines(cfg), dropped_line(cfg)]:
@@ -171,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             model_dims,
             rates,
             ranks_per_node=per_node,
-            plan_of=lambda c, d: estimate(model_dims, d, c, ranks_per_node=per_node, device_memory_gib=memory_gib),
+            plan_of=plan_of,
         )
         print(format_layouts(found, world, rates, per_node), flush=True)
     for line in samples_lines(cfg, dims.dp, model_dims) if not notes else []:

@@ -97,8 +97,9 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(
             f"config key 'debug.dump_step' must be in [1, train.steps={cfg.train.steps}], got {cfg.debug.dump_step}"
         )
-    if not isinstance(cfg.model.compile, bool) and cfg.model.compile != "auto":
-        raise ConfigError(compile_choice_error(cfg.model.compile))
+    for key, value in (("model.compile", cfg.model.compile), ("parallel.adaln_tables", cfg.parallel.adaln_tables)):
+        if not isinstance(value, bool) and value != "auto":
+            raise ConfigError(auto_choice_error(key, value))
     if cfg.data.pack and cfg.debug.dump_step is not None:
         # A dump replays one sequence.
         raise ConfigError(
@@ -165,10 +166,14 @@ class DatasetSpec:
     repeats: int = 1
 
 
-def compile_choice_error(value: Any) -> str:
-    """The one-line refusal of a `model.compile` value other than auto, true or false."""
+#: The keys that take `auto`, `true` or `false` (`str | bool` in the schema).
+AUTO_KEYS = ("model.compile", "parallel.adaln_tables")
+
+
+def auto_choice_error(key: str, value: Any) -> str:
+    """The one-line refusal of a value of `key` (one of `AUTO_KEYS`) other than auto, true or false."""
     hint = did_you_mean(str(value), ("auto", "true", "false")) if isinstance(value, str) else ""
-    return f"config key 'model.compile' is {value!r}; it takes auto, true or false{hint}"
+    return f"config key '{key}' is {value!r}; it takes auto, true or false{hint}"
 
 
 def torch_varlen_available() -> bool:

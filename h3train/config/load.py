@@ -16,7 +16,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..errors import NEAR, ConfigError, did_you_mean, did_you_mean_each
-from .checks import check_values, compile_choice_error
+from .checks import AUTO_KEYS, auto_choice_error, check_values
 from .schema import SAMPLE_FIELDS, SAMPLES_KEY, Config, get_key, leaf_types, sample_key
 
 
@@ -42,8 +42,8 @@ def _one_line(exc: OmegaConfBaseException) -> str:
         kind = converted["kind"].lower()
         article = "an" if kind[0] in "aeiou" else "a"
         return f"config key '{key}' is {converted['value']!r}; it takes {article} {kind}"
-    if key == "model.compile" and (bad := re.match(r"Value '(.*)' of type '\w+' is incompatible", msg)):
-        return compile_choice_error(bad[1])  # `bool | str` refuses a number before the value checks
+    if key in AUTO_KEYS and (bad := re.match(r"Value '(.*)' of type '\w+' is incompatible", msg)):
+        return auto_choice_error(key, bad[1])  # `bool | str` refuses a number before the value checks
     if key and (boolean := re.match(r"Value '(.*)' is not a valid bool", msg)):
         return f"config key '{key}' is {boolean[1]!r}; it takes true or false"
     if key and (
@@ -279,7 +279,7 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-# The words YAML reads as a boolean, for `model.compile` (auto, or a flag) given as text.
+# The words YAML reads as a boolean, for the `AUTO_KEYS` (auto, or a flag) given as text.
 _FLAG_WORDS = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
 
 
@@ -292,9 +292,11 @@ def _normalise(cfg: Config) -> None:
     """
     if isinstance(cfg.data.path, int) and not isinstance(cfg.data.path, bool):
         cfg.data.path = str(cfg.data.path)  # a folder named by a number, unquoted in YAML
-    if isinstance(cfg.model.compile, str) and cfg.model.compile.lower() in _FLAG_WORDS:
-        # `model.compile=on` (an override's text) or a quoted `"true"` in YAML: the flag, as YAML reads it.
-        cfg.model.compile = _FLAG_WORDS[cfg.model.compile.lower()]
+    for section, key in (cfg.model, "compile"), (cfg.parallel, "adaln_tables"):
+        value = getattr(section, key)
+        if isinstance(value, str) and value.lower() in _FLAG_WORDS:
+            # `model.compile=on` (an override's text) or a quoted `"true"` in YAML: the flag, as YAML reads it.
+            setattr(section, key, _FLAG_WORDS[value.lower()])
     if cfg.model.gradient_checkpointing and cfg.model.activation_checkpointing in ("none", "auto"):
         cfg.model.activation_checkpointing = "full"
     if cfg.model.activation_checkpointing == "full":

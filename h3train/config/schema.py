@@ -122,11 +122,13 @@ class ParallelConfig:
     # FSDP2 CPUOffloadPolicy: sharded parameters, gradients and the optimizer step live in host
     # memory; each unit is copied to the device for its forward and backward.
     cpu_offload: bool = False
-    # Every transformer block's AdaLN projection is computed where its weights live: each rank projects
-    # the timestep embeddings of its shard group with the weight rows it holds and the ranks exchange
-    # table slices, so those weights (40 % of a block) are never all-gathered and their gradient is
-    # never reduce-scattered. false: FSDP2 gathers them as any weight.
-    adaln_tables: bool = True
+    # Every transformer block's AdaLN projection computed where its weights live: each rank projects the
+    # timestep embeddings of its shard group with the weight rows it holds and the ranks exchange table
+    # slices (every block's in one exchange a forward), so those weights (40 % of a block) are never
+    # all-gathered and their gradient never reduce-scattered. auto (on where `check`'s step-time estimate
+    # says the step is faster with them, or where they are what makes the run fit; off elsewhere and on
+    # the CPU: `plan.tables.choose_tables`) | true | false (FSDP2 gathers them as any weight).
+    adaln_tables: str | bool = "auto"
 
 
 @dataclass

@@ -379,7 +379,7 @@ class MicroBatchStream:
             return samples[0], items[0]
         from ..packing import Pack, pack_inputs
 
-        packed = pack_inputs(items)
+        packed = pack_inputs(items, at.plan.largest_micro_batch)
         rows = packed.rows.longest
         if len(samples) > 1 and rows > self.planner.budget:
             # The plan read the index's lengths; a sample `data.on_error=skip` put in place of an

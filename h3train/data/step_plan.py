@@ -73,6 +73,12 @@ class StepPlan:
         return self.micro_batches[rank][micro]
 
     @property
+    def largest_micro_batch(self) -> int:
+        """The most samples one micro-batch of the step holds, on any rank: what every rank sizes the AdaLN
+        tables' exchange by (`model.adaln_tables.table_rows`) without asking the others."""
+        return max(len(slots) for rank in self.micro_batches for slots in rank)
+
+    @property
     def origin(self) -> int:
         """The position the step was planned from (the sampler's position before it)."""
         return self.start - self.skipped

@@ -9,15 +9,19 @@ and stay sharded where they live, as DTensors of the same mesh and placements FS
 parameters (`Shard(0)` over `dp_shard x sp`, replicated over `dp_replicate`), so DCP checkpoints,
 resume on other layouts, EMA, the optimizers, clipping and export see what they always saw.
 
-One forward of the projection, on each rank r of the shard group of S ranks (`project`):
+Every block reads the same embeddings, so one model forward computes every served block's table before
+the block loop (`block_tables`), on each rank r of the shard group of S ranks:
 
-1. the embeddings `[T, D]` of every rank of the group are all-gathered (`[S x T, D]`, a few KB);
-2. rank r projects them with the weight rows it holds (`[S x T, c]`, c = ceil(N / S), the rows of
-   `torch.chunk`, as FSDP2 and DTensor shard);
-3. an all-to-all gives each rank every rank's columns of its own table (`[T, N]`).
+1. the embeddings `[R, D]` of every rank of the group are all-gathered once (`[S x R, D]`, a few KB);
+2. rank r projects them with the weight rows it holds of each block (`[S x R, c]` a block, c =
+   ceil(N / S), the rows of `torch.chunk`, as FSDP2 and DTensor shard), side by side (`[S x R, L x c]`);
+3. one all-to-all gives each rank every rank's columns of its own tables (`L x [R, N]`).
 
-Its backward is the same exchanges reversed: an all-to-all of the table gradients, after which rank r
-holds the gradient of every rank's table on its own rows, so its weight gradient is local; the
+Each block then reads its table from its arguments (`BlockTable`), so a block recomputed in backward
+(`selective`, `full`) issues no exchange of its own: nothing of the tables runs between FSDP2's
+reduce-scatters and prefetch all-gathers of the block units. The backward is the same exchanges
+reversed, once, after the last block's backward: an all-to-all of the table gradients, after which rank
+r holds the gradient of every rank's tables on its own rows, so its weight gradients are local; the
 embeddings' gradients are reduce-scattered back. FSDP2 would reduce-scatter the weight gradient as the
 average over the group (and average it over `dp_replicate` under HSDP, once a step): the local gradient
 is the sum over the group's ranks, so it is divided by S (`_LocalLinear`), and under HSDP the gradient
@@ -25,9 +29,10 @@ accumulated over the step's micro-batches is all-reduced over `dp_replicate` aft
 divided by its size (`_reduce_across_replicas`, weight and bias each): that same average, whatever the
 backend's averaging.
 
-Every rank issues the same collectives whatever its samples: the embeddings are padded to the group's
-largest count of timesteps, agreed once per model forward (`agree_timesteps`, one all-reduce of one
-integer: the host reads it to size the exchanges); a padding row's table row is never read.
+Every rank issues the same collectives whatever its samples: the embeddings are padded to R rows
+(`table_rows`), a bound the host knows without asking the other ranks: a sample carries at most
+`TIMESTEPS_PER_SAMPLE` distinct timesteps, and a pack at most that many per sample of the step's
+largest micro-batch, which the step planner knows for every rank. A padding row's table row is never read.
 
 Not served here, and gathered by FSDP2 as before: a DoRA-adapted projection (its weight norm needs the
 whole weight), CPU offload, and a shard group of one rank. `norm_out`'s projection (2 x hidden rows) is
@@ -37,8 +42,9 @@ in the root unit, gathered once a step and kept to the backward: it stays there.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -54,6 +60,10 @@ from .quant import QuantizedLinear, dequantize
 # The functional collectives under the names this torch gives them (newer torch renamed them).
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+#: The most distinct timesteps one sample's rows carry (diffusers' `build_row_timesteps`): its target video
+#: (and text), its target audio, its visual conditioning and its reference audio rows.
+TIMESTEPS_PER_SAMPLE = 4
 
 
 class ReplicaReduction:
@@ -154,35 +164,86 @@ def _reduce_across_replicas(group: TableGroup) -> Callable[[torch.Tensor], None]
     return hook
 
 
-def project(x: torch.Tensor, rows: int, local: Callable[[torch.Tensor], torch.Tensor], group: TableGroup):
-    """This rank's table `[T, rows]` of embeddings `x` `[T, D]` (T equal on every rank of the group).
-
-    `local(e)` maps the gathered embeddings `[S x T, D]` to this rank's columns `[S x T, n]` (n <= c,
-    its weight rows); they are padded to c for the all-to-all and the padding dropped after.
-    """
-    x = x.to(group.dtype)
-    timesteps, c, size = x.shape[0], group.chunk_rows(rows), group.size
-    mine = local(_GatherEmbeddings.apply(x, group.shard))
-    if mine.shape[1] < c:
-        mine = F.pad(mine, (0, c - mine.shape[1]))
-    # Rows [q*T, (q+1)*T) are rank q's embeddings: chunk q of dim 0 goes to rank q, and chunk p received
-    # holds rank p's columns of this rank's table.
-    received = all_to_all(mine.contiguous(), group.shard)
-    return received.view(size, timesteps, c).permute(1, 0, 2).reshape(timesteps, size * c)[:, :rows]
+def _local_columns(layer: nn.Module, embeddings: torch.Tensor) -> torch.Tensor:
+    """This rank's columns `[S x R, n]` (n <= c, its weight rows) of the tables of `embeddings` `[S x R, D]`
+    under served `layer`: a trained `nn.Linear` through `_LocalLinear`; a frozen `QuantizedLinear` base
+    through its dequantized rows (no weight gradient)."""
+    group: TableGroup = layer.table_group
+    if isinstance(layer, QuantizedLinear):
+        weight = dequantize(layer.qweight.to_local(), layer.scale.to_local(), group.dtype)
+        return F.linear(embeddings, weight, layer.bias.to_local().to(group.dtype))
+    return _LocalLinear.apply(embeddings, layer.weight.to_local(), layer.bias.to_local(), group)
 
 
-def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    group: TableGroup = self.table_group
-    weight, bias = self.weight.to_local(), self.bias.to_local()
-    return project(x, self.out_features, lambda e: _LocalLinear.apply(e, weight, bias, group), group)
+def _exchange(layers: Sequence[nn.Module], x: torch.Tensor, group: TableGroup) -> list[torch.Tensor]:
+    """Each of `layers`' table `[R, N]` of embeddings `x` `[R, D]` (R equal on every rank of the group): one
+    all-gather of the embeddings, each layer's local columns padded to c and side by side, one all-to-all."""
+    timesteps, size = x.shape[0], group.size
+    rows = {layer.out_features for layer in layers}
+    if len(rows) != 1:
+        raise ValueError(f"the served projections differ in their rows: {sorted(rows)}")
+    (n,) = rows
+    c = group.chunk_rows(n)
+    gathered = _GatherEmbeddings.apply(x.to(group.dtype), group.shard)
+    pieces = []
+    for layer in layers:
+        mine = _local_columns(layer, gathered)
+        pieces.append(F.pad(mine, (0, c - mine.shape[1])) if mine.shape[1] < c else mine)
+    # Rows [q*R, (q+1)*R) are rank q's embeddings: chunk q of dim 0 goes to rank q, and chunk p received
+    # holds rank p's columns, block after block, of this rank's tables.
+    received = all_to_all(torch.cat(pieces, dim=1).contiguous(), group.shard)
+    tables = received.view(size, timesteps, len(layers), c).permute(2, 1, 0, 3).reshape(len(layers), timesteps, -1)
+    return list(tables[:, :, :n].unbind(0))
 
 
-def _quantized_forward(self: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    # A frozen base: no weight gradient, the embeddings' gradient through the dequantized rows.
-    group: TableGroup = self.table_group
-    codes, scale, bias = self.qweight.to_local(), self.scale.to_local(), self.bias.to_local()
-    weight = dequantize(codes, scale, group.dtype)
-    return project(x, self.out_features, lambda e: F.linear(e, weight, bias.to(group.dtype)), group)
+def table_rows(samples: int) -> int:
+    """R: the rows every rank of a shard group exchanges in one forward whose micro-batches hold at most
+    `samples` samples on any rank (one unpacked; a pack's, the step planner's largest)."""
+    return TIMESTEPS_PER_SAMPLE * samples
+
+
+class BlockTable(NamedTuple):
+    """What a served block's `adaln_proj` takes in place of the timestep embeddings: its table `[T, N]`,
+    computed before the block loop (`block_tables`), and the projection's input `[T, D]` (`silu(temb)` in
+    the compute dtype), which an adapter on the projection adds its own term from."""
+
+    table: torch.Tensor
+    inputs: torch.Tensor
+
+
+def served_layer(modulation: nn.Module) -> nn.Module | None:
+    """The layer of `modulation` (a block's `adaln_proj`) whose table `serve_tables` computes, or None."""
+    layer = modulation.linear
+    if hasattr(layer, "table_group"):
+        return layer
+    base = getattr(layer, "base_layer", None)
+    return base if hasattr(base, "table_group") else None
+
+
+def block_tables(blocks: Sequence[nn.Module], temb: torch.Tensor, rows: int, group: TableGroup) -> list:
+    """Per transformer block, what its forward takes as `temb`: a `BlockTable` where its projection is served,
+    else `temb` itself. `temb` `[T, D]` (T <= `rows`, `table_rows`) is padded with zero rows to `rows`; every
+    served table is computed in one exchange (module docstring)."""
+    if temb.shape[0] > rows:
+        raise ValueError(
+            f"a forward of {temb.shape[0]} timesteps over the {rows} table rows planned for it "
+            f"({TIMESTEPS_PER_SAMPLE} per sample of the step's largest micro-batch)"
+        )
+    layers = [served_layer(block.adaln_proj) for block in blocks]
+    served = [layer for layer in layers if layer is not None]
+    if not served:
+        return [temb] * len(blocks)
+    # The activation at `temb`'s own precision, as diffusers' modulation; the padding rows stay zero.
+    inputs = nn.functional.silu(temb).to(group.dtype)
+    tables = iter(_exchange(served, F.pad(inputs, (0, 0, 0, rows - inputs.shape[0])), group))
+    return [temb if layer is None else BlockTable(next(tables)[: inputs.shape[0]], inputs) for layer in layers]
+
+
+def _served_forward(self: nn.Module, x: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+    # The table computed before the block loop; an adapter wrapping this layer adds its term to it.
+    if table is None:
+        raise ValueError("a served AdaLN projection reads its table from the forward's exchange (`block_tables`)")
+    return table
 
 
 def table_projections(model: nn.Module) -> Iterator[tuple[nn.Module, nn.Module]]:
@@ -223,19 +284,21 @@ def _shard(param: nn.Parameter, group: TableGroup, device: torch.device) -> nn.P
     return nn.Parameter(sharded, requires_grad=param.requires_grad)
 
 
-def _modulation_forward(self: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    # diffusers' `MiniMaxH3AdaLayerNormModulation.forward`, casting to the compute dtype where it casts to
-    # the projection's parameter dtype: what FSDP2's gathered parameters had, which the sharded ones
-    # (float32 masters, a bfloat16 base) are not. An adapter on the projection sees the same input.
-    group: TableGroup = self.table_group
-    temb = self.linear(nn.functional.silu(temb).to(group.dtype))
-    return temb.view(-1, 6 * self.hidden_size).chunk(6, dim=-1)
+def _modulation_forward(self: nn.Module, temb: BlockTable) -> tuple[torch.Tensor, ...]:
+    # diffusers' `MiniMaxH3AdaLayerNormModulation.forward` over the table computed before the block loop, in
+    # the compute dtype where diffusers casts to the projection's parameter dtype: what FSDP2's gathered
+    # parameters had, which the sharded ones (float32 masters, a bfloat16 base) are not. An adapter on the
+    # projection sees the same input and passes the table on to its base layer.
+    if not isinstance(temb, BlockTable):
+        raise TypeError("a served AdaLN projection takes a BlockTable (`block_tables`), not the embeddings")
+    out = self.linear(temb.inputs, table=temb.table)
+    return out.view(-1, 6 * self.hidden_size).chunk(6, dim=-1)
 
 
 def serve_tables(projections: list[tuple[nn.Module, nn.Module]], group: TableGroup, device: torch.device) -> None:
-    """Shard each projection's parameters over `group` (DTensors of the FSDP2 mesh) and give it the
-    forward of `project`; `projections` from `table_projections`, after `fully_shard` left them out of
-    their units."""
+    """Shard each projection's parameters over `group` (DTensors of the FSDP2 mesh); its forward then reads
+    the table `block_tables` computed. `projections` from `table_projections`, after `fully_shard` left
+    them out of their units."""
     for modulation, layer in projections:
         for name, param in list(layer.named_parameters(recurse=False)):
             sharded = _shard(param, group, device)
@@ -243,16 +306,5 @@ def serve_tables(projections: list[tuple[nn.Module, nn.Module]], group: TableGro
                 sharded.register_post_accumulate_grad_hook(_reduce_across_replicas(group))
             setattr(layer, name, sharded)
         layer.table_group = modulation.table_group = group
-        forward = _quantized_forward if isinstance(layer, QuantizedLinear) else _linear_forward
-        layer.forward = types.MethodType(forward, layer)
+        layer.forward = types.MethodType(_served_forward, layer)
         modulation.forward = types.MethodType(_modulation_forward, modulation)
-
-
-def agree_timesteps(temb: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """`temb` `[T, D]` padded with zero rows to the largest T of `group` (one all-reduce of one integer)."""
-    count = torch.tensor([temb.shape[0]], dtype=torch.int64, device=temb.device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    most = int(count.item())
-    if most == temb.shape[0]:
-        return temb
-    return torch.cat([temb, temb.new_zeros(most - temb.shape[0], temb.shape[1])])

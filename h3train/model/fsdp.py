@@ -16,10 +16,10 @@ skip it and train plain tensors. `parallel.cpu_offload` keeps the shards, their 
 AdamW state in host memory. A LoRA run's units hold a bf16 base and float32 adapters; each unit
 gathers in its `param_dtype`, and only the float32 parameters get gradients.
 
-With `parallel.adaln_tables` (the default), each transformer block's AdaLN projection stays out of its
-block's unit (`ignored_params`) and is computed where its weights live (`model/adaln_tables.py`): its
-weight and bias are DTensors of the same mesh and placements, never all-gathered, their gradient made
-the average below by the projection's own backward.
+With `parallel.adaln_tables` (true, or `auto` where `plan/tables.py` chooses them), each transformer
+block's AdaLN projection stays out of its block's unit (`ignored_params`) and is computed where its
+weights live (`model/adaln_tables.py`): its weight and bias are DTensors of the same mesh and
+placements, never all-gathered, their gradient made the average below by the projection's own backward.
 
 The gradient contract: every trainable parameter, full model or adapter, lives in one of these
 units, so FSDP2 reduce-scatters its gradient as the average over `dp_shard x sp` (all-reduced over
@@ -71,10 +71,11 @@ def shards_nothing(model: nn.Module, ctx: ParallelContext, compute_dtype: str, c
     )
 
 
-def serves_tables(mesh_size: int, shard_size: int, adaln_tables: bool, cpu_offload: bool) -> bool:
+def serves_tables(mesh_size: int, shard_size: int, adaln_tables: bool | str, cpu_offload: bool) -> bool:
     """Whether the AdaLN projections are computed where their weights live (`model/adaln_tables.py`):
-    `parallel.adaln_tables`, a shard group of more than one rank, no CPU offload."""
-    return adaln_tables and mesh_size > 1 and shard_size > 1 and not cpu_offload
+    `parallel.adaln_tables` true (an `auto` the start has not resolved serves none: `plan.tables`), a shard
+    group of more than one rank, no CPU offload."""
+    return adaln_tables is True and mesh_size > 1 and shard_size > 1 and not cpu_offload
 
 
 def requires_all_reduce(model: nn.Module, last: bool) -> None:

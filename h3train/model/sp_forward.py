@@ -69,7 +69,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..ops.attention import Segments, segment_attention, segments_on
 from ..parallel.ulysses import SequenceParallel
-from .adaln_tables import TableGroup, agree_timesteps
+from .adaln_tables import TableGroup, block_tables, table_rows
 
 FORWARD_ARGS = (
     "hidden_states",
@@ -380,9 +380,12 @@ class SequenceParallelH3(nn.Module):
         text_indices: torch.Tensor,
         segments: tuple[int, ...] | None = None,
         text_segments: tuple[int, ...] | None = None,
+        pack_samples: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The ten `model.forward` arguments; a packed sequence (`pack_forward_rows`) adds each sample's
-        packed length `segments` and text length `text_segments`, in sample order."""
+        packed length `segments` and text length `text_segments`, in sample order, and `pack_samples`, the
+        most samples a micro-batch of this step holds on any rank (the step planner's: the AdaLN tables'
+        exchange is sized by it, `adaln_tables.table_rows`)."""
         m, sp = self.transformer, self.sp
         seq_len = position_ids.shape[0]
         if segments is not None and not self.processors:
@@ -418,9 +421,13 @@ class SequenceParallelH3(nn.Module):
         temb = m.time_proj(timestep)
         temb = m.time_embedder(temb.to(get_parameter_dtype(m.time_embedder)))
         adaln_indices = timestep_indices * MINIMAX_H3_MODALITY_NUM + token_tags
+        block_temb = [temb] * len(m.transformer_blocks)
         if self.tables is not None:
-            # Every rank of the group exchanges tables of the same rows; padding rows are never read.
-            temb = agree_timesteps(temb, self.tables.shard)
+            # Every rank of the shard group exchanges tables of the same rows, a bound known on the host.
+            if segments is not None and pack_samples is None:
+                raise ValueError("a packed forward with the AdaLN tables served needs the step's pack_samples")
+            most = 1 if segments is None else pack_samples
+            block_temb = block_tables(m.transformer_blocks, temb, table_rows(most), self.tables)
 
         if sp.enabled:
             adaln_indices = sp.local_slice(sp.pad(adaln_indices, 0))
@@ -434,7 +441,7 @@ class SequenceParallelH3(nn.Module):
             rotary_emb = m.rope(position_ids)
 
         for i, block in enumerate(m.transformer_blocks):
-            hidden = self._run(self.policy(i), block, hidden, temb, adaln_indices, rotary_emb)
+            hidden = self._run(self.policy(i), block, hidden, block_temb[i], adaln_indices, rotary_emb)
 
         hidden = m.norm_out(hidden, temb, timestep_indices).to(get_parameter_dtype(m.proj_out))
         video_rows = m.proj_out(hidden)

@@ -183,7 +183,7 @@ class MemoryPlan:
     @property
     def local_adaln(self) -> bool:
         """Whether the AdaLN projections are computed from their shards, never all-gathered (`adaln_tables`)."""
-        return self.adaln_tables and self.shard_size > 1 and not self.cpu_offload
+        return self.adaln_tables is True and self.shard_size > 1 and not self.cpu_offload
 
     @property
     def sharded_state_bytes(self) -> int:
@@ -839,7 +839,7 @@ def plan_memory(
     one_rank = shard == 1
     # Where the projection is computed from its own shards, its weight and bias stay out of the gathered
     # block, and a full fine-tune's unsharded block gradient (a LoRA's frozen projection has none).
-    tables = adaln_tables and not one_rank and not cpu_offload
+    tables = adaln_tables is True and not one_rank and not cpu_offload
     local_adaln = counts.block_adaln if tables else 0
     unsharded_block = _unsharded_block_bytes(dims, counts, block_params, b, lora, base_quant, local_adaln)
     # The block prefetched beside the running one is counted with its projection: the fake-tensor rehearsal,

@@ -58,6 +58,23 @@ H200_MEMORY_GIB = 139.8
 
 LINK_WORDS = {"intra_node": "intra-node", "inter_node": "inter-node"}
 
+# Dense bf16 tensor-core peak in TFLOP/s, first substring match of `torch.cuda.get_device_name()`.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+)
+
+
+def peak_tflops_for(device_name: str) -> float | None:
+    """Dense bf16 peak of a known device (`PEAK_BF16_TFLOPS`), None when the name matches no entry."""
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key.lower() in device_name.lower():
+            return tflops
+    return None
+
 
 @dataclass(frozen=True)
 class DeviceKind:
@@ -100,6 +117,20 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
 }
 # The plan's card when none is named: 80 GiB, as the cluster configs' A100s.
 DEFAULT_DEVICE = "a100"
+
+
+def device_kind_of(device_name: str) -> str:
+    """The `DEVICE_KINDS` key of a GPU named `device_name` (`torch.cuda.get_device_name()`): the kind whose
+    name it contains, the longest such first; `DEFAULT_DEVICE` where none matches."""
+    found = [k for k, d in DEVICE_KINDS.items() if d.name.lower() in device_name.lower()]
+    return max(found, key=lambda k: len(DEVICE_KINDS[k].name)) if found else DEFAULT_DEVICE
+
+
+def rates_of_kind(key: str) -> Rates:
+    """The rates of device kind `key` with nothing given: its measured or assumed figures, its bf16 peak."""
+    peak = peak_tflops_for(DEVICE_KINDS[key].name)
+    assert peak is not None, f"no bf16 peak for {DEVICE_KINDS[key].name}"
+    return device_rates(key, peak)
 
 
 @dataclass(frozen=True)

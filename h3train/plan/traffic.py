@@ -19,12 +19,13 @@ R = dp_replicate:
   (`3 x ceil(rows / sp) x heads x head_dim` elements) and one of the attention output back (a third
   of that); the same two in backward, and again in backward where the block is recomputed (`full`,
   `selective`); per forward one all-gather of the output heads' rows (float32) over `sp`.
-- The AdaLN tables (`model/adaln_tables.py`, where `parallel.adaln_tables` serves them): per forward
-  one all-reduce of one int64 over the shard group; per block and forward an all-gather of the
-  `[Tm, D]` embeddings and an all-to-all of `S x Tm x ceil(N / S)` table elements (again per
-  recompute); per block backward the table gradients' all-to-all, the embeddings' reduce-scatter
-  when the time embedding trains; under HSDP, once a step, one all-reduce of the projection's accumulated
-  local weight gradient and one of its bias's when it trains. Their weights leave the blocks' units.
+- The AdaLN tables (`model/adaln_tables.py`, where `parallel.adaln_tables` serves them): per forward,
+  before the block loop, one all-gather of the `[R, D]` embeddings (R = `table_rows`: 4 per sample of the
+  step's largest micro-batch) and one all-to-all of `S x R x L x ceil(N / S)` table elements for the L
+  served blocks; a recomputed block re-issues neither. Per backward, after the last block's, the table
+  gradients' all-to-all and, when the time embedding trains, the embeddings' reduce-scatter; under HSDP,
+  once a step, one all-reduce of each projection's accumulated local weight gradient and one of its bias's
+  when it trains. Their weights leave the blocks' units.
 - The step: the gradient norm's all-reduce over the shard group (one sum of squares, float32) and the
   step's one all-reduce of its sums (`STEP_VALUES` float64) over every rank.
 """
@@ -49,8 +50,6 @@ PHASES = ("forward", "backward", "step")
 # Values of the step's one all-reduce (`train.reduction.StepTotals.names()`, float64 each); the loop
 # sits above the plan, so the count is held here and a test holds it to the loop's.
 STEP_VALUES = 12
-# The table exchanges agree on the shard group's count of timesteps in one int64.
-_AGREE_BYTES = 8
 # The output heads compute in float32 (an island).
 _FP32 = 4
 
@@ -98,11 +97,12 @@ class Exchange:
 
 @dataclass(frozen=True)
 class ForwardShape:
-    """One forward of a step on this rank: its packed rows (before the sp padding), its distinct
-    timesteps (for the table exchanges: the largest of its shard group) and whether a backward follows."""
+    """One forward of a step on this rank: its packed rows (before the sp padding), the rows its AdaLN
+    tables' exchange carries (`model.adaln_tables.table_rows`: the same on every rank of the step) and
+    whether a backward follows."""
 
     rows: int
-    timesteps: int
+    table_rows: int
     grad: bool
 
 
@@ -330,32 +330,25 @@ def group_link(group: str, dims: ParallelDims, ranks_per_node: int) -> str:
 
 # -- the forwards of a step -----------------------------------------------------------------------------
 
-# Distinct timesteps of one sample by its conditioning (`tasks.layout.row_timesteps`): target video (and
-# text) and target audio; visual conditioning rows at `max(t_v, 0.999)`; reference audio at 1.0.
-_SAMPLE_TIMESTEPS = {None: 2, "keyframes": 3, "references": 4}
-
 
 def planned_forwards(cfg: Config, dims: ParallelDims) -> tuple[ForwardShape, ...]:
     """The forwards of one step as planned from `cfg`: `train.grad_accum` micro-batches of the longest
     planned rows (`config_sample_rows`), each after its CFG negative (no gradient, the same rows: its
-    prompt " " is not longer) when `cfg.scale` (or a modality's) is not 1. Timesteps: the most one sample
-    of the task's sample tasks carries, times the samples a pack holds on average (`train.global_batch`
-    over the step's micro-batches) under `data.pack`."""
+    prompt " " is not longer) when `cfg.scale` (or a modality's) is not 1. Table rows: `table_rows` of one
+    sample, or under `data.pack` of the samples a pack holds on average (`train.global_batch` over the
+    step's micro-batches)."""
+    from ..model.adaln_tables import table_rows
     from ..objective import cfg_enabled
-    from ..tasks.table import SAMPLE_TASKS, TRAINING_TASKS
     from .inputs import config_sample_rows
 
     rows = config_sample_rows(cfg)[0]
-    per_sample = max(
-        _SAMPLE_TIMESTEPS[SAMPLE_TASKS[t].conditioning] for t in TRAINING_TASKS[cfg.task.name].sample_tasks
-    )
     accum = cfg.train.grad_accum
     samples = 1
     if cfg.data.pack and cfg.train.global_batch:
         samples = max(1, -(-cfg.train.global_batch // (dims.dp * accum)))
-    timesteps = per_sample * samples
-    negative = (ForwardShape(rows, timesteps, False),) if cfg_enabled(cfg.cfg) else ()
-    return (*negative, ForwardShape(rows, timesteps, True)) * accum
+    exchanged = table_rows(samples)
+    negative = (ForwardShape(rows, exchanged, False),) if cfg_enabled(cfg.cfg) else ()
+    return (*negative, ForwardShape(rows, exchanged, True)) * accum
 
 
 def planned_policies(cfg: Config, dims: ParallelDims, num_layers: int) -> tuple[str, ...]:
@@ -410,20 +403,21 @@ class _Tally:
         )
 
 
-def _table_exchanges(
-    tally: _Tally, table: TableShape, f: ForwardShape, shard_size: int, b: int, recomputes: bool
-) -> None:
-    """One served block's table exchanges in forward `f` (`b` bytes per element of the compute dtype)."""
-    tm, d, c = f.timesteps, table.in_features, -(-table.rows // shard_size)
-    embeddings, exchanged = tm * d * b, shard_size * tm * c * b
-    for phase, calls in (("forward", 1), ("backward", int(f.grad and recomputes))):
-        tally.add("table embeddings all-gather", "all_gather", "dp_shard_sp", phase, embeddings, calls)
-        tally.add("table all-to-all", "all_to_all", "dp_shard_sp", phase, exchanged, calls)
-    if not f.grad or not (table.weight_trains or table.embedding_trains):
+def _table_exchanges(tally: _Tally, tables: Sequence[TableShape], f: ForwardShape, shard_size: int, b: int) -> None:
+    """The served blocks' table exchanges in forward `f`, all blocks in one (`b` bytes per element of the
+    compute dtype)."""
+    if not tables:
+        return
+    rows, d = f.table_rows, tables[0].in_features
+    c = -(-tables[0].rows // shard_size)
+    embeddings, exchanged = rows * d * b, shard_size * rows * len(tables) * c * b
+    tally.add("table embeddings all-gather", "all_gather", "dp_shard_sp", "forward", embeddings)
+    tally.add("table all-to-all", "all_to_all", "dp_shard_sp", "forward", exchanged)
+    if not f.grad or not any(t.weight_trains or t.embedding_trains for t in tables):
         return
     # Backward: the table gradients back; the embeddings' gradients when the time embedding trains.
     tally.add("table gradient all-to-all", "all_to_all", "dp_shard_sp", "backward", exchanged)
-    calls = int(table.embedding_trains)
+    calls = int(tables[0].embedding_trains)
     tally.add("table embeddings reduce-scatter", "reduce_scatter", "dp_shard_sp", "backward", embeddings, calls)
 
 
@@ -471,12 +465,7 @@ def step_traffic(
     width = config.num_attention_heads * config.attention_head_dim
     out_width = transformer.proj_out.out_features + transformer.audio_proj_out.out_features
     recomputed = sum(p != "none" for p in policies)
-    # The served blocks' tables and whether each block is recomputed in backward.
-    served_tables = [
-        (table_shape(layer, transformer, S, shard_rank), policy != "none")
-        for layer, policy in zip(served, policies, strict=True)
-        if layer is not None
-    ]
+    served_tables = [table_shape(layer, transformer, S, shard_rank) for layer in served if layer is not None]
 
     backwards = 0
     for f in forwards:
@@ -505,12 +494,9 @@ def step_traffic(
                 tally.add("ulysses q/k/v all-to-all", "all_to_all", "sp", phase, qkv, calls)
                 tally.add("ulysses output all-to-all", "all_to_all", "sp", phase, out, calls)
             tally.add("sp output rows all-gather", "all_gather", "sp", "forward", local * out_width * _FP32)
-        if tables:
-            tally.add("table timesteps all-reduce", "all_reduce", "dp_shard_sp", "forward", _AGREE_BYTES)
-        for table, recomputes in served_tables:
-            _table_exchanges(tally, table, f, S, b, recomputes)
+        _table_exchanges(tally, served_tables, f, S, b)
     if R > 1 and backwards:
-        for table, _ in served_tables:
+        for table in served_tables:
             if table.weight_trains:
                 _table_replica_reductions(tally, table)
         for u in units:

@@ -27,6 +27,7 @@ from torch import nn
 from ..checkpoint import Checkpointer, checkpoint_root, room_needed
 from ..config import Config, dataset_specs
 from ..config.checks import resolve_compile
+from ..data.format import INDEX_NAME
 from ..data.mixture import DatasetMixture
 from ..data.source import MicroBatchStream, build_sampler, build_source, load_shared_negative
 from ..data.step_plan import StepPlanner
@@ -65,7 +66,7 @@ from ..train.metrics import MetricsLogger
 from ..train.preemption import SAME_KEYPRESS_S, Preemption
 from ..train.trainer import Trainer
 from .parts import TrainingParts
-from .preflight import checkpoint_policies, preflight, start_plan
+from .preflight import checkpoint_policies, preflight, resolve_tables, start_plan
 from .resume import Resume
 from .rundir import probe_writable
 
@@ -105,6 +106,7 @@ def assemble(
     world = int(os.environ.get("WORLD_SIZE", "1"))
     preflight(cfg, world_size=world)
     dims = ParallelDims.from_config(cfg.parallel, world)
+    cfg = resolve_tables(cfg, dims)
     start_plan(cfg, dims=dims)
     log_dir = Path(cfg.logging.dir)
     ckpt_dir = checkpoint_root(cfg.checkpoint.dir, log_dir)
@@ -163,6 +165,9 @@ def _assemble(
     if ctx.is_main and ctx.averaging.force_sum:
         print(ctx.averaging.describe(dims.world_size), flush=True)
     _warn_cross_node_sp(ctx)
+    # Before anything reads the data folder (the plan's longest sample on CUDA, the source): a rank that
+    # read it while rank 0 writes it could see another dataset than its peers.
+    _create_synthetic_dataset(cfg, ctx, model_dims(cfg)["text_dim"])
     transforms = list(model_transforms(cfg) if transforms is None else transforms)
     adapter = next((t for t in transforms if isinstance(t, ModelAdapter)), None)
     resumed = resume.choose(ctx, model_dims(cfg), adapter) is not None
@@ -172,7 +177,6 @@ def _assemble(
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
     shared_negative = load_shared_negative(cfg)
-    _create_synthetic_dataset(cfg, ctx, model_config["text_dim"])
     # Every rank of an SP group skips the same samples; one of them writes the record. The step
     # recorded is the one being trained when the sample was read, up to data.prefetch samples early.
     lead = ctx.sp_rank == 0
@@ -363,14 +367,15 @@ def _warn_cross_node_sp(ctx: ParallelContext) -> None:
 
 
 def _create_synthetic_dataset(cfg: Config, ctx: ParallelContext, text_dim: int) -> None:
-    """`data.create_synthetic`: rank 0 writes a synthetic dataset where `data.path` holds none yet."""
+    """`data.create_synthetic`: rank 0 writes a synthetic dataset where `data.path` holds none yet; every
+    rank waits for it (collective, whether or not there was one to write)."""
     data = cfg.data
     if data.source != "cached" or not data.create_synthetic:
         return
     (spec,) = dataset_specs(data)
-    if (Path(spec.path) / "index.jsonl").is_file():
-        return
-    if ctx.is_main:
+    # Rank 0 alone looks: a rank that looked after rank 0 had written the index would skip the barrier
+    # its peers wait in. Whether there is a barrier is the config's to say, the same on every rank.
+    if ctx.is_main and not (Path(spec.path) / INDEX_NAME).is_file():
         from ..data.synth import write_synthetic_dataset
 
         write_synthetic_dataset(

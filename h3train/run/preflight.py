@@ -201,3 +201,32 @@ def start_plan(
             if line:
                 print(line, flush=True)
     refuse_over_plan(plan, device_kind, cfg.train.ignore_memory_plan)
+
+
+def resolve_tables(cfg: Config, dims: ParallelDims, device_kind: str | None = None) -> Config:
+    """`cfg` with `parallel.adaln_tables` decided for this run (`plan.tables.choose_tables`): `true` and
+    `false` as given; `auto` off on the CPU (no step time to estimate), on CUDA the estimate's choice for
+    this GPU kind and its memory (`run_plan`), printed by rank 0. Every rank decides alike from the same
+    config, mesh and device kind, before any process group."""
+    from ..plan.step_time import device_kind_of, rates_of_kind
+    from ..plan.tables import choose_tables, tables_line, with_tables
+
+    if cfg.parallel.adaln_tables != "auto":
+        return cfg
+    device_kind = device_kind or device_type(cfg)
+    if device_kind != "cuda":
+        return with_tables(cfg, False)
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    rates = rates_of_kind(device_kind_of(torch.cuda.get_device_name(index)))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(dims.world_size)))
+    choice = choose_tables(
+        cfg,
+        dims,
+        planned_model_dims(cfg)[0],
+        rates,
+        ranks_per_node=per_node,
+        plan_of=lambda c, d: run_plan(c, d, device_kind),
+    )
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(tables_line(choice), flush=True)
+    return with_tables(cfg, choice.served)

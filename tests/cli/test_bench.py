@@ -444,15 +444,19 @@ def test_step_report_prints_every_row_of_its_table() -> None:
            "save_background_s": 0.2, "step_after_save_s": 1.2, "save_commit_s": 0.01, "save_first_blocking_s": 0.1,
            "save_first_background_s": 0.3,
            "blocks": 2}  # fmt: skip
-    rows = report.build_rows(sp1, sp2)
+    # The same run with the tables off: Ulysses' 4 all-to-alls a block, the tables' 2 a step gone.
+    sp2_off = {**sp2, "collectives": {**sp2["collectives"], "all_to_all": 16 - 4}}
+    rows = report.build_rows(sp1, {**sp2, "collectives": {**sp2["collectives"], "all_to_all": 16 + 4}}, sp2_off)
     values = {measure.strip(): value for measure, value, _, _ in rows}
     assert values == {
         "step / bare diffusers forward+backward+AdamW, sp=1": "1.020",
         "the same, the bare step with fused AdamW": "1.010",
         "saved activations per rank, sp=2 / sp=1": "0.500",
         "with gradient checkpointing (full)": "0.550",
-        "all-to-alls per block per step": "4",
-        "device->host syncs per step": "1",
+        "all-to-alls per block per step, tables on": "5",
+        "all-to-alls per block per step, tables off": "3",
+        "device->host syncs per step, tables on": "1",
+        "device->host syncs per step, tables off": "1",
         "extra all-reduces per step": "2",
         "checkpoint save blocking / step": "0.050",
         "FSDP2 collectives per step": "13",

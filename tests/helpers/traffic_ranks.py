@@ -4,7 +4,7 @@
 builds a trainer with `build_trainer`, trains steps 1 and 2 through `Trainer.train_step` with every
 collective call recorded (`count_collectives(functional=True)`, by the mesh's group names), and beside
 each step the bytes `plan.traffic.step_traffic` counts for the forwards this rank ran (their rows, and the
-largest count of timesteps of the rank's shard group, agreed after the step outside the recording).
+rows of their AdaLN tables' exchange, as the forward was told them).
 Rank 0 returns every rank's `StepBytes`.
 """
 
@@ -39,11 +39,13 @@ class StepBytes:
 RANKS_PER_NODE = 2
 
 
-def _forward_recorder(model: torch.nn.Module, seen: list[tuple[int, int, bool]]):
-    """A forward pre-hook noting each model forward's rows, distinct timesteps and whether gradients are on."""
+def _forward_recorder(model: torch.nn.Module, seen: list[tuple[int, int, bool]], samples: list[int]):
+    """A forward pre-hook noting each model forward's rows, distinct timesteps and whether gradients are on,
+    and the samples its tables' exchange is sized for (`pack_samples`, one unpacked)."""
 
     def note(module, args, kwargs):
         seen.append((int(kwargs["position_ids"].shape[0]), int(kwargs["timestep"].shape[0]), torch.is_grad_enabled()))
+        samples.append(1 if kwargs.get("segments") is None else int(kwargs["pack_samples"]))
 
     return model.register_forward_pre_hook(note, with_kwargs=True)
 
@@ -51,6 +53,7 @@ def _forward_recorder(model: torch.nn.Module, seen: list[tuple[int, int, bool]])
 def _one_step(trainer, step: int, ranks_per_node: int) -> StepBytes:
     import torch.distributed as dist
 
+    from h3train.model.adaln_tables import table_rows
     from h3train.parallel.collectives import GroupNames, count_collectives, mesh_groups
     from h3train.plan.traffic import ForwardShape, group_link, step_traffic
 
@@ -58,21 +61,19 @@ def _one_step(trainer, step: int, ranks_per_node: int) -> StepBytes:
     groups = mesh_groups(ctx)
     names = GroupNames(groups)
     seen: list[tuple[int, int, bool]] = []
-    handle = _forward_recorder(trainer.model, seen)
+    samples: list[int] = []
+    handle = _forward_recorder(trainer.model, seen, samples)
     try:
         with count_collectives(functional=True, groups=groups) as counts:
             trainer.train_step(step)
     finally:
         handle.remove()
 
-    # The shard group's largest count of timesteps of each forward, as the table exchanges agree on it.
     shard = groups["dp_shard_sp"]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, seen)
-    peers = dist.get_process_group_ranks(shard)
     forwards = [
-        ForwardShape(rows, max(everyone[p][i][1] for p in peers), grad) for i, (rows, _, grad) in enumerate(seen)
+        ForwardShape(rows, table_rows(n), grad) for (rows, timesteps, grad), n in zip(seen, samples, strict=True)
     ]
+    assert all(timesteps <= table_rows(n) for (_, timesteps, _), n in zip(seen, samples, strict=True))
     traffic = step_traffic(
         trainer.cfg, ctx.dims, ranks_per_node=ranks_per_node, forwards=forwards, shard_rank=dist.get_rank(shard)
     )

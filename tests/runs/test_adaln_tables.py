@@ -1,10 +1,11 @@
 """The AdaLN tables computed where their weights live train the unsharded reference's gradients.
 
-Step 1 in float64 at dp 2, dp 2 x sp 2 and HSDP 2 x 2 (`parallel.adaln_tables`, the default), a full
-fine-tune and a LoRA whose targets include the projection, against one process accumulating the same
-micro-batches (dp = N is one process of N micro-batches): every parameter's full gradient, each sample's
-loss, the step's loss and grad norm. The mixed dataset gives the ranks of a step different tasks, so
-different counts of timesteps (the padded exchange), and CFG runs a negative forward.
+Step 1 in float64 at dp 2, dp 2 x sp 2 and HSDP 2 x 2 (`parallel.adaln_tables=true`: every block's table
+in one exchange a forward), a full fine-tune and a LoRA whose targets include the projection, against one
+process accumulating the same micro-batches (dp = N is one process of N micro-batches): every parameter's
+full gradient, each sample's loss, the step's loss and grad norm. The mixed dataset gives the ranks of a
+step different tasks, so different counts of timesteps (the padded exchange), and CFG runs a negative
+forward.
 """
 
 from __future__ import annotations
@@ -55,7 +56,13 @@ LAYOUTS = {
 
 def common(data: Path, log_dir: Path) -> list[str]:
     """Every run's overrides: the mixed dataset, CFG with prompt dropout."""
-    return [*mixed_overrides(data, log_dir), "cfg.scale=3", "cfg.curvature_power=0.5", "cfg.text_dropout=0.25"]
+    return [
+        *mixed_overrides(data, log_dir),
+        "parallel.adaln_tables=true",
+        "cfg.scale=3",
+        "cfg.curvature_power=0.5",
+        "cfg.text_dropout=0.25",
+    ]
 
 
 class Steps:

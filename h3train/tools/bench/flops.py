@@ -1,4 +1,5 @@
-"""Model FLOPs of one training step, term by term (the package docstring's count), and the devices' bf16 peaks."""
+"""Model FLOPs of one training step, term by term (the package docstring's count); the devices' bf16 peaks
+are the plan's (`plan.step_time.PEAK_BF16_TFLOPS`)."""
 
 from __future__ import annotations
 
@@ -6,16 +7,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ...plan.step_time import PEAK_BF16_TFLOPS, peak_tflops_for
 from .sample import Rows
 
-# Dense bf16 tensor-core peak in TFLOP/s, first substring match of `torch.cuda.get_device_name()`.
-PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H200", 989.0),
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),
-    ("A100", 312.0),
-)
+__all__ = ["PEAK_BF16_TFLOPS", "StepFlops", "peak_tflops_for", "step_flops"]
 
 
 @dataclass(frozen=True)
@@ -59,11 +54,3 @@ def step_flops(dims: dict[str, Any], rows: Rows) -> StepFlops:
         inputs=2 * fwd_inputs,
         timesteps=2 * fwd_time_in + 3 * fwd_time_rest,
     )
-
-
-def peak_tflops_for(device_name: str) -> float | None:
-    """Dense bf16 peak of a known device (`PEAK_BF16_TFLOPS`), None when the name matches no entry."""
-    for key, tflops in PEAK_BF16_TFLOPS:
-        if key.lower() in device_name.lower():
-            return tflops
-    return None
