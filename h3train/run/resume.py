@@ -12,6 +12,8 @@ every component, report what changed.
   is tried; when none is left the run starts afresh under the fresh-run policy (`rundir.py`).
 - `checkpoint.resume=PATH`: exactly that checkpoint; any failure is a `CheckpointError`.
 - `none`, or `--overwrite`: a fresh start (`--overwrite` first moves the earlier run aside).
+- Nothing to resume in a folder that holds this run's own earlier attempt, cut short before its first
+  checkpoint: a restart from step 0; rank 0 sets the attempt's rows aside first (`rundir.py`).
 
 Rank 0 decides and broadcasts: nodes can list a shared folder differently for a moment (directory
 caches on network filesystems), and ranks loading different steps would mix shards silently. The
@@ -46,7 +48,7 @@ from ..checkpoint import (
     validate_checkpoint,
     verify_file_digests,
 )
-from ..config import Config
+from ..config import Config, to_yaml
 from ..data.step_plan import batch_layout, global_batch_change
 from ..errors import CheckpointError, ConfigError, H3TrainError, UsageError
 from ..infra.atomic import set_aside
@@ -55,7 +57,7 @@ from ..model.adapter import ModelAdapter
 from ..parallel.dims import ParallelContext
 from ..train.events import Progress
 from ..train.metrics import set_aside_later_lines
-from .rundir import check_fresh_run, move_run_aside, set_aside_later_checkpoints
+from .rundir import check_fresh_run, move_run_aside, set_aside_for_restart, set_aside_later_checkpoints
 
 
 class Restorable(Protocol):
@@ -110,8 +112,11 @@ class Resume:
                 "drop one of them"
             )
         self._candidates = [] if overwrite else resume_candidates(ckpt_dir, cfg.checkpoint.resume)
+        self._config_yaml = to_yaml(cfg)
+        # This run restarts its own earlier attempt, cut short before its first checkpoint (`rundir.py`).
+        self._restart = False
         if not self._candidates and not overwrite:
-            check_fresh_run(log_dir, ckpt_dir)
+            self._restart = check_fresh_run(log_dir, ckpt_dir, self._config_yaml, cfg.train.steps)
         self.ctx: ParallelContext | None = None
         self.adapter: ModelAdapter | None = None
         self.model_dims: dict[str, Any] = {}
@@ -245,9 +250,12 @@ class Resume:
         if had_candidates:
             # Every checkpoint failed: this is now a fresh run, under the same policy as any other.
             try:
-                check_fresh_run(self.log_dir, self.ckpt_dir)
+                self._restart = check_fresh_run(self.log_dir, self.ckpt_dir, self._config_yaml, self.cfg.train.steps)
             except UsageError as exc:
                 return None, ("usage", str(exc)), []
+        if self._restart:
+            self._restart = False
+            print(set_aside_for_restart(self.log_dir), flush=True)
         return None, None, []
 
     def _report_corrupt(self, path: Path, problem: str) -> None:

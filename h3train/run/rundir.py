@@ -8,6 +8,11 @@ The policy, checked at the start of `Trainer.__init__`, before any process group
 - A fresh run (`checkpoint.resume=none`, or `auto` with nothing to resume) into a folder that holds
   an earlier run (a non-empty `metrics.jsonl` or a committed checkpoint) is refused (exit 2), naming
   the folder and the ways out: `checkpoint.resume=auto`, another `logging.dir`, or `--overwrite`.
+- Except a restart of the same run cut short before its first checkpoint (a requeue, `torchrun
+  --max-restarts`): no committed checkpoint, its `config.yaml` is this run's, its rows stop before
+  `train.steps`. Its rows (`metrics.jsonl`, the held-out evaluations among them, the event logs,
+  TensorBoard's events) move to `<name>.abandoned-0`, one line says so, and the run trains from step
+  0. A changed config is refused as above, naming what changed; so is a run that finished.
 - `--overwrite` moves the earlier run aside, into `<logging.dir>/previous-<n>/` (its checkpoints
   into `previous-<n>/checkpoints`, or `<checkpoint.dir>/previous-<n>/` when that is elsewhere), and
   starts afresh. Nothing is deleted; remove the `previous-*` folders yourself.
@@ -26,10 +31,15 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from ..checkpoint import committed_checkpoints, step_of
+from ..checkpoint.run_config import CONFIG_FILE
 from ..errors import ConfigError, UsageError
 from ..infra.atomic import set_aside
+from ..train.metrics import METRICS_FILE, iter_rows
 
 # What h3train writes into `logging.dir` (besides checkpoints); `--overwrite` moves these aside.
 RUN_FILES = (
@@ -42,8 +52,14 @@ RUN_FILES = (
     "wandb",
     "tensorboard",
 )
-RUN_FILE_PREFIXES = ("metrics.jsonl.", "config.yaml.")
+RUN_FILE_PREFIXES = ("metrics.jsonl.", "config.yaml.", "data_errors.jsonl.", "loss_spikes.jsonl.", "tensorboard.")
 ASIDE_PREFIX = "previous-"
+# What a restart from step 0 writes again, set aside as `<name>.abandoned-0`. `trained_samples` records
+# each start as an attempt of its own (`data/trained_samples.py`); `config.yaml` is the same.
+RESTART_FILES = (METRICS_FILE, "data_errors.jsonl", "loss_spikes.jsonl", "tensorboard")
+RESTART_TAG = "abandoned-0"
+# How many changed keys a refused restart names.
+_NAMED_CHANGES = 3
 
 
 _PROBE_BYTES = 4096
@@ -78,17 +94,80 @@ def earlier_run(log_dir: Path, ckpt_dir: Path) -> list[str]:
     return found
 
 
-def check_fresh_run(log_dir: Path, ckpt_dir: Path) -> None:
-    """Refuse a fresh run over an earlier one (UsageError, one line with the ways out)."""
+def check_fresh_run(log_dir: Path, ckpt_dir: Path, config_yaml: str, steps: int) -> bool:
+    """Refuse a fresh run over an earlier one (UsageError, one line with the ways out), unless the earlier
+    run is this one (`config_yaml`, `train.steps` = `steps`) cut short before its first checkpoint: then
+    True, and rank 0 sets its rows aside (`set_aside_for_restart`) before anything is written."""
     found = earlier_run(log_dir, ckpt_dir)
     if not found:
-        return
+        return False
     resumable = any("checkpoint" in item for item in found)
     continue_it = "continue it with checkpoint.resume=auto, " if resumable else ""
+    held = f"logging.dir '{log_dir}' already holds a run ({', '.join(found)})"
+    if not resumable:
+        recorded = recorded_config(log_dir)
+        changes = None if recorded is None else config_changes(recorded, config_yaml)
+        if recorded is None:
+            held += f" without a readable {CONFIG_FILE}"
+        elif changes is not None:
+            held += f" that stopped before its first checkpoint under another config ({changes})"
+            continue_it = f"restart it with its own config ('h3train train {log_dir / CONFIG_FILE}'), "
+        elif last_trained_step(log_dir) < steps:
+            return True
     raise UsageError(
-        f"logging.dir '{log_dir}' already holds a run ({', '.join(found)}); {continue_it}"
-        f"choose a new logging.dir, or pass --overwrite to move it aside into {log_dir}/{ASIDE_PREFIX}<n> "
-        "and start afresh"
+        f"{held}; {continue_it}choose a new logging.dir, or pass --overwrite to move it aside into "
+        f"{log_dir}/{ASIDE_PREFIX}<n> and start afresh"
+    )
+
+
+def recorded_config(log_dir: Path) -> dict[str, Any] | None:
+    """The config a run recorded in `<log_dir>/config.yaml` (None: missing or unreadable)."""
+    try:
+        recorded = yaml.safe_load((log_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def config_changes(recorded: dict[str, Any], config_yaml: str) -> str | None:
+    """How `config_yaml` differs from the `recorded` config: `'optim.lr 0.001 -> 0.01'` (the first few
+    keys that differ), or None when they are the same."""
+    before, after = _flat(recorded), _flat(yaml.safe_load(config_yaml))
+    changed = [key for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key)]
+    if not changed:
+        return None
+    named = ", ".join(f"{key} {before.get(key)} -> {after.get(key)}" for key in changed[:_NAMED_CHANGES])
+    more = len(changed) - _NAMED_CHANGES
+    return named + (f" and {more} more" if more > 0 else "")
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A config's mapping as dotted keys -> leaf values (a list is a leaf)."""
+    if not isinstance(value, dict):
+        return {prefix.removesuffix("."): value}
+    out: dict[str, Any] = {}
+    for key, inner in value.items():
+        out.update(_flat(inner, f"{prefix}{key}."))
+    return out
+
+
+def last_trained_step(log_dir: Path) -> int:
+    """The last step whose training row `<log_dir>/metrics.jsonl` holds (0: none)."""
+    path = log_dir / METRICS_FILE
+    if not path.is_file():
+        return 0
+    return max((row["step"] for row in iter_rows(path) if row.get("kind") is None), default=0)
+
+
+def set_aside_for_restart(log_dir: Path) -> str:
+    """Rank 0, restarting from step 0 a run cut short before its first checkpoint: move what the
+    restart writes again (`RESTART_FILES`) to `<name>.abandoned-0` (never deleted); return the line
+    that says so."""
+    stopped = last_trained_step(log_dir)
+    moved = [set_aside(path, RESTART_TAG).name for name in RESTART_FILES if os.path.lexists(path := log_dir / name)]
+    return (
+        f"restart: the earlier attempt of this run stopped after step {stopped}, before its first checkpoint; "
+        f"its rows are kept in {log_dir} as {', '.join(moved)}, and this one trains from step 0"
     )
 
 

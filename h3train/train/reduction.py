@@ -19,6 +19,17 @@ import torch.distributed as dist
 _ON_DEVICE = {"device": True}
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`, with no wait for the device: a host tensor goes to CUDA pinned and non-blocking.
+
+    A copy from pageable host memory makes the host wait for every kernel queued before it (CUDA's
+    sync debug mode reports it as a sync); torch's host allocator keeps a pinned buffer until its copy is done.
+    """
+    if device.type == "cuda" and host.device.type == "cpu":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 @dataclass(frozen=True)
 class StepTotals:
     """One step's sums over every rank (the all-reduce is a SUM).
@@ -66,13 +77,10 @@ class StepTotals:
     def pack(cls, losses: torch.Tensor, counts: Mapping[str, float]) -> torch.Tensor:
         """`losses` (from `loss_terms`, on the device) then `counts` by name: one flat float64 tensor.
 
-        On CUDA the counts go over pinned and non-blocking: a pageable copy would make the host wait
-        for the backward.
+        The counts go to the device by `to_device`, which does not wait for the backward.
         """
         host = torch.tensor([float(counts[name]) for name in cls.count_names()], dtype=torch.float64)
-        if losses.device.type == "cuda":
-            host = host.pin_memory().to(losses.device, non_blocking=True)
-        return torch.cat([losses.to(torch.float64), host])
+        return torch.cat([losses.to(torch.float64), to_device(host, losses.device)])
 
     @classmethod
     def unpack(cls, values: Sequence[float]) -> StepTotals:

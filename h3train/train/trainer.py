@@ -45,7 +45,7 @@ from .metrics import (
     reset_peak_memory,
 )
 from .preemption import INTERRUPT, NONE, PREEMPT, agreed_stop
-from .reduction import ReducedStep, StepTotals
+from .reduction import ReducedStep, StepTotals, to_device
 
 if TYPE_CHECKING:
     from ..run.parts import TrainingParts
@@ -295,8 +295,12 @@ class Trainer:
         if finite:
             if clip < 1.0:
                 # Only a step over `train.max_grad_norm` pays the pass over every gradient; below
-                # it the coefficient is exactly 1. Shards scale as the whole gradient does.
-                torch._foreach_mul_([local_tensor(g) for g in params], coef)
+                # it the coefficient is exactly 1. Shards scale as the whole gradient does. By the
+                # host's copy of the factor (exact: the reduction reads it in float64), not the
+                # device's tensor: offloaded gradients live on the host, and no kernel scales a host
+                # tensor by a device one; a number reaches every device as a kernel argument, with no
+                # copy and no sync.
+                torch._foreach_mul_([local_tensor(g) for g in params], clip)
             # The first write to the checkpoint state after a save: its background copy must be done.
             parts.checkpointer.wait_staged()
             parts.optimizer.step()
@@ -409,11 +413,15 @@ class Trainer:
             spikes.update(step_loss)
 
     def _grad_norm(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The gradients and their global L2 norm (over every shard), on the device (no sync)."""
+        """The gradients and their global L2 norm (over every shard), on the device (no sync).
+
+        Offloaded gradients (`parallel.cpu_offload`) give a norm on the host, taken and reduced there
+        (gloo): it joins the step's sums on the device by `to_device`, which does not wait for the device.
+        """
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         mesh = self.ctx.fsdp_mesh
         sharded = any(isinstance(g, DTensor) for g in grads)
-        return grads, global_norm(grads, mesh.get_group(mesh.ndim - 1) if sharded else None).to(self.device)
+        return grads, to_device(global_norm(grads, mesh.get_group(mesh.ndim - 1) if sharded else None), self.device)
 
     def _clip_coefficient(self, norm: torch.Tensor) -> torch.Tensor:
         """`clip_grad_norm_`'s factor for `train.max_grad_norm` (1 when it is off), on the device."""

@@ -3,9 +3,16 @@
 On CPU-only torch the policy moves nothing, so this checks the plumbing (the policy reaches every
 unit, the optimizer steps the offloaded shards, clip and DTensor state work) and that the numbers
 are unchanged: two gloo ranks, dp_shard = 2, three AdamW steps with and without it.
+
+On a GPU the offloaded gradients live on the host while the trainer's gradient norm and clip factor
+are on the device, and no kernel multiplies a host tensor by a device tensor. The clip test puts the
+norm on a second device of CPU-only torch (its lazy-tensor device), which refuses that product as
+CUDA does, and trains through `h3train train`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -20,7 +27,9 @@ from h3train.optim.kinds import build_optimizer
 from h3train.parallel.dims import ParallelContext, ParallelDims
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.tasks.synthetic import SyntheticSource
+from h3train.train.trainer import Trainer
 
+from helpers.launch import checkpoint_dir, checkpoint_tensors, read_metrics, tiny_args, train
 from helpers.paths import TINY_FL2VA
 from helpers.ranks import run_ranks
 
@@ -66,6 +75,53 @@ def test_cpu_offload_trains_as_without_it() -> None:
     assert any(not torch.equal(init[n.removeprefix("transformer.")], p) for n, p in plain.items())
 
 
+@functools.cache
+def _second_device() -> torch.device:
+    """A device other than the CPU with real values on CPU-only torch: TorchScript's lazy tensors."""
+    import torch._lazy.ts_backend
+
+    torch._lazy.ts_backend.init()
+    return torch.device("lazy")
+
+
+# Two steps of one micro-batch, each over the norm: every step clips. AdamW with eps = 1 steps by about
+# lr * g, so the weights show the clip's factor (at eps = 1e-8 a step is nearly blind to the gradient's scale).
+MAX_NORM = 1e-3
+CLIPPED = (
+    "train.steps=2",
+    "train.grad_accum=1",
+    "checkpoint.every=2",
+    f"train.max_grad_norm={MAX_NORM}",
+    "optim.eps=1.0",
+)
+
+
+def test_offloaded_gradients_clip_by_a_norm_on_another_device(tmp_path, monkeypatch, trained_runs) -> None:
+    plain = trained_runs.get(*CLIPPED).dir
+    grad_norm = Trainer._grad_norm
+    devices = []
+
+    def norm_on_the_device(self: Trainer) -> tuple[list[torch.Tensor], torch.Tensor]:
+        grads, norm = grad_norm(self)
+        devices.append({g.device for g in grads})
+        return grads, norm.to(_second_device())
+
+    monkeypatch.setattr(Trainer, "_grad_norm", norm_on_the_device)
+    offloaded = tmp_path / "offloaded"
+    train(tiny_args(offloaded, *CLIPPED, "parallel.cpu_offload=true"))
+    assert devices == [{torch.device("cpu")}] * 2
+    rows, off_rows = read_metrics(plain), read_metrics(offloaded)
+    assert [r["step"] for r in off_rows] == [1, 2]
+    assert all(r["grad_norm"] > MAX_NORM for r in off_rows)
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in off_rows] == pytest.approx([r[key] for r in rows], rel=1e-6), key
+    weights = checkpoint_tensors(checkpoint_dir(plain, 2), "model.")
+    off_weights = checkpoint_tensors(checkpoint_dir(offloaded, 2), "model.")
+    assert weights.keys() == off_weights.keys()
+    for name, w in weights.items():
+        torch.testing.assert_close(off_weights[name], w, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_check_counts_the_offloaded_state_in_host_memory() -> None:
     from h3train.model.dims import model_dims
     from h3train.plan import estimate, format_plan
@@ -80,6 +136,6 @@ def test_check_counts_the_offloaded_state_in_host_memory() -> None:
     state = plain.master_weights_bytes + plain.grads_bytes + plain.optimizer_bytes
     assert plain.host_bytes == 0 and offloaded.host_bytes == state > 0
     assert offloaded.total_bytes == plain.total_bytes - state
-    assert estimate(dims, mesh, load_config(TINY_FL2VA)).total_bytes < plain.total_bytes
+    assert estimate(dims, mesh, load_config(TINY_FL2VA, ["parallel.adaln_tables=true"])).total_bytes < plain.total_bytes
     text = format_plan(offloaded)
     assert "(host: cpu_offload)" in text and "in host memory" in text
