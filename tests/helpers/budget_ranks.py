@@ -130,3 +130,29 @@ def budget_steps(config: str, variants: dict[str, tuple[list[str], str | None]])
         out[name] = everyone
     dist.barrier()
     return out
+
+
+def collective_order(
+    config: str, variants: dict[str, tuple[list[str], str | None]]
+) -> dict[str, list[tuple[str, str, str, int]]]:
+    """On each rank, per variant `(overrides, plant)`, step 2 of `config`'s collectives in the order issued
+    (`(entry, kind, group, tensor bytes)`, `count_collectives`); rank 0 gets its own, by variant."""
+    import torch.distributed as dist
+
+    from h3train.config import load_config
+    from h3train.parallel.collectives import count_collectives, mesh_groups
+    from h3train.run.assemble import build_trainer
+
+    out: dict[str, list[tuple[str, str, str, int]]] = {}
+    for name, (overrides, plant) in variants.items():
+        with _plant(plant):
+            trainer = build_trainer(load_config(config, [*overrides, "train.steps=2"]), hooks=[])
+            try:
+                trainer.train_step(1)
+                with count_collectives(functional=True, groups=mesh_groups(trainer.ctx)) as counts:
+                    trainer.train_step(2)
+                out[name] = [(c.entry, c.kind, c.group, c.tensor_bytes) for c in counts.calls]
+            finally:
+                close_trainer(trainer)
+    dist.barrier()
+    return out

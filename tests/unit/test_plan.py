@@ -243,6 +243,18 @@ def test_naive_single_gpu_full_fine_tune_does_not_fit(full_dims: dict) -> None:
     assert "fits: NO" in format_plan(plan)
 
 
+def _resolved_plan(cfg, mesh, dims: dict, rows: int):
+    """The plan of the setting `parallel.adaln_tables` takes on the default card (`plan.tables`, as `check`)."""
+    from h3train.plan.step_time import DEFAULT_DEVICE, rates_of_kind
+    from h3train.plan.tables import choose_tables
+
+    def plan_of(c, d):
+        return estimate(dims, d, c, rows=rows, fused_norm=True)
+
+    choice = choose_tables(cfg, mesh, dims, rates_of_kind(DEFAULT_DEVICE), ranks_per_node=8, plan_of=plan_of)
+    return choice.plans[choice.served]
+
+
 def _load_cluster_config(name: str, folder: Path):
     return load_config(ROOT / "configs" / name, [f"model.pretrained={folder}"])
 
@@ -262,7 +274,7 @@ def test_cluster_config_fits_per_the_plan(name: str, pretrained_folder: Path) ->
     assert cfg.checkpoint.every > 0 and cfg.checkpoint.resume == "auto"
     mesh = ParallelDims.from_config(cfg.parallel, world)
     # The header states the plan of CUDA's fused RMSNorm (torch 2.9 and later), whatever torch runs this test.
-    plan = estimate(model_dims(cfg), mesh, cfg, rows=rows, fused_norm=True)
+    plan = _resolved_plan(cfg, mesh, model_dims(cfg), rows)
     assert plan.params.total == parameter_counts(_defaults()).total
     assert plan.fits, format_plan(plan)
     assert round(plan.total_bytes / GIB, 2) == total
@@ -390,7 +402,7 @@ def test_lora_config_fits_per_the_plan_and_checks_without_the_model_folder(name:
     cfg = _load_cluster_config(name, tmp_path)
     assert cfg.lora.rank > 0 and world == 8
     # The header states the plan of CUDA's fused RMSNorm (torch 2.9 and later), whatever torch runs this test.
-    plan = estimate(_defaults(), ParallelDims.from_config(cfg.parallel, world), cfg, rows, fused_norm=True)
+    plan = _resolved_plan(cfg, ParallelDims.from_config(cfg.parallel, world), _defaults(), rows)
     assert plan.lora is not None and plan.fits, format_plan(plan)
     assert round(plan.total_bytes / GIB, 2) == total
     assert main(["check", str(ROOT / "configs" / name), f"model.pretrained={tmp_path}", "--world-size", "8"]) == 0
