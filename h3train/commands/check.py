@@ -31,9 +31,9 @@ def add_arguments(parser: Parser) -> None:
     parser.add_argument(
         "--device",
         choices=("a100", "h100", "h200"),
-        default="a100",  # the plan's 80 GiB card (`plan.DEFAULT_DEVICE`)
-        help="the GPU the plan and the step-time estimate are for: its memory, bf16 peak and assumed link "
-        "bandwidths (default: a100, 80 GiB)",
+        default="a100",  # the plan's default card (`plan.DEFAULT_DEVICE`)
+        help="the GPU the plan and the step-time estimate are for: its memory as torch reports it, bf16 peak "
+        "and assumed link bandwidths (default: a100, 79.3 GiB)",
     )
     parser.add_argument(
         "--tflops",

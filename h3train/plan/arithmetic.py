@@ -35,7 +35,14 @@ _ADALN_VECTORS = 6
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 _FP32 = 4
 
-DEFAULT_DEVICE_MEMORY_GIB = 80.0
+# Device memory as torch reports it (`torch.cuda.get_device_properties().total_memory`, GiB), which is
+# what a run plans against on CUDA: an 80 GB A100 reports about 79.3 GiB and an 80 GB H100 about 79.1, the
+# figures their out-of-memory messages give as the total capacity. The plan's default card is the A100.
+A100_MEMORY_GIB = 79.3
+H100_MEMORY_GIB = 79.1
+DEFAULT_DEVICE_MEMORY_GIB = A100_MEMORY_GIB
+# FSDP2 reduces every gradient in float32 (`model/fsdp.py`'s `reduce_dtype`).
+_REDUCE_BYTES = 4
 # CUDA context (~0.5 GiB), NCCL communicator buffers (1-2 GiB on multi-node IB jobs) and
 # caching-allocator fragmentation, which grows with the variety of tensor sizes.
 DEFAULT_RESERVE_GIB = 4.0
@@ -165,6 +172,9 @@ class MemoryPlan:
     # One all-gathered transformer block, the unit running (the prefetched one beside it is counted with its
     # AdaLN projection: `plan_memory`).
     gathered_block_bytes: int = 0
+    # Of `unsharded_grads_bytes`, FSDP2's float32 reduce-scatter buffer of one block's gradient, where the
+    # step's peak holds one (`step_peak`).
+    reduce_buffer_bytes: int = 0
 
     @property
     def world_size(self) -> int:
@@ -226,6 +236,11 @@ class MemoryPlan:
     def host_per_rank_bytes(self) -> int:
         """Host memory one rank holds besides its process: offloaded state, checkpoint staging, the VAEs."""
         return self.host_bytes + self.staging_bytes + self.render_host_bytes
+
+    @property
+    def device_gib(self) -> str:
+        """The device's memory for a printout: GiB to a tenth, without a trailing `.0` (79.3, 80, 139.8)."""
+        return f"{self.device_bytes / GIB:.1f}".removesuffix(".0")
 
     @property
     def headroom_bytes(self) -> int:
@@ -571,6 +586,8 @@ class StepPeak:
     # Of `activations`, what the backward creates and frees (gradients in flight, the loss's error), not kept
     # from the forward.
     transient: int = 0
+    # Of `unsharded_grads`, FSDP2's float32 reduce-scatter buffer of the block reduced before this one.
+    reduce_buffer: int = 0
 
     @property
     def total(self) -> int:
@@ -593,6 +610,7 @@ def step_peak(
     grads_resident: bool = False,
     unsharded: Callable[[int | None], int] | None = None,
     unsharded_block_grads: int = 0,
+    reduce_buffer: int = 0,
 ) -> StepPeak:
     """Walk one training step's forward end and its backward block by block, and return its peak.
 
@@ -605,7 +623,9 @@ def step_peak(
       activations (kept, or recomputed: the same tensors), the backward's largest transient (the gradient
       of the SwiGLU projection's output, 2bf) and the residual stream's gradient in flight (2bh); the
       gradients of the blocks after i (`block_grads_bytes` each, sharded) and of the units outside the
-      stack exist, and block i's own unsharded gradient (`unsharded_block_grads`);
+      stack exist, and block i's own unsharded gradient (`unsharded_block_grads`) with, from the second block
+      the backward runs, FSDP2's reduce-scatter buffer of the block after it (`reduce_buffer`), which FSDP2
+      frees at block i's post-backward;
     - output heads: the forward's end and the loss's float32 error and the gradient of both heads' outputs
       (2 x 4 x (P_v + P_a) a row), as the backward starts;
     - refiner: its recompute over the text rows with every block gradient reduced; end: every gradient.
@@ -655,7 +675,10 @@ def step_peak(
         below -= kept[i]
         reduced = resident if grads_resident else min(outside_grads + (layers - 1 - i) * block_grads_bytes, grads_bytes)
         acts = below + whole + adapters + transient + persistent + refiner
-        phases.append(StepPeak(f"block {i}", acts, reduced, unsharded(i), unsharded_block_grads, transient))
+        buffer = reduce_buffer if i < layers - 1 else 0
+        phases.append(
+            StepPeak(f"block {i}", acts, reduced, unsharded(i), unsharded_block_grads + buffer, transient, buffer)
+        )
     if refiner_full and refiner:
         recompute = text_rows * refiner_block_row_bytes(dims, dtype, fused_norm)
         phases.append(StepPeak("refiner", refiner + recompute, grads_bytes, unsharded(-1), 0))
@@ -849,6 +872,10 @@ def plan_memory(
     prefetched_block = _unsharded_block_bytes(dims, counts, block_params, b, lora, base_quant, 0)
     gathered_grads = block_grads - (local_adaln if lora is None else 0)
     plain = one_rank and b == _FP32 and not cpu_offload and lora is None
+    # Across ranks FSDP2 copies a block's unsharded gradient into one buffer of the reduce dtype for the
+    # reduce-scatter and holds it until the next block's post-backward (`step_peak`). On one rank the measured
+    # peaks (`calibration.jsonl`) hold none beside a block's activations.
+    reduce_buffer = 0 if one_rank else gathered_grads * _REDUCE_BYTES
 
     def unsharded(i: int | None) -> int:
         """All-gathered parameter bytes. Across ranks: the unit running and the one prefetched. On one rank
@@ -887,6 +914,7 @@ def plan_memory(
             grads_resident=accum,
             unsharded=unsharded,
             unsharded_block_grads=0 if plain else gathered_grads * b,
+            reduce_buffer=reduce_buffer,
         )
     full = all(p == "full" for p in policies) and bool(policies)
     return MemoryPlan(
@@ -926,6 +954,7 @@ def plan_memory(
         auto=activation_checkpointing == "auto",
         adaln_tables=adaln_tables,
         gathered_block_bytes=unsharded_block,
+        reduce_buffer_bytes=peak.reduce_buffer,
     )
 
 

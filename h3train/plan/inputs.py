@@ -359,7 +359,7 @@ def refuse_over_plan(plan: MemoryPlan, device_type: str, ignored: bool) -> None:
     fix = fixes(plan)
     raise ConfigError(
         f"the memory plan needs {plan.peak_bytes / GIB:.2f} GiB per rank of the device's "
-        f"{plan.device_bytes / GIB:.0f} GiB for {plan.rows:,} rows ({plan.rows_origin}): {fix}; "
+        f"{plan.device_gib} GiB for {plan.rows:,} rows ({plan.rows_origin}): {fix}; "
         "or set train.ignore_memory_plan=true to start anyway"
     )
 

@@ -19,6 +19,14 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def _block_grad_note(plan: MemoryPlan) -> str:
+    """What the unsharded block gradient's line holds: which parameters, and FSDP2's float32 copy of it."""
+    notes = ["trainable only"] if plan.lora else ["no AdaLN projection"] if plan.local_adaln else []
+    if plan.reduce_buffer_bytes:
+        notes.append(f"with its float32 reduce-scatter buffer, {_gib(plan.reduce_buffer_bytes).strip()}")
+    return f"  ({'; '.join(notes)})" if notes else ""
+
+
 def _refiner_note(plan: MemoryPlan) -> str:
     """The activation line's note on the text refiner's share (`refiner_activation_bytes`), or why there is
     little to keep when only the output projections train."""
@@ -117,7 +125,7 @@ def summary(plan: MemoryPlan) -> str:
     at = "validation / rendering" if plan.evaluation_bytes > plan.total_bytes else "training step"
     word = "yes" if plan.fits else "NO"
     return (
-        f"fits: {word}, {plan.peak_bytes / GIB:.2f} GiB of {plan.device_bytes / GIB:.0f} GiB per rank at the "
+        f"fits: {word}, {plan.peak_bytes / GIB:.2f} GiB of {plan.device_gib} GiB per rank at the "
         f"{at}, {plan.rows:,} rows; recompute {checkpointing_line(plan)}"
     )
 
@@ -204,11 +212,10 @@ def format_plan(plan: MemoryPlan) -> str:
     lines += [
         f"  2 unsharded blocks {plan.dtype:<11}{_gib(plan.unsharded_params_bytes)}  (running + prefetched"
         + ("; AdaLN projections stay sharded: parallel.adaln_tables)" if plan.local_adaln else ")"),
-        f"  unsharded block grad {plan.dtype:<9}{_gib(plan.unsharded_grads_bytes)}"
-        + ("  (trainable only)" if lora else "  (no AdaLN projection)" if plan.local_adaln else ""),
+        f"  unsharded block grad {plan.dtype:<9}{_gib(plan.unsharded_grads_bytes)}" + _block_grad_note(plan),
         f"  activations                   {_gib(plan.activation_bytes)}" + _refiner_note(plan),
         f"  reserve (CUDA, NCCL, frag.)   {_gib(plan.reserve_bytes)}",
-        f"  total                         {_gib(plan.total_bytes)} of {plan.device_bytes / GIB:.0f} GiB"
+        f"  total                         {_gib(plan.total_bytes)} of {plan.device_gib} GiB"
         + (f" on the device; {_gib(plan.host_bytes).strip()} in host memory" if plan.cpu_offload else ""),
     ]
     if plan.evaluation is not None:
@@ -225,6 +232,6 @@ def format_plan(plan: MemoryPlan) -> str:
     if plan.retention_line:
         lines.append(plan.retention_line)
     if plan.fit_lines:
-        lines.append(f"longest packed sequence that fits ({plan.device_bytes / GIB:.0f} GiB devices, this LoRA):")
+        lines.append(f"longest packed sequence that fits ({plan.device_gib} GiB devices, this LoRA):")
         lines.extend(plan.fit_lines)
     return "\n".join(lines)

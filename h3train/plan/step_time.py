@@ -29,7 +29,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from .arithmetic import (
-    DEFAULT_DEVICE_MEMORY_GIB,
+    A100_MEMORY_GIB,
+    H100_MEMORY_GIB,
     MemoryPlan,
     forward_flops,
     recompute_share,
@@ -101,8 +102,8 @@ _NVLINK4 = "NVLink 4 (450 GB/s each way) at a typical nccl-tests bus bandwidth"
 _HDR = "one HDR 200 Gb/s NIC per GPU (25 GB/s) at a typical nccl-tests bus bandwidth"
 _NDR = "one NDR 400 Gb/s NIC per GPU (50 GB/s) at a typical nccl-tests bus bandwidth"
 DEVICE_KINDS: dict[str, DeviceKind] = {
-    "a100": DeviceKind("a100", "A100-SXM4-80GB", DEFAULT_DEVICE_MEMORY_GIB, 230.0, _NVLINK3, 22.0, _HDR),
-    "h100": DeviceKind("h100", "H100 80GB HBM3", DEFAULT_DEVICE_MEMORY_GIB, 360.0, _NVLINK4, 45.0, _NDR),
+    "a100": DeviceKind("a100", "A100-SXM4-80GB", A100_MEMORY_GIB, 230.0, _NVLINK3, 22.0, _HDR),
+    "h100": DeviceKind("h100", "H100 80GB HBM3", H100_MEMORY_GIB, 360.0, _NVLINK4, 45.0, _NDR),
     "h200": DeviceKind(
         "h200",
         "H200",
@@ -115,7 +116,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
         f"one H200, full-width blocks without recompute, {H200_MEASURED_SOURCE}",
     ),
 }
-# The plan's card when none is named: 80 GiB, as the cluster configs' A100s.
+# The plan's card when none is named: the cluster configs' 80 GB A100 (`A100_MEMORY_GIB` as torch reports it).
 DEFAULT_DEVICE = "a100"
 
 

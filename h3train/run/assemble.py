@@ -66,7 +66,15 @@ from ..train.metrics import MetricsLogger
 from ..train.preemption import SAME_KEYPRESS_S, Preemption
 from ..train.trainer import Trainer
 from .parts import TrainingParts
-from .preflight import checkpoint_policies, preflight, resolve_tables, start_plan
+from .preflight import (
+    JobDevice,
+    agree_job_device,
+    checkpoint_policies,
+    device_memory_gib,
+    preflight,
+    resolve_tables,
+    start_plan,
+)
 from .resume import Resume
 from .rundir import probe_writable
 
@@ -106,8 +114,6 @@ def assemble(
     world = int(os.environ.get("WORLD_SIZE", "1"))
     preflight(cfg, world_size=world)
     dims = ParallelDims.from_config(cfg.parallel, world)
-    cfg = resolve_tables(cfg, dims)
-    start_plan(cfg, dims=dims)
     log_dir = Path(cfg.logging.dir)
     ckpt_dir = checkpoint_root(cfg.checkpoint.dir, log_dir)
     # The run-folder policy (rundir.py), decided the same way on every rank from the shared folders.
@@ -120,7 +126,12 @@ def assemble(
         print(note, file=sys.stderr, flush=True)
     lock = take_run_lock(log_dir, ckpt_dir)
     try:
-        return _assemble(cfg, dims, log_dir, ckpt_dir, lock, planned, transforms, hooks, overwrite)
+        _, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
+        # The start's one agreement: what follows decides from the same memory and card on every rank.
+        job = agree_job_device(device)
+        cfg = resolve_tables(cfg, dims, device.type, job)
+        start_plan(cfg, device.type, job.memory_gib, dims)
+        return _assemble(cfg, dims, device, job, log_dir, ckpt_dir, lock, planned, transforms, hooks, overwrite)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -150,6 +161,8 @@ def take_run_lock(log_dir: Path, ckpt_dir: Path) -> RunLock | None:
 def _assemble(
     cfg: Config,
     dims: ParallelDims,
+    device: torch.device,
+    job: JobDevice,
     log_dir: Path,
     ckpt_dir: Path,
     lock: RunLock | None,
@@ -159,8 +172,6 @@ def _assemble(
     overwrite: bool,
 ) -> TrainingParts:
     resume = Resume(cfg, log_dir, ckpt_dir, overwrite)
-
-    _, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
     ctx = ParallelContext(dims, device)
     if ctx.is_main and ctx.averaging.force_sum:
         print(ctx.averaging.describe(dims.world_size), flush=True)
@@ -171,7 +182,8 @@ def _assemble(
     transforms = list(model_transforms(cfg) if transforms is None else transforms)
     adapter = next((t for t in transforms if isinstance(t, ModelAdapter)), None)
     resumed = resume.choose(ctx, model_dims(cfg), adapter) is not None
-    model = build_sharded_model(cfg, ctx, transforms, resumed, trainable_only=adapter is not None)
+    policies = checkpoint_policies(cfg, dims, device.type, model_dims(cfg)["num_layers"], job.memory_gib)
+    model = build_sharded_model(cfg, ctx, transforms, resumed, trainable_only=adapter is not None, policies=policies)
     model_config = model_config_of(model)
     optimizer = build_optimizer(model, cfg.optim, cfg.train.seed)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
@@ -293,8 +305,10 @@ def build_sharded_model(
     transforms: Sequence[ModelTransform],
     resumed: bool,
     trainable_only: bool,
+    policies: tuple[str, ...] | None = None,
 ) -> SequenceParallelH3:
-    """The transformer with its transforms, wrapped for sequence parallelism and sharded by FSDP2.
+    """The transformer with its transforms, wrapped for sequence parallelism and sharded by FSDP2, each block
+    recomputing as `policies` says (`wrap_and_shard`).
 
     A resumed run gets every value from its checkpoint: no rank builds or reads a full model. A
     checkpoint of the trainable state only (an adapter's) needs its base built as on a fresh start.
@@ -303,7 +317,7 @@ def build_sharded_model(
     pretrained = pretrained_folder(cfg) if cfg.model.pretrained else None
     restores_all = resumed and not trainable_only
     from_meta = pretrained is not None or restores_all
-    model = wrap_and_shard(cfg, ctx, transforms, from_meta)
+    model = wrap_and_shard(cfg, ctx, transforms, from_meta, policies)
     if restores_all:
         materialize(model, device)
     elif pretrained:
@@ -322,7 +336,8 @@ def wrap_and_shard(
 ) -> SequenceParallelH3:
     """`build_sharded_model` up to its values: the transformer (on `meta` when `from_meta`, else seeded)
     with its transforms, wrapped for sequence parallelism and sharded by FSDP2. A model from `meta`
-    holds no values until `materialize` or `load_pretrained_shards` gives them."""
+    holds no values until `materialize` or `load_pretrained_shards` gives them. `policies`: what each block
+    recomputes (`checkpoint_policies`; default: as this rank's device memory resolves the config)."""
     device = ctx.device
     if cfg.lora.rank:
         # FSDP2 on this torch may refuse the codes: refused before any model, for a trainer built in
@@ -339,7 +354,7 @@ def wrap_and_shard(
     model = SequenceParallelH3(
         transformer,
         SequenceParallel(ctx.sp_group),
-        activation_checkpointing=checkpoint_policies(cfg, ctx.dims, device.type, transformer.config.num_layers),
+        activation_checkpointing=_block_policies(cfg, ctx, transformer.config.num_layers, policies),
         compile_blocks=resolve_compile(cfg, device.type),
         compile_backend=cfg.model.compile_backend,
         packed=cfg.data.pack > 0,
@@ -353,6 +368,17 @@ def wrap_and_shard(
             model, ctx, cfg.model.dtype, cpu_offload=cfg.parallel.cpu_offload, adaln_tables=cfg.parallel.adaln_tables
         )
     return model
+
+
+def _block_policies(
+    cfg: Config, ctx: ParallelContext, num_layers: int, policies: tuple[str, ...] | None
+) -> tuple[str, ...]:
+    """`policies`, one per block of the built transformer, or the config's resolved on this rank's memory."""
+    if policies is None:
+        return checkpoint_policies(cfg, ctx.dims, ctx.device.type, num_layers, device_memory_gib(ctx.device.type))
+    if len(policies) != num_layers:
+        raise ValueError(f"{len(policies)} block policies for a model of {num_layers} blocks")
+    return tuple(policies)
 
 
 def _warn_cross_node_sp(ctx: ParallelContext) -> None:

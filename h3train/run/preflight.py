@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..config import Config, dataset_specs, load_config, measures_held_out_loss
 from ..data.dataset import index_entries
@@ -130,13 +132,53 @@ def check_global_batch(cfg: Config, dims: ParallelDims) -> None:
 
 
 def device_memory_gib(device_kind: str) -> float:
-    """This rank's device memory in GiB: the GPU's total on CUDA, the plan's default card elsewhere."""
+    """This rank's device memory in GiB: the GPU's total as torch reports it on CUDA, the plan's default
+    card elsewhere. A launch plans against every rank's least (`agree_job_device`)."""
     from ..plan import DEFAULT_DEVICE_MEMORY_GIB, GIB
 
     if device_kind != "cuda":
         return DEFAULT_DEVICE_MEMORY_GIB
     index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
     return torch.cuda.get_device_properties(index).total_memory / GIB
+
+
+@dataclass(frozen=True)
+class JobDevice:
+    """What every rank of a launch plans against (`agree_job_device`): the least device memory of its ranks
+    in GiB, and the slowest GPU kind among them (a `plan.step_time.DEVICE_KINDS` key, for the step time)."""
+
+    memory_gib: float
+    gpu_kind: str
+
+
+def own_job_device(device_kind: str) -> JobDevice:
+    """This rank's `JobDevice`: its memory (`device_memory_gib`) and, on CUDA, the kind its GPU's name says;
+    elsewhere the plan's default card."""
+    from ..plan.step_time import DEFAULT_DEVICE, device_kind_of
+
+    gpu = DEFAULT_DEVICE
+    if device_kind == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        gpu = device_kind_of(torch.cuda.get_device_name(index))
+    return JobDevice(device_memory_gib(device_kind), gpu)
+
+
+def agree_job_device(device: torch.device, own: JobDevice | None = None) -> JobDevice:
+    """The job's `JobDevice`: every rank's least memory and slowest kind (`own`, default `own_job_device`),
+    agreed in one MIN all-reduce over the default group, once at start.
+
+    Memory and kind decide `auto`'s recompute policies and tables. Ranks whose cards report different
+    totals (another kind of card, a MIG slice) would each take their own, and issue different collectives.
+    """
+    from ..plan.step_time import DEVICE_KINDS
+
+    own = own or own_job_device(device.type)
+    # DEVICE_KINDS lists the cards slowest first: the least index is the slowest kind.
+    kinds = list(DEVICE_KINDS)
+    least = torch.tensor([own.memory_gib, float(kinds.index(own.gpu_kind))], dtype=torch.float64, device=device)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    memory, kind = least.tolist()
+    return JobDevice(memory, kinds[int(kind)])
 
 
 def run_plan(
@@ -158,16 +200,19 @@ def run_plan(
     )
 
 
-def checkpoint_policies(cfg: Config, dims: ParallelDims, device_kind: str, num_layers: int) -> tuple[str, ...]:
+def checkpoint_policies(
+    cfg: Config, dims: ParallelDims, device_kind: str, num_layers: int, memory_gib: float
+) -> tuple[str, ...]:
     """One policy per transformer block (`plan.BLOCK_POLICIES`) for `model.activation_checkpointing`: `auto`
-    takes the plan's choice on CUDA (`plan.choose_policies`: the least recompute that fits) and recomputes
-    nothing on the CPU, which has no device memory to fit."""
+    takes the plan's choice on CUDA (`plan.choose_policies`: the least recompute that fits `memory_gib`, the
+    job's `agree_job_device` in a launch) and recomputes nothing on the CPU, which has no device memory
+    to fit."""
     mode = cfg.model.activation_checkpointing
     if mode != "auto":
         return (mode,) * num_layers
     if device_kind != "cuda":
         return ("none",) * num_layers
-    policies = run_plan(cfg, dims, device_kind).policies
+    policies = run_plan(cfg, dims, device_kind, memory_gib).policies
     if len(policies) != num_layers:
         raise ValueError(f"the plan chose {len(policies)} block policies for a model of {num_layers} blocks")
     return policies
@@ -181,8 +226,9 @@ def start_plan(
 ) -> None:
     """Print the memory plan's verdict for the data this run reads (rank 0), and on a GPU refuse a run that
     does not fit it (`plan.refuse_over_plan`; `train.ignore_memory_plan` overrides). Every rank decides
-    alike from the same config and index, before any process group; after `preflight`, whose checks
-    of the data the plan reads come first. `dims`: the launch's mesh (default: from `WORLD_SIZE`).
+    alike from the same config, index and memory (a launch passes `agree_job_device`'s), before any model;
+    after `preflight`, whose checks of the data the plan reads come first. `dims`: the launch's mesh
+    (default: from `WORLD_SIZE`).
 
     `device_kind` / `device_memory_gib` default to this machine's (`device_type`, the GPU's total
     memory); a test passes them to take the GPU's path on a CPU.
@@ -203,12 +249,14 @@ def start_plan(
     refuse_over_plan(plan, device_kind, cfg.train.ignore_memory_plan)
 
 
-def resolve_tables(cfg: Config, dims: ParallelDims, device_kind: str | None = None) -> Config:
+def resolve_tables(
+    cfg: Config, dims: ParallelDims, device_kind: str | None = None, job: JobDevice | None = None
+) -> Config:
     """`cfg` with `parallel.adaln_tables` decided for this run (`plan.tables.choose_tables`): `true` and
     `false` as given; `auto` off on the CPU (no step time to estimate), on CUDA the estimate's choice for
-    this GPU kind and its memory (`run_plan`), printed by rank 0. Every rank decides alike from the same
-    config, mesh and device kind, before any process group."""
-    from ..plan.step_time import device_kind_of, rates_of_kind
+    `job`'s GPU kind and memory (default: this rank's, `own_job_device`; a launch passes the agreed
+    `agree_job_device`), printed by rank 0. Every rank decides alike from the same config, mesh and job."""
+    from ..plan.step_time import rates_of_kind
     from ..plan.tables import choose_tables, tables_line, with_tables
 
     if cfg.parallel.adaln_tables != "auto":
@@ -216,8 +264,8 @@ def resolve_tables(cfg: Config, dims: ParallelDims, device_kind: str | None = No
     device_kind = device_kind or device_type(cfg)
     if device_kind != "cuda":
         return with_tables(cfg, False)
-    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-    rates = rates_of_kind(device_kind_of(torch.cuda.get_device_name(index)))
+    job = job or own_job_device(device_kind)
+    rates = rates_of_kind(job.gpu_kind)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(dims.world_size)))
     choice = choose_tables(
         cfg,
@@ -225,7 +273,7 @@ def resolve_tables(cfg: Config, dims: ParallelDims, device_kind: str | None = No
         planned_model_dims(cfg)[0],
         rates,
         ranks_per_node=per_node,
-        plan_of=lambda c, d: run_plan(c, d, device_kind),
+        plan_of=lambda c, d: run_plan(c, d, device_kind, job.memory_gib),
     )
     if int(os.environ.get("RANK", "0")) == 0:
         print(tables_line(choice), flush=True)

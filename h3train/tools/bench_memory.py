@@ -223,7 +223,7 @@ def _collectives_worker(
     from ..optim.kinds import build_optimizer
     from ..parallel.collectives import count_collectives
     from ..parallel.dims import ParallelContext, ParallelDims
-    from ..run.preflight import checkpoint_policies, load_checked
+    from ..run.preflight import checkpoint_policies, device_memory_gib, load_checked
 
     cfg = load_checked(config, overrides)
     ctx = ParallelContext(ParallelDims(1, world // sp, sp, world), torch.device("cpu"))
@@ -231,7 +231,9 @@ def _collectives_worker(
     model = SequenceParallelH3(
         transformer,
         SequenceParallel(ctx.sp_group),
-        activation_checkpointing=checkpoint_policies(cfg, ctx.dims, "cpu", transformer.config.num_layers),
+        activation_checkpointing=checkpoint_policies(
+            cfg, ctx.dims, "cpu", transformer.config.num_layers, device_memory_gib("cpu")
+        ),
     )
     apply_fsdp(model, ctx, cfg.model.dtype, cpu_offload=cpu_offload, adaln_tables=cfg.parallel.adaln_tables)
     optimizer = build_optimizer(model, cfg.optim)

@@ -955,7 +955,7 @@ def format_rehearsal(r: Rehearsal) -> str:
         f"verdict: {'fits' if fits else 'does NOT fit'}: the step peaks at {r.device_peak_bytes / GIB:.2f} GiB "
         "per rank, "
         f"{device / GIB:.2f} GiB with the {r.plan.reserve_bytes / GIB:.0f} GiB reserve, of "
-        f"{r.plan.device_bytes / GIB:.0f} GiB; the plan is {err:+.1f} % of it "
+        f"{r.plan.device_gib} GiB; the plan is {err:+.1f} % of it "
         + ("(within 10 %)" if r.agrees else "(OFF by more than 10 %)" + tiny_model_note(r.plan))
     )
     return "\n".join(lines)

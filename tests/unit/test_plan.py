@@ -134,7 +134,9 @@ def test_adaln_tables_keep_the_projection_out_of_the_gathered_block_and_its_grad
     assert tables.local_adaln and not gathered.local_adaln
     assert tables.unsharded_params_bytes == 2 * (2 * counts.block - counts.block_adaln)
     assert gathered.unsharded_params_bytes - tables.unsharded_params_bytes == 2 * counts.block_adaln
-    assert gathered.unsharded_grads_bytes - tables.unsharded_grads_bytes == 2 * counts.block_adaln
+    # The unsharded gradient in bf16 and FSDP2's float32 reduce-scatter buffer of one, both without the projection.
+    assert gathered.unsharded_grads_bytes - tables.unsharded_grads_bytes == (2 + 4) * counts.block_adaln
+    assert tables.reduce_buffer_bytes == 4 * (counts.block - counts.block_adaln)
     assert tables.sharded_state_bytes == gathered.sharded_state_bytes
     assert "AdaLN projections stay sharded" in format_plan(tables)
     # Nothing to serve on one rank (no shard group) or offloaded: the projection is gathered as before.
@@ -142,6 +144,44 @@ def test_adaln_tables_keep_the_projection_out_of_the_gathered_block_and_its_grad
         served = _plan(full_dims, adaln_tables=True, **kw)
         assert not served.local_adaln
         assert served == replace(_plan(full_dims, **kw), adaln_tables=True)
+
+
+def test_reduce_scatter_buffer_is_one_block_gradient_in_float32(full_dims: dict) -> None:
+    """Across ranks FSDP2 copies each block's unsharded gradient into a float32 buffer (its reduce dtype) for
+    the reduce-scatter and holds it until the next block's post-backward: from the second block the backward
+    runs, a block's gradient in the compute dtype has the previous one's buffer beside it, whatever the
+    compute dtype. On one rank the measured peaks hold none beside a block."""
+    from h3train.config import LoraConfig
+    from h3train.lora.adapters import lora_counts
+
+    counts = parameter_counts(full_dims)
+    last = f"block {counts.num_layers - 1}"
+    # Full recompute keeps one block's input per block, less than the buffer: the peak is where it is held.
+    for dtype, b in (("bfloat16", 2), ("float32", 4)):
+        plan = _plan(full_dims, dp_shard=8, dtype=dtype)
+        assert plan.peak_phase.startswith("block") and plan.peak_phase != last
+        assert plan.reduce_buffer_bytes == 4 * counts.block
+        assert plan.unsharded_grads_bytes == (b + 4) * counts.block
+    assert "float32 reduce-scatter buffer" in format_plan(_plan(full_dims, dp_shard=8))
+    # Keeping every activation, the first block of the backward (no buffer before it) is the peak.
+    kept = _plan(full_dims, dp_shard=8, activation_checkpointing="none")
+    assert kept.peak_phase == last and kept.reduce_buffer_bytes == 0
+    assert kept.unsharded_grads_bytes == 2 * counts.block
+    assert _plan(full_dims).reduce_buffer_bytes == 0
+    # A LoRA reduces its adapters' gradients only.
+    lora = lora_counts(full_dims, LoraConfig(rank=32))
+    assert _plan(full_dims, sp=8, lora=lora).reduce_buffer_bytes in (0, 4 * lora.block_trainable)
+
+
+def test_device_kinds_plan_the_memory_torch_reports(full_dims: dict) -> None:
+    """A card is planned as torch reports its memory, below its nominal size (an 80 GB card is not 80 GiB)."""
+    from h3train.plan.step_time import DEFAULT_DEVICE, DEVICE_KINDS
+
+    nominal = {"a100": 80, "h100": 80, "h200": 141}
+    for key, kind in DEVICE_KINDS.items():
+        assert kind.memory_gib < nominal[key], key
+    plan = _plan(full_dims)
+    assert plan.device_bytes == int(DEVICE_KINDS[DEFAULT_DEVICE].memory_gib * GIB)
 
 
 def test_replication_does_not_divide_state(full_dims: dict) -> None:
@@ -152,8 +192,10 @@ def test_replication_does_not_divide_state(full_dims: dict) -> None:
 
 
 def test_activations_split_over_sp(full_dims: dict) -> None:
-    sp1 = _plan(full_dims, sp=1)
+    # Both over 8 ranks, so that both peaks fall where FSDP2's reduce-scatter buffer is held.
+    sp1 = _plan(full_dims, dp_shard=8, sp=1)
     sp8 = _plan(full_dims, sp=8)
+    assert sp1.peak_phase == sp8.peak_phase
     assert sp8.local_rows == 5_000
     # sp > 1 adds the all-to-all copy of the attention output to each block's rows.
     extra = 56 * 128 * 2 * 5_000
