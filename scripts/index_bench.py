@@ -2,8 +2,9 @@
 
 Writes a synthetic fl2va dataset of a few real samples (`write_synthetic_dataset`, text_dim 16 as in
 `configs/tiny_fl2va.yaml`), then replaces its `index.jsonl` by one of `--samples` lines: the real lines
-first, then the same lines again under new ids and file names whose files do not exist (a start
-opens only the header of the first trained sample and of the longest, both real). Each figure comes
+first, then the same lines again under new ids and file names, each file an empty one
+(`tests/helpers/index_memory.py`: a check lists the folder without reading a header, a start opens only
+the header of the first trained sample and of the longest, both real). Each figure comes
 from a fresh Python process, measured from after its imports, as seconds and growth of its resident
 set (VmRSS) in MiB:
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -33,17 +33,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from h3train.data.dataset import CachedDataset  # noqa: E402
 from h3train.data.format import INDEX_NAME, open_index, read_index  # noqa: E402
 from h3train.data.index_table import COMPACT_NAME  # noqa: E402
-from h3train.data.synth import write_synthetic_dataset  # noqa: E402
 
-CONFIG = ROOT / "configs" / "tiny_fl2va.yaml"
-REAL_SAMPLES = 4
+from helpers.index_memory import MIB, check_run, write_folder  # noqa: E402
+
 SMALL = 10
-MIB = 2**20
 
 
 def _status_kib(field: str) -> int:
@@ -76,38 +74,6 @@ def _in_fresh_process(kind: str, folder: Path) -> dict[str, float]:
         [sys.executable, __file__, "--measure", kind, str(folder)], check=True, capture_output=True, text=True
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
-
-
-def _check(folder: Path) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB, `os.wait4` of that process alone) of `h3train check` on `folder`."""
-    command = [sys.executable, "-m", "h3train", "check", str(CONFIG), "data.source=cached", f"data.path={folder}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env.pop("RANK", None)
-    env["WORLD_SIZE"] = "1"
-    with tempfile.TemporaryFile("w+") as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        seconds = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode != 0:
-            err.seek(0)
-            raise SystemExit(f"h3train check failed on '{folder}' (exit {proc.returncode}): {err.read().strip()}")
-    return seconds, usage.ru_maxrss / 1024
-
-
-def write_folder(folder: Path, samples: int) -> Path:
-    """A synthetic dataset whose `index.jsonl` lists `samples` entries (the first `REAL_SAMPLES` real)."""
-    write_synthetic_dataset(folder, task="fl2va", num_samples=REAL_SAMPLES, seed=0, text_dim=16)
-    real = [json.loads(line) for line in (folder / INDEX_NAME).read_text().splitlines()]
-    templates = [json.dumps({**row, "id": "@ID@", "file": "@ID@.safetensors"}) for row in real]
-    with open(folder / INDEX_NAME, "w", encoding="utf-8") as handle:
-        for row in real:
-            handle.write(json.dumps(row) + "\n")
-        for i in range(len(real), samples):
-            handle.write(templates[i % len(real)].replace("@ID@", f"bench-{i:07d}") + "\n")
-    (folder / COMPACT_NAME).unlink(missing_ok=True)  # built from the four-line index; the bench builds its own
-    return folder
 
 
 def _count(n: int) -> str:
@@ -146,7 +112,7 @@ def main() -> int:
         open_index(small)  # both checks start warm
         # The fastest of a few runs each, taken in turns: a check is seconds of imports, which other work on
         # the machine stretches.
-        runs = [(_check(small), _check(big)) for _ in range(args.repeats)]
+        runs = [(check_run(small), check_run(big)) for _ in range(args.repeats)]
         small_s, small_mib = min(pair[0] for pair in runs)
         big_s, big_mib = min(pair[1] for pair in runs)
         print(f"h3train check, {SMALL} samples: {small_s:.2f} s, peak {small_mib:.0f} MiB", flush=True)

@@ -40,6 +40,7 @@ import hashlib
 import json
 import logging
 import os
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -47,6 +48,7 @@ from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import numpy as np
 import torch
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     audio_latent_num_frames,
@@ -73,7 +75,15 @@ from ..tasks.table import (
     VAE_LATENTS_PER_CHUNK,
     is_frame_count,
 )
-from .index_table import COMPACT_NAME, IndexEntry, IndexSource, IndexTable, IndexTableBuilder, table_of
+from .index_table import (
+    COMPACT_NAME,
+    STRING_BLOCK,
+    IndexEntry,
+    IndexSource,
+    IndexTable,
+    IndexTableBuilder,
+    table_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -755,31 +765,19 @@ def index_problems(folder: str | os.PathLike, table: IndexTable, files: bool = T
     A file listed twice or missing is not read.
     """
     folder = Path(folder)
-    ids, names = table.sample_ids(), table.files()
     # (row, the earlier row it repeats or None, what is wrong or what repeats): rows become line numbers at the end.
     problems: list[tuple[int, int | None, str]] = []
-    first_id: dict[str, int] = {}
-    first_file: dict[str, int] = {}
-    listings: dict[str, frozenset[str]] = {}
-    skipped = set()
-    for row, (sample_id, name) in enumerate(zip(ids, names)):
-        if name in first_file or sample_id in first_id:
-            skipped.add(row)
-            if files:
-                earlier = first_file.get(name, first_id.get(sample_id))
-                what = f"sample '{sample_id}'" if sample_id in first_id else f"file '{name}'"
-                problems.append((row, earlier, what))
-            continue
-        first_id[sample_id], first_file[name] = row, row
-        directory, _, base = name.rpartition("/")
-        if directory not in listings:
-            listings[directory] = _names_in(folder / directory)
-        if base not in listings[directory]:
-            skipped.add(row)
-            if files:
-                problems.append((row, None, f"sample '{sample_id}': its file '{name}' does not exist"))
+    repeated = _repeated_rows(table)
+    skipped = {row for row, _, _ in repeated}
+    missing = _missing_rows(folder, table, skipped)
+    skipped.update(missing)
+    if files:
+        problems += repeated
+        for row in missing:
+            listed = table[row]
+            problems.append((row, None, f"sample '{listed.sample_id}': its file '{listed.file}' does not exist"))
     if headers:
-        for row in range(len(ids)):
+        for row in range(len(table)):
             if row in skipped:
                 continue
             listed = table[row]
@@ -916,13 +914,106 @@ def _line_numbers(index: Path) -> list[int]:
     return [number for number, line in enumerate(index.read_text().splitlines(), start=1) if line.strip()]
 
 
-def _names_in(directory: Path) -> frozenset[str]:
-    """The names in `directory` (empty when it is not one), listed once: a million stat calls cost more."""
-    try:
-        with os.scandir(directory) as listing:
-            return frozenset(entry.name for entry in listing)
-    except OSError:
-        return frozenset()
+def _repeated_rows(table: IndexTable) -> list[tuple[int, int, str]]:
+    """(row, the earlier row it repeats, what repeats) of each row whose sample id or file an earlier row that
+    is not itself a repeat lists, in row order.
+
+    Only the rows whose id or file hash like another row's (`IndexTable.hashes`) can repeat one, or be
+    repeated: those alone are decoded and compared, so an index without repeats holds no string per row.
+    """
+    candidates = np.union1d(_shared(table.hashes("ids")), _shared(table.hashes("files")))
+    first_id: dict[str, int] = {}
+    first_file: dict[str, int] = {}
+    found = []
+    for row in candidates.tolist():
+        entry = table[row]
+        sample_id, name = entry.sample_id, entry.file
+        if name in first_file or sample_id in first_id:
+            earlier = first_file.get(name, first_id.get(sample_id))
+            found.append((row, earlier, f"sample '{sample_id}'" if sample_id in first_id else f"file '{name}'"))
+            continue
+        first_id[sample_id], first_file[name] = row, row
+    return found
+
+
+def _shared(values: np.ndarray) -> np.ndarray:
+    """The positions (int64, ascending by value) of the entries of `values` [N] that another entry equals."""
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    same = ordered[1:] == ordered[:-1]
+    shared = np.zeros(values.shape[0], dtype=bool)
+    shared[1:] |= same
+    shared[:-1] |= same
+    return order[shared]
+
+
+def _missing_rows(folder: Path, table: IndexTable, skipped: set[int]) -> list[int]:
+    """The rows, but those in `skipped`, whose file is not in the listing of its directory, ascending.
+
+    The files are decoded a block of rows at a time (`STRING_BLOCK`) and each directory is listed once.
+    """
+    listings: dict[str, _Listing] = {}
+    missing = []
+    n = len(table)
+    for start in range(0, n, STRING_BLOCK):
+        asked: dict[str, tuple[list[int], list[bytes]]] = {}
+        for row, name in enumerate(table.strings("files", start, min(start + STRING_BLOCK, n)), start=start):
+            if row in skipped:
+                continue
+            directory, _, base = name.rpartition("/")
+            rows, bases = asked.setdefault(directory, ([], []))
+            rows.append(row)
+            bases.append(base.encode("utf-8", "surrogatepass"))
+        for directory, (rows, bases) in asked.items():
+            if directory not in listings:
+                listings[directory] = _Listing(folder / directory)
+            missing += [row for row, there in zip(rows, listings[directory].holds(bases)) if not there]
+    return sorted(missing)
+
+
+class _Listing:
+    """The names in one directory (none when it is not one), listed once: a million stat calls cost more.
+
+    Held as the `hash()` of each name's UTF-8 bytes (int64, sorted, `order` the listing position of each)
+    and those bytes end to end, about 50 bytes a name where a set of strings takes over 100; a name whose
+    hash is found is compared byte for byte. A name is encoded as the compact index encodes its files
+    (`surrogatepass`), so bytes are equal where the strings are.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        hashes, self.ends, self.blob = array("q"), array("q", [0]), bytearray()
+        try:
+            with os.scandir(directory) as listing:
+                for entry in listing:
+                    name = entry.name.encode("utf-8", "surrogatepass")
+                    hashes.append(hash(name))
+                    self.blob += name
+                    self.ends.append(len(self.blob))
+        except OSError:
+            hashes, self.ends, self.blob = array("q"), array("q", [0]), bytearray()
+        unsorted = np.frombuffer(hashes, dtype=np.int64)
+        order = np.argsort(unsorted, kind="stable")
+        self.hashes = unsorted[order]
+        self.order = array("q", order.tobytes())
+
+    def holds(self, names: list[bytes]) -> list[bool]:
+        """Whether each of `names` (UTF-8 bytes) is in the directory."""
+        found = [False] * len(names)
+        size = len(self.order)
+        if not size or not names:
+            return found
+        wanted = np.fromiter((hash(name) for name in names), dtype=np.int64, count=len(names))
+        at = np.minimum(np.searchsorted(self.hashes, wanted), size - 1)
+        hit = np.flatnonzero(self.hashes[at] == wanted)
+        for i, k in zip(hit.tolist(), at[hit].tolist()):
+            # Names that hash alike lie side by side from `k`: one of them may be this one.
+            while k < size and self.hashes[k] == wanted[i]:
+                j = self.order[k]
+                if self.blob[self.ends[j] : self.ends[j + 1]] == names[i]:
+                    found[i] = True
+                    break
+                k += 1
+        return found
 
 
 def read_index(folder: str | os.PathLike) -> list[IndexEntry]:

@@ -51,6 +51,8 @@ _MAGIC = b"H3INDEX\n"
 _VERSION = 1
 _ALIGN = 64
 _RECENT_ENTRIES = 4096
+# Rows a pass over a string column decodes at once: a few MiB of Python strings, whatever the index's size.
+STRING_BLOCK = 1 << 16
 # Values are checked, not trusted: a header naming another dtype is not one of these files.
 _COLUMNS = {
     "seq_len": ("<i8", 1),
@@ -125,10 +127,11 @@ def _decode(blob: np.ndarray, offsets: np.ndarray, row: int) -> str:
     return blob[int(offsets[row]) : int(offsets[row + 1])].tobytes().decode("utf-8", "surrogatepass")
 
 
-def _strings(blob: np.ndarray, offsets: np.ndarray) -> list[str]:
-    raw = blob.tobytes()
-    ends = offsets.tolist()
-    return [raw[a:b].decode("utf-8", "surrogatepass") for a, b in zip(ends[:-1], ends[1:])]
+def _pieces(blob: np.ndarray, offsets: np.ndarray, start: int, stop: int) -> tuple[bytes, list[int]]:
+    """The bytes of rows [start, stop) of a string column and their ends within those bytes (stop - start + 1)."""
+    ends = offsets[start : stop + 1]
+    first = int(ends[0])
+    return blob[first : int(ends[-1])].tobytes(), (ends - first).tolist()
 
 
 class IndexTable(Sequence[IndexEntry]):
@@ -181,13 +184,31 @@ class IndexTable(Sequence[IndexEntry]):
         codes = [code for code, name in enumerate(self.tasks) if name in wanted]
         return np.flatnonzero(np.isin(self.task_codes, codes)).astype(np.int64, copy=False)
 
-    def sample_ids(self) -> list[str]:
-        """Every row's sample id, in row order, decoded in one pass over the column (no `IndexEntry` made)."""
-        return _strings(self.columns["ids"], self.columns["ids_offsets"])
+    def strings(self, column: str, start: int, stop: int) -> list[str]:
+        """Rows [start, stop) of `column` ("ids": sample ids, "files": files relative to the dataset folder),
+        decoded in one pass over their bytes (no `IndexEntry` made).
 
-    def files(self) -> list[str]:
-        """Every row's file (relative to the dataset folder), in row order, as `sample_ids` decodes them."""
-        return _strings(self.columns["files"], self.columns["files_offsets"])
+        A caller that reads every row takes them a block at a time (`STRING_BLOCK`): a million rows as
+        Python strings are a hundred MiB or more.
+        """
+        raw, ends = _pieces(self.columns[column], self.columns[column + "_offsets"], start, stop)
+        return [raw[a:b].decode("utf-8", "surrogatepass") for a, b in zip(ends[:-1], ends[1:])]
+
+    def hashes(self, column: str) -> np.ndarray:
+        """`hash()` of every row's UTF-8 bytes in `column` ("ids" or "files"), int64 [N] in row order.
+
+        Equal strings hash equally (and `text.encode("utf-8", "surrogatepass")` is a row's bytes), so rows
+        whose hash no other row shares hold a string no other row does, found without a Python object per
+        row held. Python's own hash: equal within this process only.
+        """
+        blob, offsets = self.columns[column], self.columns[column + "_offsets"]
+        n = len(self)
+        out = np.empty(n, dtype=np.int64)
+        for start in range(0, n, STRING_BLOCK):
+            stop = min(start + STRING_BLOCK, n)
+            raw, ends = _pieces(blob, offsets, start, stop)
+            out[start:stop] = [hash(raw[a:b]) for a, b in zip(ends[:-1], ends[1:])]
+        return out
 
     def task_counts(self) -> dict[str, int]:
         """Samples of each task the index lists (tasks it lists none of left out)."""

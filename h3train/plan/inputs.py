@@ -388,8 +388,10 @@ def samples_lines(cfg: Config, dp: int, dims: Mapping[str, Any], source: Any = N
     accum, budget = cfg.train.grad_accum, cfg.data.pack
     planner = StepPlanner.of(cfg, dp, dims)
     seen = outlook(planner, rows_at, sampler.global_index, sampler.epoch_length, steps)
-    per_epoch = f"{seen.steps_per_epoch:,.0f}" if seen.exact else f"about {seen.steps_per_epoch:,.1f}"
-    plural = "" if seen.exact and seen.steps_per_epoch == 1 else "s"
+    # Past the planned steps the count is the epoch over the mean samples per step: still a count of steps.
+    steps_per_epoch = round(seen.steps_per_epoch)
+    per_epoch = f"{steps_per_epoch:,}" if seen.exact else f"about {steps_per_epoch:,}"
+    plural = "" if seen.exact and steps_per_epoch == 1 else "s"
     epoch = f"{per_epoch} step{plural} per epoch of {seen.epoch_length:,} samples"
     if not budget:
         lines = [f"samples       {dp * accum} per step (dp {dp} x train.grad_accum {accum}), {epoch}"]

@@ -134,6 +134,13 @@ def test_check_prints_samples_per_step_and_steps_per_epoch(capsys) -> None:
     assert "4 per step (dp 2 x train.grad_accum 2), 8 steps per epoch of 32 samples" in out
 
 
+def test_check_counts_the_steps_of_an_epoch_longer_than_the_planned_steps_in_whole_steps(capsys) -> None:
+    # 1,000 samples at 2 a step: the first 100 steps do not reach the epoch's end, so the count is estimated.
+    assert main(["check", str(TINY_FL2VA), "data.synthetic.num_samples=1000"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("samples "))
+    assert line.endswith("2 per step (dp 1 x train.grad_accum 2), about 500 steps per epoch of 1,000 samples"), line
+
+
 def test_global_batch_is_refused_without_packs_or_below_the_micro_batches(capsys) -> None:
     assert main(["check", str(TINY_FL2VA), "train.global_batch=8"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
