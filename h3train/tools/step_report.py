@@ -503,7 +503,7 @@ def format_rows(rows: list[tuple[str, str, str, str]], package: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps (median)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed steps (median)")
     parser.add_argument("--counted", type=int, default=2, help="steps of the counted fit stretch")
     parser.add_argument("--out", help="also write the figures as JSON here")
     parser.add_argument("--worker", choices=("sp1", "sp2"), help=argparse.SUPPRESS)
