@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Protocol
 
-from . import bench, check, config, encode, export, generate, index, plot, synth, tiny_components, train
+from . import bench, check, config, encode, export, generate, index, plot, shard, synth, tiny_components, train
 from .arguments import Parser
 
 
@@ -27,5 +27,5 @@ class Command(Protocol):
 # Name -> command, in the order `h3train --help` lists them.
 COMMANDS: dict[str, Command] = {
     command.NAME: command
-    for command in (train, check, config, synth, index, export, generate, plot, encode, tiny_components, bench)
+    for command in (train, check, config, synth, index, shard, export, generate, plot, encode, tiny_components, bench)
 }

@@ -29,8 +29,9 @@ from safetensors import safe_open
 
 from ..errors import SampleError
 from ..infra.atomic import atomic_save_file, atomic_write_text
-from ..infra.digest import ALGORITHM, digest_bytes, digest_file, digest_tensor
+from ..infra.digest import ALGORITHM, digest_bytes, digest_tensor
 from ..tasks.layout import AUDIO_LATENT_CHANNELS, PATCH_SIZE, VIDEO_LATENT_CHANNELS, Geometry
+from .format import SampleLocation, sample_digest
 
 FOLDER = "base_predictions"
 # Floats per target row: a video row is a (1, 2, 2) patch of 24 latent channels, an audio row 32 wide.
@@ -53,10 +54,10 @@ _DIGESTS = "digests"
 VERSION = 1
 
 
-def fingerprint(sample_files: list[tuple[str, Path]], settings: dict[str, Any]) -> str:
-    """The digest of the held-out pairs: every evaluated sample's id and file bytes, and `settings`
-    (sigmas, noise seed, shifts, negative prompt choice), as JSON."""
-    parts = [f"{sample_id}:{digest_file(path)}" for sample_id, path in sample_files]
+def fingerprint(sample_files: list[tuple[str, Path | SampleLocation]], settings: dict[str, Any]) -> str:
+    """The digest of the held-out pairs: every evaluated sample's id and bytes (its file's, or its bytes in a
+    shard: the same digest), and `settings` (sigmas, noise seed, shifts, negative prompt choice), as JSON."""
+    parts = [f"{sample_id}:{sample_digest(path)}" for sample_id, path in sample_files]
     text = json.dumps({"version": VERSION, "samples": parts, "settings": settings}, sort_keys=True)
     return digest_bytes(text.encode())
 

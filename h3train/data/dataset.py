@@ -18,7 +18,15 @@ import numpy as np
 
 from ..tasks.sample import TrainingSample
 from ..tasks.table import TRAINING_TASKS
-from .format import INDEX_NAME, DatasetError, SampleError, open_index, read_sample, resolve_in_folder
+from .format import (
+    INDEX_NAME,
+    DatasetError,
+    SampleError,
+    SampleLocation,
+    open_index,
+    read_sample,
+    resolve_in_folder,
+)
 from .index_table import IndexRows, IndexTable, Lengths
 
 logger = logging.getLogger(__name__)
@@ -124,8 +132,11 @@ class CachedDataset:
         """Packed sequence length of every sample, from the index (for bucketing and planning)."""
         return self._lengths
 
-    def path(self, index: int) -> Path:
-        return resolve_in_folder(self.folder, self.entries[index].file, f"dataset '{self.folder}'")
+    def path(self, index: int) -> SampleLocation:
+        """Where sample `index` lies: its file, or its bytes in a shard (`data/shards.py`)."""
+        entry = self.entries[index]
+        path = resolve_in_folder(self.folder, entry.file, f"dataset '{self.folder}'")
+        return SampleLocation(path, entry.offset, entry.length)
 
     def load(self, index: int) -> TrainingSample:
         """Read sample `index`, checking it is the one the index describes (a stale index raises)."""

@@ -57,7 +57,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
 
 from ..errors import DatasetError, SampleError
 from ..infra.atomic import atomic_save_file, atomic_write
-from ..infra.digest import ALGORITHM, digest_bytes, digest_tensor
+from ..infra.digest import ALGORITHM, digest_bytes, digest_file, digest_tensor
 from ..tasks.conditioning import CONDITIONING_KINDS, ReferenceLatents, merged
 from ..tasks.layout import (
     AUDIO_CHANNELS,
@@ -463,23 +463,44 @@ def write_sample(path: str | os.PathLike, sample: CachedSample) -> None:
     atomic_save_file(payload, path, metadata={METADATA_KEY: json.dumps({**meta, DIGESTS_KEY: digests})})
 
 
-def _read(where: str, path: Path, whole: bool) -> tuple[dict[str, Any], bytearray, int]:
-    """The safetensors header of `path` as JSON, the bytes read and where the tensor data starts.
+@dataclass(frozen=True)
+class SampleLocation:
+    """Where a sample's bytes lie: the whole of the file `path` (`length` -1), or the `length` bytes of a
+    shard (`data/shards.py`) from byte `offset`, the bytes the sample's own file would hold."""
 
-    Plain reads into this process's memory, the whole file when `whole`, else the header alone:
+    path: Path
+    offset: int = 0
+    length: int = -1
+
+    def __str__(self) -> str:
+        return str(self.path) if self.length < 0 else f"{self.path}, bytes {self.offset}-{self.offset + self.length}"
+
+
+def _location(source: str | os.PathLike | SampleLocation) -> SampleLocation:
+    return source if isinstance(source, SampleLocation) else SampleLocation(Path(source))
+
+
+def _read(where: str, at: SampleLocation, whole: bool) -> tuple[dict[str, Any], bytearray, int]:
+    """The safetensors header of the sample `at` as JSON, the bytes read and where the tensor data starts.
+
+    Plain reads into this process's memory, the whole sample when `whole`, else the header alone:
     nothing stays backed by the file, so a file changed or truncated under a running job is a
-    `SampleError` when read, never a signal when a step touches its tensors.
+    `SampleError` when read, never a signal when a step touches its tensors. A sample in a shard is
+    read within its bytes alone: a header that claims more is a truncated sample.
     """
-    if not path.is_file():
+    if not at.path.is_file():
         raise SampleError(f"sample '{where}': file does not exist")
     try:
-        with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size if whole else 8
+        with open(at.path, "rb") as handle:
+            end = os.fstat(handle.fileno()).st_size if at.length < 0 else at.offset + at.length
+            handle.seek(at.offset)
+            size = max(end - at.offset, 0) if whole else min(8, max(end - at.offset, 0))
             data = bytearray(size)
             got = handle.readinto(data)
             del data[got:]
             if not whole and got == 8:
-                data += handle.read(min(int.from_bytes(data, "little"), _MAX_HEADER))
+                left = end - at.offset - 8
+                data += handle.read(max(min(int.from_bytes(data, "little"), _MAX_HEADER, left), 0))
     except OSError as exc:
         raise SampleError(f"sample '{where}': cannot be read ({exc.strerror or exc})") from None
     length = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
@@ -570,29 +591,29 @@ def _tensors(
     return tensors
 
 
-def read_header(path: str | os.PathLike) -> SampleHeader:
+def read_header(path: str | os.PathLike | SampleLocation) -> SampleHeader:
     """Validate a sample's header (metadata, shapes, dtypes) without loading its tensors."""
-    path = Path(path)
-    header, _, _ = _read(str(path), path, whole=False)
-    return _header_of(str(path), header)[0]
+    at = _location(path)
+    header, _, _ = _read(str(at), at, whole=False)
+    return _header_of(str(at), header)[0]
 
 
-def verify_sample(path: str | os.PathLike) -> None:
+def verify_sample(path: str | os.PathLike | SampleLocation) -> None:
     """Read the whole sample and check every tensor against its digest; a sample without digests (from
     before they were recorded) fails too. Raises `SampleError`."""
-    path = Path(path)
-    header, data, start = _read(str(path), path, whole=True)
-    sample, digests = _header_of(str(path), header)
+    at = _location(path)
+    header, data, start = _read(str(at), at, whole=True)
+    sample, digests = _header_of(str(at), header)
     if digests is None:
-        raise _fail(str(path), f"metadata.{DIGESTS_KEY}", "is missing (written before samples recorded digests)")
-    _tensors(str(path), header, sample, digests, data, start)
+        raise _fail(str(at), f"metadata.{DIGESTS_KEY}", "is missing (written before samples recorded digests)")
+    _tensors(str(at), header, sample, digests, data, start)
 
 
-def read_cached_sample(path: str | os.PathLike) -> CachedSample:
-    """Load and fully validate one sample file. Raises `SampleError`."""
-    path = Path(path)
-    where = str(path)
-    raw, data, start = _read(where, path, whole=True)
+def read_cached_sample(path: str | os.PathLike | SampleLocation) -> CachedSample:
+    """Load and fully validate one sample (a file, or its bytes in a shard). Raises `SampleError`."""
+    at = _location(path)
+    where = str(at)
+    raw, data, start = _read(where, at, whole=True)
     header, digests = _header_of(where, raw)
     tensors = _tensors(where, raw, header, digests, data, start)
     check_values(where, tensors)
@@ -619,8 +640,19 @@ def read_cached_sample(path: str | os.PathLike) -> CachedSample:
     )
 
 
-def read_sample(path: str | os.PathLike) -> TrainingSample:
-    """Load, validate and pack one sample file into model rows. Raises `SampleError`."""
+def sample_digest(path: str | os.PathLike | SampleLocation) -> str:
+    """The digest of a sample's bytes (`infra.digest`): its whole file, or its bytes in a shard (the same
+    digest as the file it was cut from)."""
+    at = _location(path)
+    if at.length < 0:
+        return digest_file(at.path)
+    with open(at.path, "rb") as handle:
+        handle.seek(at.offset)
+        return digest_bytes(handle.read(at.length))
+
+
+def read_sample(path: str | os.PathLike | SampleLocation) -> TrainingSample:
+    """Load, validate and pack one sample (a file, or its bytes in a shard) into model rows. Raises `SampleError`."""
     return read_cached_sample(path).to_packed()
 
 
@@ -676,13 +708,15 @@ class _FolderPaths:
 
 
 def write_index(folder: str | os.PathLike) -> list[IndexEntry]:
-    """Rebuild `index.jsonl` from every `*.safetensors` file under `folder` (headers only), and the
-    compact index beside it (`index_table.py`).
+    """Rebuild `index.jsonl` from every `*.safetensors` file and every sample of each shard (`*.h3shard`,
+    `data/shards.py`) under `folder` (headers only), and the compact index beside it (`index_table.py`).
 
     A subfolder with an `index.jsonl` of its own is another dataset (the encoder's held-out split):
     its files are left out. Files are listed in sorted relative-path order so the index, and with it
     the sample numbering, is reproducible. Every header is validated; both files are written atomically.
     """
+    from .shards import SHARD_SUFFIX, shard_samples
+
     folder = Path(folder)
     if not folder.is_dir():
         raise DatasetError(f"dataset folder '{folder}' does not exist")
@@ -690,10 +724,12 @@ def write_index(folder: str | os.PathLike) -> list[IndexEntry]:
     nested = [p.parent for p in folder.rglob(INDEX_NAME) if p.parent != folder]
     files = sorted(
         p
-        for p in folder.rglob(f"*{SAMPLE_SUFFIX}")
+        for suffix in (SAMPLE_SUFFIX, SHARD_SUFFIX)
+        for p in folder.rglob(f"*{suffix}")
         if not p.name.startswith(".") and not any(d in p.parents for d in nested)
     )
-    for path in files:
+    locations = [at for p in files for at in (shard_samples(p) if p.suffix == SHARD_SUFFIX else [SampleLocation(p)])]
+    for path in locations:
         header = read_header(path)
         meta = header.meta
         if meta["sample_id"] in seen:
@@ -703,11 +739,11 @@ def write_index(folder: str | os.PathLike) -> list[IndexEntry]:
             )
         seen[meta["sample_id"]] = path
         entries.append(entry_of(folder, path, header))
-    _write_entries(folder, entries)
+    write_entries(folder, entries)
     return entries
 
 
-def _write_entries(folder: Path, entries: list[IndexEntry]) -> None:
+def write_entries(folder: Path, entries: list[IndexEntry]) -> None:
     """Write `entries` as `folder/index.jsonl` and its compact index, each atomically."""
     text = "".join(json.dumps(e.to_json()) + "\n" for e in entries).encode("utf-8")
     index = folder / INDEX_NAME
@@ -716,17 +752,26 @@ def _write_entries(folder: Path, entries: list[IndexEntry]) -> None:
     table_of(entries, tuple(SAMPLE_TASKS)).write(folder / COMPACT_NAME, source)
 
 
-def entry_of(folder: Path, path: Path, header: SampleHeader) -> IndexEntry:
-    """The index entry of the sample file `path` (under `folder`), from its validated header."""
+def entry_of(folder: Path, path: Path | SampleLocation, header: SampleHeader) -> IndexEntry:
+    """The index entry of the sample at `path` (a file under `folder`, or its bytes in a shard there), from its
+    validated header."""
+    at = _location(path)
     meta = header.meta
     return IndexEntry(
         sample_id=meta["sample_id"],
-        file=path.relative_to(folder).as_posix(),
+        file=at.path.relative_to(folder).as_posix(),
         task=meta["task"],
         seq_len=header.seq_len(),
         geometry=header.geometry,
         has_audio=meta["has_audio"],
+        offset=at.offset,
+        length=at.length,
     )
+
+
+def location_of(folder: Path, entry: IndexEntry) -> SampleLocation:
+    """Where the sample an index entry of `folder` lists lies (`entry.file` is relative to `folder`)."""
+    return SampleLocation(folder / entry.file, entry.offset, entry.length)
 
 
 def _differences(listed: IndexEntry, found: IndexEntry) -> str:
@@ -781,9 +826,9 @@ def index_problems(folder: str | os.PathLike, table: IndexTable, files: bool = T
             if row in skipped:
                 continue
             listed = table[row]
-            path = folder / listed.file
+            at = location_of(folder, listed)
             try:
-                found = entry_of(folder, path, read_header(path))
+                found = entry_of(folder, at, read_header(at))
             except SampleError:
                 # The file's fault, not the index's: its read says so when the sample is drawn, raised or
                 # passed over as `data.on_error` asks.
@@ -841,7 +886,7 @@ def rebuild_index(folder: str | os.PathLike) -> IndexRebuild:
     paths = _FolderPaths(folder)
     entries: list[IndexEntry] = []
     fixes: list[str] = []
-    by_file: dict[str, int] = {}
+    by_file: dict[tuple[str, int], int] = {}
     by_id: dict[str, tuple[int, str]] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -856,16 +901,17 @@ def rebuild_index(folder: str | os.PathLike) -> IndexRebuild:
             if name is None:
                 raise DatasetError(f"{exc}; fix or delete the line, {again}") from None
             paths.check(name, where)
-        key = PurePosixPath(name).as_posix()
+        at = SampleLocation(folder / name) if listed is None else location_of(folder, listed)
+        key = (PurePosixPath(name).as_posix(), at.offset)
         if key in by_file:
-            fixes.append(f"{label}: dropped, it lists file '{name}' again (first on line {by_file[key]})")
+            again_at = f" from byte {at.offset}" if at.length >= 0 else ""
+            fixes.append(f"{label}: dropped, it lists file '{name}'{again_at} again (first on line {by_file[key]})")
             continue
-        path = folder / name
-        if not path.is_file():
+        if not at.path.is_file():
             fixes.append(f"{label}: dropped, its file '{name}' does not exist")
             continue
         try:
-            found = entry_of(folder, path, read_header(path))
+            found = entry_of(folder, at, read_header(at))
         except SampleError as exc:
             raise SampleError(f"{exc}; re-encode it or delete {label}, {again}") from None
         if found.sample_id in by_id:
@@ -884,7 +930,7 @@ def rebuild_index(folder: str | os.PathLike) -> IndexRebuild:
         return IndexRebuild(entries, [], None)
     backup = _backup_name(index)
     atomic_write(backup, lambda tmp: tmp.write_bytes(old))
-    _write_entries(folder, entries)
+    write_entries(folder, entries)
     return IndexRebuild(entries, fixes, backup)
 
 
@@ -921,16 +967,19 @@ def _repeated_rows(table: IndexTable) -> list[tuple[int, int, str]]:
     Only the rows whose id or file hash like another row's (`IndexTable.hashes`) can repeat one, or be
     repeated: those alone are decoded and compared, so an index without repeats holds no string per row.
     """
-    candidates = np.union1d(_shared(table.hashes("ids")), _shared(table.hashes("files")))
+    # The samples of one shard share its file: a sample's bytes are its file and where they start.
+    where = table.hashes("files") ^ (table.columns["offset"] * np.int64(-7046029254386353131))
+    candidates = np.union1d(_shared(table.hashes("ids")), _shared(where))
     first_id: dict[str, int] = {}
-    first_file: dict[str, int] = {}
+    first_file: dict[tuple[str, int], int] = {}
     found = []
     for row in candidates.tolist():
         entry = table[row]
-        sample_id, name = entry.sample_id, entry.file
+        sample_id, name = entry.sample_id, (entry.file, entry.offset)
         if name in first_file or sample_id in first_id:
             earlier = first_file.get(name, first_id.get(sample_id))
-            found.append((row, earlier, f"sample '{sample_id}'" if sample_id in first_id else f"file '{name}'"))
+            what = f"file '{entry.file}'" + (f" from byte {entry.offset}" if entry.in_shard else "")
+            found.append((row, earlier, f"sample '{sample_id}'" if sample_id in first_id else what))
             continue
         first_id[sample_id], first_file[name] = row, row
     return found
@@ -1105,8 +1154,12 @@ def _parse_index_line(paths: _FolderPaths, where: str, line: str) -> IndexEntry:
                 int(geo["num_audio_latents"]),
             ),
             has_audio=bool(row["has_audio"]),
+            offset=int(row.get("offset", 0)),
+            length=int(row.get("length", -1)),
         )
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        if entry.length < -1 or entry.offset < 0 or (entry.length < 0 and entry.offset):
+            raise ValueError(f"offset {entry.offset}, length {entry.length}: not a sample's bytes")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
         raise DatasetError(f"{where}: malformed entry ({type(exc).__name__}: {exc})") from None
     if entry.task not in SAMPLE_TASKS:
         raise DatasetError(f"{where}: task '{entry.task}' is not one of {', '.join(SAMPLE_TASKS)}")

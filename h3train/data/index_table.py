@@ -19,7 +19,8 @@ File layout (little-endian throughout):
                    latent_width, num_audio_latents), task [N] uint8 (a code into "tasks"),
                    has_audio [N] bool, ids and files: UTF-8 bytes of every sample id (relative
                    file path) one after the other, with ids_offsets / files_offsets [N + 1] int64
-                   (entry i is bytes [offsets[i], offsets[i + 1]))
+                   (entry i is bytes [offsets[i], offsets[i + 1])), offset and length [N] int64 (where
+                   a sample in a shard lies in its file; length -1: the whole file)
 
 It is written atomically (a temporary name, then a rename), so ranks racing to write it are harmless
 and a reader maps either a whole old file or a whole new one, never part of one; nothing here
@@ -48,7 +49,7 @@ from ..tasks.layout import Geometry
 
 COMPACT_NAME = ".h3train.index"
 _MAGIC = b"H3INDEX\n"
-_VERSION = 1
+_VERSION = 2
 _ALIGN = 64
 _RECENT_ENTRIES = 4096
 # Rows a pass over a string column decodes at once: a few MiB of Python strings, whatever the index's size.
@@ -63,6 +64,8 @@ _COLUMNS = {
     "ids_offsets": ("<i8", 1),
     "files": ("|u1", 1),
     "files_offsets": ("<i8", 1),
+    "offset": ("<i8", 1),
+    "length": ("<i8", 1),
 }
 # Reading `index.jsonl` for its hash, a block at a time.
 _HASH_BLOCK = 1 << 20
@@ -70,7 +73,11 @@ _HASH_BLOCK = 1 << 20
 
 @dataclass(frozen=True)
 class IndexEntry:
-    """One line of `index.jsonl`. `file` is relative to the dataset folder; `seq_len` is the packed length."""
+    """One line of `index.jsonl`. `file` is relative to the dataset folder; `seq_len` is the packed length.
+
+    A sample in a shard (`data/shards.py`) is the `length` bytes of `file` from byte `offset`, the bytes its
+    own sample file would hold; `length` -1: the sample is the whole of `file` (`offset` 0).
+    """
 
     sample_id: str
     file: str
@@ -78,9 +85,15 @@ class IndexEntry:
     seq_len: int
     geometry: Geometry
     has_audio: bool
+    offset: int = 0
+    length: int = -1
+
+    @property
+    def in_shard(self) -> bool:
+        return self.length >= 0
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        line = {
             "id": self.sample_id,
             "file": self.file,
             "task": self.task,
@@ -88,6 +101,9 @@ class IndexEntry:
             "geometry": dataclasses.asdict(self.geometry),
             "has_audio": self.has_audio,
         }
+        if self.in_shard:
+            line.update(offset=self.offset, length=self.length)
+        return line
 
 
 @dataclass(frozen=True)
@@ -176,6 +192,8 @@ class IndexTable(Sequence[IndexEntry]):
             seq_len=int(c["seq_len"][row]),
             geometry=Geometry(*(int(v) for v in c["geometry"][row])),
             has_audio=bool(c["has_audio"][row]),
+            offset=int(c["offset"][row]),
+            length=int(c["length"][row]),
         )
 
     def rows_of(self, tasks: Iterable[str]) -> np.ndarray:
@@ -297,7 +315,14 @@ def _columns_of(header: Any, size: int) -> dict[str, tuple[np.dtype, int, tuple[
         if offset + int(np.prod(shape)) * np.dtype(dtype).itemsize > size:
             return None
         found[name] = (np.dtype(dtype), offset, shape)
-    wanted = {"seq_len": (rows,), "geometry": (rows, 4), "task": (rows,), "has_audio": (rows,)}
+    wanted = {
+        "seq_len": (rows,),
+        "geometry": (rows, 4),
+        "task": (rows,),
+        "has_audio": (rows,),
+        "offset": (rows,),
+        "length": (rows,),
+    }
     if any(found[name][2] != shape for name, shape in wanted.items()):
         return None
     return found
@@ -315,6 +340,7 @@ class IndexTableBuilder:
         self._has_audio = array("B")
         self._ids, self._files = bytearray(), bytearray()
         self._ids_offsets, self._files_offsets = array("q", [0]), array("q", [0])
+        self._offset, self._length = array("q"), array("q")
 
     def add(self, entry: IndexEntry) -> None:
         """Append `entry`. Raises `OverflowError` for a number beyond int64 (the caller names the line)."""
@@ -327,6 +353,8 @@ class IndexTableBuilder:
         self._files += entry.file.encode("utf-8", "surrogatepass")
         self._ids_offsets.append(len(self._ids))
         self._files_offsets.append(len(self._files))
+        self._offset.append(entry.offset)
+        self._length.append(entry.length)
 
     def build(self) -> IndexTable:
         columns = {
@@ -338,6 +366,8 @@ class IndexTableBuilder:
             "ids_offsets": np.frombuffer(self._ids_offsets, dtype=np.int64),
             "files": np.frombuffer(self._files, dtype=np.uint8),
             "files_offsets": np.frombuffer(self._files_offsets, dtype=np.int64),
+            "offset": np.frombuffer(self._offset, dtype=np.int64),
+            "length": np.frombuffer(self._length, dtype=np.int64),
         }
         return IndexTable(columns, self.tasks)
 

@@ -22,7 +22,7 @@ import torch
 from ..config import Config, dataset_specs, measures_held_out_loss
 from ..config.checks import resolve_compile
 from ..data.dataset import index_entries
-from ..data.format import INDEX_NAME, read_header, resolve_in_folder
+from ..data.format import INDEX_NAME, location_of, read_header, resolve_in_folder
 from ..data.mixture import dataset_key, epoch_draws
 from ..data.source import data_source
 from ..debug.faults import parse_faults
@@ -265,7 +265,9 @@ def _check_one_dataset(cfg: Config, dims: dict[str, Any], key: str, folder: Path
             f"'{folder}' ({key}) holds only {', '.join(sorted(found))} samples; use "
             f"task.name={training_task_for(found)} or {other}"
         )
-    sample = resolve_in_folder(folder, table[int(trained[0])].file, f"index '{index}'")
+    first = table[int(trained[0])]
+    resolve_in_folder(folder, first.file, f"index '{index}'")
+    sample = location_of(folder, first)
     width = read_header(sample).specs["prompt_embeds"].shape[-1]
     text_dim = int(dims["text_dim"])
     if width != text_dim:
