@@ -1,9 +1,11 @@
 import os
+from collections.abc import Iterator
 
 import pytest
 
 from helpers.ranks import collective_checks
 from helpers.runs import TrainedRuns
+from helpers.s3 import S3Server
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -52,3 +54,11 @@ def _no_process_group_left_behind():
 def trained_runs(tmp_path_factory: pytest.TempPathFactory) -> TrainedRuns:
     """The runs the tests of this process share, each trained once (`helpers.runs`)."""
     return TrainedRuns(tmp_path_factory.mktemp("trained_runs"))
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """moto's S3 server of this test process (`helpers.s3`), started when a test first asks for it and
+    stopped at the end of the session; its buckets are shared, so each test makes its own."""
+    with S3Server() as server:
+        yield server
