@@ -67,7 +67,6 @@ from ..train.preemption import SAME_KEYPRESS_S, Preemption
 from ..train.trainer import Trainer
 from .parts import TrainingParts
 from .preflight import (
-    JobDevice,
     agree_job_device,
     checkpoint_policies,
     device_memory_gib,
@@ -126,12 +125,7 @@ def assemble(
         print(note, file=sys.stderr, flush=True)
     lock = take_run_lock(log_dir, ckpt_dir)
     try:
-        _, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
-        # The start's one agreement: what follows decides from the same memory and card on every rank.
-        job = agree_job_device(device)
-        cfg = resolve_tables(cfg, dims, device.type, job)
-        start_plan(cfg, device.type, job.memory_gib, dims)
-        return _assemble(cfg, dims, device, job, log_dir, ckpt_dir, lock, planned, transforms, hooks, overwrite)
+        return _assemble(cfg, dims, log_dir, ckpt_dir, lock, planned, transforms, hooks, overwrite)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -161,8 +155,6 @@ def take_run_lock(log_dir: Path, ckpt_dir: Path) -> RunLock | None:
 def _assemble(
     cfg: Config,
     dims: ParallelDims,
-    device: torch.device,
-    job: JobDevice,
     log_dir: Path,
     ckpt_dir: Path,
     lock: RunLock | None,
@@ -171,7 +163,15 @@ def _assemble(
     hooks: Sequence[TrainerHook] | None,
     overwrite: bool,
 ) -> TrainingParts:
+    # The run folders are judged before the process group (an error there is said once a node), on the
+    # config as given: `config.yaml` records `parallel.adaln_tables` as configured, as it does `auto` policies.
     resume = Resume(cfg, log_dir, ckpt_dir, overwrite)
+    _, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
+    # The start's one agreement: what follows decides from the same memory and card on every rank.
+    job = agree_job_device(device)
+    configured = cfg.parallel.adaln_tables
+    cfg = resolve_tables(cfg, dims, device.type, job)
+    start_plan(cfg, device.type, job.memory_gib, dims)
     ctx = ParallelContext(dims, device)
     if ctx.is_main and ctx.averaging.force_sum:
         print(ctx.averaging.describe(dims.world_size), flush=True)
@@ -255,6 +255,7 @@ def _assemble(
         adapter_files=adapter_files,
         resume=resume,
         lock=lock,
+        configured_tables=configured,
     )
 
 

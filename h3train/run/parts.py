@@ -98,6 +98,9 @@ class TrainingParts:
     resume: Resume | None = None
     reduction: StepReduction = all_reduce_to_host
     lock: RunLock | None = None
+    # `parallel.adaln_tables` as the config gave it (`auto`), which `config.yaml` and checkpoints record; `cfg`
+    # holds what the start decided (`preflight.resolve_tables`). None: as `cfg` holds it.
+    configured_tables: str | bool | None = None
     checkpoint_state: dict[str, Stateful] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -216,14 +216,18 @@ class Trainer:
         )
 
     def _config_yaml(self) -> str:
-        """`to_yaml(self.cfg)`, rendered again only when the config changed.
+        """`to_yaml(self.cfg)` with `parallel.adaln_tables` as configured (`TrainingParts.configured_tables`:
+        a requeue compares it with the config it is given), rendered again only when the config changed.
 
         OmegaConf takes tens of milliseconds, which every save would spend on the training thread.
         """
-        key = repr(self.cfg)
+        cfg = self.cfg
+        if self.parts.configured_tables is not None:
+            cfg = replace(cfg, parallel=replace(cfg.parallel, adaln_tables=self.parts.configured_tables))
+        key = repr(cfg)
         cached = getattr(self, "_yaml_cache", None)
         if cached is None or cached[0] != key:
-            cached = self._yaml_cache = (key, to_yaml(self.cfg))
+            cached = self._yaml_cache = (key, to_yaml(cfg))
         return cached[1]
 
     # -- one optimizer step ---------------------------------------------------------------------
