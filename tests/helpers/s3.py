@@ -335,6 +335,10 @@ class FaultProxy:
             self._counts = [RuleCount() for _ in self._rules]
             self.log.clear()
 
+    def _record(self, method: str, path: str, status: int) -> None:
+        with self._lock:
+            self.log.append((method, path, status))
+
     def _decide(self, method: str, path: str) -> FaultKind | None:
         """The fault this request gets, if any; every matching rule counts it as seen."""
         chosen = None
@@ -386,11 +390,12 @@ class FaultProxy:
                     status, code, message = _ERRORS[fault]
                     error = b"" if head else _error_body(code, message, path)
                     headers = [("Content-Type", "application/xml"), ("x-amz-request-id", "FAULTPROXY")]
+                    # Logged before the answer is sent: a client may read the log once it has the answer.
+                    proxy._record(self.command, path, status)
                     self._send(status, headers, error, len(error))
-                    proxy.log.append((self.command, path, status))
                     return
                 status, headers, answer = self._forward(body)
-                proxy.log.append((self.command, path, status))
+                proxy._record(self.command, path, status)
                 declared = next((int(v) for k, v in headers if k.lower() == "content-length"), len(answer))
                 headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
                 if head:
