@@ -22,12 +22,14 @@ from .format import (
     INDEX_NAME,
     DatasetError,
     SampleError,
-    SampleLocation,
+    location_of,
     open_index,
     read_sample,
     resolve_in_folder,
 )
 from .index_table import IndexRows, IndexTable, Lengths
+from .location import SampleLocation
+from .storage import dataset_folder
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,10 @@ class CachedDataset:
             raise DatasetError(f"task filter '{task_filter}' is not one of {', '.join(TRAINING_TASKS)}")
         if on_error not in ON_ERROR:
             raise DatasetError(f"on_error '{on_error}' is not one of {', '.join(ON_ERROR)}")
-        self.folder = Path(folder)
+        # As the config names it (a folder, or a URL: `data/storage.py`), and the local folder planned from.
+        self.name = os.fspath(folder)
+        self.folder = dataset_folder(folder)
+        self.where = f"dataset '{self.name}'"
         self.task_filter = task_filter
         self.on_error = on_error
         table = index_entries(self.folder)
@@ -101,7 +106,7 @@ class CachedDataset:
         if not rows.size:
             found = sorted(table.task_counts()) or ["none"]
             raise DatasetError(
-                f"dataset '{self.folder}' has no samples for task '{task_filter}' (it accepts "
+                f"dataset '{self.name}' has no samples for task '{task_filter}' (it accepts "
                 f"{', '.join(accepted)}; the index lists {len(table)} samples of tasks {', '.join(found)})"
             )
         lengths = table.seq_len[rows]
@@ -111,7 +116,7 @@ class CachedDataset:
             self.dropped = DroppedSamples(table, rows[longer])
             if longer.all():
                 raise DatasetError(
-                    f"dataset '{self.folder}': every {task_filter} sample packs to more than data.max_rows={max_rows} "
+                    f"dataset '{self.name}': every {task_filter} sample packs to more than data.max_rows={max_rows} "
                     f"rows (the shortest {int(lengths.min())}); raise data.max_rows"
                 )
             rows, lengths = rows[~longer], lengths[~longer]
@@ -133,10 +138,13 @@ class CachedDataset:
         return self._lengths
 
     def path(self, index: int) -> SampleLocation:
-        """Where sample `index` lies: its file, or its bytes in a shard (`data/shards.py`)."""
+        """Where sample `index` lies: its file, or its bytes in a shard (`data/shards.py`), here or on object
+        storage (`data/storage.py`)."""
         entry = self.entries[index]
-        path = resolve_in_folder(self.folder, entry.file, f"dataset '{self.folder}'")
-        return SampleLocation(path, entry.offset, entry.length)
+        at = location_of(self.folder, entry)
+        if at.store is None:
+            return SampleLocation(resolve_in_folder(self.folder, entry.file, self.where), entry.offset, entry.length)
+        return at
 
     def load(self, index: int) -> TrainingSample:
         """Read sample `index`, checking it is the one the index describes (a stale index raises)."""
@@ -148,12 +156,12 @@ class CachedDataset:
         if sample.sample_id != entry.sample_id or sample.task != entry.task:
             raise SampleError(
                 f"sample '{path}': holds {sample.task} sample '{sample.sample_id}', the index lists "
-                f"{entry.task} sample '{entry.sample_id}'; rebuild the index with 'h3train index {self.folder}'"
+                f"{entry.task} sample '{entry.sample_id}'; rebuild the index with 'h3train index {self.name}'"
             )
         if sample.layout.seq_len != entry.seq_len:
             raise SampleError(
                 f"sample '{path}': packs to {sample.layout.seq_len} rows, the index says "
-                f"{entry.seq_len}; rebuild the index with 'h3train index {self.folder}'"
+                f"{entry.seq_len}; rebuild the index with 'h3train index {self.name}'"
             )
         return sample
 
@@ -173,4 +181,4 @@ class CachedDataset:
                 logger.warning("skipping unreadable sample %d: %s", candidate, exc)
                 if self.on_skip is not None:
                     self.on_skip(self.entries[candidate].sample_id, str(exc))
-        raise DatasetError(f"dataset '{self.folder}': no sample of task '{self.task_filter}' could be read")
+        raise DatasetError(f"dataset '{self.name}': no sample of task '{self.task_filter}' could be read")

@@ -41,12 +41,12 @@ import json
 import logging
 import os
 from array import array
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -84,6 +84,10 @@ from .index_table import (
     IndexTableBuilder,
     table_of,
 )
+from .location import INDEX_NAME, SAMPLE_SUFFIX, SHARD_SUFFIX, SampleLocation, shard_samples
+
+if TYPE_CHECKING:
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +98,6 @@ METADATA_KEY = "h3train"
 DIGESTS_KEY = "digests"
 # safetensors' own limit on a header's size.
 _MAX_HEADER = 100 * 1024 * 1024
-INDEX_NAME = "index.jsonl"
-SAMPLE_SUFFIX = ".safetensors"
 
 _LATENT_DTYPES = (torch.float32,)
 _EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -463,19 +465,6 @@ def write_sample(path: str | os.PathLike, sample: CachedSample) -> None:
     atomic_save_file(payload, path, metadata={METADATA_KEY: json.dumps({**meta, DIGESTS_KEY: digests})})
 
 
-@dataclass(frozen=True)
-class SampleLocation:
-    """Where a sample's bytes lie: the whole of the file `path` (`length` -1), or the `length` bytes of a
-    shard (`data/shards.py`) from byte `offset`, the bytes the sample's own file would hold."""
-
-    path: Path
-    offset: int = 0
-    length: int = -1
-
-    def __str__(self) -> str:
-        return str(self.path) if self.length < 0 else f"{self.path}, bytes {self.offset}-{self.offset + self.length}"
-
-
 def _location(source: str | os.PathLike | SampleLocation) -> SampleLocation:
     return source if isinstance(source, SampleLocation) else SampleLocation(Path(source))
 
@@ -488,6 +477,9 @@ def _read(where: str, at: SampleLocation, whole: bool) -> tuple[dict[str, Any], 
     `SampleError` when read, never a signal when a step touches its tensors. A sample in a shard is
     read within its bytes alone: a header that claims more is a truncated sample.
     """
+    if at.store is not None:
+        data = _read_remote(where, at, whole)
+        return _parsed(where, data)
     if not at.path.is_file():
         raise SampleError(f"sample '{where}': file does not exist")
     try:
@@ -503,6 +495,37 @@ def _read(where: str, at: SampleLocation, whole: bool) -> tuple[dict[str, Any], 
                 data += handle.read(max(min(int.from_bytes(data, "little"), _MAX_HEADER, left), 0))
     except OSError as exc:
         raise SampleError(f"sample '{where}': cannot be read ({exc.strerror or exc})") from None
+    return _parsed(where, data)
+
+
+# A remote sample's header is read with the first bytes after it: one ranged GET for most samples.
+_REMOTE_HEAD = 1 << 16
+
+
+def _read_remote(where: str, at: SampleLocation, whole: bool) -> bytearray:
+    """The bytes of a sample on object storage: all of them when `whole`, else its header (and what follows
+    it in the first read)."""
+    assert at.store is not None
+    key = at.path.as_posix()
+    try:
+        if at.length < 0:
+            size = int(at.store.info(key)["size"])
+        else:
+            size = at.length
+        if whole:
+            return bytearray(at.store.read(key, at.offset, size))
+        head = bytearray(at.store.read(key, at.offset, min(size, _REMOTE_HEAD)))
+        need = 8 + (int.from_bytes(head[:8], "little") if len(head) >= 8 else 0)
+        if len(head) < min(need, size, 8 + _MAX_HEADER):
+            head += at.store.read(key, at.offset + len(head), min(need, size) - len(head))
+        return head
+    except FileNotFoundError:
+        raise SampleError(f"sample '{where}': file does not exist") from None
+    except SampleError as exc:
+        raise SampleError(f"sample '{where}': {str(exc).split(': ', 1)[-1]}") from None
+
+
+def _parsed(where: str, data: bytearray) -> tuple[dict[str, Any], bytearray, int]:
     length = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
     if length < 0 or length > _MAX_HEADER or len(data) < 8 + length:
         raise SampleError(f"sample '{where}': not a readable safetensors file (truncated or not safetensors)")
@@ -644,6 +667,8 @@ def sample_digest(path: str | os.PathLike | SampleLocation) -> str:
     """The digest of a sample's bytes (`infra.digest`): its whole file, or its bytes in a shard (the same
     digest as the file it was cut from)."""
     at = _location(path)
+    if at.store is not None:
+        return digest_bytes(_read_remote(str(at), at, whole=True))
     if at.length < 0:
         return digest_file(at.path)
     with open(at.path, "rb") as handle:
@@ -715,8 +740,6 @@ def write_index(folder: str | os.PathLike) -> list[IndexEntry]:
     its files are left out. Files are listed in sorted relative-path order so the index, and with it
     the sample numbering, is reproducible. Every header is validated; both files are written atomically.
     """
-    from .shards import SHARD_SUFFIX, shard_samples
-
     folder = Path(folder)
     if not folder.is_dir():
         raise DatasetError(f"dataset folder '{folder}' does not exist")
@@ -759,7 +782,7 @@ def entry_of(folder: Path, path: Path | SampleLocation, header: SampleHeader) ->
     meta = header.meta
     return IndexEntry(
         sample_id=meta["sample_id"],
-        file=at.path.relative_to(folder).as_posix(),
+        file=at.path.as_posix() if at.store is not None else at.path.relative_to(folder).as_posix(),
         task=meta["task"],
         seq_len=header.seq_len(),
         geometry=header.geometry,
@@ -770,7 +793,13 @@ def entry_of(folder: Path, path: Path | SampleLocation, header: SampleHeader) ->
 
 
 def location_of(folder: Path, entry: IndexEntry) -> SampleLocation:
-    """Where the sample an index entry of `folder` lists lies (`entry.file` is relative to `folder`)."""
+    """Where the sample an index entry of `folder` lists lies (`entry.file` is relative to `folder`, or to the
+    URL of the dataset whose index `folder` holds a copy of, `storage.mirror_index`)."""
+    from .storage import remote_store
+
+    store = remote_store(folder)
+    if store is not None:
+        return SampleLocation(PurePosixPath(entry.file), entry.offset, entry.length, store)  # type: ignore[arg-type]
     return SampleLocation(folder / entry.file, entry.offset, entry.length)
 
 
@@ -999,8 +1028,12 @@ def _shared(values: np.ndarray) -> np.ndarray:
 def _missing_rows(folder: Path, table: IndexTable, skipped: set[int]) -> list[int]:
     """The rows, but those in `skipped`, whose file is not in the listing of its directory, ascending.
 
-    The files are decoded a block of rows at a time (`STRING_BLOCK`) and each directory is listed once.
+    The files are decoded a block of rows at a time (`STRING_BLOCK`) and each directory is listed once (on
+    object storage, one listing of its objects).
     """
+    from .storage import remote_store
+
+    store = remote_store(folder)
     listings: dict[str, _Listing] = {}
     missing = []
     n = len(table)
@@ -1015,7 +1048,9 @@ def _missing_rows(folder: Path, table: IndexTable, skipped: set[int]) -> list[in
             bases.append(base.encode("utf-8", "surrogatepass"))
         for directory, (rows, bases) in asked.items():
             if directory not in listings:
-                listings[directory] = _Listing(folder / directory)
+                listings[directory] = _Listing(
+                    _names_in(folder / directory) if store is None else iter(store.names_in(directory))
+                )
             missing += [row for row, there in zip(rows, listings[directory].holds(bases)) if not there]
     return sorted(missing)
 
@@ -1029,17 +1064,13 @@ class _Listing:
     (`surrogatepass`), so bytes are equal where the strings are.
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, names: Iterator[str]) -> None:
         hashes, self.ends, self.blob = array("q"), array("q", [0]), bytearray()
-        try:
-            with os.scandir(directory) as listing:
-                for entry in listing:
-                    name = entry.name.encode("utf-8", "surrogatepass")
-                    hashes.append(hash(name))
-                    self.blob += name
-                    self.ends.append(len(self.blob))
-        except OSError:
-            hashes, self.ends, self.blob = array("q"), array("q", [0]), bytearray()
+        for text in names:
+            name = text.encode("utf-8", "surrogatepass")
+            hashes.append(hash(name))
+            self.blob += name
+            self.ends.append(len(self.blob))
         unsorted = np.frombuffer(hashes, dtype=np.int64)
         order = np.argsort(unsorted, kind="stable")
         self.hashes = unsorted[order]
@@ -1063,6 +1094,16 @@ class _Listing:
                     break
                 k += 1
         return found
+
+
+def _names_in(directory: Path) -> Iterator[str]:
+    """The names in `directory` one at a time (a million of them are never a list), none when it is not one."""
+    try:
+        with os.scandir(directory) as listing:
+            for entry in listing:
+                yield entry.name
+    except OSError:
+        return
 
 
 def read_index(folder: str | os.PathLike) -> list[IndexEntry]:

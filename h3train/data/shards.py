@@ -7,13 +7,7 @@ one ranged read of exactly its bytes, and the bytes are those its own file held:
 metadata and digests, checked as a file's are. What the encoder records of a sample's inputs and settings
 beside its file (`<id>.inputs.json`, `data/encode/run.py`) goes into the shard's header.
 
-File layout (little-endian):
-
-    bytes 0-7      magic `H3SHARD\\n`
-    bytes 8-15     uint64: length of the JSON header that follows
-    JSON header    {"format": "h3train-shard", "version", "samples": [{"id", "offset", "length"}, ...],
-                   "inputs": {sample id: its encoder's inputs record}, for the samples that have one}
-    samples        each sample's bytes at its offset (from the start of the file), in index order
+The file layout and the reading of a shard's header are in `data/location.py`.
 
 `write_shards` cuts a dataset folder into shards of about `shard_bytes` each (a sample never spans two)
 and writes the sharded dataset's `index.jsonl` beside them; `shard_samples` lists a shard's samples
@@ -30,71 +24,21 @@ from typing import Any
 
 from ..errors import DatasetError
 from ..infra.atomic import atomic_write
-from .format import (
-    INDEX_NAME,
-    SampleError,
-    SampleLocation,
-    location_of,
-    open_index,
-    read_header,
-    write_entries,
-)
+from .format import location_of, open_index, read_header, write_entries
 from .index_table import IndexEntry
+from .location import (
+    INDEX_NAME,
+    INPUTS_SUFFIX,
+    SHARD_SUFFIX,
+    SampleLocation,
+    read_shard_header,
+    shard_header_bytes,
+)
 
-SHARD_SUFFIX = ".h3shard"
 SHARDS_DIR = "shards"
-_MAGIC = b"H3SHARD\n"
-_FORMAT = "h3train-shard"
-_VERSION = 1
-_MAX_HEADER = 1 << 30
 # The default shard size: a few seconds of one GET at object storage's per-connection rates, and a few
 # hundred shards a million samples.
 DEFAULT_SHARD_BYTES = 2 * 10**9
-
-
-@dataclass(frozen=True)
-class ShardHeader:
-    """A shard's header: each sample's (id, offset, length) in file order, and the encoder's inputs record
-    (the digest of its settings, its clip's length) of each sample that has one, by sample id."""
-
-    samples: tuple[tuple[str, int, int], ...]
-    inputs: dict[str, Any]
-
-
-def read_shard_header(path: Path) -> ShardHeader:
-    """The header of the shard at `path`. Raises `SampleError` naming the shard when it is not one."""
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(len(_MAGIC) + 8)
-            if len(head) < len(_MAGIC) + 8 or head[: len(_MAGIC)] != _MAGIC:
-                raise SampleError(f"shard '{path}': not an h3train shard (no {_MAGIC!r} at its start)")
-            length = int.from_bytes(head[len(_MAGIC) :], "little")
-            if length > _MAX_HEADER:
-                raise SampleError(f"shard '{path}': its header claims {length:,} bytes; the shard is damaged")
-            text = handle.read(length)
-    except OSError as exc:
-        raise SampleError(f"shard '{path}': cannot be read ({exc.strerror or exc})") from None
-    try:
-        header = json.loads(text)
-        if header.get("format") != _FORMAT or header.get("version") != _VERSION:
-            raise ValueError(f"format {header.get('format')!r} version {header.get('version')!r}")
-        samples = tuple((str(s["id"]), int(s["offset"]), int(s["length"])) for s in header["samples"])
-        inputs = dict(header.get("inputs", {}))
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise SampleError(f"shard '{path}': its header is not readable ({exc}); the shard is damaged") from None
-    return ShardHeader(samples, inputs)
-
-
-def shard_samples(path: Path) -> list[SampleLocation]:
-    """Where each sample of the shard at `path` lies, in file order (from its header alone)."""
-    return [SampleLocation(path, offset, length) for _, offset, length in read_shard_header(path).samples]
-
-
-def _header_bytes(samples: list[tuple[str, int, int]], inputs: dict[str, Any]) -> bytes:
-    header = {"format": _FORMAT, "version": _VERSION, "samples": [], "inputs": inputs}
-    header["samples"] = [{"id": i, "offset": o, "length": n} for i, o, n in samples]
-    text = json.dumps(header, sort_keys=True).encode()
-    return _MAGIC + len(text).to_bytes(8, "little") + text
 
 
 def _groups(sizes: list[int], shard_bytes: int) -> list[range]:
@@ -130,7 +74,26 @@ def write_shards(
     so a damaged dataset is refused before anything is written. `out` must not hold a dataset yet: a
     shard or an index already there is never replaced (`DatasetError` naming it).
     """
-    folder, out = Path(folder), Path(out)
+    from .storage import RemoteStore, is_url
+
+    if is_url(out):
+        # Written here a shard at a time, each uploaded and removed before the next: the disk holds one.
+        import tempfile
+
+        store = RemoteStore(os.fspath(out))
+        there = set(store.names_in(""))
+        for existing in (INDEX_NAME, SHARDS_DIR):
+            if existing in there:
+                raise DatasetError(
+                    f"'{store.name(existing)}' exists already: shard into an empty prefix, or move it aside first"
+                )
+        with tempfile.TemporaryDirectory(prefix="h3train-shard-") as local:
+            return _write_shards(Path(folder), Path(local), shard_bytes, store)
+    return _write_shards(Path(folder), Path(out), shard_bytes, None)
+
+
+def _write_shards(folder: Path, out: Path, shard_bytes: int, store: Any) -> ShardedDataset:
+    """`write_shards` into the folder `out`, each shard (then the index) uploaded to `store` when there is one."""
     if shard_bytes < 1:
         raise DatasetError(f"--shard-size is {shard_bytes} bytes; give at least 1 (about 1-4 GB is usual)")
     table = open_index(folder)
@@ -158,14 +121,14 @@ def write_shards(
         kinds = {listed[i].sample_id: records[i] for i in group if records[i] is not None}
         # The header's length depends on the offsets it lists: lay out with the offsets' final widths.
         layout = [(listed[i].sample_id, 0, sizes[i]) for i in group]
-        base = len(_header_bytes(layout, kinds))
+        base = len(shard_header_bytes(layout, kinds))
         while True:
             offsets, at = [], base
             for i in group:
                 offsets.append(at)
                 at += sizes[i]
             layout = [(listed[i].sample_id, o, sizes[i]) for i, o in zip(group, offsets)]
-            head = _header_bytes(layout, kinds)
+            head = shard_header_bytes(layout, kinds)
             if len(head) == base:
                 break
             base = len(head)
@@ -180,11 +143,17 @@ def write_shards(
                     handle.write(_sample_bytes(locations[i]))
 
         atomic_write(target, fill)
+        if store is not None:
+            store.fs.put_file(str(target), store.key(name))
+            target.unlink()
         names.append(name)
         written += at
         for i, offset in zip(group, offsets):
             entries.append(_in_shard(listed[i], name, offset, sizes[i]))
     write_entries(out, entries)
+    if store is not None:
+        # The index last: a dataset whose upload stopped half way has none, and no start reads it.
+        store.fs.put_file(str(out / INDEX_NAME), store.key(INDEX_NAME))
     return ShardedDataset(names, entries, written)
 
 
@@ -192,8 +161,6 @@ def _inputs_record(at: SampleLocation, sample_id: str) -> Any:
     """The encoder's inputs record of a sample: beside its own file, or in the header of the shard it is in."""
     if at.length >= 0:
         return read_shard_header(at.path).inputs.get(sample_id)
-    from .encode.run import INPUTS_SUFFIX
-
     record = at.path.with_name(f"{sample_id}{INPUTS_SUFFIX}")
     try:
         return json.loads(record.read_text())

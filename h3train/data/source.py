@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
@@ -32,6 +31,7 @@ from ..tasks.sample import TrainingSample
 from .prefetch import Prefetcher
 from .sampler import DistributedSampler
 from .step_plan import StepPlan, StepPlanner, StepStats, step_stats
+from .storage import dataset_folder, has_index, is_dataset_dir
 
 if TYPE_CHECKING:
     from ..objective import TrainingInputs
@@ -172,18 +172,17 @@ class CachedData(DataSource):
     def sample_tasks(self, cfg: Config) -> Counter[str] | None:
         from ..tasks.table import TRAINING_TASKS
         from .dataset import index_entries
-        from .format import INDEX_NAME
 
         specs = dataset_specs(cfg.data)
         if not specs:
             return None
         tasks: Counter[str] = Counter()
         for spec in specs:
-            if not (Path(spec.path) / INDEX_NAME).is_file():
+            if not has_index(spec.path):
                 if not cfg.data.create_synthetic:
                     return None
                 return Counter(dict.fromkeys(TRAINING_TASKS[cfg.task.name].sample_tasks, 1))
-            tasks.update(index_entries(spec.path).task_counts())
+            tasks.update(index_entries(dataset_folder(spec.path)).task_counts())
         return tasks
 
     def longest(self, cfg: Config) -> tuple[int, int, str] | None:
@@ -192,7 +191,7 @@ class CachedData(DataSource):
         from .format import read_header
 
         specs = dataset_specs(cfg.data)
-        if not specs or not all(Path(spec.path).is_dir() for spec in specs):
+        if not specs or not all(is_dataset_dir(spec.path) for spec in specs):
             return None
         try:
             source = self.build(cfg, None, None)
@@ -247,14 +246,13 @@ def left_out_lines(cfg: Config) -> list[str]:
         return []
     from ..tasks.table import TRAINING_TASKS, training_task_for
     from .dataset import index_entries
-    from .format import INDEX_NAME
 
     accepted = TRAINING_TASKS[cfg.task.name].sample_tasks
     lines = []
     for spec in dataset_specs(cfg.data):
-        if not (Path(spec.path) / INDEX_NAME).is_file():
+        if not has_index(spec.path):
             continue
-        table = index_entries(spec.path)
+        table = index_entries(dataset_folder(spec.path))
         for task, count in sorted(table.task_counts().items()):
             if task in accepted:
                 continue

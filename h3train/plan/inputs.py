@@ -11,6 +11,7 @@ from typing import Any
 
 from ..config import Config, dataset_specs
 from ..data.format import INDEX_NAME
+from ..data.storage import has_index, is_dataset_dir
 from ..model.adapter import AdapterCounts
 from .arithmetic import (
     _FP32,
@@ -334,7 +335,7 @@ def dropped_line(cfg: Config) -> str | None:
     from ..config import dataset_specs
 
     specs = dataset_specs(cfg.data)
-    if not specs or not all((Path(spec.path) / INDEX_NAME).is_file() for spec in specs):
+    if not specs or not all(has_index(spec.path) for spec in specs):
         return None
     source = data_source(cfg).build(cfg, None, None)
     dropped = [pair for dataset in getattr(source, "datasets", [source]) for pair in dataset.dropped]
@@ -379,7 +380,7 @@ def samples_lines(cfg: Config, dp: int, dims: Mapping[str, Any], source: Any = N
     from ..data.step_plan import StepPlanner, outlook
 
     if source is None:
-        if data_source(cfg).reads_folders and not all(Path(s.path).is_dir() for s in dataset_specs(cfg.data)):
+        if data_source(cfg).reads_folders and not all(is_dataset_dir(s.path) for s in dataset_specs(cfg.data)):
             return []
         source = build_source(cfg, int(dims["text_dim"]))
     lengths = np.asarray(source.lengths)

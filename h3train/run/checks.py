@@ -25,6 +25,7 @@ from ..data.dataset import index_entries
 from ..data.format import INDEX_NAME, location_of, read_header, resolve_in_folder
 from ..data.mixture import dataset_key, epoch_draws
 from ..data.source import data_source
+from ..data.storage import planning_folder
 from ..debug.faults import parse_faults
 from ..errors import ConfigError, DatasetError, one_of
 from ..lora.targets import meta_model, resolve_targets, resolve_train_modules
@@ -224,7 +225,7 @@ def _check_dataset(cfg: Config, dims: dict[str, Any], required: bool) -> list[st
     specs = dataset_specs(data)
     sizes, notes = [], []
     for i, spec in enumerate(specs):
-        size = _check_one_dataset(cfg, dims, dataset_key(specs, i), Path(spec.path))
+        size = _check_one_dataset(cfg, dims, dataset_key(specs, i), planning_folder(spec.path))
         if size is None:
             if data.create_synthetic:
                 return []  # written at start-up, with the model's text width

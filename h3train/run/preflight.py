@@ -20,6 +20,7 @@ from ..data.dataset import index_entries
 from ..data.format import INDEX_NAME, index_problems
 from ..data.mixture import dataset_key
 from ..data.source import data_source
+from ..data.storage import is_url, planning_folder
 from ..errors import ConfigError, DatasetError
 from ..model.dims import planned_model_dims
 from ..parallel.dims import ParallelDims
@@ -74,10 +75,11 @@ def check_indexes(cfg: Config, headers: bool, files: bool = True) -> None:
     geometry, has_audio). The cheap checks that find something add the header checks (when `headers`), so
     that one report names everything. A dataset without an index is left to `check_inputs`, which names it.
     """
-    for key, folder in _indexed_datasets(cfg):
+    for key, name, folder in _indexed_datasets(cfg):
         if not (folder / INDEX_NAME).is_file():
             continue
-        fix = f"'h3train index {folder}'"
+        # A dataset on object storage is named by its URL, and written there again rather than re-indexed.
+        fix = f"'h3train index {folder}'" if name == str(folder) else f"'h3train shard DIR --out {name}'"
         try:
             table = index_entries(folder)
         except DatasetError as exc:
@@ -86,14 +88,14 @@ def check_indexes(cfg: Config, headers: bool, files: bool = True) -> None:
         if problems and files and headers:
             problems = index_problems(folder, table, files=True, headers=True)
         if problems:
-            shown = [f"dataset '{folder}' {problem}" for problem in problems[:_PROBLEMS_SHOWN]]
+            shown = [f"dataset '{name}' {problem}" for problem in problems[:_PROBLEMS_SHOWN]]
             if len(problems) > _PROBLEMS_SHOWN:
-                shown.append(f"dataset '{folder}': and {len(problems) - _PROBLEMS_SHOWN} more")
+                shown.append(f"dataset '{name}': and {len(problems) - _PROBLEMS_SHOWN} more")
             raise DatasetError(
                 "\n".join(
                     [
-                        f"dataset '{folder}' ({key}): {_lines(len(problems))} with its sample files, "
-                        f"each below; rebuild the index with {fix}",
+                        f"dataset '{name}' ({key}): {_lines(len(problems))} with its sample files, "
+                        f"each below; {'rebuild the index with' if name == str(folder) else 'write it with'} {fix}",
                         *shown,
                     ]
                 )
@@ -104,15 +106,23 @@ def _lines(count: int) -> str:
     return f"1 line of its {INDEX_NAME} disagrees" if count == 1 else f"{count} lines of its {INDEX_NAME} disagree"
 
 
-def _indexed_datasets(cfg: Config) -> list[tuple[str, Path]]:
-    """(config key, folder) of each cached dataset a run of `cfg` reads: `data.path`'s, and the held-out
-    `validation.dataset` when the run measures its loss."""
+def _indexed_datasets(cfg: Config) -> list[tuple[str, str, Path]]:
+    """(config key, the dataset as the config names it, the local folder it is planned from) of each cached
+    dataset a run of `cfg` reads: `data.path`'s, and the held-out `validation.dataset` when the run measures
+    its loss."""
     found = []
     if data_source(cfg).reads_folders:
         specs = dataset_specs(cfg.data)
-        found += [(dataset_key(specs, i), Path(spec.path)) for i, spec in enumerate(specs)]
+        found += [
+            (
+                dataset_key(specs, i),
+                str(spec.path) if is_url(spec.path) else str(planning_folder(spec.path)),
+                planning_folder(spec.path),
+            )
+            for i, spec in enumerate(specs)
+        ]
     if measures_held_out_loss(cfg.validation) and cfg.validation.dataset:
-        found.append(("validation.dataset", Path(cfg.validation.dataset)))
+        found.append(("validation.dataset", str(Path(cfg.validation.dataset)), Path(cfg.validation.dataset)))
     return found
 
 

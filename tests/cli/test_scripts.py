@@ -133,6 +133,13 @@ def _digest(out: str, err: str, tmp: Path) -> None:
     assert seconds > 0 and rate == pytest.approx(1 / seconds, rel=0.05), out
 
 
+def _storage_bench(out: str, err: str, tmp: Path) -> None:
+    rows = re.findall(r"^(folder|s3)\s+([12])\s+1\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+    assert {(source, ranks) for source, ranks, _, _ in rows} == {(s, r) for s in ("folder", "s3") for r in "12"}, out
+    assert all(float(rate) > 0 for _, _, rate, _ in rows), out
+    assert re.search(r"^s3 / folder at prefetch 1: 1 rank [\d.]+, 2 ranks [\d.]+$", out, re.M), out
+
+
 def _gpu_check(out: str, err: str, tmp: Path) -> None:
     # Without CUDA it asks `h3train bench` for the reduced CPU check; --help reaches bench's parser.
     assert "usage: h3train bench" in out and "--checks" in out, out
@@ -191,6 +198,8 @@ CASES: dict[str, Case] = {
     "parity_report.py": Case(("--out", "{tmp}", "--only", PARITY_LAYOUT), _parity, slow=True),
     # Needs Slurm (scontrol, srun); without a config it prints its usage.
     "slurm.sbatch": Case((), _slurm, returncode=2),
+    # Four samples read once each way, at one prefetch depth: moto's server start is most of it.
+    "storage_bench.py": Case(("--samples", "4", "--depths", "1"), _storage_bench),
     # Its smallest report (--repeats 1 --counted 1) runs an sp=1 and an sp=2 torchrun: about 3 minutes.
     "step_report.py": Case(("--help",), _help_of("--repeats", "--counted", "--out")),
 }

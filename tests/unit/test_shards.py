@@ -25,7 +25,8 @@ from h3train.data.format import (
     rebuild_index,
     write_index,
 )
-from h3train.data.shards import SHARD_SUFFIX, read_shard_header, shard_samples, write_shards
+from h3train.data.location import SHARD_SUFFIX, read_shard_header, shard_samples
+from h3train.data.shards import write_shards
 from h3train.data.synth import write_synthetic_dataset
 from h3train.errors import DatasetError
 

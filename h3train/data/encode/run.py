@@ -23,13 +23,13 @@ from ...infra.runlock import RunLock
 from ...tasks.table import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
 from ..components import check_components_folder, components_fingerprint, load_components
 from ..format import INDEX_NAME, SAMPLE_SUFFIX, verify_sample, write_index, write_sample
+from ..location import INPUTS_SUFFIX
 from ..manifest import CAPTION_SUFFIX, VIDEO_SUFFIXES, ManifestEntry, read_clip_folder, read_manifest
 from ..media import FPS, ClipTooShort, MediaError, aligned_down, aligned_frame_count, shortest_kept
 from .clip import ENCODER_VERSION, EncodeSettings, EncodingPipeline, build_pipeline, encode_entry
 from .windows import Window, Windowing, footage_used, plan_clips
 
 ERRORS_NAME = "errors.jsonl"
-INPUTS_SUFFIX = ".inputs.json"
 # One line per sample (a window of a clip): what its clip's file held and what became of it (`ClipRow`).
 TABLE_NAME = "clips.tsv"
 # The held-out split (`--heldout`): a dataset of its own inside the output folder.
