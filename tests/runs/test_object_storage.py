@@ -107,21 +107,29 @@ def _error_line(stderr: str) -> str:
     return lines[0]
 
 
+def _copy_to_a_bucket(datasets: dict[str, str], s3_server: S3Server, name: str) -> tuple[str, dict]:
+    """The local dataset copied to a new bucket's folder `name`: its URL and its index's first line."""
+    url = f"s3://{s3_server.make_bucket()}/{name}"
+    key = url.removeprefix("s3://")
+    with s3_server.environ():
+        fs = s3_server.fs()
+        fs.put(datasets["local"] + "/", key + "/", recursive=True)
+        first = json.loads(fs.cat_file(key + "/index.jsonl").decode().splitlines()[0])
+    return url, first
+
+
 def test_a_missing_shard_names_the_sample_and_the_shard(
     datasets: dict[str, str], s3_server: S3Server, tmp_path: Path
 ) -> None:
-    url = f"s3://{s3_server.make_bucket()}/copy"
+    url, first = _copy_to_a_bucket(datasets, s3_server, "copy")
+    gone = first["file"]
     with s3_server.environ():
-        fs = s3_server.fs()
-        fs.put(datasets["local"] + "/", url.removeprefix("s3://") + "/", recursive=True)
-        index = [json.loads(x) for x in fs.cat_file(url.removeprefix("s3://") + "/index.jsonl").decode().splitlines()]
-        gone = index[0]["file"]
-        fs.rm_file(f"{url.removeprefix('s3://')}/{gone}")
+        s3_server.fs().rm_file(f"{url.removeprefix('s3://')}/{gone}")
     proc = _train(tmp_path / "run", url, 1, _env(s3_server, tmp_path / "cache"), check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     # Found before any step: the start lists the shards (one listing), not the samples.
     assert f"dataset '{url}' (data.path): " in _error_line(proc.stderr)
-    assert f"sample '{index[0]['id']}': its file '{gone}' does not exist" in proc.stderr
+    assert f"sample '{first['id']}': its file '{gone}' does not exist" in proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -150,12 +158,10 @@ def test_faults_of_the_store_are_named_or_retried(
 def test_on_error_skip_passes_over_a_damaged_sample_in_the_bucket(
     datasets: dict[str, str], s3_server: S3Server, tmp_path: Path
 ) -> None:
-    url = f"s3://{s3_server.make_bucket()}/damaged"
+    url, first = _copy_to_a_bucket(datasets, s3_server, "damaged")
+    key = url.removeprefix("s3://")
     with s3_server.environ():
         fs = s3_server.fs()
-        key = url.removeprefix("s3://")
-        fs.put(datasets["local"] + "/", key + "/", recursive=True)
-        first = json.loads(fs.cat_file(key + "/index.jsonl").decode().splitlines()[0])
         data = bytearray(fs.cat_file(f"{key}/{first['file']}"))
         data[first["offset"] + first["length"] - 2] ^= 0xFF
         fs.pipe_file(f"{key}/{first['file']}", bytes(data))
