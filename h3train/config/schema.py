@@ -82,7 +82,7 @@ class DataConfig:
     # see `dataset_specs`.
     path: Any = None
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
-    # Micro-batches (a sample each, or a pack) loaded ahead in a background thread.
+    # Micro-batches (a sample each, or a pack) loaded ahead, this many at once on background threads.
     prefetch: int = 2
     # Sort windows of this many samples by packed length (0: off), so DP ranks step together.
     bucket_size: int = 0

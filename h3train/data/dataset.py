@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -124,6 +125,8 @@ class CachedDataset:
         self.entries = IndexRows(table, rows)
         self._lengths = Lengths(lengths)
         self._skipped: set[int] = set()
+        # The prefetcher's threads may reach the same unreadable sample at once: it is reported once.
+        self._skip_lock = threading.Lock()
         # Called as `on_skip(sample_id, reason)` for every sample `skip` passes over.
         self.on_skip = on_skip
         # Sample ids that fail validation as a corrupt file would (`debug.fault=corrupt_sample@ID`).
@@ -177,8 +180,11 @@ class CachedDataset:
             try:
                 return self.load(candidate)
             except SampleError as exc:
-                self._skipped.add(candidate)
-                logger.warning("skipping unreadable sample %d: %s", candidate, exc)
-                if self.on_skip is not None:
-                    self.on_skip(self.entries[candidate].sample_id, str(exc))
+                with self._skip_lock:
+                    first = candidate not in self._skipped
+                    self._skipped.add(candidate)
+                if first:
+                    logger.warning("skipping unreadable sample %d: %s", candidate, exc)
+                    if self.on_skip is not None:
+                        self.on_skip(self.entries[candidate].sample_id, str(exc))
         raise DatasetError(f"dataset '{self.name}': no sample of task '{self.task_filter}' could be read")

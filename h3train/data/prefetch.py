@@ -1,30 +1,35 @@
-"""Load the next samples on a background thread while the current one trains.
+"""Load the next samples on background threads while the current one trains.
 
-Reading and unpacking a cached sample is file I/O plus a few tensor copies, which release the GIL,
-so one thread `depth` samples ahead hides it behind the forward/backward of the current sample.
+`depth` loads are in flight at once, each on a thread of its own, and their results are handed out
+in order. Reading a cached sample from a local folder is file I/O plus a few tensor copies, which
+release the GIL; from object storage (`data/storage.py`) each read is one ranged GET whose time is
+mostly the store's latency, so `depth` of them at once, not one after another, keep a step fed.
 
 Exact resume: the loop's stream (`data.source.MicroBatchStream`) prefetches from a copy of the
 sampler's position and advances the sampler itself only as the loop consumes each step, so a
 checkpoint's sampler state counts consumed samples, not prefetched ones. The prefetcher yields
 `(key, item)` so the loop can check that the two agree.
 
-The training loop also noises each micro-batch on this thread: what it draws is a function of the
+The training loop also noises each micro-batch on these threads: what it draws is a function of the
 step and of each sample's slot in the step, both known from the sampler position alone, so the
-prefetched items are exactly those the loop would have built, and the training thread only checks
-they agree.
+prefetched items are exactly those the loop would have built whichever thread built them and in
+whichever order they finished, and the training thread only checks they agree.
 
-The thread runs its tensor work on one intra-op thread (`torch.set_num_threads(1)` there, as
+Each thread runs its tensor work on one intra-op thread (`torch.set_num_threads(1)` there, as
 `torch.utils.data` workers do): a second OpenMP team beside the training thread's competes for the
 cores the step itself uses (on the 2-core step report, both a bare step and the trainer's ran
-about 8 % slower while a loader team existed). The setting is the thread's own; threads started
-later take it as their default, the training thread keeps its own.
+about 8 % slower while a loader team existed). The setting is the thread's own; the training
+thread keeps its own.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Generic, TypeVar
 
 import torch
@@ -32,26 +37,19 @@ import torch
 T = TypeVar("T")
 K = TypeVar("K")
 
-# How often a blocked thread re-checks whether the prefetcher was closed.
+# How often a blocked consumer re-checks whether the prefetcher was closed.
 _POLL_S = 0.1
 
 
-class _Failure:
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-class _End:
-    pass
-
-
 class Prefetcher(Generic[K, T]):
-    """Iterate `(index, load(index))` for `index in indices`, loading up to `depth` samples ahead.
+    """Iterate `(index, load(index))` for `index in indices`, with up to `depth` loads in flight at once.
 
     `load` is a callable or anything indexable (`dataset[index]`); an index is any value `load`
-    takes (a step's micro-batch for the training loop). An exception raised while loading
+    takes (a step's micro-batch for the training loop). The indices are drawn on the consumer's
+    thread, `depth` ahead of the one handed out; the loads run on `depth` daemon threads (a load stuck
+    on a dead connection never holds up the interpreter's exit). An exception raised while loading
     is re-raised, with its original traceback, by the `next()` that would have returned that sample;
-    samples before it are still delivered. `close()` (or leaving a `with` block) stops the thread.
+    samples before it are still delivered. `close()` (or leaving a `with` block) stops the threads.
     """
 
     def __init__(
@@ -61,65 +59,79 @@ class Prefetcher(Generic[K, T]):
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
         self._load: Callable[[K], T] = load if callable(load) else load.__getitem__  # type: ignore[attr-defined]
         self._indices = iter(indices)
-        self._queue: queue.Queue[tuple[K, T] | _Failure | _End] = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
+        self._depth = depth
+        self._pending: deque[tuple[K, Future[T]]] = deque()
+        self._jobs: queue.SimpleQueue[tuple[K, Future[T]] | None] = queue.SimpleQueue()
+        self._drawn_all = False
         self._done = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}" if depth > 1 else name, daemon=True)
+            for i in range(depth)
+        ]
+        for thread in self._threads:
+            thread.start()
+        self._fill()
 
-    def _run(self) -> None:
+    def _work(self) -> None:
         torch.set_num_threads(1)
-        try:
-            for index in self._indices:
-                if self._stop.is_set() or not self._put((index, self._load(index))):
-                    return
-            self._put(_End())
-        except BaseException as exc:  # noqa: BLE001 - every failure belongs to the consumer
-            self._put(_Failure(exc))
-
-    def _put(self, item: tuple[K, T] | _Failure | _End) -> bool:
-        """Block until there is room or the prefetcher is closed; False when closed."""
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=_POLL_S)
-                return True
-            except queue.Full:
+        while (job := self._jobs.get()) is not None:
+            index, future = job
+            if not future.set_running_or_notify_cancel():
                 continue
-        return False
+            try:
+                future.set_result(self._load(index))
+            except BaseException as exc:  # noqa: BLE001 - every failure belongs to the consumer
+                future.set_exception(exc)
+
+    def _fill(self) -> None:
+        """Draw indices until `depth` loads are pending (or the indices end)."""
+        while not self._drawn_all and len(self._pending) < self._depth:
+            try:
+                index = next(self._indices)
+            except StopIteration:
+                self._drawn_all = True
+                return
+            job = (index, Future())
+            self._pending.append(job)
+            self._jobs.put(job)
 
     def __iter__(self) -> Iterator[tuple[K, T]]:
         return self
 
     def __next__(self) -> tuple[K, T]:
-        if self._done:
-            raise StopIteration
-        while True:
-            try:
-                item = self._queue.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    # Closed from another thread, or the worker died without reporting.
-                    self._done = True
-                    raise StopIteration from None
-        if isinstance(item, _End):
+        if self._done or not self._pending:
             self._done = True
             raise StopIteration
-        if isinstance(item, _Failure):
-            self.close()
-            raise item.exc
-        return item
-
-    def close(self) -> None:
-        """Stop the thread and drop what it prefetched. Safe to call more than once."""
-        self._done = True
-        self._stop.set()
+        index, future = self._pending[0]
         while True:
             try:
-                self._queue.get_nowait()
-            except queue.Empty:
+                item = future.result(timeout=_POLL_S)
                 break
-        self._thread.join(timeout=10 * _POLL_S + 5)
+            except FutureTimeout:
+                if self._done:
+                    raise StopIteration from None
+            except CancelledError:
+                # Closed from another thread.
+                self._done = True
+                raise StopIteration from None
+            except BaseException:
+                self.close()
+                raise
+        if self._done:
+            raise StopIteration
+        self._pending.popleft()
+        self._fill()
+        return index, item
+
+    def close(self) -> None:
+        """Stop the threads and drop what they prefetched. Safe to call more than once."""
+        self._done = True
+        while self._pending:
+            self._pending.popleft()[1].cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join(timeout=10 * _POLL_S + 5)
 
     def __enter__(self) -> Prefetcher[K, T]:
         return self

@@ -152,6 +152,29 @@ def test_prefetcher_yields_in_order_and_reads_at_most_depth_ahead() -> None:
     assert [first, *rest] == [(i, i * i) for i in range(10)]
 
 
+def test_prefetcher_keeps_depth_loads_in_flight_at_once() -> None:
+    # Each load waits until `depth` loads have started: one loader at a time would time out here.
+    depth = 3
+    started = threading.Barrier(depth, timeout=10)
+
+    def load(i: int) -> int:
+        if i < depth:
+            started.wait()
+        return i
+
+    with Prefetcher(load, range(8), depth=depth) as prefetch:
+        assert list(prefetch) == [(i, i) for i in range(8)]
+
+
+def test_prefetcher_hands_out_in_order_whatever_order_the_loads_end() -> None:
+    def load(i: int) -> int:
+        time.sleep(0.05 * (4 - i % 4))
+        return i
+
+    with Prefetcher(load, range(9), depth=4) as prefetch:
+        assert [i for i, _ in prefetch] == list(range(9))
+
+
 def test_prefetcher_accepts_an_indexable_source() -> None:
     with Prefetcher(["a", "b", "c"], [2, 0, 1], depth=1) as prefetch:
         assert list(prefetch) == [(2, "c"), (0, "a"), (1, "b")]
@@ -175,7 +198,7 @@ def test_prefetcher_close_stops_the_thread() -> None:
     prefetch = Prefetcher(lambda i: i, itertools.count(), depth=2, name="close-test")
     assert next(prefetch) == (0, 0)
     prefetch.close()
-    assert not any(t.name == "close-test" for t in threading.enumerate())
+    assert not any(t.name.startswith("close-test") for t in threading.enumerate())
     with pytest.raises(StopIteration):
         next(prefetch)
 
