@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import json
 import os
 import shutil
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,6 +21,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..errors import DiskFullError
@@ -90,15 +95,48 @@ class SaveAbandoned(RuntimeError):
     """A save stopped at once (`Checkpointer.abandon`): its temporary folder was not committed."""
 
 
+# Whether this torch's DCP can keep a save's plans for the next save of the same state (torch >= 2.7).
+PLAN_CACHING = "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
+_planner_keys = itertools.count()
+
+
+class _SavePlans:
+    """DCP's default save planner, made anew for each save, with DCP's save-plan caching where this torch
+    has it: a save whose tensors have the FQNs, shapes and ranks' shares of the previous one reuses its
+    global plan and metadata, and the coordinator sends each rank only what changed.
+
+    DCP keeps the plans in class-level tables under a key (the planner's class name by default); each
+    checkpointer has a key of its own, so the saves of two checkpointers (another folder, another
+    process group) never mix, and `forget()` drops its plans when the checkpointer closes."""
+
+    def __init__(self) -> None:
+        self.key = f"h3train-checkpointer-{next(_planner_keys)}"
+
+    def planner(self) -> DefaultSavePlanner:
+        if not PLAN_CACHING:
+            return DefaultSavePlanner()
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = self.key
+        return planner
+
+    def forget(self) -> None:
+        for table in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata"):
+            getattr(SavePlanner, table, {}).pop(self.key, None)
+
+
 class _Writer(FileSystemWriter):
     """DCP's file writer (what `checkpoint_id` alone chooses) with `before_write` (fault injection),
-    run where the shards are about to be written: inside DCP's save, on the thread that writes."""
+    run where the shards are about to be written: inside DCP's save, on the thread that writes. It
+    notes when the writes begin: from the save's start to then, DCP plans (local plans, their exchange,
+    the global plan)."""
 
     def __init__(self, path: Path, before_write: Callable[[], None] | None = None) -> None:
         super().__init__(str(path))
         self.before_write = before_write
+        self.writes_began: float | None = None
 
     def write_data(self, plan: Any, planner: Any) -> Future:
+        self.writes_began = time.perf_counter()
         if self.before_write is not None:
             self.before_write()
         return super().write_data(plan, planner)
@@ -139,6 +177,10 @@ class Checkpointer:
     allocated at the first save and kept while the state's layout is unchanged), which the next
     save copies into again; that is safe because a save first waits for the previous one's writes.
     `close()` frees it.
+
+    Every save plans with DCP's save-plan caching where the torch in use has it (`_SavePlans`): a
+    run's saves hold the same tensors, so from the second save on DCP reuses the first one's global
+    plan; `planning_s` records what each save's planning took.
 
     A second Ctrl-C stops the run at once (`abandon()`): the save in progress is never committed;
     its temporary folder stays, never read, until the next start removes it (`clean_incomplete`).
@@ -185,11 +227,19 @@ class Checkpointer:
         # Held across the commit's decision and rename, so that after `abandon()` none follows.
         self._commit_lock = threading.Lock()
         self._abandoned = False
+        self._plans = _SavePlans()
+        # Seconds each save spent in DCP's planning (from its start to its first write), in save order.
+        self.planning_s: list[float] = []
 
     @property
     def staging(self) -> HostStaging | None:
         """The host copy background saves write from (None without `async_save`)."""
         return self._staging
+
+    @property
+    def plans_key(self) -> str:
+        """The key DCP's save-plan cache keeps this checkpointer's plans under (`_SavePlans`)."""
+        return self._plans.key
 
     def clean_incomplete(self) -> None:
         """Remove the `.tmp-*` leftovers of saves that never committed (rank 0; others wait).
@@ -255,7 +305,7 @@ class Checkpointer:
                 before_commit()
             return final
         try:
-            dcp.save(dict(components), checkpoint_id=str(tmp), storage_writer=writer)
+            self._dcp_save(dict(components), writer, tmp, None)
             self._commit(tmp, final, step, info, before_commit)
         except BaseException as exc:
             self._raise_if_full(exc, tmp, step)
@@ -329,10 +379,18 @@ class Checkpointer:
         then, not at the next save, means a crash any time after the write finds this checkpoint.
         """
         self._staging.wait_copied()
-        dcp.save(staged, checkpoint_id=str(tmp), storage_writer=writer, process_group=self._group)
+        self._dcp_save(staged, writer, tmp, self._group)
         digests = gather_digests(tmp, self._group)
         if self.is_main:
             self._rename_into_place(tmp, final, step, info, digests)
+
+    def _dcp_save(self, state: dict[str, Any], writer: _Writer, tmp: Path, group: dist.ProcessGroup | None) -> None:
+        start = time.perf_counter()
+        dcp.save(
+            state, checkpoint_id=str(tmp), storage_writer=writer, planner=self._plans.planner(), process_group=group
+        )
+        if writer.writes_began is not None:
+            self.planning_s.append(writer.writes_began - start)
 
     def abandon(self) -> None:
         """Commit no save from now on (a stop at once; no collective): the one in flight, if any, stays
@@ -349,6 +407,7 @@ class Checkpointer:
         if self._staging is not None:
             self._staging.close(wait=not self._abandoned)
             self._writes.shutdown(wait=False)
+        self._plans.forget()
 
     def _commit(
         self, tmp: Path, final: Path, step: int, info: dict[str, Any], before_commit: Callable[[], None] | None

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from h3train.checkpoint import file_digest_problem, read_trainer_state
+from h3train.checkpoint.writer import PLAN_CACHING
 from h3train.infra.digest import digest_file
 
 from helpers.launch import checkpoint_tensors
@@ -111,6 +112,7 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     """Two background saves (the state changed between them), one blocking save, then a background save
     whose rank 2 cannot read its file back; what rank 0 read, where the writer found the tensors."""
     import torch.distributed as dist
+    from torch.distributed.checkpoint.planner import SavePlanner
     from torch.distributed.device_mesh import init_device_mesh
 
     from h3train.checkpoint import Checkpointer
@@ -124,6 +126,9 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     info = {"model_config": {}}
     background = Checkpointer(Path(root) / "background", keep_last=0, is_main=rank == 0, async_save=True)
     blocking = Checkpointer(Path(root) / "blocking", keep_last=0, is_main=rank == 0)
+    # The coordinator's cached global plan after each save (DCP's save-plan caching): the same object
+    # when a save reused the plan before it.
+    plans: list[int | None] = []
     for checkpointer, step in ((background, 1), (background, 2), (blocking, 3)):
         tally: dict[str, int] = {}
         originals = _counting_reads(checkpointer.root, tally) if rank == 0 else None
@@ -137,6 +142,9 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
             if originals is not None:
                 builtins.open, io.open = originals
         reads.append(tally)
+        cached = SavePlanner._cached_global_plan.get(checkpointer.plans_key)
+        plans.append(None if cached is None else id(cached))
+    planning = [list(background.planning_s), list(blocking.planning_s)]
     # Rank 2 cannot read back its own shard: every rank's wait raises, and nothing is committed.
     if rank == 2:
         from h3train.checkpoint import writer
@@ -152,9 +160,19 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     except OSError as exc:
         failure = str(exc)
     background.close()
+    blocking.close()
+    forgotten = all(c.plans_key not in SavePlanner._cached_global_plan for c in (background, blocking))
     dist.barrier()
     live = sorted({state.w.to_local().untyped_storage().data_ptr(), state.b.untyped_storage().data_ptr()})
-    return {"reads": reads, "staged": staged[:3], "live": live, "failure": failure}
+    return {
+        "reads": reads,
+        "staged": staged[:3],
+        "live": live,
+        "failure": failure,
+        "plans": plans,
+        "planning": planning,
+        "forgotten": forgotten,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +226,21 @@ def test_background_saves_copy_into_the_same_host_buffers(saved) -> None:
         folder = "blocking" if step == 3 else "background"
         w = checkpoint_tensors(root / folder / f"step_{step:08d}", "model.")["w"]
         torch.testing.assert_close(w, expected + added, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not PLAN_CACHING, reason="this torch's DCP has no save-plan caching")
+def test_the_second_save_reuses_the_first_saves_plan(saved) -> None:
+    _, results = saved
+    first, second, blocking = results[0]["plans"]
+    # Rank 0 coordinates: the second background save took the first one's global plan as it was.
+    assert first is not None and first == second
+    # The blocking checkpointer planned under a key of its own.
+    assert blocking is not None and blocking != first
+    for rank, result in enumerate(results):
+        background, blocked = result["planning"]
+        assert len(background) == 2 and len(blocked) == 1, f"rank {rank}: {result['planning']}"
+        assert all(s > 0 for s in background + blocked)
+        assert result["forgotten"], f"rank {rank}: a closed checkpointer's plans stay cached"
 
 
 def test_a_rank_that_cannot_read_its_file_back_fails_the_save_on_every_rank(saved) -> None:
