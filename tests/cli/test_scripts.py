@@ -134,10 +134,14 @@ def _digest(out: str, err: str, tmp: Path) -> None:
 
 
 def _storage_bench(out: str, err: str, tmp: Path) -> None:
-    rows = re.findall(r"^(folder|s3)\s+([12])\s+1\s+([\d.]+)\s+([\d.]+)$", out, re.M)
-    assert {(source, ranks) for source, ranks, _, _ in rows} == {(s, r) for s in ("folder", "s3") for r in "12"}, out
+    rows = re.findall(r"^(folder|s3|s3\+lat)\s+([12])\s+1\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+    sources = ("folder", "s3", "s3+lat")
+    assert {(source, ranks) for source, ranks, _, _ in rows} == {(s, r) for s in sources for r in "12"}, out
     assert all(float(rate) > 0 for _, _, rate, _ in rows), out
-    assert re.search(r"^s3 / folder at prefetch 1: 1 rank [\d.]+, 2 ranks [\d.]+$", out, re.M), out
+    for source in ("s3", r"s3\+lat"):
+        assert re.search(rf"^{source} / folder, each at its best depth: 1 rank [\d.]+, 2 ranks [\d.]+$", out, re.M), out
+    gain = r"^s3\+lat \(5 ms a request\), prefetch 1 / prefetch 1: 1 rank 1.00x, 2 ranks 1.00x$"
+    assert re.search(gain, out, re.M), out
 
 
 def _gpu_check(out: str, err: str, tmp: Path) -> None:
@@ -199,7 +203,7 @@ CASES: dict[str, Case] = {
     # Needs Slurm (scontrol, srun); without a config it prints its usage.
     "slurm.sbatch": Case((), _slurm, returncode=2),
     # Four samples read once each way, at one prefetch depth: moto's server start is most of it.
-    "storage_bench.py": Case(("--samples", "4", "--depths", "1"), _storage_bench),
+    "storage_bench.py": Case(("--samples", "4", "--depths", "1", "--latency-ms", "5"), _storage_bench),
     # Its smallest report (--repeats 1 --counted 1) runs an sp=1 and an sp=2 torchrun: about 3 minutes.
     "step_report.py": Case(("--help",), _help_of("--repeats", "--counted", "--out")),
 }

@@ -283,8 +283,10 @@ class FaultProxy:
     """An HTTP proxy in front of `upstream` (an `S3Server`), in a thread of this process; a context
     manager. Its `env()` is the server's with the proxy's endpoint."""
 
-    def __init__(self, upstream: S3Server, rules_file: Path | None = None) -> None:
+    def __init__(self, upstream: S3Server, rules_file: Path | None = None, latency_s: float = 0.0) -> None:
         self.upstream = upstream
+        # Seconds each request waits before it is forwarded: a remote store's time to first byte.
+        self.latency_s = latency_s
         self._dir = tempfile.TemporaryDirectory(prefix="fault-proxy-")
         self.rules_file = rules_file or Path(self._dir.name) / "rules.json"
         self.log: list[tuple[str, str, int]] = []
@@ -383,6 +385,8 @@ class FaultProxy:
 
             def _handle(self) -> None:
                 body = self._body()
+                if proxy.latency_s:
+                    time.sleep(proxy.latency_s)
                 path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
                 fault = proxy._decide(self.command, path)
                 head = self.command == "HEAD"
