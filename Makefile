@@ -37,8 +37,9 @@ demo: install
 	$(BIN)/python scripts/demo.py
 
 # Two workers (one per core of the CI machine); each takes whole test files, so the runs a file's
-# tests share are trained once. The whole suite runs in both environments: today's (.venv) and
-# the image's (.venv-image, H3TRAIN_TEST_LANE=image).
+# tests share are trained once. The suite runs in both environments: today's (.venv) and the
+# image's (.venv-image, H3TRAIN_TEST_LANE=image), which leaves out the tests marked `one_lane`: what
+# no version of torch, diffusers or peft changes (tests/README.md).
 TEST_WORKERS ?= 2
 PYTEST_ARGS  := -q -n $(TEST_WORKERS) --dist loadfile -p no:cacheprovider tests
 LANE_VERSIONS := -c "import sys, torch, torchao, diffusers, peft; \

@@ -16,6 +16,8 @@ from h3train.data.format import open_index
 
 from helpers.index_memory import check_run, write_folder
 
+pytestmark = pytest.mark.one_lane
+
 BIG = 1_000_000
 SMALL = 10
 BUDGET_MIB = 200

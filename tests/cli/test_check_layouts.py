@@ -16,6 +16,8 @@ from h3train.plan.traffic import step_traffic
 from helpers.launch import run_cli
 from helpers.paths import ROOT
 
+pytestmark = pytest.mark.one_lane
+
 CONFIG = ROOT / "configs" / "h3_a100_16gpu.yaml"
 STEP = re.compile(r"^step time     ~([\d,.]+) s per optimizer step .* limit: (compute|intra-node|inter-node) ", re.M)
 LAYOUT = re.compile(

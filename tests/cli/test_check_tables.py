@@ -23,6 +23,8 @@ from h3train.plan.tables import choose_tables, tables_line
 from helpers.launch import run_cli
 from helpers.paths import ROOT
 
+pytestmark = pytest.mark.one_lane
+
 CLUSTER = sorted(p.name for p in (ROOT / "configs").glob("h3_*.yaml"))
 SETTING = r"(?:~([\d,.]+) s a step, ([\d.]+) GiB|does not fit \(([\d.]+) GiB\)|not servable)"
 LINE = re.compile(

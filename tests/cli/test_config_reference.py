@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import yaml
 
 from h3train.config import Config, choices, get_key, leaf_types
 from h3train.tools.config_reference import REGENERATE, builtin_choices, field_comments, missing_meanings, reference
 
 from helpers.paths import ROOT
+
+pytestmark = pytest.mark.one_lane
 
 DOC = ROOT / "docs" / "config.md"
 

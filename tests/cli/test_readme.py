@@ -6,7 +6,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from helpers.paths import ROOT
+
+pytestmark = pytest.mark.one_lane
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"

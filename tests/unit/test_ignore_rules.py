@@ -15,6 +15,8 @@ import pytest
 
 from tests.helpers.paths import ROOT
 
+pytestmark = pytest.mark.one_lane
+
 SOURCE_ROOTS = ("h3train", "tests", "scripts", "configs", "docs", "docker")
 # What a build or a run leaves beside the sources, which are meant to be ignored.
 GENERATED = ("__pycache__", ".pytest_cache", ".ruff_cache")

@@ -17,7 +17,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import h3train
+
+pytestmark = pytest.mark.one_lane
 
 PACKAGE = Path(h3train.__file__).resolve().parent
 SCRIPTS = PACKAGE.parent / "scripts"

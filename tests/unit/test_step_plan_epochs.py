@@ -13,6 +13,8 @@ from h3train.data.step_plan import StepPlanner, batch_layout, global_batch_chang
 
 from helpers.paths import TINY_FL2VA
 
+pytestmark = pytest.mark.one_lane
+
 
 def _order(num: int, seed: int = 3, lengths: list[int] | None = None, parts=None) -> tuple:
     sampler = DistributedSampler(num, 0, 1, seed=seed, parts=parts)

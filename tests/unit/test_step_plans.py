@@ -10,6 +10,8 @@ import pytest
 from h3train.data.sampler import DistributedSampler
 from h3train.data.step_plan import StepPlanner, attention_rows, imbalance, sample_cost
 
+pytestmark = pytest.mark.one_lane
+
 S0 = 26_880.0
 
 
