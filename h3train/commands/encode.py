@@ -1,4 +1,5 @@
-"""`h3train encode MANIFEST --components DIR --out DIR`: clips into a cached dataset, alone or under torchrun.
+"""`h3train encode MANIFEST --components DIR --out DIR [--shards TARGET]`: clips into a cached dataset, alone or
+under torchrun, and with `--shards` into shards at a folder or URL too (`data/shards.py`).
 
 Exit codes: 0 at least one sample of the manifest is in the dataset; 1 none is (the reasons in
 errors.jsonl); 130 Ctrl-C, the samples written so far kept for a rerun to go on from.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from .arguments import Parser, output_folder
 from .process import CTRL_C
@@ -102,6 +104,16 @@ def add_arguments(parser: Parser) -> None:
     parser.add_argument(
         "--max-windows", type=int, default=None, at_least=1, help="windows per clip at most (default: as many as fit)"
     )
+    parser.add_argument(
+        "--shards",
+        default=None,
+        metavar="TARGET",
+        help="when the encoding is done, copy the dataset into shard files at TARGET too, a folder or a URL "
+        "(s3://bucket/prefix), its held-out split into TARGET/heldout: see 'h3train shard'",
+    )
+    parser.add_argument(
+        "--shard-gb", type=float, default=2.0, above_zero=True, help="largest shard, in GB (default 2; 1-4 is usual)"
+    )
     parser.add_argument("--device", default=None, help="default: cuda:$LOCAL_RANK if available, else cpu")
     parser.add_argument("--verbose", action="store_true", help="print each clip's line of clips.tsv")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -136,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     # Checked here too, before the settings line: a bad flag is the only line printed.
     settings.validate()
     windowing.validate(settings)
+    if args.shards is not None:
+        _check_shard_targets(args.shards, args.out)
     if int(os.environ.get("RANK", "0")) == 0:
         given = [k for k, v in flags.items() if v is not None]
         origin = f"the preset of {args.components}" if preset else "the defaults"
@@ -173,4 +187,41 @@ def run(args: argparse.Namespace) -> int:
         print(summary.describe())
         for warning in summary.warnings():
             print(f"h3train encode: warning: {warning}", file=sys.stderr)
+        if args.shards is not None and summary.ok:
+            _write_shard_copies(args.out, args.shards, int(args.shard_gb * 1e9))
     return 0 if summary.ok else 1
+
+
+def _split_pairs(out: str, target: str) -> list[tuple[Path, str]]:
+    """(dataset folder, its shard target) of the encoded dataset and of its held-out split."""
+    from ..data.encode.run import HELDOUT_NAME
+
+    return [(Path(out), target), (Path(out) / HELDOUT_NAME, f"{target.rstrip('/')}/{HELDOUT_NAME}")]
+
+
+def _check_shard_targets(target: str, out: str) -> None:
+    """Before any encoding: `--shards` holds no dataset yet and lies outside `--out` (one line naming it)."""
+    from ..data.shards import check_shard_target
+    from ..data.storage import is_url
+    from ..errors import ConfigError
+
+    if not is_url(target):
+        inside, above = Path(target).resolve(), Path(out).resolve()
+        if inside == above or above in inside.parents:
+            raise ConfigError(f"--shards '{target}' lies inside --out '{out}'; give a folder or a URL outside it")
+    for _, split_target in _split_pairs(out, target):
+        check_shard_target(split_target)
+
+
+def _write_shard_copies(out: str, target: str, shard_bytes: int) -> None:
+    """Rank 0, once every rank has written its samples: the dataset and its held-out split into shards."""
+    from ..data.format import INDEX_NAME
+    from ..data.shards import write_shards
+
+    for folder, split_target in _split_pairs(out, target):
+        if (folder / INDEX_NAME).is_file():
+            done = write_shards(folder, split_target, shard_bytes)
+            print(
+                f"h3train encode: {len(done.entries)} samples of {folder} copied into {len(done.shards)} shards, "
+                f"{done.bytes_written / 1e9:.2f} GB, at {split_target}"
+            )

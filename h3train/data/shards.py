@@ -76,20 +76,31 @@ def write_shards(
     """
     from .storage import RemoteStore, is_url
 
+    check_shard_target(out)
     if is_url(out):
         # Written here a shard at a time, each uploaded and removed before the next: the disk holds one.
         import tempfile
 
+        with tempfile.TemporaryDirectory(prefix="h3train-shard-") as local:
+            return _write_shards(Path(folder), Path(local), shard_bytes, RemoteStore(os.fspath(out)))
+    return _write_shards(Path(folder), Path(out), shard_bytes, None)
+
+
+def check_shard_target(out: str | os.PathLike) -> None:
+    """Refuse an `out` (a folder or a URL) that holds a dataset already, its index or its shards, as one
+    `DatasetError` naming it: nothing there is ever replaced. One listing for a URL."""
+    from .storage import RemoteStore, is_url
+
+    if is_url(out):
         store = RemoteStore(os.fspath(out))
         there = set(store.names_in(""))
-        for existing in (INDEX_NAME, SHARDS_DIR):
-            if existing in there:
-                raise DatasetError(
-                    f"'{store.name(existing)}' exists already: shard into an empty prefix, or move it aside first"
-                )
-        with tempfile.TemporaryDirectory(prefix="h3train-shard-") as local:
-            return _write_shards(Path(folder), Path(local), shard_bytes, store)
-    return _write_shards(Path(folder), Path(out), shard_bytes, None)
+        found = [store.name(name) for name in (INDEX_NAME, SHARDS_DIR) if name in there]
+        where = "prefix"
+    else:
+        found = [str(path) for path in (Path(out) / INDEX_NAME, Path(out) / SHARDS_DIR) if path.exists()]
+        where = "folder"
+    if found:
+        raise DatasetError(f"'{found[0]}' exists already: shard into an empty {where}, or move it aside first")
 
 
 def _write_shards(folder: Path, out: Path, shard_bytes: int, store: Any) -> ShardedDataset:
@@ -100,9 +111,6 @@ def _write_shards(folder: Path, out: Path, shard_bytes: int, store: Any) -> Shar
     listed = [table[row] for row in range(len(table))]
     if not listed:
         raise DatasetError(f"dataset '{folder}' lists no samples in its {INDEX_NAME}: nothing to shard")
-    for existing in (out / INDEX_NAME, out / SHARDS_DIR):
-        if existing.exists():
-            raise DatasetError(f"'{existing}' exists already: shard into an empty folder, or move it aside first")
     locations = [location_of(folder, entry) for entry in listed]
     sizes, records = [], []
     for entry, at in zip(listed, locations):

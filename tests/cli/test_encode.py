@@ -668,3 +668,50 @@ def test_ranks_split_the_manifest_and_agree_with_one_process(
         # The same arithmetic; only the thread count (one per rank) orders sums differently.
         for a, b in zip(ours.tensors().values(), theirs.tensors().values(), strict=True):
             assert torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
+
+
+# `SETTINGS` as the command's flags: a rerun with them finds the encoded samples up to date.
+SETTING_FLAGS = [
+    *("--short-edge", str(SETTINGS.short_edge), "--max-pixels", str(SETTINGS.max_pixels)),
+    *("--reference-short-edge", str(SETTINGS.reference_short_edge)),
+    *("--min-seconds", str(SETTINGS.min_seconds), "--max-seconds", str(SETTINGS.max_seconds)),
+]
+
+
+def test_encode_with_shards_writes_the_dataset_into_shards_too(
+    encoded: Path, media: Path, components: Path, tmp_path: Path
+) -> None:
+    from h3train.data.dataset import CachedDataset
+
+    out, target = tmp_path / "out", tmp_path / "sharded"
+    shutil.copytree(encoded, out)
+    args = ["encode", str(media / "manifest.jsonl"), "--components", str(components), "--out", str(out)]
+    # Shards of 10 kB at most: one sample a shard.
+    shards = ["--shards", str(target), "--shard-gb", "0.00001"]
+    assert main([*args, *SETTING_FLAGS, "--device", "cpu", "--no-progress", *shards]) == 0
+    folder, sharded = CachedDataset(out), CachedDataset(target)
+    lines = read_index(target)
+    assert [e.sample_id for e in lines] == [e.sample_id for e in read_index(out)] and len(lines) == 3
+    assert all(e.in_shard for e in lines) and len({e.file for e in lines}) == 3
+    assert len(list((target / "shards").iterdir())) == 3
+    for i in range(len(folder)):
+        a, b = folder[i], sharded[i]
+        assert (a.sample_id, a.task, a.has_audio) == (b.sample_id, b.task, b.has_audio)
+        for name in ("video_rows", "audio_rows", "prompt_embeds", "text_token_tags"):
+            torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=0, atol=0)
+
+
+def test_encode_refuses_a_shard_target_that_holds_a_dataset_before_encoding(
+    encoded: Path, media: Path, components: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "index.jsonl").write_text("{}\n")
+    out = tmp_path / "out"
+    args = ["encode", str(media / "manifest.jsonl"), "--components", str(components), "--out", str(out)]
+    for target, said in ((taken, f"'{taken / 'index.jsonl'}' exists already"), (out / "s", "lies inside --out")):
+        assert main([*args, *SETTING_FLAGS, "--device", "cpu", "--no-progress", "--shards", str(target)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err
+        # Refused before any clip was encoded, and the dataset already there is as it was.
+        assert not list(out.glob("*.safetensors")) and (taken / "index.jsonl").read_text() == "{}\n"
