@@ -91,6 +91,12 @@ class Prefetcher(Generic[K, T]):
             except StopIteration:
                 self._drawn_all = True
                 return
+            except BaseException as exc:  # noqa: BLE001 - raised in its turn, after the loads before it
+                self._drawn_all = True
+                failed: Future[T] = Future()
+                failed.set_exception(exc)
+                self._pending.append((None, failed))  # type: ignore[arg-type]
+                return
             job = (index, Future())
             self._pending.append(job)
             self._jobs.put(job)

@@ -194,6 +194,17 @@ def test_prefetcher_reraises_the_loading_error_in_the_consumer() -> None:
         next(prefetch)
 
 
+def test_prefetcher_raises_a_failing_index_after_the_loads_before_it() -> None:
+    def indices():
+        yield from range(3)
+        raise SampleError("the plan of step 4 cannot be made")
+
+    prefetch = Prefetcher(lambda i: i, indices(), depth=4)
+    assert [next(prefetch) for _ in range(3)] == [(0, 0), (1, 1), (2, 2)]
+    with pytest.raises(SampleError, match="step 4"):
+        next(prefetch)
+
+
 def test_prefetcher_close_stops_the_thread() -> None:
     prefetch = Prefetcher(lambda i: i, itertools.count(), depth=2, name="close-test")
     assert next(prefetch) == (0, 0)
