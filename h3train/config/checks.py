@@ -129,7 +129,6 @@ def check_values(cfg: Config) -> None:
     positive("train.spike_window")
     positive("train.max_consecutive_skips", allow_zero=True)
     positive("checkpoint.keep_last", allow_zero=True)
-    _validate_run_folders(cfg)
     # Each dataset of `data.path` is well formed; whether the data source reads it is the source's check.
     dataset_specs(cfg.data)
     _validate_lora(cfg.lora)
@@ -377,19 +376,6 @@ _VALIDATION_METRIC = re.compile(
     r"val/(?:(?P<loss>loss(?:_video|_audio)?)(?P<cfg>_cfg)?|(?P<drift>drift)_(?:video|audio)"
     r"|(?P<guidance>guidance_(?:ratio|cos))_(?:video|audio))(?P<sigma>@[0-9.]+)?"
 )
-
-
-def _validate_run_folders(cfg: Config) -> None:
-    """`logging.dir` and `checkpoint.dir` are folders here: a URL (`s3://...`) would become a local folder
-    named after it (`./s3:/...`), and a run's checkpoints would land where nobody looks for them."""
-    for key in ("logging.dir", "checkpoint.dir"):
-        value = get_key(cfg, key)
-        if isinstance(value, str) and "://" in value:
-            raise ConfigError(
-                f"config key '{key}' is the URL '{value}'; run folders and checkpoints are written to a "
-                "folder (a shared filesystem on a cluster): give a path, and copy finished checkpoints to "
-                "object storage with the store's own tools"
-            )
 
 
 def _validate_keep_best(cfg: Config) -> None:

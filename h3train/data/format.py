@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,9 +85,6 @@ from .index_table import (
     table_of,
 )
 from .location import INDEX_NAME, SAMPLE_SUFFIX, SHARD_SUFFIX, SampleLocation, shard_samples
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from ..data.dataset import index_entries
 from ..data.format import INDEX_NAME, location_of, read_header, resolve_in_folder
 from ..data.mixture import dataset_key, epoch_draws
 from ..data.source import data_source
-from ..data.storage import planning_folder
+from ..data.storage import is_url, planning_folder
 from ..debug.faults import parse_faults
 from ..errors import ConfigError, DatasetError, one_of
 from ..lora.targets import meta_model, resolve_targets, resolve_train_modules
@@ -48,6 +48,7 @@ def check(cfg: Config, planning: bool = False) -> None:
 
     `planning` (`h3train check` without `--strict`): the check plans a run away from its data, so a
     `validation.dataset` or `validation.components` not on this machine is planned for, not required."""
+    _check_run_folders(cfg)
     data_source(cfg).check(cfg)
     if cfg.task.name not in TRAINING_TASKS:
         raise ConfigError(f"config key 'task.name' is {cfg.task.name!r}; {one_of(cfg.task.name, TRAINING_TASKS)}")
@@ -69,6 +70,18 @@ def check(cfg: Config, planning: bool = False) -> None:
             "encode one with 'h3train encode' or write one with 'h3train synth'"
         )
     validate_samples(cfg, planning)
+
+
+def _check_run_folders(cfg: Config) -> None:
+    """`logging.dir` and `checkpoint.dir` are folders here: a URL (`data/storage.py`'s sense) would become a
+    local folder named after it (`./s3:/...`), and a run's checkpoints would land where nobody looks."""
+    for key, value in (("logging.dir", cfg.logging.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if value and is_url(value):
+            raise ConfigError(
+                f"config key '{key}' is the URL '{value}'; run folders and checkpoints are written to a "
+                "folder (a shared filesystem on a cluster): give a path, and copy finished checkpoints to "
+                "object storage with the store's own tools"
+            )
 
 
 def _check_model_shape(cfg: Config) -> None:
