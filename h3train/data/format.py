@@ -505,12 +505,10 @@ def _read_remote(where: str, at: SampleLocation, whole: bool) -> bytearray:
     assert at.store is not None
     key = at.path.as_posix()
     try:
-        if at.length < 0:
-            size = int(at.store.info(key)["size"])
-        else:
-            size = at.length
         if whole:
-            return bytearray(at.store.read(key, at.offset, size))
+            # A sample file of its own is read to its end: one GET, no HEAD for its size first.
+            return bytearray(at.store.read(key, at.offset, at.length if at.length >= 0 else None))
+        size = at.length if at.length >= 0 else int(at.store.info(key)["size"])
         head = bytearray(at.store.read(key, at.offset, min(size, _REMOTE_HEAD)))
         need = 8 + (int.from_bytes(head[:8], "little") if len(head) >= 8 else 0)
         if len(head) < min(need, size, 8 + _MAX_HEADER):
