@@ -301,6 +301,7 @@ def _load_cluster_config(name: str, folder: Path):
     return load_config(ROOT / "configs" / name, [f"model.pretrained={folder}"])
 
 
+@pytest.mark.one_lane
 @pytest.mark.parametrize("name", [*CLUSTER_CONFIGS, "h3_ref2va_cfg_a100.yaml"])
 def test_cluster_config_fits_per_the_plan(name: str, pretrained_folder: Path) -> None:
     """Each config states `# plan: world W, rows R, total T GiB`; the plan must reproduce it and fit."""
@@ -431,6 +432,7 @@ def test_format_plan_lists_every_term(full_dims: dict) -> None:
 LORA_CONFIGS = ["h3_fl2va_lora_a100.yaml", "h3_ref2va_lora_a100.yaml"]
 
 
+@pytest.mark.one_lane
 @pytest.mark.parametrize("name", LORA_CONFIGS)
 def test_lora_config_fits_per_the_plan_and_checks_without_the_model_folder(name: str, tmp_path: Path, capsys) -> None:
     """The LoRA configs' `# plan:` line is reproduced, and `h3train check` plans them away from the model."""
