@@ -12,6 +12,7 @@ most of what a `--help` costs, are made once per test process.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
@@ -133,6 +134,12 @@ def _digest(out: str, err: str, tmp: Path) -> None:
     assert seconds > 0 and rate == pytest.approx(1 / seconds, rel=0.05), out
 
 
+def _start_cost(out: str, err: str, tmp: Path) -> None:
+    costs = json.loads(out.strip().splitlines()[-1])
+    assert list(costs) == ["torch"], out
+    assert costs["torch"]["cpu_s"] > 0 and costs["torch"]["wall_s"] > 0, out
+
+
 def _storage_bench(out: str, err: str, tmp: Path) -> None:
     rows = re.findall(r"^(folder|s3|s3\+lat)\s+([12])\s+1\s+([\d.]+)\s+([\d.]+)$", out, re.M)
     sources = ("folder", "s3", "s3+lat")
@@ -204,6 +211,8 @@ CASES: dict[str, Case] = {
     "slurm.sbatch": Case((), _slurm, returncode=2),
     # Four samples read once each way, at one prefetch depth: moto's server start is most of it.
     "storage_bench.py": Case(("--samples", "4", "--depths", "1", "--latency-ms", "5"), _storage_bench),
+    # One start, torch's import alone (the model class's and the launches': a minute more).
+    "start_cost.py": Case(("--repeats", "1", "--only", "torch"), _start_cost),
     # Its smallest report (--repeats 1 --counted 1) runs an sp=1 and an sp=2 torchrun: about 3 minutes.
     "step_report.py": Case(("--help",), _help_of("--repeats", "--counted", "--out")),
 }
