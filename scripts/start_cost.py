@@ -3,8 +3,8 @@
 Every rank that `torchrun` or `launch.sh` starts, and every `python -m h3train` a test or a user runs, is
 a fresh interpreter that imports torch and the diffusers model class anew; a rank forked from a process
 that has imported them (the suite's fork server, `tests/helpers/ranks.py`) does not. This prints, for
-each of these starts, the fastest of `--repeats` runs (wall time, and user + system CPU from
-`os.wait4`):
+each of these starts, the run of least CPU of `--repeats` (wall time, and user + system CPU of the
+process and what it waited for, `getrusage`):
 
 - torch: `python -c "import torch"`;
 - model class: `python -c "from diffusers import MiniMaxH3Transformer3DModel"` (torch, diffusers and what
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -45,15 +46,14 @@ def measure(command: list[str]) -> tuple[float, float]:
     """Wall seconds and CPU seconds (user + system, the process and the children it waited for) of
     one run of `command`; raises if it fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode(errors="replace")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} exited {proc.returncode}: {err[-2000:]}")
-    return wall, usage.ru_utime + usage.ru_stime
+        raise SystemExit(f"{' '.join(command)} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
