@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..infra.objects import Folder, RemoteDir, location
+
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "trainer_state.json"
 METADATA_FILE = ".metadata"
@@ -18,14 +20,14 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def step_of(path: Path) -> int:
+def step_of(path: Folder) -> int:
     return int(STEP_DIR.match(path.name).group(1))
 
 
 # -- reading checkpoints --------------------------------------------------------------------------
 
 
-def is_complete(path: Path) -> bool:
+def is_complete(path: Folder) -> bool:
     return (
         path.is_dir()
         and STEP_DIR.match(path.name) is not None
@@ -34,7 +36,7 @@ def is_complete(path: Path) -> bool:
     )
 
 
-def _commit_key(path: Path) -> tuple[float, int]:
+def _commit_key(path: Folder) -> tuple[float, int]:
     try:
         commit = json.loads((path / STATE_FILE).read_text()).get("commit", 0)
         commit = float(commit) if isinstance(commit, int) else float("inf")
@@ -48,12 +50,13 @@ def _commit_key(path: Path) -> tuple[float, int]:
 RUN_CHECKPOINTS = "checkpoints"
 
 
-def checkpoint_root(checkpoint_dir: str | None, log_dir: Path) -> Path:
-    """Where a run's checkpoints go: `checkpoint.dir`, else `<logging.dir>/checkpoints`."""
-    return Path(checkpoint_dir) if checkpoint_dir else Path(log_dir) / RUN_CHECKPOINTS
+def checkpoint_root(checkpoint_dir: str | None, log_dir: Path) -> Folder:
+    """Where a run's checkpoints go: `checkpoint.dir` (a folder, or a URL on object storage), else
+    `<logging.dir>/checkpoints`."""
+    return location(checkpoint_dir) if checkpoint_dir else Path(log_dir) / RUN_CHECKPOINTS
 
 
-def size_on_disk(path: Path) -> int:
+def size_on_disk(path: Folder) -> int:
     """Bytes of the files in checkpoint folder `path` (0 if it cannot be listed)."""
     try:
         return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
@@ -61,8 +64,10 @@ def size_on_disk(path: Path) -> int:
         return 0
 
 
-def committed_checkpoints(root: Path) -> list[Path]:
+def committed_checkpoints(root: Folder) -> list[Folder]:
     """Every `step_NNNNNNNN` folder under `root` (each was committed by a rename), oldest commit first.
+    On object storage, where a save is written under its final name, only the step prefixes that hold
+    their record (`STATE_FILE`, the commit: `writer.py`).
 
     Commit order, not step order: after resuming from an older checkpoint the run's new saves are
     the newest. Checkpoints of an h3train without commit records sort before any that have one,
@@ -71,6 +76,8 @@ def committed_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()]
+    if isinstance(root, RemoteDir):
+        found = [p for p in found if (p / STATE_FILE).is_file()]
     return sorted(found, key=_commit_key)
 
 
@@ -78,5 +85,5 @@ def committed_checkpoints(root: Path) -> list[Path]:
 DIGESTS_FIELD = "digests"
 
 
-def read_trainer_state(path: Path) -> dict[str, Any]:
+def read_trainer_state(path: Folder) -> dict[str, Any]:
     return json.loads((path / STATE_FILE).read_text())

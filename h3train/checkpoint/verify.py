@@ -8,27 +8,29 @@ import os
 import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as ObjectFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..errors import CheckpointError
 from ..infra.digest import ALGORITHM, digest_file
+from ..infra.objects import LISTING, Folder, RemoteDir
 from .layout import DIGESTS_FIELD, METADATA_FILE, STATE_FILE, committed_checkpoints, is_complete, read_trainer_state
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
+def complete_checkpoints(root: Folder) -> list[Folder]:
     """Committed checkpoints that still have their state file and metadata, oldest commit first."""
     return [p for p in committed_checkpoints(root) if is_complete(p)]
 
 
-def validate_checkpoint(path: Path) -> str | None:
+def validate_checkpoint(path: Folder) -> str | None:
     """What is wrong with checkpoint `path`, in a few words naming the file; None if it looks loadable.
 
     Checks what can be checked without a model: `trainer_state.json` parses and has a step, the DCP
@@ -47,7 +49,7 @@ def validate_checkpoint(path: Path) -> str | None:
     if not (path / METADATA_FILE).is_file():
         return f"{path / METADATA_FILE} is missing"
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = NamingReader(path).read_metadata()
         storage = metadata.storage_data
         needed: dict[str, int] = {}
         for info in storage.values():
@@ -65,7 +67,7 @@ def validate_checkpoint(path: Path) -> str | None:
     return None
 
 
-def file_digest_problem(path: Path, rank: int = 0, world: int = 1) -> str | None:
+def file_digest_problem(path: Folder, rank: int = 0, world: int = 1) -> str | None:
     """What of checkpoint `path`'s files differs from the digests recorded at commit, for this rank's
     share (every `world`-th file from `rank`); None if all match or the checkpoint predates digests."""
     record = read_trainer_state(path).get(DIGESTS_FIELD)
@@ -84,7 +86,7 @@ def file_digest_problem(path: Path, rank: int = 0, world: int = 1) -> str | None
     return None
 
 
-def verify_file_digests(path: Path) -> None:
+def verify_file_digests(path: Folder) -> None:
     """Every rank checks its share of checkpoint `path`'s files against their digests (collective); all
     raise `CorruptCheckpoint` naming the first file that differs on any rank."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -111,10 +113,10 @@ class UnreadableFile(Exception):
     """A checkpoint file that failed to load, named (raised inside DCP's read on the failing rank)."""
 
 
-class _RecordingFileSystem(FileSystem):
-    def __init__(self) -> None:
-        super().__init__()
-        self.current: str | None = None
+class _Recording:
+    """A DCP file system that notes the file it opened last (the one a failed read was on)."""
+
+    current: str | None = None
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
@@ -123,17 +125,23 @@ class _RecordingFileSystem(FileSystem):
             yield stream
 
 
+class _RecordingFileSystem(_Recording, FileSystem):
+    pass
+
+
+class _RecordingObjectFileSystem(_Recording, ObjectFileSystem):
+    pass
+
+
 # An export, the adapter files of each save and a verification read a checkpoint in one process on
 # purpose (`no_dist=True`, also inside a run); DCP warns about it on every such read.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-class NamingReader(FileSystemReader):
-    """DCP's file reader, naming the file a read failed on (DCP's own error names none)."""
+class _Naming:
+    """A DCP reader naming the file a read failed on (DCP's own error names none)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
-        self.fs = _RecordingFileSystem()
+    fs: _Recording
 
     def read_data(self, plan, planner):  # noqa: ANN001, ANN201 - FileSystemReader's signature
         try:
@@ -142,11 +150,32 @@ class NamingReader(FileSystemReader):
             # DCP's size checks: a tensor that does not fit this run's, not a damaged file.
             raise
         except Exception as exc:
-            name = Path(self.fs.current).name if self.fs.current else "a .distcp file"
+            name = self.fs.current.rsplit("/", 1)[-1] if self.fs.current else "a .distcp file"
             raise UnreadableFile(f"{name} cannot be read ({_first_line(exc)})") from exc
 
 
-def check_components(path: Path, components: dict[str, Stateful]) -> dict[str, Stateful]:
+class _FolderReader(_Naming, FileSystemReader):
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self.fs = _RecordingFileSystem()
+
+
+class _ObjectReader(_Naming, FsspecReader):
+    def __init__(self, url: str) -> None:
+        FileSystemReader.__init__(self, url)
+        self.fs = _RecordingObjectFileSystem()
+        self.path = self.fs.init_path(url, **LISTING)
+
+
+def NamingReader(path: str | os.PathLike | RemoteDir) -> FileSystemReader:  # noqa: N802 - a reader's constructor
+    """DCP's reader of checkpoint `path` (a folder, or a prefix on object storage: its fsspec reader), naming
+    the file a read failed on."""
+    if isinstance(path, RemoteDir):
+        return _ObjectReader(str(path))
+    return _FolderReader(path)
+
+
+def check_components(path: Folder, components: dict[str, Stateful]) -> dict[str, Stateful]:
     """On this rank, before the collective read: the components of this run to read from `path`.
 
     An optional component (`fresh_if_missing`, e.g. an EMA switched on for the resumed part of a
@@ -167,7 +196,7 @@ def check_components(path: Path, components: dict[str, Stateful]) -> dict[str, S
     return {name: c for name, c in components.items() if name in saved}
 
 
-def read_components(path: Path, components: dict[str, Stateful]) -> dict[str, Any]:
+def read_components(path: Folder, components: dict[str, Stateful]) -> dict[str, Any]:
     """Read every component's saved state from checkpoint `path` (collective); apply nothing yet.
 
     Raises CorruptCheckpoint naming the file when the files cannot be read, and CheckpointError

@@ -1,4 +1,10 @@
-"""Writing checkpoints: DCP saves (background or blocking), committed by a rename, pruned by `keep_last`."""
+"""Writing checkpoints: DCP saves (background or blocking), committed atomically, pruned by `keep_last`.
+
+In a folder a save is written to `.tmp-step_N` and committed by its rename to `step_N`. On object storage
+(`checkpoint.dir` a URL, `infra/objects.py`), which has no rename, a save is written under `step_N/`
+through DCP's fsspec writer and committed by its record, `trainer_state.json`, written last in one PUT:
+a step prefix without it is never listed (`layout.committed_checkpoints`), so a save cut short is never
+resumed; pruning deletes the record first."""
 
 from __future__ import annotations
 
@@ -13,13 +19,13 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
@@ -29,12 +35,14 @@ from ..errors import DiskFullError
 from ..infra.atomic import apply_file_mode, atomic_write_text, fsync_path, set_aside
 from ..infra.digest import ALGORITHM, digest_file
 from ..infra.diskspace import free_bytes, human_bytes, no_space
+from ..infra.objects import LISTING, Folder, RemoteDir
 from ..infra.runlock import OWNER_NAME, mark_owned, owned_by_another
 from ..parallel.dims import new_group
 from .layout import (
     DIGESTS_FIELD,
     METADATA_FILE,
     STATE_FILE,
+    STEP_DIR,
     _commit_key,
     committed_checkpoints,
     size_on_disk,
@@ -54,22 +62,22 @@ warnings.filterwarnings(
 _FULL_BELOW = 64 * 1024**2
 
 
-def room_needed(planned: int, root: Path) -> int:
+def room_needed(planned: int, root: Folder) -> int:
     """Bytes the next checkpoint in `root` needs: `planned`, or the newest complete one's size if larger
     (DCP's framing included)."""
     return max([planned, *(size_on_disk(p) for p in complete_checkpoints(root)[-1:])])
 
 
-def own_files(folder: Path, rank: int) -> list[Path]:
+def own_files(folder: Folder, rank: int) -> list[Folder]:
     """The files rank `rank` wrote into a save's `folder`: its shards (`__<rank>_<n>.distcp`, DCP's
     naming) and, on rank 0 (DCP's coordinator), `.metadata`."""
-    files = sorted(folder.glob(f"__{rank}_*.distcp"))
+    files = sorted(folder.glob(f"__{rank}_*.distcp"), key=lambda p: p.name)
     if rank == 0 and (folder / METADATA_FILE).is_file():
         files.append(folder / METADATA_FILE)
     return files
 
 
-def gather_digests(folder: Path, group: dist.ProcessGroup | None) -> dict[str, str]:
+def gather_digests(folder: Folder, group: dist.ProcessGroup | None) -> dict[str, str]:
     """Collective over `group` (None: the default one), once per save on every rank: each rank digests
     the files it wrote (`own_files`), so no rank reads another's bytes; returns all of them by name.
 
@@ -124,16 +132,13 @@ class _SavePlans:
             getattr(SavePlanner, table, {}).pop(self.key, None)
 
 
-class _Writer(FileSystemWriter):
-    """DCP's file writer (what `checkpoint_id` alone chooses) with `before_write` (fault injection),
-    run where the shards are about to be written: inside DCP's save, on the thread that writes. It
-    notes when the writes begin: from the save's start to then, DCP plans (local plans, their exchange,
-    the global plan)."""
+class _NotedWrites:
+    """A DCP writer with `before_write` (fault injection), run where the shards are about to be written:
+    inside DCP's save, on the thread that writes. It notes when the writes begin: from the save's start
+    to then, DCP plans (local plans, their exchange, the global plan)."""
 
-    def __init__(self, path: Path, before_write: Callable[[], None] | None = None) -> None:
-        super().__init__(str(path))
-        self.before_write = before_write
-        self.writes_began: float | None = None
+    before_write: Callable[[], None] | None = None
+    writes_began: float | None = None
 
     def write_data(self, plan: Any, planner: Any) -> Future:
         self.writes_began = time.perf_counter()
@@ -142,12 +147,30 @@ class _Writer(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
+class _Writer(_NotedWrites, FileSystemWriter):
+    """DCP's file writer, what `checkpoint_id` alone chooses for a folder."""
+
+
+class _ObjectWriter(_NotedWrites, FsspecWriter):
+    """DCP's fsspec writer, for a checkpoint folder on object storage. No fsync (an object is durable once
+    its PUT returns); no cached listing."""
+
+
+def _writer(path: Folder, before_write: Callable[[], None] | None) -> _NotedWrites:
+    if isinstance(path, RemoteDir):
+        writer: _NotedWrites = _ObjectWriter(str(path), sync_files=False, **LISTING)
+    else:
+        writer = _Writer(str(path))
+    writer.before_write = before_write
+    return writer
+
+
 @dataclass
 class _PendingSave:
     """A background save in flight."""
 
-    committed: Future  # rank 0: written and renamed into place; the other ranks: written
-    final: Path
+    committed: Future  # rank 0: written and committed; the other ranks: written
+    final: Folder
 
 
 class Checkpointer:
@@ -188,7 +211,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        root: Path,
+        root: Folder,
         keep_last: int,
         is_main: bool,
         async_save: bool = False,
@@ -196,7 +219,7 @@ class Checkpointer:
         owner: str = "",
         planned_bytes: int = 0,
         best_step: Callable[[], int | None] | None = None,
-        after_commit: Callable[[Path], None] | None = None,
+        after_commit: Callable[[Folder], None] | None = None,
     ) -> None:
         self.root = root
         # One checkpoint's planned size (`assemble.planned_checkpoint_bytes`), for a disk-full message.
@@ -247,7 +270,13 @@ class Checkpointer:
         Only folders that carry an h3train writer's marker, of a writer other than this one, go:
         this run holds the folder's lock, so that writer has stopped. Anything else stays.
         """
-        if self.is_main and self.root.is_dir():
+        if self.is_main and isinstance(self.root, RemoteDir):
+            for path in self.root.iterdir():
+                # A step prefix without its record was never committed (a save cut short, a prune cut short).
+                uncommitted = STEP_DIR.match(path.name) and not (path / STATE_FILE).is_file()
+                if uncommitted and path.is_dir() and owned_by_another(path, self.owner):
+                    path.remove_tree()
+        elif self.is_main and self.root.is_dir():
             for path in self.root.iterdir():
                 if path.name.startswith(".tmp-") and path.is_dir() and owned_by_another(path, self.owner):
                     shutil.rmtree(path, ignore_errors=True)
@@ -265,8 +294,9 @@ class Checkpointer:
         step: int,
         before_commit: Callable[[], None] | None = None,
         before_write: Callable[[], None] | None = None,
-    ) -> Path:
-        """Write every rank's shards to a temporary folder, then commit it by an atomic rename.
+    ) -> Folder:
+        """Write every rank's shards to a temporary folder, then commit it by an atomic rename (on object
+        storage: to the step's prefix, committed by its record; the module docstring).
 
         `info` goes to `trainer_state.json` with the step and the commit number. With `async_save`
         the call returns once the components' `state_dict()` are taken and their copy to host memory
@@ -280,8 +310,12 @@ class Checkpointer:
         self.wait()
         self.saving = step
         final = self.root / step_dir_name(step)
-        tmp = self.root / f".tmp-{final.name}"
-        if self.is_main:
+        remote = isinstance(final, RemoteDir)
+        tmp = final if remote else self.root / f".tmp-{final.name}"
+        if self.is_main and remote:
+            self._clear_prefix(final)
+            mark_owned(final, self.owner)
+        elif self.is_main:
             # A leftover of this name would mix its files into the new one: a marked one goes, one with
             # files of someone else's (`clean_incomplete` kept it) is set aside. An empty one is another
             # rank's DCP writer that created the folder first: it is used as it is.
@@ -294,7 +328,7 @@ class Checkpointer:
             mark_owned(tmp, self.owner)
         # No barrier: DCP's writer creates the folder on every rank, and no rank writes a file before
         # the plan exchange, which needs rank 0's plan, made after the lines above.
-        writer = _Writer(tmp, before_write)
+        writer = _writer(tmp, before_write)
         if self._staging is not None:
             # What `dcp.save` would take of each component, taken here: the host copy is of this moment.
             state = {name: component.state_dict() for name, component in components.items()}
@@ -320,7 +354,21 @@ class Checkpointer:
         if self._pending is not None:
             self._staging.order_after_copy()
 
-    def wait(self) -> Path | None:
+    def _clear_prefix(self, final: RemoteDir) -> None:
+        """Rank 0, before a save to object storage: what `final` holds already goes out of the way. A
+        committed checkpoint (only this lineage's can be there) is set aside as `.replaced`; an uncommitted
+        save of an h3train writer (one that carries its marker) is removed; anything else is set aside."""
+        if (final / STATE_FILE).is_file():
+            set_aside(final, "replaced", first=STATE_FILE)
+        elif (final / OWNER_NAME).is_file():
+            final.remove_tree()
+        elif any(True for _ in final.iterdir()):
+            set_aside(final, "kept")
+
+    def _tmp_of(self, final: Folder) -> Folder:
+        return final if isinstance(final, RemoteDir) else final.with_name(f".tmp-{final.name}")
+
+    def wait(self) -> Folder | None:
         """Finish the background save in flight, if any, and commit it (collective). Returns its path."""
         pending, self._pending = self._pending, None
         if pending is None:
@@ -328,7 +376,7 @@ class Checkpointer:
         try:
             pending.committed.result()
         except BaseException as exc:
-            self._raise_if_full(exc, pending.final.with_name(f".tmp-{pending.final.name}"), step_of(pending.final))
+            self._raise_if_full(exc, self._tmp_of(pending.final), step_of(pending.final))
             raise
         self.saving = None
         self.written.add(pending.final.name)
@@ -336,7 +384,7 @@ class Checkpointer:
         dist.barrier()
         return pending.final
 
-    def _raise_if_full(self, exc: BaseException, tmp: Path, step: int) -> None:
+    def _raise_if_full(self, exc: BaseException, tmp: Folder, step: int) -> None:
         """A save that ran out of space becomes one `DiskFullError` line; other failures pass through.
 
         Out of space: an ENOSPC / EDQUOT `OSError` behind `exc`, or a folder left with less free space
@@ -345,7 +393,10 @@ class Checkpointer:
         marked temporary folder: no rank writes to it once DCP has raised), so the space is free
         again, and names what is needed and free; earlier checkpoints stay as they are. DCP raises a
         failure on every rank alike, so rank 0 alone reports it; a failure of rank 0's commit is its own.
+        An object store reports no free space: its failures pass through.
         """
+        if isinstance(self.root, RemoteDir):
+            return
         kept = complete_checkpoints(self.root)
         needed = room_needed(self.planned_bytes, self.root)
         full = no_space(exc)
@@ -367,7 +418,13 @@ class Checkpointer:
         raise error from exc
 
     def _write_and_commit(
-        self, staged: dict[str, Any], writer: _Writer, tmp: Path, final: Path, step: int, info: dict[str, Any]
+        self,
+        staged: dict[str, Any],
+        writer: _NotedWrites,
+        tmp: Folder,
+        final: Folder,
+        step: int,
+        info: dict[str, Any],
     ) -> None:
         """Every rank, on its writer thread: wait for the host copy, write it (DCP), digest its own files,
         gather the digests over this checkpointer's group; rank 0 then commits. What it raises, `wait()`
@@ -384,7 +441,9 @@ class Checkpointer:
         if self.is_main:
             self._rename_into_place(tmp, final, step, info, digests)
 
-    def _dcp_save(self, state: dict[str, Any], writer: _Writer, tmp: Path, group: dist.ProcessGroup | None) -> None:
+    def _dcp_save(
+        self, state: dict[str, Any], writer: _NotedWrites, tmp: Folder, group: dist.ProcessGroup | None
+    ) -> None:
         start = time.perf_counter()
         dcp.save(
             state, checkpoint_id=str(tmp), storage_writer=writer, planner=self._plans.planner(), process_group=group
@@ -410,7 +469,7 @@ class Checkpointer:
         self._plans.forget()
 
     def _commit(
-        self, tmp: Path, final: Path, step: int, info: dict[str, Any], before_commit: Callable[[], None] | None
+        self, tmp: Folder, final: Folder, step: int, info: dict[str, Any], before_commit: Callable[[], None] | None
     ) -> None:
         """Every rank's shards are in `tmp`: the ranks gather their digests and rank 0 commits it."""
         digests = gather_digests(tmp, None)
@@ -422,9 +481,10 @@ class Checkpointer:
         dist.barrier()
 
     def _rename_into_place(
-        self, tmp: Path, final: Path, step: int, info: dict[str, Any], digests: dict[str, str]
+        self, tmp: Folder, final: Folder, step: int, info: dict[str, Any], digests: dict[str, str]
     ) -> None:
         """Rank 0, no collective: write the record into the complete `tmp`, rename it to `final`, prune.
+        On object storage `tmp` is `final`, and the record's one PUT is the commit.
 
         The record holds `digests`, every rank's of the files it wrote (`gather_digests`): nothing
         here reads a file's bytes.
@@ -436,7 +496,15 @@ class Checkpointer:
             **info,
             DIGESTS_FIELD: {"algorithm": ALGORITHM, "files": files},
         }
-        atomic_write_text(tmp / STATE_FILE, json.dumps(record, indent=2, default=str))
+        text = json.dumps(record, indent=2, default=str)
+        if isinstance(final, RemoteDir):
+            with self._commit_lock:
+                if self._abandoned:
+                    raise SaveAbandoned(f"the save of step {step} was stopped; {final} is not committed")
+                (final / STATE_FILE).write_text(text)
+            self._after_commit(final)
+            return
+        atomic_write_text(tmp / STATE_FILE, text)
         for file in tmp.iterdir():
             apply_file_mode(file)
         with self._commit_lock:
@@ -448,16 +516,21 @@ class Checkpointer:
                 set_aside(final, "replaced")
             os.replace(tmp, final)
         fsync_path(self.root)
+        self._after_commit(final)
+
+    def _after_commit(self, final: Folder) -> None:
         self._prune(keep=final)
         if self.after_commit is not None:
             self.after_commit(final)
 
-    def _prune(self, keep: Path) -> None:
+    def _prune(self, keep: Folder) -> None:
         """Retire all but the newest `keep_last` checkpoints and the best; delete them in the background.
 
         A checkpoint newer than the resume point that this run did not write is never retired. A
         retired checkpoint is first renamed to `.tmp-*` (atomic), so an interrupted deletion never
         leaves a half checkpoint under a valid name; deleting hundreds of GB must not hold up training.
+        On object storage the record is deleted first instead (one request: the prefix is no longer a
+        checkpoint), then the rest.
         """
         if self.keep_last <= 0:
             return
@@ -471,13 +544,24 @@ class Checkpointer:
             )
             if old == keep or foreign_later or step_of(old) == best:
                 continue
-            target = old.with_name(f".tmp-retired-{old.name}")
             mark_owned(old, self.owner)  # before the rename: a retired folder always carries it
+            if isinstance(old, RemoteDir):
+                (old / STATE_FILE).unlink()
+                retired.append(old)
+                continue
+            target = old.with_name(f".tmp-retired-{old.name}")
             os.replace(old, target)
             retired.append(target)
         if retired:
             threading.Thread(
-                target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in retired],
+                target=lambda: [_remove(p) for p in retired],
                 name="checkpoint-prune",
                 daemon=False,
             ).start()
+
+
+def _remove(folder: Folder) -> None:
+    if isinstance(folder, RemoteDir):
+        folder.remove_tree()
+    else:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -14,8 +14,8 @@ HELP = "write a checkpoint as a diffusers transformer folder (a LoRA checkpoint 
 def add_arguments(parser: Parser) -> None:
     parser.add_argument(
         "checkpoint",
-        help="a run folder (logging.dir: its newest complete checkpoint) or a checkpoint folder, "
-        "e.g. runs/x/checkpoints/step_00001000",
+        help="a run folder (logging.dir: its newest complete checkpoint) or a checkpoint folder (or its URL on "
+        "object storage), e.g. runs/x/checkpoints/step_00001000",
     )
     parser.add_argument("--out", required=True, check=output_folder)
     parser.add_argument(
@@ -56,7 +56,7 @@ def add_arguments(parser: Parser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..export.transformer import checkpoint_to_export, export_checkpoint
 
-    checkpoint, chosen = checkpoint_to_export(Path(args.checkpoint))
+    checkpoint, chosen = checkpoint_to_export(args.checkpoint)
     if chosen is not None:
         # Before the work: a full model's export takes minutes, and this says which step it is.
         print(f"exporting {checkpoint}: {chosen}", flush=True)

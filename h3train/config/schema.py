@@ -291,7 +291,8 @@ class CfgConfig:
 class CheckpointConfig:
     """Sharded DCP checkpoints: where, how often, how many are kept, and what a run resumes."""
 
-    # The checkpoint folder (a path, not a URL); default `<logging.dir>/checkpoints`.
+    # The checkpoint folder: a path, or a URL on object storage (`s3://bucket/prefix`); default
+    # `<logging.dir>/checkpoints`.
     dir: str | None = None
     # Save every N optimizer steps and at the last step (0: only on preemption).
     every: int = 0

@@ -31,18 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DatasetError, SampleError
+from ..infra.objects import is_url
 from .location import INDEX_NAME
 
 REMOTE_NAME = "remote.json"
 # Retries of a transient failure of one read, and the first wait between them (doubling).
 RETRIES = 4
 BACKOFF_S = 0.25
-
-
-def is_url(path: str | os.PathLike) -> bool:
-    """Whether `path` names an object store (`scheme://...`) rather than a local folder."""
-    text = os.fspath(path)
-    return "://" in text and not text.startswith("file://")
 
 
 def cache_root() -> Path:

@@ -58,6 +58,7 @@ from ..checkpoint.run_config import CONFIG_FILE
 from ..errors import CheckpointError, ConfigError, UsageError
 from ..infra.atomic import apply_file_mode, atomic_save_file, atomic_write_text
 from ..infra.diskspace import human_bytes
+from ..infra.objects import Folder, location
 from ..infra.runlock import OWNER_NAME, left_behind, mark_owned
 from ..model.build import meta_transformer
 
@@ -103,7 +104,7 @@ class ExportSummary:
         return out
 
 
-def _listing(folder: Path) -> str:
+def _listing(folder: Folder) -> str:
     """The entries of `folder` for a message: `a, b/, c and 4 more`, folders with a slash; `nothing`."""
     try:
         names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
@@ -115,7 +116,7 @@ def _listing(folder: Path) -> str:
     return ", ".join(names[:_LISTED]) + (f" and {more} more" if more > 0 else "")
 
 
-def run_checkpoint_dir(run: Path) -> Path:
+def run_checkpoint_dir(run: Folder) -> Folder:
     """The checkpoint folder of run folder `run`: its `config.yaml`'s `checkpoint.dir`, else `run/checkpoints`.
 
     A `checkpoint.dir` that is relative is taken as the run took it, from the working directory.
@@ -129,15 +130,15 @@ def run_checkpoint_dir(run: Path) -> Path:
     return checkpoint_root(named if isinstance(named, str) else None, run)
 
 
-def checkpoint_to_export(path: Path) -> tuple[Path, str | None]:
+def checkpoint_to_export(path: Folder | str) -> tuple[Folder, str | None]:
     """The checkpoint `h3train export PATH` reads, and how it was chosen (None: PATH is that checkpoint).
 
     PATH is a checkpoint folder (also one that is not complete: `export_checkpoint` says what it
     lacks), a checkpoint folder's parent (`checkpoint.dir`), or a run folder (`logging.dir`), whose
     newest complete checkpoint, in commit order, is taken. A folder without one is a one-line
-    `CheckpointError` naming the folder and what it holds.
+    `CheckpointError` naming the folder and what it holds. PATH may be a URL on object storage.
     """
-    path = Path(path)
+    path = location(path)
     if STEP_DIR.match(path.name) or (path / STATE_FILE).exists() or (path / METADATA_FILE).exists():
         return path, None
     if not path.exists():
@@ -191,7 +192,7 @@ def _check_out(out: Path, overwrite: bool) -> None:
 
 
 def export_checkpoint(
-    checkpoint: Path,
+    checkpoint: Folder | str,
     out: Path,
     dtype: str = "float32",
     max_shard_bytes: int = 5 * 1024**3,
@@ -212,7 +213,7 @@ def export_checkpoint(
     """
     from .adapter import FORMATS, is_lora_checkpoint, trained_partition
 
-    checkpoint, out = Path(checkpoint), Path(out)
+    checkpoint, out = location(checkpoint), Path(out)
     if not is_complete(checkpoint):
         raise CheckpointError(f"checkpoint '{checkpoint}' is not a complete h3train checkpoint folder")
     if dtype not in DTYPES:
@@ -224,7 +225,7 @@ def export_checkpoint(
     if name is not None and merge:
         raise UsageError("--name names a LoRA file; --merge writes a transformer folder, whose file names are fixed")
     _check_out(out, overwrite)
-    if checkpoint.resolve().is_relative_to(out.resolve()):
+    if isinstance(checkpoint, Path) and checkpoint.resolve().is_relative_to(out.resolve()):
         raise UsageError(f"--out '{out}' holds the checkpoint being exported; choose a folder outside it")
     problem = validate_checkpoint(checkpoint) or file_digest_problem(checkpoint)
     if problem is not None:

@@ -23,6 +23,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from .objects import RemoteDir
+
 
 def _read_umask() -> int:
     # Linux reports it without changing it; `os.umask` has to set it to read it, which another
@@ -63,19 +65,30 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def free_name(path: Path) -> Path:
+def is_taken(path: Path | RemoteDir) -> bool:
+    """Whether anything has the name `path` (a link that points nowhere too; on object storage, an object
+    or a prefix)."""
+    return path.exists() if isinstance(path, RemoteDir) else os.path.lexists(path)
+
+
+def free_name(path: Path | RemoteDir) -> Path | RemoteDir:
     """`path` if nothing has that name, else `path.2`, `path.3`, ...: a name nothing is moved over."""
-    if not os.path.lexists(path):
+    if not is_taken(path):
         return path
     n = 2
-    while os.path.lexists(path.with_name(f"{path.name}.{n}")):
+    while is_taken(path.with_name(f"{path.name}.{n}")):
         n += 1
     return path.with_name(f"{path.name}.{n}")
 
 
-def set_aside(path: Path, tag: str) -> Path:
-    """Rename `path` to `<name>.<tag>` (or a numbered variant); never deletes. Returns the new path."""
+def set_aside(path: Path | RemoteDir, tag: str, first: str | None = None) -> Path | RemoteDir:
+    """Rename `path` to `<name>.<tag>` (or a numbered variant); never deletes. Returns the new path.
+
+    On object storage a rename is a move of each object: `first` (a child's name, e.g. a checkpoint's
+    commit record) moves before the others, so an interrupted move never leaves it beside a partial folder."""
     target = free_name(path.with_name(f"{path.name}.{tag}"))
+    if isinstance(path, RemoteDir):
+        return path.rename(target, first=first)
     os.replace(path, target)
     return target
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import xxhash
 
+from .objects import RemoteDir
+
 ALGORITHM = "xxh3_128"
 # Files are read in pieces of this many bytes: a checkpoint shard never has to fit in memory.
 _CHUNK = 16 * 1024 * 1024
@@ -33,10 +35,10 @@ def digest_tensor(tensor: torch.Tensor) -> str:
     return digest_bytes(tensor_bytes(tensor))
 
 
-def digest_file(path: str | os.PathLike) -> str:
-    """The digest of a whole file, read in `_CHUNK` pieces."""
+def digest_file(path: str | os.PathLike | RemoteDir) -> str:
+    """The digest of a whole file (or object), read in `_CHUNK` pieces."""
     hasher = xxhash.xxh3_128()
-    with open(Path(path), "rb") as handle:
+    with path.open("rb") if isinstance(path, RemoteDir) else open(Path(path), "rb") as handle:
         while chunk := handle.read(_CHUNK):
             hasher.update(chunk)
     return hasher.hexdigest()

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from .objects import location
 
 LOCK_NAME = ".h3train.lock"
 OWNER_NAME = ".h3train-owner"
@@ -326,12 +327,12 @@ class RunLock:
 
 def mark_owned(folder: Path, token: str) -> None:
     """Mark a temporary folder as this process's, written under `token` (`owned_by_another`, `left_behind`)."""
-    (Path(folder) / OWNER_NAME).write_text(json.dumps(writer_record(token)))
+    (location(folder) / OWNER_NAME).write_text(json.dumps(writer_record(token)))
 
 
 def _marker(folder: Path) -> dict[str, Any] | None:
     try:
-        record = json.loads((Path(folder) / OWNER_NAME).read_text())
+        record = json.loads((location(folder) / OWNER_NAME).read_text())
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) and record.get("token") else None

@@ -33,6 +33,7 @@ from ..data.source import MicroBatchStream, build_sampler, build_source, load_sh
 from ..data.step_plan import StepPlanner
 from ..debug.faults import FaultInjector
 from ..infra.diskspace import check_room
+from ..infra.objects import Folder, RemoteDir
 from ..infra.quiet import known_notices
 from ..infra.runlock import RunLock
 from ..lora.names import pretrained_key
@@ -120,7 +121,8 @@ def assemble(
     probe_writable(log_dir, "logging.dir")
     probe_writable(ckpt_dir, ckpt_key)
     planned = planned_checkpoint_bytes(cfg, ckpt_dir)
-    note = check_room(ckpt_dir, ckpt_key, planned)
+    # An object store has no free space to check.
+    note = None if isinstance(ckpt_dir, RemoteDir) else check_room(ckpt_dir, ckpt_key, planned)
     if note is not None and int(os.environ.get("RANK", "0")) == 0:
         print(note, file=sys.stderr, flush=True)
     lock = take_run_lock(log_dir, ckpt_dir)
@@ -132,21 +134,26 @@ def assemble(
         raise
 
 
-def planned_checkpoint_bytes(cfg: Config, ckpt_dir: Path) -> int:
+def planned_checkpoint_bytes(cfg: Config, ckpt_dir: Folder) -> int:
     """Bytes one checkpoint of this run needs: the plan's (`plan.checkpoint_bytes`), or the newest
     checkpoint's size on disk when that is more (a resume: DCP's framing included)."""
     planned = checkpoint_bytes(model_dims(cfg), cfg)
     return room_needed(planned, ckpt_dir) if cfg.checkpoint.resume != "none" else planned
 
 
-def take_run_lock(log_dir: Path, ckpt_dir: Path) -> RunLock | None:
+def take_run_lock(log_dir: Path, ckpt_dir: Folder) -> RunLock | None:
     """Rank 0 (the only writer before the process group exists) locks both run folders; None elsewhere.
 
     Before anything is written: a second run into either folder stops here (exit 2, naming the holder).
+    A checkpoint folder on object storage has no lock of its own (a store offers no exclusive create to
+    every client): it belongs to the run of its `logging.dir`, which is locked (docs/cluster.md).
     """
     if int(os.environ.get("RANK", "0")) != 0:
         return None
-    lock = RunLock([(log_dir, f"logging.dir '{log_dir}'"), (ckpt_dir, f"checkpoint.dir '{ckpt_dir}'")])
+    folders = [(log_dir, f"logging.dir '{log_dir}'")]
+    if not isinstance(ckpt_dir, RemoteDir):
+        folders.append((ckpt_dir, f"checkpoint.dir '{ckpt_dir}'"))
+    lock = RunLock(folders)
     for note in lock.acquire():
         print(note, file=sys.stderr, flush=True)
     return lock
@@ -156,7 +163,7 @@ def _assemble(
     cfg: Config,
     dims: ParallelDims,
     log_dir: Path,
-    ckpt_dir: Path,
+    ckpt_dir: Folder,
     lock: RunLock | None,
     planned_bytes: int,
     transforms: Sequence[ModelTransform] | None,
@@ -278,7 +285,7 @@ def export_files(cfg: Config, adapter: ModelAdapter | None) -> AdapterFiles | No
 
 def build_checkpointer(
     cfg: Config,
-    ckpt_dir: Path,
+    ckpt_dir: Folder,
     ctx: ParallelContext,
     watch: ValidationWatch,
     adapter_files: AdapterFiles | None,

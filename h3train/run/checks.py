@@ -73,15 +73,20 @@ def check(cfg: Config, planning: bool = False) -> None:
 
 
 def _check_run_folders(cfg: Config) -> None:
-    """`logging.dir` and `checkpoint.dir` are folders here: a URL (`data/storage.py`'s sense) would become a
-    local folder named after it (`./s3:/...`), and a run's checkpoints would land where nobody looks."""
-    for key, value in (("logging.dir", cfg.logging.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
-        if value and is_url(value):
-            raise ConfigError(
-                f"config key '{key}' is the URL '{value}'; run folders and checkpoints are written to a "
-                "folder (a shared filesystem on a cluster): give a path, and copy finished checkpoints to "
-                "object storage with the store's own tools"
-            )
+    """`logging.dir` is a folder here: a URL (`infra/objects.py`'s sense) would become a local folder named
+    after it (`./s3:/...`), and the run's logs would land where nobody looks. `checkpoint.dir` may be a URL."""
+    if cfg.logging.dir and is_url(cfg.logging.dir):
+        raise ConfigError(
+            f"config key 'logging.dir' is the URL '{cfg.logging.dir}'; a run's logs and its lock are written to "
+            "a folder (a shared filesystem on a cluster): give a path, and set checkpoint.dir to the URL to keep "
+            "the checkpoints on object storage"
+        )
+    if cfg.checkpoint.dir and is_url(cfg.checkpoint.dir) and cfg.checkpoint.export != "none":
+        raise ConfigError(
+            f"config key 'checkpoint.export' is '{cfg.checkpoint.export}': it writes files into each checkpoint's "
+            f"folder, and checkpoint.dir is the URL '{cfg.checkpoint.dir}'; set checkpoint.export=none and write "
+            "the files from a checkpoint with 'h3train export URL --out DIR'"
+        )
 
 
 def _check_model_shape(cfg: Config) -> None:

@@ -52,6 +52,7 @@ from ..config import Config, to_yaml
 from ..data.step_plan import batch_layout, global_batch_change
 from ..errors import CheckpointError, ConfigError, H3TrainError, UsageError
 from ..infra.atomic import set_aside
+from ..infra.objects import Folder, location
 from ..lora.base import read_record
 from ..model.adapter import ModelAdapter
 from ..parallel.dims import ParallelContext
@@ -100,7 +101,7 @@ def check_same_optimizer(saved: dict[str, Any], cfg: Config, path: Path) -> None
 class Resume:
     """The resume decision of one run (see the module docstring)."""
 
-    def __init__(self, cfg: Config, log_dir: Path, ckpt_dir: Path, overwrite: bool) -> None:
+    def __init__(self, cfg: Config, log_dir: Path, ckpt_dir: Folder, overwrite: bool) -> None:
         """Before any process group: the candidates, and the fresh-run policy when there are none."""
         self.cfg = cfg
         self.log_dir, self.ckpt_dir = log_dir, ckpt_dir
@@ -120,9 +121,9 @@ class Resume:
         self.ctx: ParallelContext | None = None
         self.adapter: ModelAdapter | None = None
         self.model_dims: dict[str, Any] = {}
-        self.path: Path | None = None
+        self.path: Folder | None = None
 
-    def choose(self, ctx: ParallelContext, model_dims: dict[str, Any], adapter: ModelAdapter | None) -> Path | None:
+    def choose(self, ctx: ParallelContext, model_dims: dict[str, Any], adapter: ModelAdapter | None) -> Folder | None:
         """The checkpoint every rank resumes from (None: a fresh start); collective.
 
         Rank 0 validates the candidates newest first; all ranks then check that they see it and
@@ -132,7 +133,7 @@ class Resume:
         self.path = self._agree(first=True)
         return self.path
 
-    def restore(self, parts: Restorable) -> Path | None:
+    def restore(self, parts: Restorable) -> Folder | None:
         """Load every component of `parts.checkpoint_state` from the chosen checkpoint, if any.
 
         Falls back to older checkpoints as `choose` does when the read fails; components the
@@ -198,7 +199,7 @@ class Resume:
         assert self.ctx is not None, "Resume.choose runs before restore"
         return self.ctx
 
-    def _agree(self, first: bool) -> Path | None:
+    def _agree(self, first: bool) -> Folder | None:
         """Rank 0 picks the next loadable candidate and broadcasts it; every rank checks it fits."""
         ctx = self._context()
         decision: list = [None]
@@ -206,13 +207,13 @@ class Resume:
             decision[0] = self._decide(self.overwrite and first)
         dist.broadcast_object_list(decision, src=0)
         chosen, error, remaining = decision[0]
-        self._candidates = [Path(p) for p in remaining]
+        self._candidates = [location(p) for p in remaining]
         if error is not None:
             kind, message = error
             self._agreed_error({"usage": UsageError, "checkpoint": CheckpointError}[kind](message))
         if chosen is None:
             return None
-        agreed = Path(chosen)
+        agreed = location(chosen)
         if not is_complete(agreed):
             raise CheckpointError(
                 f"config key 'checkpoint.resume': rank {ctx.rank} cannot see the complete "
@@ -258,9 +259,9 @@ class Resume:
             print(set_aside_for_restart(self.log_dir), flush=True)
         return None, None, []
 
-    def _report_corrupt(self, path: Path, problem: str) -> None:
+    def _report_corrupt(self, path: Folder, problem: str) -> None:
         """Rank 0: set a checkpoint that cannot be loaded aside (never deleted) and say so in one line."""
-        moved = set_aside(path, "corrupt")
+        moved = set_aside(path, "corrupt", first=STATE_FILE)
         print(
             f"h3train: warning: skipped checkpoint {path} (step {step_of(path)}): {problem}; "
             f"renamed it {moved.name} and trying the next older one",
@@ -295,7 +296,7 @@ class Resume:
 
     # -- after the load ------------------------------------------------------------------------
 
-    def _report(self, parts: Restorable, path: Path) -> None:
+    def _report(self, parts: Restorable, path: Folder) -> None:
         state = read_trainer_state(path)
         changes = schedule_changes(state.get("config_yaml", ""), self.cfg)
         cfg, dp = self.cfg, self._context().dims.dp
@@ -325,7 +326,7 @@ class Resume:
 
 
 # -- which checkpoints, and what may change across a resume ----------------------------------------
-def resume_candidates(root: Path, resume: str) -> list[Path]:
+def resume_candidates(root: Folder, resume: str) -> list[Folder]:
     """The checkpoints a resume tries, newest first: `auto` all committed ones, `none` none, or a path.
 
     An explicit path must be a committed checkpoint folder (ConfigError otherwise); whether its
@@ -335,7 +336,7 @@ def resume_candidates(root: Path, resume: str) -> list[Path]:
         return []
     if resume == "auto":
         return list(reversed(committed_checkpoints(root)))
-    path = Path(resume)
+    path = location(resume)
     if not (path.is_dir() and STEP_DIR.match(path.name)):
         raise ConfigError(
             f"config key 'checkpoint.resume': '{resume}' is not a checkpoint folder "

@@ -35,10 +35,11 @@ from typing import Any
 
 import yaml
 
-from ..checkpoint import committed_checkpoints, step_of
+from ..checkpoint import STATE_FILE, committed_checkpoints, step_of
 from ..checkpoint.run_config import CONFIG_FILE
 from ..errors import ConfigError, UsageError
-from ..infra.atomic import set_aside
+from ..infra.atomic import is_taken, set_aside
+from ..infra.objects import Folder, RemoteDir
 from ..train.metrics import METRICS_FILE, iter_rows
 
 # What h3train writes into `logging.dir` (besides checkpoints); `--overwrite` moves these aside.
@@ -65,8 +66,23 @@ _NAMED_CHANGES = 3
 _PROBE_BYTES = 4096
 
 
-def probe_writable(path: Path, key: str) -> None:
-    """Create folder `path` and a temporary file in it; ConfigError naming `key` if either fails."""
+def probe_writable(path: Folder, key: str) -> None:
+    """Create folder `path` and a temporary file in it; ConfigError naming `key` if either fails. On object
+    storage: write and delete a small object under the prefix (a refused credential, a missing bucket, an
+    unreachable endpoint: one line before any work)."""
+    if isinstance(path, RemoteDir):
+        probe = path / f".h3train-probe-{uuid.uuid4().hex}"
+        try:
+            probe.write_bytes(bytes(_PROBE_BYTES))
+            probe.unlink()
+        except Exception as exc:  # noqa: BLE001 - each fsspec backend raises its own kinds
+            said = str(exc).strip().splitlines()
+            reason = f"{type(exc).__name__}: {said[0]}" if said else type(exc).__name__
+            raise ConfigError(
+                f"config key '{key}': cannot write to '{path}' ({reason}); check the bucket and the credentials "
+                "the object store reads from the environment or its config files"
+            ) from None
+        return
     if path.exists() and not path.is_dir():
         raise ConfigError(f"config key '{key}': '{path}' is a file, not a folder; choose a folder path")
     probe = path / f".h3train-probe-{uuid.uuid4().hex}"
@@ -82,7 +98,7 @@ def probe_writable(path: Path, key: str) -> None:
         ) from exc
 
 
-def earlier_run(log_dir: Path, ckpt_dir: Path) -> list[str]:
+def earlier_run(log_dir: Path, ckpt_dir: Folder) -> list[str]:
     """What of an earlier run the folders hold: e.g. ['metrics.jsonl', '2 checkpoints']; [] if none."""
     found = []
     metrics = log_dir / "metrics.jsonl"
@@ -94,7 +110,7 @@ def earlier_run(log_dir: Path, ckpt_dir: Path) -> list[str]:
     return found
 
 
-def check_fresh_run(log_dir: Path, ckpt_dir: Path, config_yaml: str, steps: int) -> bool:
+def check_fresh_run(log_dir: Path, ckpt_dir: Folder, config_yaml: str, steps: int) -> bool:
     """Refuse a fresh run over an earlier one (UsageError, one line with the ways out), unless the earlier
     run is this one (`config_yaml`, `train.steps` = `steps`) cut short before its first checkpoint: then
     True, and rank 0 sets its rows aside (`set_aside_for_restart`) before anything is written."""
@@ -171,18 +187,20 @@ def set_aside_for_restart(log_dir: Path) -> str:
     )
 
 
-def _aside_folder(log_dir: Path, ckpt_dir: Path) -> tuple[Path, Path]:
+def _aside_folder(log_dir: Path, ckpt_dir: Folder) -> tuple[Path, Folder]:
     inside = _is_within(ckpt_dir, log_dir)
     n = 1
     while True:
         logs = log_dir / f"{ASIDE_PREFIX}{n}"
         ckpts = logs / ckpt_dir.resolve().relative_to(log_dir.resolve()) if inside else ckpt_dir / logs.name
-        if not os.path.lexists(logs) and not os.path.lexists(ckpts):
+        if not os.path.lexists(logs) and not is_taken(ckpts):
             return logs, ckpts
         n += 1
 
 
-def _is_within(path: Path, folder: Path) -> bool:
+def _is_within(path: Folder, folder: Path) -> bool:
+    if isinstance(path, RemoteDir):
+        return False
     try:
         path.resolve().relative_to(folder.resolve())
     except ValueError:
@@ -190,7 +208,7 @@ def _is_within(path: Path, folder: Path) -> bool:
     return True
 
 
-def move_run_aside(log_dir: Path, ckpt_dir: Path) -> Path | None:
+def move_run_aside(log_dir: Path, ckpt_dir: Folder) -> Path | None:
     """`--overwrite`: move an earlier run's files into `previous-<n>/`; return that folder (None: nothing)."""
     if not earlier_run(log_dir, ckpt_dir) and not (log_dir / "config.yaml").exists():
         return None
@@ -207,12 +225,15 @@ def move_run_aside(log_dir: Path, ckpt_dir: Path) -> Path | None:
             # Committed, corrupt and abandoned checkpoints all start with step_; .tmp-* are unfinished.
             if path.name.startswith("step_"):
                 ckpts.mkdir(parents=True, exist_ok=True)
-                os.replace(path, ckpts / path.name)
+                if isinstance(path, RemoteDir):
+                    path.rename(ckpts / path.name, first=STATE_FILE)
+                else:
+                    os.replace(path, ckpts / path.name)
                 moved = True
     return logs if moved else None
 
 
-def set_aside_later_checkpoints(ckpt_dir: Path, step: int) -> list[Path]:
+def set_aside_later_checkpoints(ckpt_dir: Folder, step: int) -> list[Folder]:
     """Rename committed checkpoints after `step` to `step_N.abandoned-<step>`; return the new paths."""
     later = [p for p in committed_checkpoints(ckpt_dir) if step_of(p) > step]
-    return [set_aside(p, f"abandoned-{step}") for p in later]
+    return [set_aside(p, f"abandoned-{step}", first=STATE_FILE) for p in later]

@@ -578,7 +578,7 @@ class Trainer:
         if checkpoint is None:
             lines.append("no checkpoint of this run to export (checkpoint.every=0)")
         else:
-            out = Path(cfg.logging.dir) / "export" / Path(checkpoint).name
+            out = Path(cfg.logging.dir) / "export" / checkpoint.name
             lines.append(f"last checkpoint: {checkpoint}")
             lines.append(f"export it with: h3train export {shlex.quote(str(checkpoint))} --out {shlex.quote(str(out))}")
         adapter_files, watch = self.parts.adapter_files, self.parts.watch
