@@ -69,9 +69,9 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], tuple[str, ...]]] = {
     "wrong_task": (lambda d: _cached(d / "fl2va", "task.name=ref2va"), ("'task.name' is 'ref2va'", "task.name=fl2va")),
     "text_dim": (lambda d: _cached(d / "narrow"), ("text_dim=16", "8 wide", "model.config.text_dim=8")),
     "sp_without_launcher": (lambda d: [str(TINY_FL2VA), "parallel.sp=2"], ("torchrun", "2 ranks")),
-    "logging_url": (
-        lambda d: [str(TINY_FL2VA), "logging.dir=s3://bucket/run"],
-        ("'logging.dir' is the URL 's3://bucket/run'", "give a path", "checkpoint.dir"),
+    "export_into_url": (
+        lambda d: [str(TINY_FL2VA), "lora.rank=4", "checkpoint.dir=s3://bucket/ckpt", "checkpoint.export=diffusers"],
+        ("'checkpoint.export' is 'diffusers'", "'s3://bucket/ckpt'", "checkpoint.export=none"),
     ),
 }
 LAUNCHED = ["yaml_list", "bad_index", "text_dim"]
