@@ -310,9 +310,8 @@ class Checkpointer:
         self.wait()
         self.saving = step
         final = self.root / step_dir_name(step)
-        remote = isinstance(final, RemoteDir)
-        tmp = final if remote else self.root / f".tmp-{final.name}"
-        if self.is_main and remote:
+        tmp = self._tmp_of(final)
+        if self.is_main and isinstance(final, RemoteDir):
             self._clear_prefix(final)
             mark_owned(final, self.owner)
         elif self.is_main:
@@ -366,6 +365,7 @@ class Checkpointer:
             set_aside(final, "kept")
 
     def _tmp_of(self, final: Folder) -> Folder:
+        """Where the save of `final` is written: `.tmp-<name>` beside it, or on object storage `final` itself."""
         return final if isinstance(final, RemoteDir) else final.with_name(f".tmp-{final.name}")
 
     def wait(self) -> Folder | None:

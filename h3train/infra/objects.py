@@ -101,17 +101,14 @@ class RemoteDir:
     @property
     def fs(self) -> Any:
         if self._fs is None:
-            self._fs, root = _filesystem(self.url)
-            self._key = self._key or root.rstrip("/")
+            self._fs, _ = _filesystem(self.url)
         return self._fs
 
     @property
     def key(self) -> str:
         """The object key (the store's path, without the scheme)."""
         if self._key is None:
-            _ = self.fs
-            if self._key is None:
-                self._key = self.fs._strip_protocol(self.url).rstrip("/")
+            self._key = self.fs._strip_protocol(self.url).rstrip("/")
         return self._key
 
     # -- what is there ---------------------------------------------------------------------------
