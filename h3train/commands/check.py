@@ -12,6 +12,7 @@ from .arguments import Parser
 if TYPE_CHECKING:
     from ..config import Config
     from ..plan import Rates
+    from ..run.blueprint import Blueprint
 
 NAME = "check"
 HELP = "validate a config and its parallel plan; print memory per rank and the estimated step time"
@@ -77,16 +78,17 @@ def add_arguments(parser: Parser) -> None:
     )
 
 
-def compile_line(cfg: Config) -> str:
+def compile_line(blueprint: Blueprint) -> str:
     """Whether the planned (CUDA) run compiles its transformer blocks, and the `model.compile` that says so.
 
     A packed run says how its packs attend when compiled (one varlen call each); `model.compile: true`
     with packs this torch cannot compile is the one-line `ConfigError` of `resolve_compile`.
     """
-    from ..config.checks import packed_compile_missing, resolve_compile
+    from ..config.checks import packed_compile_missing
 
+    cfg = blueprint.cfg
     given = str(cfg.model.compile).lower()
-    if resolve_compile(cfg, "cuda"):
+    if blueprint.compile_blocks:
         packs = ", each pack attending in one varlen call" if cfg.data.pack else ""
         return f"compile: each transformer block, on CUDA{packs} (model.compile: {given})"
     why = ""
@@ -118,20 +120,41 @@ def device_rates(args: argparse.Namespace) -> Rates:
 
 def run(args: argparse.Namespace) -> int:
     from ..config import load_config
-    from ..model.dims import planned_model_dims
     from ..parallel.dims import ParallelDims
-    from ..run.preflight import preflight
+    from ..plan import estimate
+    from ..run.blueprint import draw
+    from ..run.preflight import JobDevice, preflight
 
     cfg = load_config(args.config, args.overrides)
     world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     # Without --strict, what is not on this machine is planned for and named, not required.
-    notes = preflight(cfg, planning=not args.strict, world_size=world)
+    checked = preflight(cfg, planning=not args.strict, world_size=world)
+    notes = checked.notes
     dims = ParallelDims.from_config(cfg.parallel, world)
+    per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "8"))
+    model_dims = checked.model_dims
+    rates = device_rates(args)
+    memory_gib = rates.device.memory_gib
+
+    def plan_of(c: Config, d: ParallelDims = dims):
+        return estimate(model_dims, d, c, ranks_per_node=per_node, device_memory_gib=memory_gib)
+
     print(f"config ok: {args.config}")
     for note in notes:
         print(f"assumed: {note}")
     print(dims.describe())
-    print(compile_line(cfg))
+    # The run on CUDA draws the same blueprint (`run.blueprint.draw`); what follows plans it.
+    blueprint = draw(
+        checked,
+        dims,
+        JobDevice(memory_gib, args.device),
+        device_kind="cuda",
+        ranks_per_node=per_node,
+        plan_of=plan_of,
+        both_tables=True,
+        rates=rates,
+    )
+    print(compile_line(blueprint))
     if cfg.data.source == "cached" and not isinstance(cfg.data.path, str) and not notes:
         from ..data.mixture import DatasetMixture
         from ..data.source import build_source
@@ -140,7 +163,6 @@ def run(args: argparse.Namespace) -> int:
             print(source.describe())
     from ..plan import (
         dropped_line,
-        estimate,
         format_layouts,
         format_plan,
         format_step,
@@ -149,21 +171,11 @@ def run(args: argparse.Namespace) -> int:
         refuse_over_plan,
         samples_lines,
     )
-    from ..plan.tables import choose_tables, tables_line, with_tables
+    from ..plan.tables import tables_line
 
-    per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "8"))
-    model_dims = planned_model_dims(cfg)[0]
-    rates = device_rates(args)
-    memory_gib = rates.device.memory_gib
-
-    def plan_of(c: Config, d: ParallelDims):
-        return estimate(model_dims, d, c, ranks_per_node=per_node, device_memory_gib=memory_gib)
-
-    choice = choose_tables(cfg, dims, model_dims, rates, ranks_per_node=per_node, plan_of=plan_of)
-    print(tables_line(choice))
-    # The run on CUDA takes the same choice (`run.preflight.resolve_tables`); what follows plans it.
-    cfg = with_tables(cfg, choice.served)
-    plan = choice.plans[choice.served]
+    if blueprint.tables is not None:
+        print(tables_line(blueprint.tables))
+    cfg, plan = blueprint.cfg, blueprint.memory_plan
     from ..data.source import left_out_lines
 
     for line in [*left_out_lines(cfg), dropped_line(cfg)]:

@@ -214,7 +214,6 @@ def init_adapters(model: nn.Module, cfg: Config) -> None:
 def add_adapters(transformer: MiniMaxH3Transformer3DModel, cfg: Config) -> None:
     """Steps 1-4 of the module docstring, on the bare transformer (real or on meta)."""
     lora = cfg.lora
-    config_kind(lora).check(lora)
     targets = resolve_targets(transformer, lora.target_modules)
     train_modules = resolve_train_modules(transformer, lora.train_modules, targets)
     # peft initialises with the default RNG; fork it, so adding adapters never shifts other draws.
@@ -241,14 +240,13 @@ class LoraTransform:
     As the adapter it says what a checkpoint of the run records (`checkpoint_info`), that the
     checkpoint holds the trainable state only (`trainable_only`: the frozen base is rebuilt as on a
     fresh start) and which checkpoints a resume may continue (`check_checkpoint`: the same base, kind
-    and rank). Built from its config, it refuses what the kind cannot do (`AdapterKind.check`) before any model.
+    and rank). What the kind cannot do was refused by the start's checks (`AdapterKind.check`), before any model.
     """
 
     #: A checkpoint holds the parameters that train; the frozen base is rebuilt where a fresh start gets it.
     trainable_only = True
 
     def __init__(self, cfg: Config) -> None:
-        config_kind(cfg.lora).check(cfg.lora)
         self.cfg = cfg
         self._base: dict[str, Any] | None = None
 

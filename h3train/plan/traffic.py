@@ -352,7 +352,7 @@ def planned_forwards(cfg: Config, dims: ParallelDims) -> tuple[ForwardShape, ...
 
 
 def planned_policies(cfg: Config, dims: ParallelDims, num_layers: int) -> tuple[str, ...]:
-    """The blocks' policies as the run on CUDA takes them (`run.preflight.checkpoint_policies`): the
+    """The blocks' policies as the run on CUDA takes them (`run.blueprint.draw`): the
     configured one, or under `auto` the memory plan's choice."""
     mode = cfg.model.activation_checkpointing
     if mode != "auto":

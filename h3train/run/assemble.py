@@ -4,10 +4,12 @@ Every choice a config makes about *which* part to use is taken here and nowhere 
 its transforms (adapters; `transforms.py` names them, so that the memory plan can ask as well),
 the optimizer and schedule, the sample source and its micro-batch stream, the step hooks (the
 debug ones too: fault injection, the step dump), the metrics logger, the checkpointer and the
-resume decision. `build_trainer` runs them in the order the start-up needs (checks before any
-process group, the resume decision before the model is built, FSDP2 before the optimizer), hands
-the parts (`parts.py`) to `Trainer`, which only wires them into the loop, and restores the chosen
-checkpoint into them.
+resume decision. What the start decides for those parts (compile, attention backend, AdaLN tables, the
+memory plan, each block's recompute) is drawn once into a `Blueprint` (`blueprint.py`), which the builders
+read. `build_trainer` runs them in the order the start-up needs (checks before any process group, the
+blueprint once every rank agreed on its device, the resume decision before the model is built, FSDP2
+before the optimizer), hands the parts (`parts.py`) to `Trainer`, which only wires them into the loop,
+and restores the chosen checkpoint into them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from torch import nn
 
 from ..checkpoint import Checkpointer, checkpoint_root, room_needed
 from ..config import Config, dataset_specs
-from ..config.checks import resolve_compile
 from ..data.format import INDEX_NAME
 from ..data.mixture import DatasetMixture
 from ..data.source import MicroBatchStream, build_sampler, build_source, load_shared_negative
@@ -52,7 +53,6 @@ from ..model.fsdp import apply_fsdp, shards_nothing
 from ..model.quant import check_base_quant
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import micro_batch_inputs
-from ..ops.attention import resolve_attention_backend
 from ..optim.kinds import build_optimizer, build_scheduler, weights_dtype
 from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
 from ..parallel.ulysses import SequenceParallel
@@ -66,15 +66,10 @@ from ..train.hooks import TrainerHook
 from ..train.metrics import MetricsLogger
 from ..train.preemption import SAME_KEYPRESS_S, Preemption
 from ..train.trainer import Trainer
+from .blueprint import Blueprint, draw
+from .checks import Checked
 from .parts import TrainingParts
-from .preflight import (
-    agree_job_device,
-    checkpoint_policies,
-    device_memory_gib,
-    preflight,
-    resolve_tables,
-    start_plan,
-)
+from .preflight import agree_job_device, preflight
 from .resume import Resume
 from .rundir import probe_writable
 
@@ -112,7 +107,7 @@ def assemble(
 ) -> TrainingParts:
     """Build every part of a run from `cfg` (see `build_trainer`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    preflight(cfg, world_size=world)
+    checked = preflight(cfg, world_size=world)
     dims = ParallelDims.from_config(cfg.parallel, world)
     log_dir = Path(cfg.logging.dir)
     ckpt_dir = checkpoint_root(cfg.checkpoint.dir, log_dir)
@@ -127,7 +122,7 @@ def assemble(
         print(note, file=sys.stderr, flush=True)
     lock = take_run_lock(log_dir, ckpt_dir)
     try:
-        return _assemble(cfg, dims, log_dir, ckpt_dir, lock, planned, transforms, hooks, overwrite)
+        return _assemble(checked, dims, log_dir, ckpt_dir, lock, planned, transforms, hooks, overwrite)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -160,7 +155,7 @@ def take_run_lock(log_dir: Path, ckpt_dir: Folder) -> RunLock | None:
 
 
 def _assemble(
-    cfg: Config,
+    checked: Checked,
     dims: ParallelDims,
     log_dir: Path,
     ckpt_dir: Folder,
@@ -172,25 +167,24 @@ def _assemble(
 ) -> TrainingParts:
     # The run folders are judged before the process group (an error there is said once a node), on the
     # config as given: `config.yaml` records `parallel.adaln_tables` as configured, as it does `auto` policies.
+    cfg = checked.cfg
     resume = Resume(cfg, log_dir, ckpt_dir, overwrite)
     _, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.cpu_offload)
     # The start's one agreement: what follows decides from the same memory and card on every rank.
-    job = agree_job_device(device)
-    configured = cfg.parallel.adaln_tables
-    cfg = resolve_tables(cfg, dims, device.type, job)
-    start_plan(cfg, device.type, job.memory_gib, dims)
+    blueprint = draw(checked, dims, agree_job_device(device))
+    cfg = blueprint.cfg
+    blueprint.announce()
     ctx = ParallelContext(dims, device)
     if ctx.is_main and ctx.averaging.force_sum:
         print(ctx.averaging.describe(dims.world_size), flush=True)
     _warn_cross_node_sp(ctx)
     # Before anything reads the data folder (the plan's longest sample on CUDA, the source): a rank that
     # read it while rank 0 writes it could see another dataset than its peers.
-    _create_synthetic_dataset(cfg, ctx, model_dims(cfg)["text_dim"])
+    _create_synthetic_dataset(cfg, ctx, blueprint.model_dims["text_dim"])
     transforms = list(model_transforms(cfg) if transforms is None else transforms)
     adapter = next((t for t in transforms if isinstance(t, ModelAdapter)), None)
-    resumed = resume.choose(ctx, model_dims(cfg), adapter) is not None
-    policies = checkpoint_policies(cfg, dims, device.type, model_dims(cfg)["num_layers"], job.memory_gib)
-    model = build_sharded_model(cfg, ctx, transforms, resumed, trainable_only=adapter is not None, policies=policies)
+    resumed = resume.choose(ctx, dict(blueprint.model_dims), adapter) is not None
+    model = build_sharded_model(blueprint, ctx, transforms, resumed, trainable_only=adapter is not None)
     model_config = model_config_of(model)
     optimizer = build_optimizer(model, cfg.optim, cfg.train.seed)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
@@ -238,7 +232,7 @@ def _assemble(
         tensorboard=cfg.logging.tensorboard,
     )
     return TrainingParts(
-        cfg=cfg,
+        blueprint=blueprint,
         ctx=ctx,
         log_dir=log_dir,
         model=model,
@@ -262,7 +256,6 @@ def _assemble(
         adapter_files=adapter_files,
         resume=resume,
         lock=lock,
-        configured_tables=configured,
     )
 
 
@@ -308,24 +301,23 @@ def build_checkpointer(
 
 
 def build_sharded_model(
-    cfg: Config,
+    blueprint: Blueprint,
     ctx: ParallelContext,
     transforms: Sequence[ModelTransform],
     resumed: bool,
     trainable_only: bool,
-    policies: tuple[str, ...] | None = None,
 ) -> SequenceParallelH3:
-    """The transformer with its transforms, wrapped for sequence parallelism and sharded by FSDP2, each block
-    recomputing as `policies` says (`wrap_and_shard`).
+    """The transformer of `blueprint` with its transforms, wrapped for sequence parallelism and sharded by
+    FSDP2 (`wrap_and_shard`).
 
     A resumed run gets every value from its checkpoint: no rank builds or reads a full model. A
     checkpoint of the trainable state only (an adapter's) needs its base built as on a fresh start.
     """
-    device = ctx.device
+    cfg, device = blueprint.cfg, ctx.device
     pretrained = pretrained_folder(cfg) if cfg.model.pretrained else None
     restores_all = resumed and not trainable_only
     from_meta = pretrained is not None or restores_all
-    model = wrap_and_shard(cfg, ctx, transforms, from_meta, policies)
+    model = wrap_and_shard(blueprint, ctx, transforms, from_meta)
     if restores_all:
         materialize(model, device)
     elif pretrained:
@@ -336,34 +328,31 @@ def build_sharded_model(
 
 
 def wrap_and_shard(
-    cfg: Config,
+    blueprint: Blueprint,
     ctx: ParallelContext,
     transforms: Sequence[ModelTransform],
     from_meta: bool,
-    policies: tuple[str, ...] | None = None,
 ) -> SequenceParallelH3:
     """`build_sharded_model` up to its values: the transformer (on `meta` when `from_meta`, else seeded)
-    with its transforms, wrapped for sequence parallelism and sharded by FSDP2. A model from `meta`
-    holds no values until `materialize` or `load_pretrained_shards` gives them. `policies`: what each block
-    recomputes (`checkpoint_policies`; default: as this rank's device memory resolves the config)."""
-    device = ctx.device
+    with its transforms, wrapped for sequence parallelism and sharded by FSDP2, as `blueprint` decided
+    (its attention backend, each block's policy, the compile, the tables). A model from `meta` holds no
+    values until `materialize` or `load_pretrained_shards` gives them."""
+    cfg, device = blueprint.cfg, ctx.device
     if cfg.lora.rank:
         # FSDP2 on this torch may refuse the codes: refused before any model, for a trainer built in
         # code as for one the command line checked first.
         check_base_quant(cfg.lora.base_quant)
     transformer = build_meta_model(cfg) if from_meta else build_model(cfg, cfg.train.seed)
     with known_notices():
-        transformer.set_attention_backend(
-            resolve_attention_backend(cfg.model.attention_backend, device.type, cfg.model.dtype)
-        )
+        transformer.set_attention_backend(blueprint.attention_backend)
     for transform in transforms:
         transform(transformer, cfg)
     store_trainable(transformer, weights_dtype(cfg.optim))
     model = SequenceParallelH3(
         transformer,
         SequenceParallel(ctx.sp_group),
-        activation_checkpointing=_block_policies(cfg, ctx, transformer.config.num_layers, policies),
-        compile_blocks=resolve_compile(cfg, device.type),
+        activation_checkpointing=_block_policies(blueprint.policies, transformer.config.num_layers),
+        compile_blocks=blueprint.compile_blocks,
         compile_backend=cfg.model.compile_backend,
         packed=cfg.data.pack > 0,
     )
@@ -378,12 +367,8 @@ def wrap_and_shard(
     return model
 
 
-def _block_policies(
-    cfg: Config, ctx: ParallelContext, num_layers: int, policies: tuple[str, ...] | None
-) -> tuple[str, ...]:
-    """`policies`, one per block of the built transformer, or the config's resolved on this rank's memory."""
-    if policies is None:
-        return checkpoint_policies(cfg, ctx.dims, ctx.device.type, num_layers, device_memory_gib(ctx.device.type))
+def _block_policies(policies: tuple[str, ...], num_layers: int) -> tuple[str, ...]:
+    """`policies`, one per block of the built transformer."""
     if len(policies) != num_layers:
         raise ValueError(f"{len(policies)} block policies for a model of {num_layers} blocks")
     return tuple(policies)

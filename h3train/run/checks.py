@@ -14,6 +14,8 @@ order in which a config with several faults reports them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -143,13 +145,32 @@ def device_type(cfg: Config) -> str:
     return "cuda" if cfg.parallel.backend != "gloo" and torch.cuda.is_available() else "cpu"
 
 
-def check_inputs(cfg: Config, planning: bool = False) -> list[str]:
+@dataclass(frozen=True)
+class Checked:
+    """What `check_inputs` found and decided of a config, before any process group.
+
+    `cfg`: the config as loaded; `device_kind`: where it trains here (`device_type`); `model_dims`: the
+    transformer's constructor arguments (the released architecture where `planning` found no model folder);
+    `notes`: what was planned for rather than found; `attention_backend`: the diffusers backend it attends
+    with here; `compile_blocks`: whether its blocks compile here (None when planning: `h3train check` decides
+    it for the GPU it plans, `blueprint.draw`).
+    """
+
+    cfg: Config
+    device_kind: str
+    model_dims: Mapping[str, Any]
+    notes: tuple[str, ...]
+    attention_backend: str
+    compile_blocks: bool | None
+
+
+def check_inputs(cfg: Config, planning: bool = False) -> Checked:
     """Inputs and device capabilities a `check`ed config names exist, before any model or process group.
 
     Every check is cheap: the model is built on the meta device, and of the dataset only
     `index.jsonl` and one sample header are read. `planning` (`h3train check`) plans for what it
     cannot see here, the released architecture for a missing model folder and the longest released
-    clip for a missing dataset, and returns a note for each such assumption; training needs both.
+    clip for a missing dataset, and notes each such assumption; training needs both.
     """
     notes: list[str] = []
     if planning:
@@ -167,13 +188,12 @@ def check_inputs(cfg: Config, planning: bool = False) -> list[str]:
     _check_pack(cfg)
     check_partition(cfg, data_source(cfg).sample_tasks)
     kind = device_type(cfg)
-    resolve_attention_backend(cfg.model.attention_backend, kind, cfg.model.dtype)
-    if not planning:
-        # A compile this device or torch cannot take with packs is refused here, before any process group.
-        resolve_compile(cfg, kind)
+    backend = resolve_attention_backend(cfg.model.attention_backend, kind, cfg.model.dtype)
+    # A compile this device or torch cannot take with packs is refused here, before any process group.
+    compiles = None if planning else resolve_compile(cfg, kind)
     if cfg.model.dtype == "bfloat16" and kind == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("config key 'model.dtype' is 'bfloat16' but this GPU has no bf16 support; use float32")
-    return notes
+    return Checked(cfg, kind, dims, tuple(notes), backend, compiles)
 
 
 def _check_max_rows(cfg: Config) -> None:

@@ -33,6 +33,7 @@ from ..train.hooks import TrainerHook
 from ..train.metrics import MetricsLogger
 from ..train.preemption import Preemption
 from ..train.reduction import StepReduction, all_reduce_to_host
+from .blueprint import Blueprint
 from .resume import Resume
 
 
@@ -73,7 +74,7 @@ class TrainingParts:
     releases it).
     """
 
-    cfg: Config
+    blueprint: Blueprint
     ctx: ParallelContext
     log_dir: Path
     model: SequenceParallelH3
@@ -98,13 +99,20 @@ class TrainingParts:
     resume: Resume | None = None
     reduction: StepReduction = all_reduce_to_host
     lock: RunLock | None = None
-    # `parallel.adaln_tables` as the config gave it (`auto`), which `config.yaml` and checkpoints record; `cfg`
-    # holds what the start decided (`preflight.resolve_tables`). None: as `cfg` holds it.
-    configured_tables: str | bool | None = None
     checkpoint_state: dict[str, Stateful] = field(init=False)
 
     def __post_init__(self) -> None:
         self.checkpoint_state = checkpoint_components(self)
+
+    @property
+    def cfg(self) -> Config:
+        """The run's config, as the start decided it (`Blueprint.cfg`)."""
+        return self.blueprint.cfg
+
+    @property
+    def configured_tables(self) -> str | bool:
+        """`parallel.adaln_tables` as the config gave it (`auto`), which `config.yaml` and checkpoints record."""
+        return self.blueprint.configured_tables
 
     @property
     def event_logs(self) -> list[Path | None]:

@@ -2,7 +2,8 @@
 
 `load_checked` is where every entry point gets its config (`checks.check` after the value checks of
 `load_config`); `preflight` checks the inputs and the device before any process group or model
-(`checks.check_inputs`); `start_plan` prints the memory plan's verdict and refuses a run over it.
+(`checks.check_inputs`), and `agree_job_device` the device every rank plans against: what
+`blueprint.draw` decides the rest of the start from.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..errors import ConfigError, DatasetError
 from ..model.dims import planned_model_dims
 from ..parallel.dims import ParallelDims
 from ..plan import MemoryPlan
-from .checks import check, check_inputs, device_type
+from .checks import Checked, check, check_inputs
 
 
 def load_checked(path: str | os.PathLike | None, overrides: Sequence[str] = (), planning: bool = False) -> Config:
@@ -38,10 +39,10 @@ def load_checked(path: str | os.PathLike | None, overrides: Sequence[str] = (), 
     return cfg
 
 
-def preflight(cfg: Config, planning: bool = False, world_size: int | None = None) -> list[str]:
+def preflight(cfg: Config, planning: bool = False, world_size: int | None = None) -> Checked:
     """`check`, the mesh against a launch of `world_size` ranks, then `check_inputs` between the checks of
     the datasets' indexes against their files (`check_indexes`: the cheap ones before, the headers after):
-    the notes of what was planned for rather than found.
+    what `check_inputs` found and decided, with its notes of what was planned for rather than found.
 
     Every start runs it once on a config from `load_config` (`build_trainer`, `h3train check`), before
     any process group. The order is the order in which a config with several faults reports them.
@@ -52,10 +53,10 @@ def preflight(cfg: Config, planning: bool = False, world_size: int | None = None
         check_global_batch(cfg, ParallelDims.from_config(cfg.parallel, world_size))
     headers = not planning and reads_every_header()
     check_indexes(cfg, headers=headers, files=True)
-    notes = check_inputs(cfg, planning)
+    checked = check_inputs(cfg, planning)
     if headers:
         check_indexes(cfg, headers=True, files=False)
-    return notes
+    return checked
 
 
 def reads_every_header() -> bool:
@@ -200,7 +201,7 @@ def run_plan(
 ) -> MemoryPlan:
     """The memory plan of this run on its mesh and device (`memory_gib` defaults to `device_memory_gib`), with
     the kernels of `device_kind`: what the start prints and what `model.activation_checkpointing: auto`
-    takes its blocks' policies from (`checkpoint_policies`). `fused_norm` overrides the norm kernel this
+    takes its blocks' policies from (`blueprint.draw`). `fused_norm` overrides the norm kernel this
     torch runs on `device_kind` (a plan of another torch's run)."""
     from ..plan import estimate
 
@@ -208,83 +209,3 @@ def run_plan(
     return estimate(
         planned_model_dims(cfg)[0], dims, cfg, device_memory_gib=memory_gib, device=device_kind, fused_norm=fused_norm
     )
-
-
-def checkpoint_policies(
-    cfg: Config, dims: ParallelDims, device_kind: str, num_layers: int, memory_gib: float
-) -> tuple[str, ...]:
-    """One policy per transformer block (`plan.BLOCK_POLICIES`) for `model.activation_checkpointing`: `auto`
-    takes the plan's choice on CUDA (`plan.choose_policies`: the least recompute that fits `memory_gib`, the
-    job's `agree_job_device` in a launch) and recomputes nothing on the CPU, which has no device memory
-    to fit."""
-    mode = cfg.model.activation_checkpointing
-    if mode != "auto":
-        return (mode,) * num_layers
-    if device_kind != "cuda":
-        return ("none",) * num_layers
-    policies = run_plan(cfg, dims, device_kind, memory_gib).policies
-    if len(policies) != num_layers:
-        raise ValueError(f"the plan chose {len(policies)} block policies for a model of {num_layers} blocks")
-    return policies
-
-
-def start_plan(
-    cfg: Config,
-    device_kind: str | None = None,
-    device_memory_gib: float | None = None,
-    dims: ParallelDims | None = None,
-) -> None:
-    """Print the memory plan's verdict for the data this run reads (rank 0), and on a GPU refuse a run that
-    does not fit it (`plan.refuse_over_plan`; `train.ignore_memory_plan` overrides). Every rank decides
-    alike from the same config, index and memory (a launch passes `agree_job_device`'s), before any model;
-    after `preflight`, whose checks of the data the plan reads come first. `dims`: the launch's mesh
-    (default: from `WORLD_SIZE`).
-
-    `device_kind` / `device_memory_gib` default to this machine's (`device_type`, the GPU's total
-    memory); a test passes them to take the GPU's path on a CPU.
-    """
-    from ..plan import dropped_line, refuse_over_plan, summary
-
-    device_kind = device_kind or device_type(cfg)
-    dims = dims or ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
-    plan = run_plan(cfg, dims, device_kind, device_memory_gib)
-    if int(os.environ.get("RANK", "0")) == 0:
-        from ..data.source import left_out_lines
-
-        dropped = [*left_out_lines(cfg), dropped_line(cfg)]
-        print(f"memory plan: {summary(plan)} ({plan.rows_origin})", flush=True)
-        for line in dropped:
-            if line:
-                print(line, flush=True)
-    refuse_over_plan(plan, device_kind, cfg.train.ignore_memory_plan)
-
-
-def resolve_tables(
-    cfg: Config, dims: ParallelDims, device_kind: str | None = None, job: JobDevice | None = None
-) -> Config:
-    """`cfg` with `parallel.adaln_tables` decided for this run (`plan.tables.choose_tables`): `true` and
-    `false` as given; `auto` off on the CPU (no step time to estimate), on CUDA the estimate's choice for
-    `job`'s GPU kind and memory (default: this rank's, `own_job_device`; a launch passes the agreed
-    `agree_job_device`), printed by rank 0. Every rank decides alike from the same config, mesh and job."""
-    from ..plan.step_time import rates_of_kind
-    from ..plan.tables import choose_tables, tables_line, with_tables
-
-    if cfg.parallel.adaln_tables != "auto":
-        return cfg
-    device_kind = device_kind or device_type(cfg)
-    if device_kind != "cuda":
-        return with_tables(cfg, False)
-    job = job or own_job_device(device_kind)
-    rates = rates_of_kind(job.gpu_kind)
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(dims.world_size)))
-    choice = choose_tables(
-        cfg,
-        dims,
-        planned_model_dims(cfg)[0],
-        rates,
-        ranks_per_node=per_node,
-        plan_of=lambda c, d: run_plan(c, d, device_kind, job.memory_gib),
-    )
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(tables_line(choice), flush=True)
-    return with_tables(cfg, choice.served)

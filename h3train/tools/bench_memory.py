@@ -216,6 +216,7 @@ def _collectives_worker(
     rank: int, world: int, sp: int, config: str, overrides: list[str], cpu_offload: bool
 ) -> dict[str, Any]:
     """Collectives of the second of two FSDP2 steps (forward, backward, clip, AdamW) of `config`."""
+    from ..config import load_config
     from ..data.source import build_source
     from ..model.build import build_model
     from ..model.fsdp import apply_fsdp
@@ -223,18 +224,14 @@ def _collectives_worker(
     from ..optim.kinds import build_optimizer
     from ..parallel.collectives import count_collectives
     from ..parallel.dims import ParallelContext, ParallelDims
-    from ..run.preflight import checkpoint_policies, device_memory_gib, load_checked
+    from ..run.blueprint import draw
+    from ..run.preflight import own_job_device, preflight
 
-    cfg = load_checked(config, overrides)
     ctx = ParallelContext(ParallelDims(1, world // sp, sp, world), torch.device("cpu"))
+    blueprint = draw(preflight(load_config(config, overrides)), ctx.dims, own_job_device("cpu"))
+    cfg = blueprint.cfg
     transformer = build_model(cfg, cfg.train.seed)
-    model = SequenceParallelH3(
-        transformer,
-        SequenceParallel(ctx.sp_group),
-        activation_checkpointing=checkpoint_policies(
-            cfg, ctx.dims, "cpu", transformer.config.num_layers, device_memory_gib("cpu")
-        ),
-    )
+    model = SequenceParallelH3(transformer, SequenceParallel(ctx.sp_group), activation_checkpointing=blueprint.policies)
     apply_fsdp(model, ctx, cfg.model.dtype, cpu_offload=cpu_offload, adaln_tables=cfg.parallel.adaln_tables)
     optimizer = build_optimizer(model, cfg.optim)
     source = build_source(cfg, transformer.config.text_dim)

@@ -40,7 +40,7 @@ import importlib
 import math
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +62,7 @@ from ..parallel.dims import ParallelContext, ParallelDims
 from ..parallel.shards import local_tensor
 from ..plan import GIB, RELEASED_MAX_ROWS, RELEASED_TEXT_ROWS, MemoryPlan, config_sample_rows, estimate
 from ..plan.report import origin_words
+from ..run.blueprint import Blueprint
 from ..tasks.synthetic import SyntheticSource
 from ..train.hooks import MicroBatchEvent, TrainerHook, TrainerView
 from ..train.reduction import ReducedStep, StepTotals
@@ -393,33 +394,32 @@ class _Phases(TrainerHook):
 
 
 def _build(
-    cfg: Config,
+    blueprint: Blueprint,
     ctx: Any,
     tracker: StorageTracker | None,
     notes: list[str],
     mode: Any,
     batches: _PlannedMicroBatch,
     hooks: list[TrainerHook],
-    policies: tuple[str, ...] | None = None,
 ) -> Trainer:
-    """The run's trainer on `ctx`'s fake group, its parts built by the composition root's own builders, their
-    values fake tensors of `mode`, the optimizer state allocated; `hooks` run before the config's.
+    """The run's trainer on `ctx`'s fake group, its parts built by the composition root's own builders from
+    `blueprint`, their values fake tensors of `mode`, the optimizer state allocated; `hooks` run before the
+    config's.
 
     The transformer is built, transformed and sharded on `meta` outside the fake mode (module dtype
-    conversions swap tensors, which fake tensors refuse), then materialized inside it. `policies`: what each
-    block recomputes, the plan's choice for the GPU (default: what the config resolves to here).
+    conversions swap tensors, which fake tensors refuse), then materialized inside it.
     """
     from ..lora.transforms import model_transforms
     from ..run.assemble import wrap_and_shard
 
-    transforms = model_transforms(cfg)
-    model = wrap_and_shard(cfg, ctx, transforms, from_meta=True, policies=policies)
+    transforms = model_transforms(blueprint.cfg)
+    model = wrap_and_shard(blueprint, ctx, transforms, from_meta=True)
     with mode, tracker if tracker is not None else _nothing():
-        return _materialized(cfg, ctx, model, transforms, tracker, notes, batches, hooks)
+        return _materialized(blueprint, ctx, model, transforms, tracker, notes, batches, hooks)
 
 
 def _materialized(
-    cfg: Config,
+    blueprint: Blueprint,
     ctx: Any,
     model: Any,
     transforms: list,
@@ -427,7 +427,6 @@ def _materialized(
     notes: list[str],
     batches: _PlannedMicroBatch,
     hooks: list[TrainerHook],
-    policies: tuple[str, ...] | None = None,
 ) -> Trainer:
     """`_build` inside the fake mode: values, the tracker's categories, optimizer (state), the parts, the trainer."""
     from ..checkpoint import checkpoint_root
@@ -440,6 +439,7 @@ def _materialized(
     from ..train.events import EventLog, Progress, SpikeDetector
     from ..train.preemption import Preemption
 
+    cfg = blueprint.cfg
     materialize(model, torch.device("cpu"))
     if any(callable(getattr(t, "after_load", None)) for t in transforms):
         # Values only: each rank's offsets come from its mesh coordinate, read from a tensor.
@@ -459,7 +459,7 @@ def _materialized(
     watch = validation_watch(cfg)
     adapter_files = export_files(cfg, adapter)
     parts = TrainingParts(
-        cfg=cfg,
+        blueprint=blueprint,
         ctx=ctx,
         log_dir=log_dir,
         model=model,
@@ -523,6 +523,29 @@ def _allocate_optimizer_state(model: Any, optimizer: torch.optim.Optimizer, name
     )
 
 
+def _blueprint(
+    run_cfg: Config,
+    mesh: ParallelDims,
+    dims: dict[str, Any],
+    device_kind: str,
+    plan_of: Callable[[Config], MemoryPlan] | None = None,
+) -> Blueprint:
+    """The blueprint (`blueprint.draw`) of `run_cfg`'s run on a `device_kind` device at the plan's default card
+    (its tables, memory plan and policies; `plan_of` plans a setting), built on this host: attending as the
+    CPU does, nothing compiled (fake tensors compile nothing)."""
+    from ..ops.attention import resolve_attention_backend
+    from ..plan import DEFAULT_DEVICE_MEMORY_GIB
+    from ..plan.step_time import DEFAULT_DEVICE
+    from ..run.blueprint import draw
+    from ..run.checks import Checked
+    from ..run.preflight import JobDevice
+
+    backend = resolve_attention_backend(run_cfg.model.attention_backend, "cpu", run_cfg.model.dtype)
+    checked = Checked(run_cfg, "cpu", dims, (), backend, compile_blocks=False)
+    job = JobDevice(DEFAULT_DEVICE_MEMORY_GIB, DEFAULT_DEVICE)
+    return draw(checked, mesh, job, device_kind=device_kind, plan_of=plan_of, compile_blocks=False)
+
+
 def rehearse(
     cfg: Config,
     world_size: int,
@@ -580,7 +603,14 @@ def rehearse(
         sample = Pack(tuple(members))
         text_rows = text_rows * copies + sum(int(m.text_token_tags.numel()) for m in members[copies:])
         rows = sample.seq_len
-    plan = estimate(dims, mesh, cfg, rows=rows, text_rows=text_rows, fused_norm=fused_norm)
+
+    def plan_of(setting: Config) -> MemoryPlan:
+        # `cfg`'s plan (its evaluation and rendering included) at the rehearsed rows.
+        planned = dataclasses.replace(cfg, parallel=setting.parallel)
+        return estimate(dims, mesh, planned, rows=rows, text_rows=text_rows, fused_norm=fused_norm)
+
+    blueprint = _blueprint(run_cfg, mesh, dims, "cuda", plan_of)
+    plan = blueprint.memory_plan
     seconds["sample"] = time.perf_counter() - start
 
     if plan.fused_norm:
@@ -598,7 +628,7 @@ def rehearse(
         phases = _Phases(tracker, ema=run_cfg.train.ema.decay > 0)
         t = time.perf_counter()
         batches = _PlannedMicroBatch(sample, ti, per_step=micro_batches * mesh.dp * per_micro)
-        trainer = _build(run_cfg, ctx, tracker, notes, mode, batches, [phases], plan.policies)
+        trainer = _build(blueprint, ctx, tracker, notes, mode, batches, [phases])
         phases.attach(trainer.model, trainer.parts.optimizer)
         fsdp_params = _fsdp_params(trainer.model)
         seconds["build"] = time.perf_counter() - t
@@ -664,7 +694,8 @@ def _built_state(cfg: Config, world_size: int, num_layers: int | None, use: Any)
     with fake_process_group(world_size), known_notices():
         ctx = ParallelContext(mesh, torch.device("cpu"))
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        trainer = _build(rehearsal_config(cfg, dims), ctx, None, [], mode, _PlannedMicroBatch(), [])
+        blueprint = _blueprint(rehearsal_config(cfg, dims), mesh, dims, "cpu")
+        trainer = _build(blueprint, ctx, None, [], mode, _PlannedMicroBatch(), [])
         with mode:
             state = _checkpoint_state(trainer)
         return use(state)

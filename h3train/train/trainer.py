@@ -27,7 +27,6 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint import complete_checkpoints, step_dir_name, step_of
 from ..checkpoint.run_config import write_resolved_config
 from ..config import Config, to_yaml
-from ..config.checks import resolve_compile
 from ..data.step_plan import StepStats, batch_layout
 from ..errors import TrainingError
 from ..model.fsdp import requires_all_reduce
@@ -221,9 +220,7 @@ class Trainer:
 
         OmegaConf takes tens of milliseconds, which every save would spend on the training thread.
         """
-        cfg = self.cfg
-        if self.parts.configured_tables is not None:
-            cfg = replace(cfg, parallel=replace(cfg.parallel, adaln_tables=self.parts.configured_tables))
+        cfg = replace(self.cfg, parallel=replace(self.cfg.parallel, adaln_tables=self.parts.configured_tables))
         key = repr(cfg)
         cached = getattr(self, "_yaml_cache", None)
         if cached is None or cached[0] != key:
@@ -453,7 +450,7 @@ class Trainer:
                 hook.on_fit_start(self)
             self._flush_validation()
             first_step = self.step
-            self._compile_unsaid = resolve_compile(cfg, self.device.type)
+            self._compile_unsaid = parts.blueprint.compile_blocks
             self._compile_before = compile_seconds()
             metrics.start_clock()
             while self.step < cfg.train.steps and not self.stop_request and self.guard_stop is None:

@@ -143,7 +143,7 @@ def _over_plan():
 
 
 def test_train_refuses_a_run_over_its_plan_on_a_gpu_only(tmp_path: Path, monkeypatch, capsys) -> None:
-    from h3train.run.preflight import start_plan
+    from helpers.blueprints import start_plan
 
     cfg, plan = _over_plan()
     with pytest.raises(ConfigError, match=r"memory plan needs .* set train.ignore_memory_plan=true"):
@@ -192,7 +192,8 @@ def test_train_refuses_the_longest_sample_by_name_and_max_rows_lets_it_start(
     tmp_path: Path, monkeypatch, capsys
 ) -> None:
     from h3train.data.dataset import CachedDataset
-    from h3train.run.preflight import start_plan
+
+    from helpers.blueprints import start_plan
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "1")

@@ -27,22 +27,23 @@ CARDS = (("h100", 79.1), ("a100", 60.0))
 def _worker(rank: int, world: int) -> dict:
     import torch
 
-    from h3train.model.dims import planned_model_dims
-    from h3train.run.preflight import JobDevice, agree_job_device, checkpoint_policies, load_checked, resolve_tables
+    from h3train.config import load_config
+    from h3train.run.blueprint import draw
+    from h3train.run.preflight import JobDevice, agree_job_device, preflight
 
-    cfg = load_checked(CONFIG, ["model.pretrained=/nonexistent/MiniMax-H3"], planning=True)
-    dims = ParallelDims.from_config(cfg.parallel, 16)
-    layers = int(planned_model_dims(cfg)[0]["num_layers"])
+    checked = preflight(load_config(CONFIG, ["model.pretrained=/nonexistent/MiniMax-H3"]), planning=True)
+    dims = ParallelDims.from_config(checked.cfg.parallel, 16)
     kind, memory = CARDS[rank]
     own = JobDevice(memory, kind)
     with count_collectives() as counts:
         job = agree_job_device(torch.device("cpu"), own)
+    alone, agreed = (draw(checked, dims, device, device_kind="cuda") for device in (own, job))
     return {
         "calls": [(c.kind, c.entry) for c in counts.calls],
         "job": job,
-        "own_policies": checkpoint_policies(cfg, dims, "cuda", layers, own.memory_gib),
-        "policies": checkpoint_policies(cfg, dims, "cuda", layers, job.memory_gib),
-        "tables": resolve_tables(cfg, dims, "cuda", job).parallel.adaln_tables,
+        "own_policies": alone.policies,
+        "policies": agreed.policies,
+        "tables": agreed.cfg.parallel.adaln_tables,
     }
 
 

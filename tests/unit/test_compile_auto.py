@@ -157,7 +157,7 @@ def _compiled_blocks(trainer) -> list[bool]:
 
 
 def test_the_trainer_compiles_what_resolve_compile_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from h3train.run import assemble
+    from h3train.run import assemble, checks
 
     overrides = tiny_overrides(tmp_path, "checkpoint.every=0", "train.steps=1", "model.compile_backend=aot_eager")
     trainer = assemble.build_trainer(load_config(TINY_FL2VA, overrides), hooks=[])
@@ -171,7 +171,7 @@ def test_the_trainer_compiles_what_resolve_compile_says(tmp_path: Path, monkeypa
         asked.append((cfg.model.compile, device_type))
         return True
 
-    monkeypatch.setattr(assemble, "resolve_compile", resolved)
+    monkeypatch.setattr(checks, "resolve_compile", resolved)
     trainer = assemble.build_trainer(load_config(TINY_FL2VA, overrides), hooks=[])
     try:
         assert _compiled_blocks(trainer) == [True, True]

@@ -350,7 +350,7 @@ def test_cluster_configs_plan_without_the_model_folder_but_train_needs_it(tmp_pa
     dims, note = planned_model_dims(cfg)
     assert parameter_counts(dims).total == parameter_counts(_defaults()).total
     assert note is not None and str(tmp_path / "transformer" / "config.json") in note
-    assert any("released" in n for n in preflight(cfg, planning=True))
+    assert any("released" in n for n in preflight(cfg, planning=True).notes)
     with pytest.raises(ConfigError, match="model.pretrained"):
         preflight(cfg)
 

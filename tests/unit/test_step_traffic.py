@@ -79,10 +79,13 @@ def _fsdp2_units(cfg: Config, world: int) -> list[tuple[int, int]]:
     from h3train.run.assemble import wrap_and_shard
     from h3train.tools.rehearse import fake_process_group
 
+    from helpers.blueprints import blueprint_of
+
     out, seen = [], set()
     with fake_process_group(world):
         ctx = ParallelContext(world_of(cfg, world), torch.device("cpu"))
-        model = wrap_and_shard(_released(cfg), ctx, model_transforms(cfg), from_meta=True)
+        blueprint = blueprint_of(_released(cfg), "cpu", 80.0, world)
+        model = wrap_and_shard(blueprint, ctx, model_transforms(cfg), from_meta=True)
         for module in model.modules():
             if not isinstance(module, FSDPModule):
                 continue

@@ -66,7 +66,7 @@ def test_check_prints_what_the_filter_leaves_out(tmp_path: Path, monkeypatch, ca
 
 
 def test_the_start_up_lines_print_what_the_filter_leaves_out(tmp_path: Path, capsys) -> None:
-    from h3train.run.preflight import start_plan
+    from helpers.blueprints import start_plan
 
     folder = _fl2va_and_ref2va(tmp_path / "x", 5, 3)
     start_plan(load_config(TINY_FL2VA, _overrides(folder, "fl2va")), "cpu", 80.0)
