@@ -31,6 +31,7 @@ from ..errors import SampleError
 from ..infra.atomic import atomic_save_file, atomic_write_text
 from ..infra.digest import ALGORITHM, digest_bytes, digest_tensor
 from ..tasks.layout import AUDIO_LATENT_CHANNELS, PATCH_SIZE, VIDEO_LATENT_CHANNELS, Geometry
+from ..tasks.released import LONGEST_GEOMETRY, SHORT_GEOMETRY
 from .format import sample_digest
 from .location import SampleLocation
 
@@ -46,9 +47,8 @@ def pair_bytes(geometry: Geometry) -> int:
     return 2 * 4 * (geometry.video_rows() * VIDEO_ROW + geometry.audio_rows() * AUDIO_ROW)
 
 
-# The released canvas (768 x 1344, 24 fps): a 5 s clip (37 latent frames, 207 audio latents per
-# channel) and a 15 s one (107, 603), as `plan.RELEASED_5S_ROWS` / `RELEASED_MAX_ROWS` pack them.
-RELEASED_PAIR_BYTES = (pair_bytes(Geometry(37, 48, 84, 207)), pair_bytes(Geometry(107, 48, 84, 603)))
+# The released 5 s and 15 s clips (`tasks.released`).
+RELEASED_PAIR_BYTES = (pair_bytes(Geometry(*SHORT_GEOMETRY)), pair_bytes(Geometry(*LONGEST_GEOMETRY)))
 META = "meta.json"
 _DIGESTS = "digests"
 # The format of the files; a change makes older stores incomplete, never misread.

@@ -34,6 +34,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
 
 from ..tasks.conditioning import ReferenceLatents, ReferencesKind, conditioning_of
 from ..tasks.layout import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
+from ..tasks.released import LATENT_SIZE, LONGEST_PIXEL_FRAMES, TEXT_ROWS
 from ..tasks.table import TRAINING_TASKS, sample_task_of
 from .format import (
     INDEX_NAME,
@@ -67,15 +68,6 @@ VIDEO_BLOCKS = 2
 PROMPT_TOKENS = (6, 12)
 NEGATIVE_TOKENS = 1
 TEXT_TAG, VISION_TAG = 1, 0
-
-# The longest released clip as the pipeline encodes it: 15 s at 24 fps is 362 = 17 x 21 + 5 pixel
-# frames (107 latent frames, 603 audio latents per channel) on the 768x1344 canvas (48 x 84 latents),
-# under a 2,048-token prefix (prompt plus vision blocks). The plan's `RELEASED_GEOMETRY` and
-# `RELEASED_TEXT_ROWS` say the same in latent units; data sits below the plan, so a test holds the
-# two equal rather than an import.
-RELEASED_PIXEL_FRAMES = 362
-RELEASED_LATENT_SIZE = (48, 84)
-RELEASED_TEXT_TOKENS = 2_048
 
 
 def write_synthetic_dataset(
@@ -228,9 +220,9 @@ def released_sample(task: str, i: int, seed: int, text_dim: int) -> CachedSample
     trained = TRAINING_TASKS[task].sample_tasks
     turns = tuple(dict.fromkeys(isinstance(conditioning_of(t), ReferencesKind) for t in trained))
     with_references = turns[i % len(turns)]
-    num_frames = RELEASED_PIXEL_FRAMES
+    num_frames = LONGEST_PIXEL_FRAMES
     frames = video_latent_num_frames(num_frames, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK)
-    height, width = RELEASED_LATENT_SIZE
+    height, width = LATENT_SIZE
     video = torch.randn(VIDEO_LATENT_CHANNELS, frames, height, width, generator=g)
     audio = _audio(audio_latent_num_frames(num_frames), g)
     anchors: tuple[str, ...] = ()
@@ -246,7 +238,7 @@ def released_sample(task: str, i: int, seed: int, text_dim: int) -> CachedSample
         blocks = [1] * len(anchors)
     keyframes = (video[:, :1], video[:, -1:])[: len(anchors)]
     # The prompt fills the prefix the presentation's labels and vision blocks leave.
-    prompt_len = RELEASED_TEXT_TOKENS - len(_presentation_tags(blocks, 0))
+    prompt_len = TEXT_ROWS - len(_presentation_tags(blocks, 0))
     return _sample(
         i,
         f"synthetic released clip(seed={seed}, index={i})",

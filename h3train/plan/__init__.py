@@ -42,9 +42,6 @@ from .arithmetic import (
     DEFAULT_RESERVE_GIB,
     GIB,
     LORA_REFERENCE_SETUPS,
-    RELEASED_5S_ROWS,
-    RELEASED_MAX_ROWS,
-    RELEASED_TEXT_ROWS,
     SHORTEST_CLIP_S,
     EvaluationPlan,
     MemoryPlan,
@@ -97,9 +94,6 @@ from .step_time import (
 
 __all__ = [
     "GIB",
-    "RELEASED_MAX_ROWS",
-    "RELEASED_5S_ROWS",
-    "RELEASED_TEXT_ROWS",
     "DEFAULT_DEVICE_MEMORY_GIB",
     "DEFAULT_RESERVE_GIB",
     "ParameterCounts",

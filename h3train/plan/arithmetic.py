@@ -16,17 +16,9 @@ from ..model.adapter import AdapterCounts
 from ..model.quant import CODES, base_bytes_per_weight
 from ..optim.kinds import state_bytes_per_value
 from ..optim.lowbit import QUANT_BLOCK
+from ..tasks.released import KEYFRAME_ROWS, LONGEST_ROWS, SHORT_ROWS
 
 GIB = 1024**3
-
-# Packed rows of the longest released FL2VA clip: 15 s at 768x1344 (362 frames -> 107 latent frames
-# of 24 x 42 rows = 107,856), first + last keyframes (2 x 1,008), stereo audio (2 x 603) and a
-# 2,048-row text prefix (prompt plus the keyframes' Qwen3-VL vision blocks). The 5 s clip at the
-# same canvas (124 frames -> 37 latent frames, 2 x 207 audio rows) packs to 41,774 rows.
-RELEASED_MAX_ROWS = 113_126
-RELEASED_5S_ROWS = 41_774
-# The text prefix of both: the rows the text refiner runs over.
-RELEASED_TEXT_ROWS = 2_048
 
 # AdaLN rows per timestep (video, text, audio) and the six modulation vectors per block.
 _MODALITIES = 3
@@ -1051,20 +1043,16 @@ def longest_fit_rows(dims: Mapping[str, Any], **kwargs: Any) -> int:
     return low * sp
 
 
-# Rows of the two keyframes of an FL2VA clip at the released canvas (48 x 84 latents, 24 x 42 rows each).
-RELEASED_KEYFRAME_ROWS = 2 * 1_008
-
-
 def rows_to_seconds(rows: int, keyframes: bool = True) -> float:
     """Clip seconds at the released 768x1344 canvas of a sample that packs to `rows` rows.
 
-    Linear between the released 5 s (`RELEASED_5S_ROWS`) and 15 s (`RELEASED_MAX_ROWS`) FL2VA clips:
+    Linear between the released 5 s (`SHORT_ROWS`) and 15 s (`LONGEST_ROWS`) FL2VA clips:
     each second adds about 7,135 rows (about 7 latent frames of 1,008 rows and 80 audio rows); the
     fixed part is the text prefix and, with `keyframes` (FL2VA's first and last), the two keyframes
-    (`RELEASED_KEYFRAME_ROWS`). Negative below the fixed part: no clip fits.
+    (`KEYFRAME_ROWS`). Negative below the fixed part: no clip fits.
     """
-    per_second = (RELEASED_MAX_ROWS - RELEASED_5S_ROWS) / 10.0
-    fixed = RELEASED_5S_ROWS - (0 if keyframes else RELEASED_KEYFRAME_ROWS)
+    per_second = (LONGEST_ROWS - SHORT_ROWS) / 10.0
+    fixed = SHORT_ROWS - (0 if keyframes else KEYFRAME_ROWS)
     return 5.0 + (rows - fixed) / per_second
 
 

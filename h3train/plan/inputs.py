@@ -13,12 +13,11 @@ from ..config import Config, dataset_specs
 from ..data.format import INDEX_NAME
 from ..data.storage import has_index, is_dataset_dir
 from ..model.adapter import AdapterCounts
+from ..tasks.released import LONGEST_GEOMETRY, LONGEST_ROWS, TEXT_ROWS
 from .arithmetic import (
     _FP32,
     DEFAULT_DEVICE_MEMORY_GIB,
     GIB,
-    RELEASED_MAX_ROWS,
-    RELEASED_TEXT_ROWS,
     EvaluationPlan,
     MemoryPlan,
     MeshSizes,
@@ -46,11 +45,6 @@ def config_rows(cfg: Config) -> tuple[int, str]:
     return rows, source
 
 
-# The longest released clip in latent units: 15 s (362 frames -> 107 latent frames) at 768x1344
-# (48 x 84 latents), 603 audio latents per channel; `RELEASED_MAX_ROWS` is its FL2VA layout.
-RELEASED_GEOMETRY = (107, 48, 84, 603)
-
-
 def prompt_only_task(task_name: str) -> bool:
     """Whether `task.name=task_name` trains only prompt-only clips (t2va): no keyframe rows."""
     from ..tasks.table import TRAINING_TASKS, sample_task_of
@@ -60,8 +54,8 @@ def prompt_only_task(task_name: str) -> bool:
 
 def released_rows(task_name: str) -> int:
     """Packed rows of the longest released clip as `task.name=task_name` trains it: with first and last
-    keyframes (`RELEASED_MAX_ROWS`) unless the task trains only prompt-only clips (t2va), which have no
-    keyframe rows. Its `RELEASED_TEXT_ROWS` text prefix either way (an upper bound for a prompt alone)."""
+    keyframes (`LONGEST_ROWS`) unless the task trains only prompt-only clips (t2va), which have no
+    keyframe rows. Its `TEXT_ROWS` text prefix either way (an upper bound for a prompt alone)."""
     import torch
 
     from ..tasks.layout import Geometry
@@ -69,9 +63,9 @@ def released_rows(task_name: str) -> int:
     from ..tasks.table import sample_task_of
 
     if not prompt_only_task(task_name):
-        return RELEASED_MAX_ROWS
-    tags = torch.ones(RELEASED_TEXT_ROWS, dtype=torch.long)
-    return build_layout(sample_task_of(None), tags, Geometry(*RELEASED_GEOMETRY)).seq_len
+        return LONGEST_ROWS
+    tags = torch.ones(TEXT_ROWS, dtype=torch.long)
+    return build_layout(sample_task_of(None), tags, Geometry(*LONGEST_GEOMETRY)).seq_len
 
 
 def released_clip(task_name: str) -> str:
@@ -92,7 +86,7 @@ def config_sample_rows(cfg: Config) -> tuple[int, int, str]:
     """`config_rows`, with the text rows of that sample between: the rows the text refiner runs over.
 
     The data source's longest sample (`DataSource.longest`); away from the data, the longest released
-    clip in the task's layout (`released_rows`) and its `RELEASED_TEXT_ROWS`. With `data.pack`, a
+    clip in the task's layout (`released_rows`) and its `TEXT_ROWS`. With `data.pack`, a
     micro-batch is a pack of up to that many rows: the budget, or a longer sample trained alone.
     """
     rows, text_rows, where = _longest_sample_rows(cfg)
@@ -112,11 +106,11 @@ def _longest_sample_rows(cfg: Config) -> tuple[int, int, str]:
     if found is None:
         bound = cfg.data.max_rows
         if bound:
-            return bound, min(RELEASED_TEXT_ROWS, bound), "data.max_rows; data.path is not readable here"
+            return bound, min(TEXT_ROWS, bound), "data.max_rows; data.path is not readable here"
         rows = released_rows(cfg.task.name)
-        return rows, RELEASED_TEXT_ROWS, f"{released_clip(cfg.task.name)}; data.path is not readable here"
+        return rows, TEXT_ROWS, f"{released_clip(cfg.task.name)}; data.path is not readable here"
     rows, text_rows, where = found
-    return rows, min(RELEASED_TEXT_ROWS, rows) if text_rows is None else text_rows, where
+    return rows, min(TEXT_ROWS, rows) if text_rows is None else text_rows, where
 
 
 def estimate(
@@ -205,7 +199,7 @@ def _vae_bytes(cfg: Config) -> int:
 
 def request_rows(cfg: Config) -> int:
     """Packed rows of the longest request of `validation.samples`: its clip in the prompt-only layout with a
-    `RELEASED_TEXT_ROWS` text prefix, plus one latent frame's rows per keyframe or reference (a video
+    `TEXT_ROWS` text prefix, plus one latent frame's rows per keyframe or reference (a video
     reference's further frames are not counted). 0 when there is none."""
     import torch
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
@@ -219,7 +213,7 @@ def request_rows(cfg: Config) -> int:
     from ..tasks.sample import build_layout
     from ..tasks.table import sample_task_of
 
-    tags = torch.ones(RELEASED_TEXT_ROWS, dtype=torch.long)
+    tags = torch.ones(TEXT_ROWS, dtype=torch.long)
     longest = 0
     for request in parse_requests(cfg):
         frames = video_latent_num_frames(request.num_frames, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK)

@@ -60,9 +60,10 @@ from ..errors import ConfigError, UsageError
 from ..optim.kinds import optimizer_kind
 from ..parallel.dims import ParallelContext, ParallelDims
 from ..parallel.shards import local_tensor
-from ..plan import GIB, RELEASED_MAX_ROWS, RELEASED_TEXT_ROWS, MemoryPlan, config_sample_rows, estimate
+from ..plan import GIB, MemoryPlan, config_sample_rows, estimate
 from ..plan.report import origin_words
 from ..run.blueprint import Blueprint
+from ..tasks.released import CANVAS, LONGEST_PIXEL_FRAMES, LONGEST_ROWS, TEXT_ROWS, VISION_TOKENS
 from ..tasks.synthetic import SyntheticSource
 from ..train.hooks import MicroBatchEvent, TrainerHook, TrainerView
 from ..train.reduction import ReducedStep, StepTotals
@@ -71,9 +72,9 @@ from .bench import Clip, bench_sample, clip_data
 from .cuda_kernels import cuda_norm_kernels
 from .memtrack import TRANSIENT, StorageTracker
 
-# The longest released clip the plan falls back to away from the data (`plan.RELEASED_MAX_ROWS` as FL2VA):
-# 15 s (362 frames) at 768x1344, first and last keyframes, a 2,048-row prefix half vision tokens.
-RELEASED_CLIP = Clip(frames=362, height=768, width=1344, text_len=RELEASED_TEXT_ROWS, vision_tokens=1024)
+# The longest released clip the plan falls back to away from the data (`tasks.released`, `LONGEST_ROWS` as
+# FL2VA), first and last keyframes.
+RELEASED_CLIP = Clip(LONGEST_PIXEL_FRAMES, *CANVAS, text_len=TEXT_ROWS, vision_tokens=VISION_TOKENS)
 
 # What the tracker counts, in the order printed, with the plan's row(s) each stands beside.
 WEIGHTS, GRADS, OPTIM, EMA, UNSHARDED, BATCH, OTHER = (
@@ -252,7 +253,7 @@ def planned_sample(cfg: Config, text_dim: int) -> tuple[Any, int, str]:
         return planned_sample(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pack=0)), text_dim)
     rows, text_rows, source = config_sample_rows(cfg)
     released = source.startswith("longest released")
-    if rows == RELEASED_MAX_ROWS and released:
+    if rows == LONGEST_ROWS and released:
         sample = bench_sample(RELEASED_CLIP, text_dim, cfg.train.seed)
         source = "longest released clip (15 s 768x1344 FL2VA, synthetic latents); data.path is not readable here"
     elif released:
@@ -267,7 +268,7 @@ def planned_sample(cfg: Config, text_dim: int) -> tuple[Any, int, str]:
             f"longest {frames}-frame 768x1344 FL2VA clip within data.max_rows={rows} (synthetic latents); "
             "data.path is not readable here"
         )
-        return sample, RELEASED_TEXT_ROWS, source
+        return sample, TEXT_ROWS, source
     else:
         sample = data_source(cfg).longest_sample(cfg, text_dim)
     if sample.layout.seq_len != rows:

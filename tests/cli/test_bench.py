@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from h3train import plan
 from h3train.cli import main
 from h3train.config import LossWeights, TimestepConfig
 from h3train.model import quant
@@ -22,6 +21,7 @@ from h3train.model.dims import model_kwargs
 from h3train.model.sp_forward import SequenceParallelH3
 from h3train.objective import compute_loss, make_training_inputs
 from h3train.parallel.ulysses import SequenceParallel
+from h3train.tasks.released import SHORT_ROWS
 from h3train.tools import bench, gpu_checks, step_report
 
 from helpers.paths import ROOT
@@ -99,7 +99,7 @@ def test_full_bench_layout_is_the_released_5s_clip_and_its_flops() -> None:
     assert (dims["hidden_size"], dims["num_attention_heads"], dims["attention_head_dim"]) == (5376, 56, 128)
     assert (dims["ffn_dim"], dims["text_dim"]) == (14336, 5120)
     rows = bench.rows_of(_training_inputs(bench.FULL_CLIP, dims))
-    assert rows.seq_len == plan.RELEASED_5S_ROWS == 41_774
+    assert rows.seq_len == SHORT_ROWS == 41_774
     assert (rows.video - rows.keyframe, rows.keyframe, rows.audio, rows.text) == (37 * 24 * 42, 2 * 1008, 2 * 207, 2048)
 
     flops = bench.step_flops(dims, rows)

@@ -16,7 +16,6 @@ from h3train.model.dims import model_dims, planned_model_dims
 from h3train.parallel.dims import ParallelDims
 from h3train.plan import (
     GIB,
-    RELEASED_MAX_ROWS,
     EvaluationPlan,
     dropped_line,
     estimate,
@@ -24,6 +23,7 @@ from h3train.plan import (
     plan_memory,
     refuse_over_plan,
 )
+from h3train.tasks.released import LONGEST_ROWS
 
 from helpers.launch import run_cli
 from helpers.paths import ROOT, TINY_FL2VA
@@ -128,7 +128,7 @@ def test_max_rows_drops_longer_samples_and_bounds_the_plan(tmp_path: Path) -> No
     plan = estimate(model_dims(cfg), mesh, cfg)
     assert plan.rows == bound and plan.rows_origin.startswith("data.max_rows")
     cfg.data.max_rows = 0
-    assert estimate(model_dims(cfg), mesh, cfg).rows == RELEASED_MAX_ROWS
+    assert estimate(model_dims(cfg), mesh, cfg).rows == LONGEST_ROWS
     with pytest.raises(ConfigError, match="data.max_rows"):
         cfg.data.path, cfg.data.max_rows = str(folder), min(lengths) - 1
         estimate(model_dims(cfg), mesh, cfg)

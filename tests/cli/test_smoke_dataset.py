@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from h3train.data.format import read_index
-from h3train.plan import RELEASED_MAX_ROWS
-from h3train.plan.inputs import RELEASED_GEOMETRY
+from h3train.tasks.released import LONGEST_GEOMETRY, LONGEST_ROWS
 
 from helpers.launch import run_cli
 from helpers.paths import ROOT
@@ -41,21 +40,21 @@ def model_folder(tmp_path: Path) -> Path:
 def test_the_smoke_dataset_is_the_released_clip_of_the_configs_task(smoke: Path) -> None:
     [entry] = read_index(smoke)
     assert entry.task == "fl2va"
-    assert entry.seq_len == RELEASED_MAX_ROWS
+    assert entry.seq_len == LONGEST_ROWS
     geometry = entry.geometry
     assert (
         geometry.num_latent_frames,
         geometry.latent_height,
         geometry.latent_width,
         geometry.num_audio_latents,
-    ) == RELEASED_GEOMETRY
+    ) == LONGEST_GEOMETRY
 
 
 def test_check_strict_accepts_the_smoke_dataset(smoke: Path, model_folder: Path, capsys) -> None:
     args = ["check", str(CONFIG), "--world-size", "8", "--strict", f"data.path={smoke}"]
     rc, out, err = run_cli(capsys, [*args, f"model.pretrained={model_folder}"])
     assert rc == 0, err
-    assert f"sequence      {RELEASED_MAX_ROWS:,} rows (longest sample in the dataset index" in out
+    assert f"sequence      {LONGEST_ROWS:,} rows (longest sample in the dataset index" in out
     assert "fits: yes" in out and "assumed:" not in out
 
 

@@ -16,8 +16,6 @@ from h3train.config import load_config
 from h3train.model.dims import model_dims
 from h3train.plan import (
     GIB,
-    RELEASED_5S_ROWS,
-    RELEASED_MAX_ROWS,
     block_activation_row_bytes,
     estimate,
     format_plan,
@@ -25,6 +23,7 @@ from h3train.plan import (
     plan_memory,
 )
 from h3train.plan.report import checkpointing_line
+from h3train.tasks.released import LONGEST_GEOMETRY, LONGEST_ROWS, SHORT_ROWS
 
 from helpers.paths import ROOT
 
@@ -261,7 +260,7 @@ def test_released_row_counts_match_the_diffusers_layout() -> None:
         video_latent_num_frames,
     )
 
-    for seconds, rows in ((5, RELEASED_5S_ROWS), (15, RELEASED_MAX_ROWS)):
+    for seconds, rows in ((5, SHORT_ROWS), (15, LONGEST_ROWS)):
         frames = align_num_frames(seconds * 24, 17, 5)
         positions = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
             torch.ones(2048, dtype=torch.long),
@@ -279,7 +278,7 @@ def test_released_row_counts_match_the_diffusers_layout() -> None:
 
 
 def test_naive_single_gpu_full_fine_tune_does_not_fit(full_dims: dict) -> None:
-    plan = _plan(full_dims, rows=RELEASED_5S_ROWS)
+    plan = _plan(full_dims, rows=SHORT_ROWS)
     assert not plan.fits
     assert plan.sharded_state_bytes / GIB > 490  # 16 bytes x 33.1 B parameters
     assert "fits: NO" in format_plan(plan)
@@ -376,12 +375,11 @@ def test_estimate_uses_the_longest_cached_sample(tmp_path: Path) -> None:
     assert plan.rows == max(CachedDataset(tmp_path / "data", "fl2va").lengths)
     # Away from the data (planning on a login node) the longest released clip stands in.
     cfg.data.path = str(tmp_path / "elsewhere")
-    assert estimate(model_dims(cfg), ParallelDims.from_config(cfg.parallel, 1), cfg).rows == RELEASED_MAX_ROWS
+    assert estimate(model_dims(cfg), ParallelDims.from_config(cfg.parallel, 1), cfg).rows == LONGEST_ROWS
 
 
 def test_a_t2va_plan_away_from_the_data_uses_the_released_clip_without_keyframes(full_dims: dict) -> None:
     from h3train.parallel.dims import ParallelDims
-    from h3train.plan.inputs import RELEASED_GEOMETRY
     from h3train.tasks.layout import Geometry
     from h3train.tasks.sample import build_layout
 
@@ -393,11 +391,11 @@ def test_a_t2va_plan_away_from_the_data_uses_the_released_clip_without_keyframes
         )
         plans[task] = estimate(full_dims, ParallelDims.from_config(cfg.parallel, 64), cfg)
         assert plans[task].rows_origin.startswith(f"longest released {task} clip")
-    geometry = Geometry(*RELEASED_GEOMETRY)
+    geometry = Geometry(*LONGEST_GEOMETRY)
     tags = torch.ones(plans["t2va"].text_rows, dtype=torch.long)
     # The same clip: the t2va layout (no keyframe rows) and the fl2va one (first and last).
     assert plans["t2va"].rows == build_layout("t2va", tags, geometry).seq_len
-    assert plans["fl2va"].rows == build_layout("fl2va", tags, geometry, ("first", "last")).seq_len == RELEASED_MAX_ROWS
+    assert plans["fl2va"].rows == build_layout("fl2va", tags, geometry, ("first", "last")).seq_len == LONGEST_ROWS
     assert plans["fl2va"].rows - plans["t2va"].rows == 2 * geometry.video_rows() // geometry.num_latent_frames
     assert plans["t2va"].activation_bytes < plans["fl2va"].activation_bytes
 
@@ -413,7 +411,7 @@ def test_unreadable_dataset_index_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_format_plan_lists_every_term(full_dims: dict) -> None:
-    text = format_plan(_plan(full_dims, dp_replicate=2, dp_shard=2, sp=8, rows=RELEASED_MAX_ROWS))
+    text = format_plan(_plan(full_dims, dp_replicate=2, dp_shard=2, sp=8, rows=LONGEST_ROWS))
     for needle in (
         "33,122,992,896",
         "dp_replicate=2 dp_shard=2 sp=8",
@@ -492,12 +490,12 @@ def test_lora_longest_fit_is_the_edge_of_the_plan(full_dims: dict) -> None:
         assert rows > 0 and rows % sp == 0
         assert plan_memory(full_dims, dp_shard=dp_shard, sp=sp, rows=rows, **args).fits
         assert not plan_memory(full_dims, dp_shard=dp_shard, sp=sp, rows=rows + sp, **args).fits
-    lora = plan_memory(full_dims, dp_shard=1, sp=8, rows=RELEASED_MAX_ROWS, **args)
-    full = _plan(full_dims, sp=8, rows=RELEASED_MAX_ROWS)
+    lora = plan_memory(full_dims, dp_shard=1, sp=8, rows=LONGEST_ROWS, **args)
+    full = _plan(full_dims, sp=8, rows=LONGEST_ROWS)
     # The base alone is 2 B / param, a full fine-tune's state 16 B / param.
     assert lora.sharded_state_bytes < full.sharded_state_bytes / 7
     # One 80 GB GPU holds the bf16 base (61.7 GiB) but no 768x1344 clip beside it.
-    assert lora.fits and not plan_memory(full_dims, dp_shard=1, sp=1, rows=RELEASED_5S_ROWS, **args).fits
+    assert lora.fits and not plan_memory(full_dims, dp_shard=1, sp=1, rows=SHORT_ROWS, **args).fits
 
 
 @pytest.mark.parametrize("preset", ["video_only", "audio_only"])
@@ -510,7 +508,7 @@ def test_output_projection_adapters_keep_no_activations_in_the_stack(full_dims: 
     heads = lora_counts(full_dims, LoraConfig(rank=32, target_modules=[preset]))
     blocks = lora_counts(full_dims, LoraConfig(rank=32))
     assert heads.heads_only and not blocks.heads_only
-    args = dict(dp_replicate=1, dp_shard=8, sp=8, dtype="bfloat16", rows=RELEASED_MAX_ROWS, text_rows=512)
+    args = dict(dp_replicate=1, dp_shard=8, sp=8, dtype="bfloat16", rows=LONGEST_ROWS, text_rows=512)
     for ckpt in ("none", "full"):
         few = plan_memory(full_dims, activation_checkpointing=ckpt, lora=heads, **args)
         many = plan_memory(full_dims, activation_checkpointing=ckpt, lora=blocks, **args)

@@ -9,8 +9,9 @@ from dataclasses import replace
 import pytest
 from diffusers import MiniMaxH3Transformer3DModel
 
-from h3train.plan import RELEASED_MAX_ROWS, format_plan, plan_memory, verdict
+from h3train.plan import format_plan, plan_memory, verdict
 from h3train.plan.report import fixes, origin_words
+from h3train.tasks.released import LONGEST_ROWS
 from h3train.tools.rehearse import TINY_MODEL_PARAMS, tiny_model_note
 
 
@@ -64,9 +65,9 @@ def test_a_fitting_pack_smaller_than_the_longest_sample_says_the_run_refuses_it(
         dims, dp_replicate=1, dp_shard=64, sp=8, dtype="bfloat16", activation_checkpointing="full", rows=20_000
     )
     assert plan.fits
-    packed = replace(plan, packed=True, longest_sample_rows=RELEASED_MAX_ROWS)
+    packed = replace(plan, packed=True, longest_sample_rows=LONGEST_ROWS)
     line = verdict(packed)
-    assert line.startswith("fits: yes") and f"the longest sample packs to {RELEASED_MAX_ROWS:,} rows" in line
+    assert line.startswith("fits: yes") and f"the longest sample packs to {LONGEST_ROWS:,} rows" in line
     assert "more than data.pack=20000: the run refuses it" in line and "data.pack_oversize=alone" in line
     # A pack that holds it (or an unpacked run) says nothing of the kind.
     assert "refuses" not in verdict(replace(packed, longest_sample_rows=19_000))

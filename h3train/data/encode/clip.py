@@ -33,6 +33,7 @@ from PIL import Image
 
 from ...errors import ConfigError
 from ...tasks.conditioning import ConditioningKind, Reference, ReferenceLatents, conditioning_of
+from ...tasks.released import CANVAS
 from ..components import Components, reads_videos
 from ..format import CachedSample
 from ..manifest import ManifestEntry
@@ -61,8 +62,8 @@ class EncodeSettings:
     reference videos at.
     """
 
-    short_edge: int = 768
-    max_pixels: int = 768 * 1344
+    short_edge: int = CANVAS[0]
+    max_pixels: int = CANVAS[0] * CANVAS[1]
     reference_short_edge: int = 2048
     min_seconds: float = 5.0
     max_seconds: float = 15.0
