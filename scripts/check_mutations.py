@@ -106,7 +106,7 @@ MUTATIONS = (
     ),
     Mutation(
         "audio rows unpacked frame-major (encoder)",
-        "data/encode/clip.py",
+        "encode/clip.py",
         "return rows.reshape(channels, -1, rows.shape[-1]).transpose(1, 2).contiguous()",
         "return rows.reshape(-1, channels, rows.shape[-1]).permute(1, 2, 0).contiguous()",
         (ENCODE_ROWS,),

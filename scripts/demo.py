@@ -31,7 +31,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from h3train.data.media import moving_pattern, sine_tone, write_audio, write_video  # noqa: E402
+from h3train.encode.media import moving_pattern, sine_tone, write_audio, write_video  # noqa: E402
 
 OUT = ROOT / "demo_out"
 MEDIA = OUT / "media"

@@ -121,7 +121,7 @@ def add_arguments(parser: Parser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..data.components import encode_preset
-    from ..data.encode import EncodeSettings, Windowing, encode_manifest
+    from ..encode import EncodeSettings, Windowing, encode_manifest
 
     # A flag given wins; then the components folder's preset; then the released checkpoint's settings.
     flags = {
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _split_pairs(out: str, target: str) -> list[tuple[Path, str]]:
     """(dataset folder, its shard target) of the encoded dataset and of its held-out split."""
-    from ..data.encode.run import HELDOUT_NAME
+    from ..encode.run import HELDOUT_NAME
 
     return [(Path(out), target), (Path(out) / HELDOUT_NAME, f"{target.rstrip('/')}/{HELDOUT_NAME}")]
 
@@ -215,7 +215,7 @@ def _check_shard_targets(target: str, out: str) -> None:
 
 def _write_shard_copies(out: str, target: str, shard_bytes: int) -> None:
     """Rank 0, once every rank has written its samples: the dataset and its held-out split into shards."""
-    from ..data.format import INDEX_NAME
+    from ..data.location import INDEX_NAME
     from ..data.shards import write_shards
 
     for folder, split_target in _split_pairs(out, target):

@@ -366,7 +366,7 @@ class LoraConfig:
 
 @dataclass
 class SampleRequestConfig:
-    """One rendered sample: a request in the encoder manifest's schema (`h3train/data/manifest.py`), no clip.
+    """One rendered sample: a request in the encoder manifest's schema (`h3train/encode/manifest.py`), no clip.
 
     Media paths (keyframe images, references) that are relative are taken relative to the folder of the
     config file that names them (the working directory for command-line overrides), as a manifest's are

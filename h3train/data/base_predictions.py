@@ -32,8 +32,8 @@ from ..infra.atomic import atomic_save_file, atomic_write_text
 from ..infra.digest import ALGORITHM, digest_bytes, digest_tensor
 from ..tasks.layout import AUDIO_LATENT_CHANNELS, PATCH_SIZE, VIDEO_LATENT_CHANNELS, Geometry
 from ..tasks.released import LONGEST_GEOMETRY, SHORT_GEOMETRY
-from .format import sample_digest
 from .location import SampleLocation
+from .sample_file import sample_digest
 
 FOLDER = "base_predictions"
 # Floats per target row: a video row is a (1, 2, 2) patch of 24 latent channels, an audio row 32 wide.

@@ -17,19 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import DatasetError, SampleError
 from ..tasks.sample import TrainingSample
 from ..tasks.table import TRAINING_TASKS
-from .format import (
-    INDEX_NAME,
-    DatasetError,
-    SampleError,
-    location_of,
-    open_index,
-    read_sample,
-    resolve_in_folder,
-)
+from .index import location_of, open_index, resolve_in_folder
 from .index_table import IndexRows, IndexTable, Lengths
-from .location import SampleLocation
+from .location import INDEX_NAME, SampleLocation
+from .sample_file import read_sample
 from .storage import dataset_folder
 
 logger = logging.getLogger(__name__)

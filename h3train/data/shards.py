@@ -5,7 +5,7 @@ and open. A shard holds the samples of a stretch of the index, a few GB, back to
 names each sample's shard, offset and length (`IndexEntry.offset`, `.length`), so reading a sample is
 one ranged read of exactly its bytes, and the bytes are those its own file held: the same header,
 metadata and digests, checked as a file's are. What the encoder records of a sample's inputs and settings
-beside its file (`<id>.inputs.json`, `data/encode/run.py`) goes into the shard's header.
+beside its file (`<id>.inputs.json`, `encode/run.py`) goes into the shard's header.
 
 The file layout and the reading of a shard's header are in `data/location.py`.
 
@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import DatasetError
 from ..infra.atomic import atomic_write
-from .format import location_of, open_index, read_header, write_entries
+from .index import location_of, open_index, write_entries
 from .index_table import IndexEntry
 from .location import (
     INDEX_NAME,
@@ -34,6 +34,7 @@ from .location import (
     read_shard_header,
     shard_header_bytes,
 )
+from .sample_file import read_header
 
 SHARDS_DIR = "shards"
 # The default shard size: a few seconds of one GET at object storage's per-connection rates, and a few

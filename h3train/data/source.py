@@ -128,7 +128,7 @@ class SyntheticData(DataSource):
 
 
 class CachedData(DataSource):
-    """Encoded samples in one or more dataset folders (`data.path`, `data/format.py`)."""
+    """Encoded samples in one or more dataset folders (`data.path`, `data/sample_file.py`, `data/index.py`)."""
 
     name = "cached"
     reads_folders = True
@@ -188,7 +188,7 @@ class CachedData(DataSource):
     def longest(self, cfg: Config) -> tuple[int, int, str] | None:
         """The longest sample of the dataset indexes; its text rows from its header (one file read)."""
         from ..errors import DatasetError, SampleError
-        from .format import read_header
+        from .sample_file import read_header
 
         specs = dataset_specs(cfg.data)
         if not specs or not all(is_dataset_dir(spec.path) for spec in specs):

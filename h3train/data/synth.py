@@ -32,20 +32,14 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     video_latent_num_frames,
 )
 
+from ..errors import DatasetError
 from ..tasks.conditioning import ReferenceLatents, ReferencesKind, conditioning_of
 from ..tasks.layout import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 from ..tasks.released import LATENT_SIZE, LONGEST_PIXEL_FRAMES, TEXT_ROWS
-from ..tasks.table import TRAINING_TASKS, sample_task_of
-from .format import (
-    INDEX_NAME,
-    SAMPLE_SUFFIX,
-    VAE_FRAMES_PER_CHUNK,
-    VAE_LATENTS_PER_CHUNK,
-    CachedSample,
-    DatasetError,
-    write_index,
-    write_sample,
-)
+from ..tasks.table import TRAINING_TASKS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, sample_task_of
+from .index import write_index
+from .location import INDEX_NAME, SAMPLE_SUFFIX
+from .sample_file import CachedSample, write_sample
 
 PIXEL_FRAMES = (5, 22)
 LATENT_SIZES = ((4, 4), (4, 6))

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, dataset_specs
-from ..data.format import INDEX_NAME
+from ..data.location import INDEX_NAME
 from ..data.storage import has_index, is_dataset_dir
 from ..model.adapter import AdapterCounts
 from ..tasks.released import LONGEST_GEOMETRY, LONGEST_ROWS, TEXT_ROWS
@@ -207,11 +207,10 @@ def request_rows(cfg: Config) -> int:
         video_latent_num_frames,
     )
 
-    from ..data.format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
     from ..render.requests import parse_requests
     from ..tasks.layout import Geometry
     from ..tasks.sample import build_layout
-    from ..tasks.table import sample_task_of
+    from ..tasks.table import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, sample_task_of
 
     tags = torch.ones(TEXT_ROWS, dtype=torch.long)
     longest = 0
@@ -259,7 +258,7 @@ def base_predictions_line(cfg: Config) -> str:
     the held-out samples' headers, beside a released clip's for scale."""
     from ..data.base_predictions import FOLDER, RELEASED_PAIR_BYTES, pair_bytes
     from ..data.dataset import CachedDataset
-    from ..data.format import read_header
+    from ..data.sample_file import read_header
 
     v = cfg.validation
     if not (Path(v.dataset) / INDEX_NAME).is_file():

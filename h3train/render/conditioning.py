@@ -1,6 +1,6 @@
 """A request's conditioning, encoded once with the encoder's own recipes and cached in the run folder.
 
-`encode_request` runs the encoder's per-task recipes (`h3train/data/encode/clip.py`, themselves diffusers'
+`encode_request` runs the encoder's per-task recipes (`h3train/encode/clip.py`, themselves diffusers'
 H3 encoder blocks: the keyframe resize and VAE encode, the reference setup and encode, the text
 presentations) on the request as a manifest entry. A request has no target clip, so the recipes see
 a blank clip of its geometry (only its shape is read: keyframes are always images here).
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from ..data.encode.clip import (
+from ..encode.clip import (
     ENCODER_VERSION,
     EncodeSettings,
     EncodingPipeline,

@@ -32,8 +32,8 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3Mod
 from diffusers.video_processor import VideoProcessor
 from torch import nn
 
-from ..data.media import FPS, write_video
 from ..data.stand_in import AUDIO_SHIFT, VIDEO_SHIFT
+from ..encode.media import FPS, write_video
 from ..infra.quiet import diffusers_log_level
 from ..tasks.table import DENOISE_BLOCKS_MODULE, SAMPLE_TASKS
 from .conditioning import Conditioning

@@ -1,6 +1,6 @@
 """`validation.samples`: render requests in the encoder manifest's schema, checked before any heavy work.
 
-A request is a manifest entry without a target clip (`h3train/data/manifest.py`): a prompt, a task,
+A request is a manifest entry without a target clip (`h3train/encode/manifest.py`): a prompt, a task,
 fl2va keyframe images or ref2va references, plus what a clip would have given: `frames` (`17 n + 5`
 at 24 fps, n >= 1, since the video VAE decoder needs at least 7 latent frames), `resolution`
 (`WIDTHxHEIGHT`, multiples of 32) and the `seed` of the request's generator.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import SAMPLES_KEY as KEY
 from ..config import sample_key as _where
-from ..data.manifest import ManifestEntry, MediaPath
+from ..encode.manifest import ManifestEntry, MediaPath
 from ..errors import ConfigError, one_of
 from ..tasks.conditioning import CONDITIONING_KINDS, Keyframe, Reference
 from ..tasks.table import (

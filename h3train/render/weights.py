@@ -184,7 +184,7 @@ def _index_geometry(folders: list[Path], tasks: tuple[str, ...] | None) -> np.nd
     """Every indexed sample's `(num_latent_frames, latent_height, latent_width)` of the tasks a run trains
     (all of them when `tasks` is None), `[N, 3]` int64; None when a folder's index is not readable here."""
     from ..data.dataset import index_entries
-    from ..data.format import INDEX_NAME
+    from ..data.location import INDEX_NAME
     from ..errors import DatasetError
 
     if not folders or not all((f / INDEX_NAME).is_file() for f in folders):

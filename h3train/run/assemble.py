@@ -28,7 +28,7 @@ from torch import nn
 
 from ..checkpoint import Checkpointer, checkpoint_root, room_needed
 from ..config import Config, dataset_specs
-from ..data.format import INDEX_NAME
+from ..data.location import INDEX_NAME
 from ..data.mixture import DatasetMixture
 from ..data.source import MicroBatchStream, build_sampler, build_source, load_shared_negative
 from ..data.step_plan import StepPlanner

@@ -24,8 +24,10 @@ import torch
 from ..config import Config, dataset_specs, measures_held_out_loss
 from ..config.checks import resolve_compile
 from ..data.dataset import index_entries
-from ..data.format import INDEX_NAME, location_of, read_header, resolve_in_folder
+from ..data.index import location_of, resolve_in_folder
+from ..data.location import INDEX_NAME
 from ..data.mixture import dataset_key, epoch_draws
+from ..data.sample_file import read_header
 from ..data.source import data_source
 from ..data.storage import is_url, planning_folder
 from ..debug.faults import parse_faults

@@ -276,8 +276,8 @@ class Generator:
     def encode(self, requests: list[SampleRequest], reference_short_edge: int | None = None) -> list:
         """Each request's conditioning, by the encoder's recipes on `--components`; the text encoder is let go after."""
         from ..data.components import encode_preset, load_components
-        from ..data.encode import build_pipeline
-        from ..data.media import MediaError
+        from ..encode import build_pipeline
+        from ..encode.media import MediaError
         from ..render.conditioning import encode_request, encode_settings
 
         short_edge = reference_short_edge or (encode_preset(self.components) or {}).get("reference_short_edge", 2048)
@@ -420,7 +420,7 @@ def generate(
 
 def shape_words(requests: Sequence[SampleRequest]) -> str:
     """`96x64, 22 frames (0.9 s at 24 fps)`: the shape the requests render at, each distinct one once."""
-    from ..data.media import FPS
+    from ..encode.media import FPS
 
     shapes = dict.fromkeys((r.width, r.height, r.num_frames) for r in requests)
     return "; ".join(f"{w}x{h}, {n} frames ({n / FPS:.1f} s at {FPS} fps)" for w, h, n in shapes)

@@ -47,7 +47,7 @@ REFERENCE_KINDS = ("image", "video", "audio")
 
 
 class CheckedMedia(Protocol):
-    """A checked media file as the reader's `media` gives it (`data.manifest.MediaPath`)."""
+    """A checked media file as the reader's `media` gives it (`encode.manifest.MediaPath`)."""
 
     relative: str
     path: Path
@@ -105,7 +105,7 @@ class ConditioningKind:
     Sample objects (`CachedSample`, the renderer's `Conditioning`) hold the kind's items as attributes
     (`header_field` for what the header lists, `field` for the latents); the methods read those.
     `encoder`: the encoder's recipe, `module:function`, called as `(pipe, entry, settings, frames
-    [N, H, W, 3] uint8) -> (the sample's attributes of the kind, the prompts)` (`data/encode/clip.py`).
+    [N, H, W, 3] uint8) -> (the sample's attributes of the kind, the prompts)` (`encode/clip.py`).
     """
 
     field: str
@@ -187,7 +187,7 @@ class KeyframesKind(ConditioningKind):
 
     field = "keyframes"
     header_field = "keyframe_anchors"
-    encoder = "h3train.data.encode.clip:encode_keyframes"
+    encoder = "h3train.encode.clip:encode_keyframes"
 
     def parse_manifest(self, value: Any, media: Media, fail: Fail) -> tuple[Keyframe, ...]:
         expected = "expected 'first', 'last', 'both', a list of anchors or {anchor: image path or null}"
@@ -277,7 +277,7 @@ class ReferencesKind(ConditioningKind):
 
     field = "references"
     header_field = "references"
-    encoder = "h3train.data.encode.clip:encode_references"
+    encoder = "h3train.encode.clip:encode_references"
 
     def _checked(self, value: Any, media: Media, fail: Fail, expected: str) -> tuple[Reference, ...]:
         refs = []

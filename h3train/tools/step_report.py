@@ -337,7 +337,7 @@ def data_load_times(run_dir: Path, cfg) -> tuple[float, float]:
         video_latent_num_frames,
     )
 
-    from h3train.data.format import CachedSample, read_sample, write_sample
+    from h3train.data.sample_file import CachedSample, read_sample, write_sample
 
     g = torch.Generator().manual_seed(0)
     frames = video_latent_num_frames(DATA_FRAMES, 17, 5)

@@ -134,8 +134,8 @@ class SampleRenderer(TrainerHook):
         if not missing:
             return None
         from ..data.components import load_components
-        from ..data.encode import build_pipeline
-        from ..data.media import MediaError
+        from ..encode import build_pipeline
+        from ..encode.media import MediaError
 
         components = load_components(self.v.components, "cpu", self.text_dtype)
         for i in tqdm(

@@ -268,7 +268,7 @@ def test_a_request_task_or_reference_kind_names_the_nearest() -> None:
 
 
 def test_a_manifest_field_names_the_nearest(tmp_path: Path) -> None:
-    from h3train.data.manifest import read_manifest
+    from h3train.encode.manifest import read_manifest
 
     manifest = tmp_path / "m.jsonl"
     rows = [

@@ -35,7 +35,9 @@ from transformers.utils import is_torchvision_available
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.data.components import COMPONENT_NAMES, TINY_TEXT_HIDDEN, load_components, write_tiny_components
-from h3train.data.encode import (
+from h3train.data.index import read_index, write_index
+from h3train.data.sample_file import CachedSample, read_cached_sample, read_sample
+from h3train.encode import (
     ERRORS_NAME,
     HELDOUT_NAME,
     INPUTS_SUFFIX,
@@ -47,9 +49,8 @@ from h3train.data.encode import (
     split_heldout,
     torchaudio_available,
 )
-from h3train.data.format import CachedSample, read_cached_sample, read_index, read_sample, write_index
-from h3train.data.manifest import ManifestError, read_clip_folder, read_manifest
-from h3train.data.media import fit_audio, load_clip, load_still, moving_pattern, sine_tone, write_audio, write_video
+from h3train.encode.manifest import ManifestError, read_clip_folder, read_manifest
+from h3train.encode.media import fit_audio, load_clip, load_still, moving_pattern, sine_tone, write_audio, write_video
 from h3train.infra.runlock import LOCK_NAME, RunLock
 from h3train.model.build import build_model
 from h3train.objective import compute_loss, micro_batch_inputs
@@ -333,7 +334,7 @@ def test_killed_writer_leaves_no_readable_half_sample(media: Path, components: P
     script = textwrap.dedent(f"""
         import os, signal
         import h3train.infra.atomic as atomic
-        from h3train.data.encode import EncodeSettings, encode_manifest
+        from h3train.encode import EncodeSettings, encode_manifest
         synced = atomic.fsync_path
         def die(path):
             synced(path)

@@ -19,7 +19,9 @@ import torch
 
 from h3train.cli import main
 from h3train.data.components import load_components, write_tiny_components
-from h3train.data.encode import (
+from h3train.data.index import read_index
+from h3train.data.sample_file import read_cached_sample
+from h3train.encode import (
     HELDOUT_NAME,
     TABLE_NAME,
     EncodeSettings,
@@ -29,9 +31,8 @@ from h3train.data.encode import (
     encode_video_latents,
     split_heldout,
 )
-from h3train.data.format import read_cached_sample, read_index
-from h3train.data.manifest import read_clip_folder
-from h3train.data.media import fit_audio, load_clip, sine_tone, write_video
+from h3train.encode.manifest import read_clip_folder
+from h3train.encode.media import fit_audio, load_clip, sine_tone, write_video
 
 RATE = 32000
 FPS = 8
@@ -254,7 +255,7 @@ def test_a_bad_window_flag_is_one_line_naming_it(flags: list[str], message: str,
 
 
 def test_only_the_encoders_own_samples_of_earlier_windows_are_removed(tmp_path: Path) -> None:
-    from h3train.data.encode.run import _drop_earlier_windows
+    from h3train.encode.run import _drop_earlier_windows
 
     def write(sample_id: str, clip: str | None) -> None:
         (tmp_path / f"{sample_id}.safetensors").write_bytes(b"sample")

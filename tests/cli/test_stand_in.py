@@ -29,8 +29,8 @@ from h3train.data.components import (
     load_processor,
     write_tiny_components,
 )
-from h3train.data.encode import EncodeSettings
 from h3train.data.stand_in import ENCODE_PRESET_FILE, PARTITIONS, TINY_ENCODE_PRESET
+from h3train.encode import EncodeSettings
 from h3train.model.sp_forward import FORWARD_ARGS
 from h3train.render.pipeline import AUDIO_SHIFT, VIDEO_SHIFT
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from h3train.config import load_config
-from h3train.data.format import write_sample
+from h3train.data.sample_file import write_sample
 from h3train.data.synth import released_sample
 from h3train.model.dims import model_kwargs
 

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from h3train.data.format import INDEX_NAME
 from h3train.data.index_table import COMPACT_NAME
+from h3train.data.location import INDEX_NAME
 from h3train.data.synth import write_synthetic_dataset
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -25,7 +25,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import (
 )
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
 
-from h3train.data.format import CachedSample, read_sample, write_sample
+from h3train.data.sample_file import CachedSample, read_sample, write_sample
 from h3train.tasks.conditioning import ReferenceLatents
 from h3train.tasks.layout import row_timesteps
 from h3train.tasks.sample import TrainingSample

@@ -33,7 +33,7 @@ def _late_until_written(original: Callable, late: frozenset[int]) -> Callable:
     """`_create_synthetic_dataset` that the ranks in `late` enter only once each folder of `data.path` holds
     an index."""
     from h3train.config import dataset_specs
-    from h3train.data.format import INDEX_NAME
+    from h3train.data.location import INDEX_NAME
 
     def entered_late(cfg: Any, ctx: Any, text_dim: int) -> None:
         if ctx.rank in late:

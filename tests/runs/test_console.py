@@ -26,7 +26,8 @@ from tqdm import tqdm
 from h3train.checkpoint import step_dir_name
 from h3train.cli import main
 from h3train.config import load_config
-from h3train.data.format import SAMPLE_SUFFIX, read_cached_sample
+from h3train.data.location import SAMPLE_SUFFIX
+from h3train.data.sample_file import read_cached_sample
 from h3train.data.synth import write_synthetic_dataset
 from h3train.infra.quiet import known_notices
 from h3train.tools.plot import metrics_figure

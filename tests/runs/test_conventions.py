@@ -25,7 +25,7 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import (
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
 
 from h3train.config import CfgConfig, LossWeights, TimestepConfig, load_config
-from h3train.data.format import CachedSample
+from h3train.data.sample_file import CachedSample
 from h3train.data.synth import synthetic_sample
 from h3train.objective import make_training_inputs, micro_batch_inputs
 from h3train.tasks.layout import PATCH_SIZE

@@ -196,8 +196,8 @@ def test_outside_adapter_kind_exports_what_it_trained(registered, trained: Path,
 def test_every_conditioning_kind_has_its_task_encoder_and_request_field() -> None:
     """The conditioning kinds, the sample tasks that take them, the encoder's recipes and the request fields agree."""
     from h3train.config.schema import SAMPLE_FIELDS
-    from h3train.data.encode.clip import conditioning_recipe
-    from h3train.data.manifest import ManifestEntry
+    from h3train.encode.clip import conditioning_recipe
+    from h3train.encode.manifest import ManifestEntry
     from h3train.render.requests import SampleRequest
     from h3train.tasks.conditioning import CONDITIONING_KINDS
     from h3train.tasks.table import SAMPLE_TASKS
@@ -208,7 +208,7 @@ def test_every_conditioning_kind_has_its_task_encoder_and_request_field() -> Non
     for name, kind in CONDITIONING_KINDS.items():
         assert kind.field == name and SAMPLE_TASKS[kind.sample_task].conditioning == name
         assert name in ManifestEntry.__dataclass_fields__ and name in SampleRequest.__dataclass_fields__
-        assert conditioning_recipe(kind).__module__ == "h3train.data.encode.clip"
+        assert conditioning_recipe(kind).__module__ == "h3train.encode.clip"
 
 
 # -- an outside conditioning kind: the clip's own first frame under a field of its own -----------------
@@ -246,7 +246,7 @@ def first_frame() -> Iterator[FirstFrameKind]:
 
 def test_an_outside_conditioning_kind_is_one_registration(first_frame: FirstFrameKind) -> None:
     """Its sample task is laid out by its builder and encoded by its recipe, which the entry names."""
-    from h3train.data.encode.clip import encode_conditioning
+    from h3train.encode.clip import encode_conditioning
     from h3train.tasks.layout import Geometry
     from h3train.tasks.sample import build_layout
 

@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from h3train.cli import main
 from h3train.config import WandbConfig, load_config
 from h3train.data.components import COMPONENT_NAMES, TINY_TEXT_HIDDEN, load_components, write_tiny_components
-from h3train.data.media import load_still, moving_pattern
 from h3train.data.stand_in import TINY_TRANSFORMER
+from h3train.encode.media import load_still, moving_pattern
 from h3train.errors import ConfigError
 from h3train.model.build import build_model
 from h3train.render.pipeline import denoising_steps, render_line, write_clip
@@ -293,7 +293,7 @@ def test_rendering_leaves_training_bitwise_unchanged(tmp_path, components, asset
 def test_ref2va_render_matches_diffusers_pipeline(tmp_path, components, assets) -> None:
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference
 
-    from h3train.data.media import sine_tone, write_audio
+    from h3train.encode.media import sine_tone, write_audio
 
     write_audio(assets / "voice.wav", sine_tone(1.0, 330, 32000), 32000)
     request = {"id": "duet", "task": "ref2va", "prompt": "the pictured square sings",
@@ -335,7 +335,7 @@ def test_ref2va_render_matches_diffusers_pipeline(tmp_path, components, assets) 
 def test_requests_are_cached_and_re_encoded_only_when_their_inputs_change(tmp_path, components, assets) -> None:
     import os
 
-    from h3train.data.encode import build_pipeline
+    from h3train.encode import build_pipeline
     from h3train.render.conditioning import (
         encode_request,
         encode_settings,

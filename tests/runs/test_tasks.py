@@ -20,11 +20,11 @@ from safetensors import safe_open
 from h3train.checkpoint import read_trainer_state, step_dir_name
 from h3train.cli import build_parser, main
 from h3train.config import load_config
-from h3train.data import format as data_format
+from h3train.data import sample_file as data_format
 from h3train.data.dataset import CachedDataset
-from h3train.data.format import read_index
-from h3train.data.manifest import ManifestError, read_manifest
+from h3train.data.index import read_index
 from h3train.data.synth import write_synthetic_dataset
+from h3train.encode.manifest import ManifestError, read_manifest
 from h3train.errors import ConfigError
 from h3train.export.adapter import trained_partition
 from h3train.lora.export import DIFFUSERS_WEIGHT_NAME

@@ -207,7 +207,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("run", ("run",)),
     ("loop", ("train",)),
     ("services", ("checkpoint", "export", "optim", "plan", "render")),
-    ("data", ("data",)),
+    ("data", ("data", "encode")),
     ("model", ("lora", "model", "objective", "packing")),
     ("layout", ("ops", "parallel", "tasks")),
     ("base", ("config", "debug", "errors", "infra")),
@@ -268,3 +268,10 @@ def _top(module: str) -> str:
     """`h3train.a.b` -> `a`; `h3train.cli` -> `cli`."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_the_read_side_imports_nothing_of_encoding() -> None:
+    """`data/` reads samples; `encode/` (media in, samples out) writes them through the sample format."""
+    packages = package_graph(import_graph())
+    assert "encode" not in packages["data"], sorted(packages["data"])
+    assert "data" in packages["encode"]

@@ -14,8 +14,8 @@ from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2V
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
 from PIL import Image
 
-from h3train.data.encode import EncodeSettings
-from h3train.data.media import (
+from h3train.encode import EncodeSettings
+from h3train.encode.media import (
     ClipTooShort,
     MediaError,
     aligned_frame_count,

@@ -371,7 +371,7 @@ def _events(folder: Path) -> Any:
 def test_tensorboard_gets_the_rows_and_the_clips(tmp_path: Path) -> None:
     import torch
 
-    from h3train.data.media import moving_pattern
+    from h3train.encode.media import moving_pattern
     from h3train.render.pipeline import write_clip
 
     clip = write_clip(tmp_path / "clips", "x", moving_pattern(22, 64, 96, 0), torch.zeros(2, 32000), 32000)

@@ -12,7 +12,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     video_latent_num_frames,
 )
 
-from h3train.data.encode.clip import EncodeSettings
+from h3train.encode.clip import EncodeSettings
 from h3train.tasks import released
 from h3train.tasks.layout import Geometry
 from h3train.tasks.sample import build_layout

@@ -16,19 +16,12 @@ import pytest
 import torch
 
 from h3train.data.dataset import CachedDataset
-from h3train.data.format import (
-    INDEX_NAME,
-    SampleError,
-    index_problems,
-    open_index,
-    read_cached_sample,
-    rebuild_index,
-    write_index,
-)
-from h3train.data.location import SHARD_SUFFIX, read_shard_header, shard_samples
+from h3train.data.index import index_problems, open_index, rebuild_index, write_index
+from h3train.data.location import INDEX_NAME, SHARD_SUFFIX, read_shard_header, shard_samples
+from h3train.data.sample_file import read_cached_sample
 from h3train.data.shards import write_shards
 from h3train.data.synth import write_synthetic_dataset
-from h3train.errors import DatasetError
+from h3train.errors import DatasetError, SampleError
 
 from helpers.launch import read_metrics, run_cli, tiny_args
 from helpers.paths import TINY_FL2VA

@@ -12,12 +12,12 @@ from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames, video_latent_num_frames
 
 from ...config import Config, SyntheticDataConfig, check_values
-from ...data.format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
 from ...model.dims import model_kwargs
 from ...objective import TrainingInputs
 from ...ops.attention import ATTENTION_BACKENDS
 from ...tasks.sample import TrainingSample
 from ...tasks.synthetic import SyntheticSource
+from ...tasks.table import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
 
 REDUCED_DIMS: dict[str, Any] = {
     "num_attention_heads": 4,

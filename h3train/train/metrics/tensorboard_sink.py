@@ -108,7 +108,7 @@ class _TensorBoard:
     def clip(self, step: int, name: str, path: Path, caption: str) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        from ...data.media import load_video
+        from ...encode.media import load_video
 
         video = load_video(path)
         gif, height, width = _gif(video.frames, video.fps)

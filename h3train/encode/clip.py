@@ -31,13 +31,13 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
 )
 from PIL import Image
 
-from ...errors import ConfigError
-from ...tasks.conditioning import ConditioningKind, Reference, ReferenceLatents, conditioning_of
-from ...tasks.released import CANVAS
-from ..components import Components, reads_videos
-from ..format import CachedSample
-from ..manifest import ManifestEntry
-from ..media import (
+from ..data.components import Components, reads_videos
+from ..data.sample_file import CachedSample
+from ..errors import ConfigError
+from ..tasks.conditioning import ConditioningKind, Reference, ReferenceLatents, conditioning_of
+from ..tasks.released import CANVAS
+from .manifest import ManifestEntry
+from .media import (
     MediaError,
     TargetClip,
     fit_audio,

@@ -28,7 +28,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_F
 from diffusers.utils import load_image
 from PIL import Image
 
-from .format import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
+from ..tasks.table import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
 
 FPS = MINIMAX_H3_FPS
 AUDIO_CHANNELS = 2

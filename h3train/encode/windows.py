@@ -21,10 +21,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ...errors import ConfigError, one_of
-from ..manifest import ManifestEntry
-from ..media import FPS, MediaError, aligned_down, clip_length, shortest_kept, slot_count
+from ..errors import ConfigError, one_of
 from .clip import EncodeSettings
+from .manifest import ManifestEntry
+from .media import FPS, MediaError, aligned_down, clip_length, shortest_kept, slot_count
 
 WINDOW_MODES = ("first", "uniform", "slide")
 

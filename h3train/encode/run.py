@@ -16,17 +16,18 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 from tqdm import tqdm
 
-from ...errors import ConfigError
-from ...infra.atomic import atomic_write_text, is_temporary, set_aside
-from ...infra.diskspace import no_space
-from ...infra.runlock import RunLock
-from ...tasks.table import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
-from ..components import check_components_folder, components_fingerprint, load_components
-from ..format import INDEX_NAME, SAMPLE_SUFFIX, verify_sample, write_index, write_sample
-from ..location import INPUTS_SUFFIX
-from ..manifest import CAPTION_SUFFIX, VIDEO_SUFFIXES, ManifestEntry, read_clip_folder, read_manifest
-from ..media import FPS, ClipTooShort, MediaError, aligned_down, aligned_frame_count, shortest_kept
+from ..data.components import check_components_folder, components_fingerprint, load_components
+from ..data.index import write_index
+from ..data.location import INDEX_NAME, INPUTS_SUFFIX, SAMPLE_SUFFIX
+from ..data.sample_file import verify_sample, write_sample
+from ..errors import ConfigError
+from ..infra.atomic import atomic_write_text, is_temporary, set_aside
+from ..infra.diskspace import no_space
+from ..infra.runlock import RunLock
+from ..tasks.table import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
 from .clip import ENCODER_VERSION, EncodeSettings, EncodingPipeline, build_pipeline, encode_entry
+from .manifest import CAPTION_SUFFIX, VIDEO_SUFFIXES, ManifestEntry, read_clip_folder, read_manifest
+from .media import FPS, ClipTooShort, MediaError, aligned_down, aligned_frame_count, shortest_kept
 from .windows import Window, Windowing, footage_used, plan_clips
 
 ERRORS_NAME = "errors.jsonl"
