@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from h3train.data.dataset import CachedDataset  # noqa: E402
-from h3train.data.index import open_index, read_index  # noqa: E402
+from h3train.data.dataset_index import open_index, read_index  # noqa: E402
 from h3train.data.index_table import COMPACT_NAME  # noqa: E402
 from h3train.data.location import INDEX_NAME  # noqa: E402
 

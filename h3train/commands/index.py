@@ -1,5 +1,5 @@
 """`h3train index DIR`: rebuild a dataset folder's `index.jsonl` (and its compact index) from the headers of
-the sample files it lists, one line per fix (`data.index.rebuild_index`)."""
+the sample files it lists, one line per fix (`data.dataset_index.rebuild_index`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def add_arguments(parser: Parser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data.index import rebuild_index
+    from ..data.dataset_index import rebuild_index
     from ..data.location import INDEX_NAME
 
     done = rebuild_index(args.dir)

@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import DatasetError, SampleError
 from ..tasks.sample import TrainingSample
 from ..tasks.table import TRAINING_TASKS
-from .index import location_of, open_index, resolve_in_folder
+from .dataset_index import location_of, open_index, resolve_in_folder
 from .index_table import IndexRows, IndexTable, Lengths
 from .location import INDEX_NAME, SampleLocation
 from .sample_file import read_sample

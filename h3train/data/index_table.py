@@ -1,6 +1,6 @@
 """The compact index of a dataset folder: `index.jsonl` as memory-mapped columns.
 
-`index.jsonl` (`index.py`) is the index's human-readable source of truth; parsed, a million lines
+`index.jsonl` (`dataset_index.py`) is the index's human-readable source of truth; parsed, a million lines
 take tens of seconds and hundreds of MiB in every rank. Beside it lies `.h3train.index`, the same
 entries as columns in one file that every rank maps read-only (`np.memmap`): opening it reads a
 header, and the pages a start touches (the task and length columns) are shared between the ranks

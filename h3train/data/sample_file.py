@@ -26,7 +26,7 @@ one truncated or rewritten under a running job fails its read instead of raising
 
 Any problem raises `SampleError` with a one-line message naming the file and the field.
 
-A dataset folder lists its samples in `index.jsonl` (`index.py`).
+A dataset folder lists its samples in `index.jsonl` (`dataset_index.py`).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import DatasetError
 from ..infra.atomic import atomic_write
-from .index import location_of, open_index, write_entries
+from .dataset_index import location_of, open_index, write_entries
 from .index_table import IndexEntry
 from .location import (
     INDEX_NAME,

@@ -128,7 +128,7 @@ class SyntheticData(DataSource):
 
 
 class CachedData(DataSource):
-    """Encoded samples in one or more dataset folders (`data.path`, `data/sample_file.py`, `data/index.py`)."""
+    """Encoded samples in one or more dataset folders (`data.path`, `data/sample_file.py`, `data/dataset_index.py`)."""
 
     name = "cached"
     reads_folders = True

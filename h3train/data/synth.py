@@ -37,7 +37,7 @@ from ..tasks.conditioning import ReferenceLatents, ReferencesKind, conditioning_
 from ..tasks.layout import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 from ..tasks.released import LATENT_SIZE, LONGEST_PIXEL_FRAMES, TEXT_ROWS
 from ..tasks.table import TRAINING_TASKS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, sample_task_of
-from .index import write_index
+from .dataset_index import write_index
 from .location import INDEX_NAME, SAMPLE_SUFFIX
 from .sample_file import CachedSample, write_sample
 

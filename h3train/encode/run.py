@@ -17,7 +17,7 @@ from accelerate.utils import gather_object
 from tqdm import tqdm
 
 from ..data.components import check_components_folder, components_fingerprint, load_components
-from ..data.index import write_index
+from ..data.dataset_index import write_index
 from ..data.location import INDEX_NAME, INPUTS_SUFFIX, SAMPLE_SUFFIX
 from ..data.sample_file import verify_sample, write_sample
 from ..errors import ConfigError

@@ -24,7 +24,7 @@ import torch
 from ..config import Config, dataset_specs, measures_held_out_loss
 from ..config.checks import resolve_compile
 from ..data.dataset import index_entries
-from ..data.index import location_of, resolve_in_folder
+from ..data.dataset_index import location_of, resolve_in_folder
 from ..data.location import INDEX_NAME
 from ..data.mixture import dataset_key, epoch_draws
 from ..data.sample_file import read_header

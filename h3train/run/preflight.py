@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..config import Config, dataset_specs, load_config, measures_held_out_loss
 from ..data.dataset import index_entries
-from ..data.index import index_problems
+from ..data.dataset_index import index_problems
 from ..data.location import INDEX_NAME
 from ..data.mixture import dataset_key
 from ..data.source import data_source
@@ -69,7 +69,7 @@ def reads_every_header() -> bool:
 
 def check_indexes(cfg: Config, headers: bool, files: bool = True) -> None:
     """Each cached dataset's `index.jsonl` (`data.path`'s, `validation.dataset`'s) agrees with its sample
-    files (`data.index.index_problems`), or one `DatasetError` naming the dataset, each problem on a line of
+    files (`data.dataset_index.index_problems`), or one `DatasetError` naming the dataset, each problem on a line of
     its own and `h3train index DIR`.
 
     `files`: the cheap checks (a sample id or file listed twice, a listed file missing), which come before

@@ -346,7 +346,7 @@ def test_slurm_script_checks_first_one_line_exit_2(container: bool, inputs: Path
 def test_the_dataset_reuses_the_preflight_parse_of_its_index(tmp_path: Path) -> None:
     """Start-up parses index.jsonl once (preflight, then the dataset), and again only when it changes."""
     from h3train.data.dataset import CachedDataset, index_entries
-    from h3train.data.index import write_index
+    from h3train.data.dataset_index import write_index
 
     data = write_synthetic_dataset(tmp_path / "data", task="fl2va", num_samples=3, seed=0, text_dim=TINY_TEXT_DIM)
     first = index_entries(data)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from h3train.data.index import open_index
+from h3train.data.dataset_index import open_index
 
 from helpers.index_memory import check_run, write_folder
 

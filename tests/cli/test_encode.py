@@ -35,7 +35,7 @@ from transformers.utils import is_torchvision_available
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.data.components import COMPONENT_NAMES, TINY_TEXT_HIDDEN, load_components, write_tiny_components
-from h3train.data.index import read_index, write_index
+from h3train.data.dataset_index import read_index, write_index
 from h3train.data.sample_file import CachedSample, read_cached_sample, read_sample
 from h3train.encode import (
     ERRORS_NAME,

@@ -15,7 +15,7 @@ from PIL import Image
 
 from h3train.cli import main
 from h3train.data.components import write_tiny_components
-from h3train.data.index import read_index
+from h3train.data.dataset_index import read_index
 from h3train.encode.media import FPS, moving_pattern, write_video
 from h3train.encode.run import SHORTEST_RENDERED
 

@@ -19,7 +19,7 @@ import torch
 
 from h3train.cli import main
 from h3train.data.components import load_components, write_tiny_components
-from h3train.data.index import read_index
+from h3train.data.dataset_index import read_index
 from h3train.data.sample_file import read_cached_sample
 from h3train.encode import (
     HELDOUT_NAME,

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from h3train.cli import main
 from h3train.config import load_config
-from h3train.data.index import read_index
+from h3train.data.dataset_index import read_index
 from h3train.data.location import INDEX_NAME
 from h3train.data.synth import write_synthetic_dataset
 from h3train.errors import DatasetError

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from h3train.checkpoint import read_trainer_state
-from h3train.data.index import read_index
+from h3train.data.dataset_index import read_index
 from h3train.encode.media import moving_pattern, sine_tone, write_video
 from h3train.render.side_by_side import bar_height
 

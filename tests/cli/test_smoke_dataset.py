@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from h3train.data.index import read_index
+from h3train.data.dataset_index import read_index
 from h3train.tasks.released import LONGEST_GEOMETRY, LONGEST_ROWS
 
 from helpers.launch import run_cli

@@ -15,7 +15,7 @@ import torch
 
 from h3train.cli import main
 from h3train.config import load_config
-from h3train.data.index import read_index
+from h3train.data.dataset_index import read_index
 
 from helpers.launch import (
     checkpoint_dir,

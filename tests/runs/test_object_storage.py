@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from h3train.data.index import open_index
+from h3train.data.dataset_index import open_index
 from h3train.data.shards import write_shards
 from h3train.data.synth import write_synthetic_dataset
 from h3train.data.trained_samples import trained_samples

@@ -22,7 +22,7 @@ from h3train.cli import build_parser, main
 from h3train.config import load_config
 from h3train.data import sample_file as data_format
 from h3train.data.dataset import CachedDataset
-from h3train.data.index import read_index
+from h3train.data.dataset_index import read_index
 from h3train.data.synth import write_synthetic_dataset
 from h3train.encode.manifest import ManifestError, read_manifest
 from h3train.errors import ConfigError

@@ -13,7 +13,7 @@ from h3train.cli import main
 from h3train.config import CfgConfig, load_config
 from h3train.data.base_predictions import pair_bytes
 from h3train.data.dataset import CachedDataset
-from h3train.data.index import write_index
+from h3train.data.dataset_index import write_index
 from h3train.data.location import INDEX_NAME, SAMPLE_SUFFIX
 from h3train.data.sample_file import read_header
 from h3train.data.sampler import assigned_indices

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from h3train.data.dataset import CachedDataset
-from h3train.data.index import open_index, read_index
+from h3train.data.dataset_index import open_index, read_index
 from h3train.data.index_table import COMPACT_NAME, IndexTable, Lengths, sha256_of_file
 from h3train.data.location import INDEX_NAME
 from h3train.data.sampler import DistributedSampler

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from h3train.data.dataset import CachedDataset
-from h3train.data.index import read_index, write_index
+from h3train.data.dataset_index import read_index, write_index
 from h3train.data.prefetch import Prefetcher
 from h3train.data.sampler import DistributedSampler
 from h3train.data.synth import write_synthetic_dataset

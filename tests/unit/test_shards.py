@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from h3train.data.dataset import CachedDataset
-from h3train.data.index import index_problems, open_index, rebuild_index, write_index
+from h3train.data.dataset_index import index_problems, open_index, rebuild_index, write_index
 from h3train.data.location import INDEX_NAME, SHARD_SUFFIX, read_shard_header, shard_samples
 from h3train.data.sample_file import read_cached_sample
 from h3train.data.shards import write_shards

@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from h3train.config import load_config
-from h3train.data.index import write_index
+from h3train.data.dataset_index import write_index
 from h3train.data.location import SAMPLE_SUFFIX
 from h3train.data.sample_file import write_sample
 from h3train.data.source import left_out_lines
