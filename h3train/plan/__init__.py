@@ -36,8 +36,22 @@ kind and the bytes `traffic.py` counts at each link's bandwidth, less what FSDP2
 
 from __future__ import annotations
 
-from .arithmetic import (
+from .activations import (
     BLOCK_POLICIES,
+    StepPeak,
+    activation_bytes,
+    block_activation_row_bytes,
+    block_policies,
+    block_saved_row_bytes,
+    cuda_fused_rms_norm,
+    fused_norm_for,
+    outside_stack_row_bytes,
+    recompute_share,
+    refiner_activation_bytes,
+    refiner_block_row_bytes,
+    step_peak,
+)
+from .arithmetic import (
     DEFAULT_DEVICE_MEMORY_GIB,
     DEFAULT_RESERVE_GIB,
     GIB,
@@ -47,24 +61,12 @@ from .arithmetic import (
     MemoryPlan,
     MeshSizes,
     ParameterCounts,
-    StepPeak,
-    activation_bytes,
-    block_activation_row_bytes,
-    block_policies,
-    block_saved_row_bytes,
     choose_policies,
-    cuda_fused_rms_norm,
-    fused_norm_for,
     longest_fit_rows,
     lora_fit_lines,
-    outside_stack_row_bytes,
     parameter_counts,
     plan_memory,
-    recompute_share,
-    refiner_activation_bytes,
-    refiner_block_row_bytes,
     rows_to_seconds,
-    step_peak,
     trainable_state_bytes,
 )
 from .inputs import (

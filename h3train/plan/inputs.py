@@ -14,16 +14,14 @@ from ..data.location import INDEX_NAME
 from ..data.storage import has_index, is_dataset_dir
 from ..model.adapter import AdapterCounts
 from ..tasks.released import LONGEST_GEOMETRY, LONGEST_ROWS, TEXT_ROWS
+from .activations import _FP32, evaluation_activation_bytes, fused_norm_for
 from .arithmetic import (
-    _FP32,
     DEFAULT_DEVICE_MEMORY_GIB,
     GIB,
     EvaluationPlan,
     MemoryPlan,
     MeshSizes,
-    evaluation_activation_bytes,
     fit_kwargs,
-    fused_norm_for,
     longest_fit_rows,
     lora_fit_lines,
     parameter_counts,

@@ -28,15 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from .arithmetic import (
-    A100_MEMORY_GIB,
-    H100_MEMORY_GIB,
-    MemoryPlan,
-    forward_flops,
-    recompute_share,
-    refiner_forward_flops,
-    refiner_recomputed,
-)
+from .activations import forward_flops, recompute_share, refiner_forward_flops, refiner_recomputed
+from .arithmetic import A100_MEMORY_GIB, H100_MEMORY_GIB, MemoryPlan
 from .traffic import LINKS, ForwardShape, StepTraffic
 
 if TYPE_CHECKING:

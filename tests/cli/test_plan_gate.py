@@ -166,7 +166,7 @@ def test_train_refuses_a_run_over_its_plan_on_a_gpu_only(tmp_path: Path, monkeyp
 def test_the_evaluation_forward_is_the_peak_when_it_holds_more(tmp_path: Path) -> None:
     """No gradients between steps, but a forward over longer rows and the VAEs on the device: the verdict
     is over whichever is more, and the printout says which."""
-    from h3train.plan.arithmetic import evaluation_activation_bytes
+    from h3train.plan.activations import evaluation_activation_bytes
 
     cfg = load_config(TINY_FL2VA, [])
     dims = model_dims(cfg)

@@ -25,7 +25,7 @@ from h3train.ops.attention import resolve_attention_backend
 from h3train.parallel.dims import ParallelDims
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.plan import estimate
-from h3train.plan.arithmetic import _frozen_parts, output_stage_row_bytes
+from h3train.plan.activations import _frozen_parts, output_stage_row_bytes
 from h3train.tools.bench_memory import saved_activation_bytes
 
 from helpers.paths import ROOT, TINY_FL2VA

@@ -8,7 +8,7 @@ import inspect
 import pytest
 from diffusers import MiniMaxH3Transformer3DModel
 
-from h3train.plan.arithmetic import forward_flops, recompute_share, refiner_forward_flops
+from h3train.plan.activations import forward_flops, recompute_share, refiner_forward_flops
 from h3train.plan.step_time import (
     DEVICE_KINDS,
     H200_MEASURED_MFU,
