@@ -23,17 +23,19 @@ from pathlib import Path
 
 import torch
 
+from h3train.tasks.synthetic import clip_sample
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from h3train.config import load_config  # noqa: E402
 from h3train.run.assemble import build_trainer  # noqa: E402
 from h3train.tasks.layout import Geometry  # noqa: E402
-from h3train.tools.bench import REDUCED_CLIP, REDUCED_DIMS, bench_sample  # noqa: E402
+from h3train.tools.bench import REDUCED_CLIP, REDUCED_DIMS  # noqa: E402
 
 
 def _overrides(tmp: Path, steps: int) -> list[str]:
-    geometry = bench_sample(REDUCED_CLIP, REDUCED_DIMS["text_dim"], 0).geometry
+    geometry = clip_sample(REDUCED_CLIP, REDUCED_DIMS["text_dim"], 0).geometry
     dims = [f"model.config.{k}={v}" for k, v in REDUCED_DIMS.items()]
     return [
         *dims,

@@ -23,7 +23,7 @@
 #                      (torch 2.8, without DCP's DefaultStager, copies on the training thread: said);
 #    block_memory_vs_rehearsal   one full-width block on the 41,774-row layout: the step's
 #                      torch.cuda.max_memory_allocated within 10 % of the fake-tensor rehearsal's
-#                      tracked peak (h3train/tools/rehearse.py) for the same config;
+#                      tracked peak (h3train/run/rehearse/) for the same config;
 #  - the memory sweep (h3train/tools/memory_sweep.py; not with --reduced): blocks, clip length, each
 #    block's policy and compile, each case's measured peak beside the plan in the calibration table's
 #    format (<out>_sweep.jsonl; append its points to h3train/plan/calibration.jsonl), and the kernel

@@ -198,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
     for line in samples_lines(cfg, dims.dp, model_dims) if not notes else []:
         print(line)
     if args.rehearse:
-        from ..tools.rehearse import format_rehearsal, rehearse
+        from ..run.rehearse import rehearse
+        from ..run.rehearse.report import format_rehearsal
 
         print(format_rehearsal(rehearse(cfg, world)))
     refuse_over_plan(plan, "cuda", cfg.train.ignore_memory_plan)

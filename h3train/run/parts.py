@@ -1,7 +1,7 @@
 """What a `Trainer` is handed: every part of a run, built, and the one list of what a checkpoint holds.
 
 `assemble.py` builds the parts from a config; a rehearsal builds them on a fake process group
-(`tools/rehearse.py`). `checkpoint_components` names the checkpoint's components for both, so what a
+(`run/rehearse/`). `checkpoint_components` names the checkpoint's components for both, so what a
 run saves and what a rehearsal plans to save are the same list.
 """
 

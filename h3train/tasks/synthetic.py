@@ -11,7 +11,10 @@ samples vary in geometry and conditioning to exercise every layout and the file 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames, video_latent_num_frames
 
 from ..config import SyntheticDataConfig
 from ..errors import ConfigError
@@ -23,7 +26,7 @@ from .layout import (
     video_latents_to_rows,
 )
 from .sample import TrainingSample
-from .table import TRAINING_TASKS, sample_task_of
+from .table import TRAINING_TASKS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, sample_task_of
 
 
 def synthetic_anchors(cfg: SyntheticDataConfig, task: str) -> tuple[str, ...]:
@@ -105,3 +108,41 @@ class SyntheticSource:
             negative_visual_prompt_embeds=negative_visual,
             negative_visual_text_token_tags=negative_visual_tags,
         )
+
+
+@dataclass(frozen=True)
+class Clip:
+    """The benchmarked FL2VA sample in pixels: `frames` (17 n + 5) of `height` x `width` (multiples of 32).
+
+    `text_len` rows of text prefix, the first `vision_tokens` after the first token tagged video, as
+    the keyframes' vision blocks are; the split only decides which AdaLN rows are read.
+    """
+
+    frames: int
+    height: int
+    width: int
+    text_len: int
+    vision_tokens: int
+
+
+def clip_data(clip: Clip, num_samples: int = 1) -> SyntheticDataConfig:
+    """Synthetic FL2VA samples of `clip`'s geometry (first + last keyframes, stereo audio).
+
+    The one description of a benchmarked or rehearsed clip's data: `clip_sample` draws from it, and the
+    bench's trainers train on it.
+    """
+    return SyntheticDataConfig(
+        num_samples=num_samples,
+        text_len=clip.text_len,
+        vision_tokens=clip.vision_tokens,
+        num_latent_frames=video_latent_num_frames(clip.frames, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK),
+        latent_height=clip.height // 16,
+        latent_width=clip.width // 16,
+        num_audio_latents=audio_latent_num_frames(clip.frames),
+        keyframe_anchors=["first", "last"],
+    )
+
+
+def clip_sample(clip: Clip, text_dim: int, seed: int) -> TrainingSample:
+    """One random FL2VA sample (first + last keyframes, stereo audio) of `clip`'s geometry."""
+    return SyntheticSource(clip_data(clip), text_dim, seed)[0]

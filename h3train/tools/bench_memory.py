@@ -43,7 +43,8 @@ from ..parallel.collectives import CollectiveCounts
 from ..parallel.dims import free_port
 from ..parallel.shards import local_tensor
 from ..parallel.ulysses import SequenceParallel
-from .bench import REDUCED_DIMS, Clip, bench_sample, build_bench_model
+from ..tasks.synthetic import Clip, clip_sample
+from .bench import REDUCED_DIMS, build_bench_model
 
 MEMORY_DIMS: dict[str, Any] = model_kwargs(
     {
@@ -66,7 +67,7 @@ MEMORY_CLIP = Clip(frames=56, height=256, width=320, text_len=352, vision_tokens
 def memory_inputs(seed: int = 0, clip: Clip = MEMORY_CLIP, dims: dict[str, Any] | None = None) -> TrainingInputs:
     """The measured sample as training inputs (noised rows, targets, masks), float32 on the CPU."""
     dims = dims or MEMORY_DIMS
-    sample = bench_sample(clip, int(dims["text_dim"]), seed)
+    sample = clip_sample(clip, int(dims["text_dim"]), seed)
     return make_training_inputs(sample, torch.Generator().manual_seed(seed), TimestepConfig(), LossWeights())
 
 

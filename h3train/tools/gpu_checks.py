@@ -40,7 +40,7 @@ seconds. A check that raises is `failed` with the error's first line; the others
   the save costs the step after it.
 - `block_memory_vs_rehearsal`: one full-width block (hidden 5376) on the bench's 41,774-row
   layout, its step's `torch.cuda.max_memory_allocated` against the peak the fake-tensor rehearsal
-  (`rehearse.py`) tracks for the same config; passed within `BLOCK_MEMORY_TOLERANCE`. The plan
+  (`run/rehearse/`) tracks for the same config; passed within `BLOCK_MEMORY_TOLERANCE`. The plan
   and the rehearsal both claim to know a run's memory before it starts; this holds them to a GPU.
   On the CPU the rehearsal runs on the reduced block and the comparison is skipped (no device
   allocator); without the rehearsal module the check is `not run`.
@@ -80,6 +80,7 @@ from ..config import Config, check_values
 from ..model.dims import model_kwargs
 from ..parallel import averaging
 from ..parallel.shards import local_tensor
+from ..tasks.synthetic import Clip
 from . import bench
 from .bench.sample import CHECK_CLIP, CHECK_DIMS
 
@@ -118,7 +119,7 @@ class CheckSetup:
     device: torch.device
     reduced: bool
     dims: dict[str, Any]
-    clip: bench.Clip
+    clip: Clip
     dtype: str
     seed: int
     root: Path
@@ -143,7 +144,7 @@ def bench_trainer_config(
     name: str,
     overrides: dict[str, Any],
     dims: dict[str, Any] | None = None,
-    clip: bench.Clip | None = None,
+    clip: Clip | None = None,
 ) -> Config:
     """The bench's trainer config (native attention, no checkpointing) of the setup's model and clip (or
     `dims` / `clip`), with `overrides` (`"optim.name": value`)."""
@@ -550,7 +551,7 @@ def check_block_memory_vs_rehearsal(setup: CheckSetup, res: CheckResult) -> None
     A rehearsal module that cannot be imported leaves the check `not run`.
     """
     try:
-        from .rehearse import rehearse
+        from ..run.rehearse import rehearse
     except ImportError as exc:
         res.status, res.reason = NOT_RUN, f"not yet: the fake-tensor rehearsal cannot be imported ({_first_line(exc)})"
         return

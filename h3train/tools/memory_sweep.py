@@ -28,7 +28,8 @@ from ..config import LossWeights, TimestepConfig
 from ..model.dims import model_kwargs
 from ..objective import make_training_inputs
 from ..plan.calibration import CudaPoint
-from .bench import Clip, bench_sample, rows_of
+from ..tasks.synthetic import Clip, clip_sample
+from .bench import rows_of
 from .bench.flops import peak_tflops_for, step_flops
 from .bench.run import CHECKPOINTING, BackendResult, _clear_cuda, bench_plan, run_case, trainer_config
 
@@ -86,7 +87,7 @@ def measure(case: tuple[int, int, str, bool], device: torch.device, repeats: int
     layers, frames, checkpointing, compiled = case
     dims = model_kwargs({"num_layers": layers})
     clip = Clip(frames=frames, height=768, width=1344, text_len=2048, vision_tokens=1024)
-    sample = bench_sample(clip, int(dims["text_dim"]), 0)
+    sample = clip_sample(clip, int(dims["text_dim"]), 0)
     rows = rows_of(make_training_inputs(sample, torch.Generator().manual_seed(0), TimestepConfig(), LossWeights()))
     memory_gib = torch.cuda.get_device_properties(device).total_memory / 1024**3
     policy = CHECKPOINTING[checkpointing]

@@ -71,7 +71,7 @@ from h3train.objective import micro_batch_inputs
 from h3train.parallel.collectives import count_collectives
 from h3train.parallel.dims import free_port
 from h3train.run.assemble import build_trainer
-from h3train.tools.bench import clip_data
+from h3train.tasks.synthetic import clip_data
 from h3train.tools.bench_memory import MEMORY_CLIP, MEMORY_DIMS, saved_activation_bytes
 from h3train.tools.host_syncs import SyncCounter
 

@@ -22,13 +22,14 @@ from h3train.model.sp_forward import SequenceParallelH3
 from h3train.objective import compute_loss, make_training_inputs
 from h3train.parallel.ulysses import SequenceParallel
 from h3train.tasks.released import SHORT_ROWS
+from h3train.tasks.synthetic import Clip, clip_sample
 from h3train.tools import bench, gpu_checks, step_report
 
 from helpers.paths import ROOT
 
 
-def _training_inputs(clip: bench.Clip, dims: dict):
-    sample = bench.bench_sample(clip, int(dims["text_dim"]), seed=0)
+def _training_inputs(clip: Clip, dims: dict):
+    sample = clip_sample(clip, int(dims["text_dim"]), seed=0)
     return make_training_inputs(sample, torch.Generator().manual_seed(0), TimestepConfig(), LossWeights())
 
 
@@ -325,7 +326,7 @@ def test_gpu_check_script_runs_the_reduced_check_on_cpu_and_prints_its_json(tmp_
     assert all(r["status"] == "passed" and r["reason"] is None and r["seconds"] > 0 for r in ran.values()), ran
     # No device allocator on the CPU: the rehearsal of the block runs, the comparison is skipped.
     block = results["block_memory_vs_rehearsal"]
-    if importlib.util.find_spec("h3train.tools.rehearse") is None:
+    if importlib.util.find_spec("h3train.run.rehearse") is None:
         assert block["status"] == "not run" and block["reason"].startswith("not yet")
     else:
         assert block["status"] == "skipped" and block["reason"].startswith("no CUDA"), block

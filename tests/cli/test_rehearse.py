@@ -1,6 +1,6 @@
 """`h3train check --rehearse`: every cluster config rehearsed at its own world size, beside its plan.
 
-Each cluster config is rehearsed (`h3train.tools.rehearse.rehearse`) on a fake process group of the world
+Each cluster config is rehearsed (`h3train.run.rehearse.rehearse`) on a fake process group of the world
 size its header's `h3train check --world-size N` line names, with the released architecture, its
 longest planned sample and its own mesh, optimizer, EMA, checkpointing and adapters, but
 `NUM_LAYERS` transformer blocks instead of 50: every block is the same FSDP2 unit over the same
@@ -23,19 +23,9 @@ import torch
 
 from h3train.config import load_config
 from h3train.errors import ConfigError
-from h3train.tools.memtrack import StorageTracker
-from h3train.tools.rehearse import (
-    EMA,
-    GRADS,
-    OPTIM,
-    TOLERANCE,
-    UNSHARDED,
-    WEIGHTS,
-    format_rehearsal,
-    plan_rows,
-    rehearse,
-    rehearse_resume,
-)
+from h3train.run.rehearse import EMA, GRADS, OPTIM, TOLERANCE, UNSHARDED, WEIGHTS, plan_rows, rehearse, rehearse_resume
+from h3train.run.rehearse.memtrack import StorageTracker
+from h3train.run.rehearse.report import format_rehearsal
 
 from helpers.paths import ROOT
 

@@ -16,6 +16,7 @@ from h3train.model import adaln
 from h3train.model.build import build_meta_model, build_model
 from h3train.model.dims import model_kwargs
 from h3train.objective import make_training_inputs
+from h3train.tasks.synthetic import clip_sample
 from h3train.tools import bench
 
 from helpers.paths import TINY_FL2VA
@@ -54,7 +55,7 @@ def test_trainer_models_get_the_lookup_and_stay_diffusers_models() -> None:
 
 def test_float32_forward_and_gradients_are_diffusers_own() -> None:
     dims = model_kwargs({**bench.REDUCED_DIMS, "num_layers": 2})
-    sample = bench.bench_sample(bench.REDUCED_CLIP, int(dims["text_dim"]), seed=0)
+    sample = clip_sample(bench.REDUCED_CLIP, int(dims["text_dim"]), seed=0)
     inputs = make_training_inputs(
         sample, torch.Generator().manual_seed(0), TimestepConfig(), LossWeights()
     ).model_inputs

@@ -11,7 +11,7 @@ import pytest
 
 from h3train.model.dims import model_kwargs
 from h3train.plan.calibration import TOLERANCE, CudaPoint, load_points
-from h3train.tools.bench import Clip
+from h3train.tasks.synthetic import Clip
 from h3train.tools.bench.run import CHECKPOINTING, bench_plan, trainer_config
 
 POINTS = load_points()
@@ -55,7 +55,7 @@ REHEARSED = {(p.layers, p.checkpointing, p.torch): p for p in POINTS}.values()
 
 @pytest.mark.parametrize("point", REHEARSED, ids=_id)
 def test_rehearsal_is_within_tolerance_of_the_gpu(point: CudaPoint, tmp_path) -> None:
-    from h3train.tools.rehearse import rehearse
+    from h3train.run.rehearse import rehearse
 
     dims = model_kwargs({"num_layers": point.layers})
     cfg = trainer_config(dims, _clip(point), "bfloat16", CHECKPOINTING[point.checkpointing], "native", 0, tmp_path)

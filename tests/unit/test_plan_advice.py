@@ -11,8 +11,8 @@ from diffusers import MiniMaxH3Transformer3DModel
 
 from h3train.plan import format_plan, plan_memory, verdict
 from h3train.plan.report import fixes, origin_words
+from h3train.run.rehearse.report import TINY_MODEL_PARAMS, tiny_model_note
 from h3train.tasks.released import LONGEST_ROWS
-from h3train.tools.rehearse import TINY_MODEL_PARAMS, tiny_model_note
 
 
 @pytest.fixture(scope="module")

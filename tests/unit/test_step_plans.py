@@ -136,7 +136,8 @@ def test_check_plans_packs_names_the_imbalance_and_refuses_a_sample_over_the_bud
 def test_check_rehearses_a_pack_at_the_budget(tmp_path) -> None:
     from h3train.config import load_config
     from h3train.data.synth import write_synthetic_dataset
-    from h3train.tools.rehearse import format_rehearsal, rehearse
+    from h3train.run.rehearse import rehearse
+    from h3train.run.rehearse.report import format_rehearsal
 
     from helpers.paths import ROOT
 

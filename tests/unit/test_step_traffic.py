@@ -77,7 +77,7 @@ def _fsdp2_units(cfg: Config, world: int) -> list[tuple[int, int]]:
     from h3train.lora.transforms import model_transforms
     from h3train.parallel.dims import ParallelContext
     from h3train.run.assemble import wrap_and_shard
-    from h3train.tools.rehearse import fake_process_group
+    from h3train.run.rehearse import fake_process_group
 
     from helpers.blueprints import blueprint_of
 

@@ -83,27 +83,13 @@ from .run import (
     select_backends,
     trainer_config,
 )
-from .sample import (
-    FULL_CLIP,
-    REDUCED_CLIP,
-    REDUCED_DIMS,
-    Clip,
-    Rows,
-    bench_sample,
-    build_bench_model,
-    clip_data,
-    rows_of,
-    set_backend,
-)
+from .sample import FULL_CLIP, REDUCED_CLIP, REDUCED_DIMS, Rows, build_bench_model, rows_of, set_backend
 from .timing import Clock, SyncError, TimedStep, timed_step
 
 __all__ = [
     "REDUCED_DIMS",
-    "Clip",
     "FULL_CLIP",
     "REDUCED_CLIP",
-    "clip_data",
-    "bench_sample",
     "Rows",
     "rows_of",
     "build_bench_model",

@@ -48,7 +48,8 @@ import torch
 
 from ...ops.attention import ATTENTION_BACKENDS
 from ...parallel.shards import local_tensor
-from .sample import Clip, set_backend
+from ...tasks.synthetic import Clip
+from .sample import set_backend
 
 #: The default backend: every backend's error is counted in units of its error.
 REFERENCE_BACKEND = "native"

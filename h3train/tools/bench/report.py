@@ -10,9 +10,10 @@ from typing import Any
 import torch
 
 from ...infra.atomic import atomic_write_text
+from ...tasks.synthetic import Clip
 from .parity import REFERENCE_BACKEND
 from .run import DEFAULT_REPEATS, GIB, BenchReport, run_bench
-from .sample import FULL_CLIP, REDUCED_CLIP, Clip
+from .sample import FULL_CLIP, REDUCED_CLIP
 
 
 def _fmt(value: float | None, spec: str, missing: str = "n/a") -> str:

@@ -19,6 +19,7 @@ from ...model.dims import model_kwargs
 from ...objective import make_training_inputs
 from ...ops.attention import ATTENTION_BACKENDS, unavailable
 from ...plan.report import checkpointing_line, summary
+from ...tasks.synthetic import Clip, clip_sample
 from .flops import peak_tflops_for, step_flops
 from .parity import PARITY_GATE, REFERENCE_BACKEND, Parity, bench_parity
 from .sample import (
@@ -26,9 +27,7 @@ from .sample import (
     FULL_CLIP,
     REDUCED_CLIP,
     REDUCED_DIMS,
-    Clip,
     _parameter_count,
-    bench_sample,
     rows_of,
     set_backend,
     trainer_config,
@@ -236,7 +235,7 @@ def _planned_report(
     dims = model_kwargs({"num_layers": layers or 4})
     memory = memory_gib or plan.DEFAULT_DEVICE_MEMORY_GIB
     step_plan = bench_plan(dims, clip, "bfloat16", CHECKPOINTING[checkpointing], seed, memory, "cuda")
-    sample = bench_sample(clip, int(dims["text_dim"]), seed)
+    sample = clip_sample(clip, int(dims["text_dim"]), seed)
     rows = rows_of(make_training_inputs(sample, torch.Generator().manual_seed(seed), TimestepConfig(), LossWeights()))
     flops = step_flops(dims, rows)
     return BenchReport(
@@ -311,7 +310,7 @@ def run_bench(
     dims = model_kwargs({**(REDUCED_DIMS if reduced else {}), "num_layers": layers or (2 if reduced else 4)})
     gate = parity_tolerance if parity_tolerance is not None else PARITY_GATE
 
-    sample = bench_sample(clip, int(dims["text_dim"]), seed)
+    sample = clip_sample(clip, int(dims["text_dim"]), seed)
     rows = rows_of(make_training_inputs(sample, torch.Generator().manual_seed(seed), TimestepConfig(), LossWeights()))
 
     if plan_only:

@@ -9,15 +9,12 @@ from typing import Any
 
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
-from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames, video_latent_num_frames
 
-from ...config import Config, SyntheticDataConfig, check_values
+from ...config import Config, check_values
 from ...model.dims import model_kwargs
 from ...objective import TrainingInputs
 from ...ops.attention import ATTENTION_BACKENDS
-from ...tasks.sample import TrainingSample
-from ...tasks.synthetic import SyntheticSource
-from ...tasks.table import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
+from ...tasks.synthetic import Clip, clip_data
 
 REDUCED_DIMS: dict[str, Any] = {
     "num_attention_heads": 4,
@@ -33,46 +30,8 @@ REDUCED_DIMS: dict[str, Any] = {
 }
 
 
-@dataclass(frozen=True)
-class Clip:
-    """The benchmarked FL2VA sample in pixels: `frames` (17 n + 5) of `height` x `width` (multiples of 32).
-
-    `text_len` rows of text prefix, the first `vision_tokens` after the first token tagged video, as
-    the keyframes' vision blocks are; the split only decides which AdaLN rows are read.
-    """
-
-    frames: int
-    height: int
-    width: int
-    text_len: int
-    vision_tokens: int
-
-
 FULL_CLIP = Clip(frames=124, height=768, width=1344, text_len=2048, vision_tokens=1024)
 REDUCED_CLIP = Clip(frames=22, height=128, width=192, text_len=32, vision_tokens=16)
-
-
-def clip_data(clip: Clip, num_samples: int = 1) -> SyntheticDataConfig:
-    """Synthetic FL2VA samples of `clip`'s geometry (first + last keyframes, stereo audio).
-
-    The one description of the bench's data: `bench_sample` draws from it for the layout and FLOPs,
-    and the trainer of every case trains on it.
-    """
-    return SyntheticDataConfig(
-        num_samples=num_samples,
-        text_len=clip.text_len,
-        vision_tokens=clip.vision_tokens,
-        num_latent_frames=video_latent_num_frames(clip.frames, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK),
-        latent_height=clip.height // 16,
-        latent_width=clip.width // 16,
-        num_audio_latents=audio_latent_num_frames(clip.frames),
-        keyframe_anchors=["first", "last"],
-    )
-
-
-def bench_sample(clip: Clip, text_dim: int, seed: int) -> TrainingSample:
-    """One random FL2VA sample (first + last keyframes, stereo audio) of `clip`'s geometry."""
-    return SyntheticSource(clip_data(clip), text_dim, seed)[0]
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import math
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -48,34 +47,27 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.tensor import DTensor
 
-from ..config import Config
-from ..data.step_plan import StepStats
-from ..errors import ConfigError, UsageError
-from ..optim.kinds import optimizer_kind
-from ..parallel.dims import ParallelContext, ParallelDims
-from ..parallel.shards import local_tensor
-from ..plan import GIB, MemoryPlan, config_sample_rows, estimate
-from ..plan.report import origin_words
-from ..run.blueprint import Blueprint
-from ..tasks.released import CANVAS, LONGEST_PIXEL_FRAMES, LONGEST_ROWS, TEXT_ROWS, VISION_TOKENS
-from ..tasks.synthetic import SyntheticSource
-from ..train.hooks import MicroBatchEvent, TrainerHook, TrainerView
-from ..train.reduction import ReducedStep, StepTotals
-from ..train.trainer import Trainer
-from .bench import Clip, bench_sample, clip_data
+from ...config import Config
+from ...data.step_plan import StepStats
+from ...errors import ConfigError, UsageError
+from ...optim.kinds import optimizer_kind
+from ...parallel.dims import ParallelContext, ParallelDims
+from ...parallel.shards import local_tensor
+from ...plan import MemoryPlan, config_sample_rows, estimate
+from ...tasks.released import CANVAS, LONGEST_PIXEL_FRAMES, LONGEST_ROWS, TEXT_ROWS, VISION_TOKENS
+from ...tasks.synthetic import Clip, SyntheticSource, clip_data, clip_sample
+from ...train.hooks import MicroBatchEvent, TrainerHook, TrainerView
+from ...train.reduction import ReducedStep, StepTotals
+from ...train.trainer import Trainer
+from ..blueprint import Blueprint
 from .cuda_kernels import cuda_norm_kernels
 from .memtrack import TRANSIENT, StorageTracker
+from .save_plans import LoadPlanSummary, SavePlanSummary, plan_load, plan_save
 
 # The longest released clip the plan falls back to away from the data (`tasks.released`, `LONGEST_ROWS` as
 # FL2VA), first and last keyframes.
 RELEASED_CLIP = Clip(LONGEST_PIXEL_FRAMES, *CANVAS, text_len=TEXT_ROWS, vision_tokens=VISION_TOKENS)
-
 # What the tracker counts, in the order printed, with the plan's row(s) each stands beside.
 WEIGHTS, GRADS, OPTIM, EMA, UNSHARDED, BATCH, OTHER = (
     "weights",
@@ -87,49 +79,14 @@ WEIGHTS, GRADS, OPTIM, EMA, UNSHARDED, BATCH, OTHER = (
     "buffers",
 )
 CATEGORIES = (WEIGHTS, GRADS, OPTIM, EMA, UNSHARDED, TRANSIENT, BATCH, OTHER)
-_PLAN_ROW = {
-    WEIGHTS: "master weights (LoRA: frozen base + trainable)",
-    GRADS: "gradients",
-    OPTIM: "AdamW moments",
-    EMA: "EMA shadows",
-    UNSHARDED: "2 unsharded blocks",
-    TRANSIENT: "activations + unsharded block grad",
-    BATCH: "(not planned)",
-    OTHER: "(not planned)",
-}
+
+
 # The plan and the rehearsal agree when the plan's total (reserve aside) is within this of the peak.
 TOLERANCE = 0.10
-# Below this many parameters (the stand-in has thousands, the released model billions) a step's memory is a
-# few MiB, where what the plan leaves out (allocator blocks, kernel workspaces, small buffers) is no
-# longer small beside what it counts: a verdict off by more than `TOLERANCE` there says little of a real run.
-TINY_MODEL_PARAMS = 100_000_000
+
+
 # Micro-batches rehearsed at most: the second shows the accumulated gradients' peak, later ones repeat it.
 MICRO_BATCHES = 2
-
-
-@dataclass
-class SavePlanSummary:
-    """DCP's save plan of one checkpoint across every rank: after `DefaultSavePlanner`'s de-duplication
-    of replicated items, each rank's items and tensor bytes, and the files FileSystemWriter writes."""
-
-    world_size: int
-    items_per_rank: list[int]
-    bytes_per_rank: list[int]
-    metadata: Metadata
-    # Tensors the checkpoint keys (flattened FQNs) and non-tensor entries (pickled by DCP).
-    tensors: int = 0
-    objects: int = 0
-    # (FQN, chunk offsets) -> the rank whose file holds it (`__<rank>_0.distcp`).
-    writers: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)
-
-    @property
-    def files(self) -> int:
-        """`.distcp` files: FileSystemWriter opens one per rank (single_file_per_rank), data or not."""
-        return self.world_size
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes_per_rank)
 
 
 @dataclass
@@ -246,7 +203,7 @@ def planned_sample(cfg: Config, text_dim: int) -> tuple[Any, int, str]:
     The data source's longest sample (`DataSource.longest_sample`); away from the data, the released
     15 s FL2VA clip (`RELEASED_CLIP`), synthetic latents of its geometry.
     """
-    from ..data.source import data_source
+    from ...data.source import data_source
 
     if cfg.data.pack:
         # The samples a pack holds: planned alone, packed by `rehearse`.
@@ -254,7 +211,7 @@ def planned_sample(cfg: Config, text_dim: int) -> tuple[Any, int, str]:
     rows, text_rows, source = config_sample_rows(cfg)
     released = source.startswith("longest released")
     if rows == LONGEST_ROWS and released:
-        sample = bench_sample(RELEASED_CLIP, text_dim, cfg.train.seed)
+        sample = clip_sample(RELEASED_CLIP, text_dim, cfg.train.seed)
         source = "longest released clip (15 s 768x1344 FL2VA, synthetic latents); data.path is not readable here"
     elif released:
         # A task of prompt-only clips (t2va): the same clip without its keyframes (`plan.released_rows`).
@@ -279,7 +236,7 @@ def planned_sample(cfg: Config, text_dim: int) -> tuple[Any, int, str]:
 def _filler(cfg: Config, rows: int, text_dim: int, slot: int) -> tuple[Any, Any] | None:
     """(sample, its inputs): the longest released-canvas clip within `rows`, to fill a rehearsed pack;
     None when no clip fits or the run's inputs need what a synthetic clip lacks (its own negatives)."""
-    from ..objective import micro_batch_inputs
+    from ...objective import micro_batch_inputs
 
     try:
         sample, _ = _released_within(rows, text_dim, cfg.train.seed)
@@ -292,7 +249,7 @@ def _released_within(bound: int, text_dim: int, seed: int) -> tuple[Any, int]:
     """(sample, frames): the longest clip of the released canvas and prompt (`RELEASED_CLIP`, 17 n + 5
     frames) that packs to at most `bound` rows."""
     for frames in range(RELEASED_CLIP.frames, 4, -17):
-        sample = bench_sample(dataclasses.replace(RELEASED_CLIP, frames=frames), text_dim, seed)
+        sample = clip_sample(dataclasses.replace(RELEASED_CLIP, frames=frames), text_dim, seed)
         if sample.layout.seq_len <= bound:
             return sample, frames
     raise ConfigError(f"config key 'data.max_rows' = {bound} holds no clip of the released canvas to rehearse")
@@ -410,8 +367,8 @@ def _build(
     The transformer is built, transformed and sharded on `meta` outside the fake mode (module dtype
     conversions swap tensors, which fake tensors refuse), then materialized inside it.
     """
-    from ..lora.transforms import model_transforms
-    from ..run.assemble import wrap_and_shard
+    from ...lora.transforms import model_transforms
+    from ..assemble import wrap_and_shard
 
     transforms = model_transforms(blueprint.cfg)
     model = wrap_and_shard(blueprint, ctx, transforms, from_meta=True)
@@ -430,15 +387,15 @@ def _materialized(
     hooks: list[TrainerHook],
 ) -> Trainer:
     """`_build` inside the fake mode: values, the tracker's categories, optimizer (state), the parts, the trainer."""
-    from ..checkpoint import checkpoint_root
-    from ..debug.faults import FaultInjector
-    from ..model.adapter import ModelAdapter
-    from ..model.build import materialize
-    from ..optim.kinds import build_optimizer, build_scheduler
-    from ..run.assemble import build_checkpointer, export_files, model_config_of, step_hooks, validation_watch
-    from ..run.parts import TrainingParts
-    from ..train.events import EventLog, Progress, SpikeDetector
-    from ..train.preemption import Preemption
+    from ...checkpoint import checkpoint_root
+    from ...debug.faults import FaultInjector
+    from ...model.adapter import ModelAdapter
+    from ...model.build import materialize
+    from ...optim.kinds import build_optimizer, build_scheduler
+    from ...train.events import EventLog, Progress, SpikeDetector
+    from ...train.preemption import Preemption
+    from ..assemble import build_checkpointer, export_files, model_config_of, step_hooks, validation_watch
+    from ..parts import TrainingParts
 
     cfg = blueprint.cfg
     materialize(model, torch.device("cpu"))
@@ -534,12 +491,12 @@ def _blueprint(
     """The blueprint (`blueprint.draw`) of `run_cfg`'s run on a `device_kind` device at the plan's default card
     (its tables, memory plan and policies; `plan_of` plans a setting), built on this host: attending as the
     CPU does, nothing compiled (fake tensors compile nothing)."""
-    from ..ops.attention import resolve_attention_backend
-    from ..plan import DEFAULT_DEVICE_MEMORY_GIB
-    from ..plan.step_time import DEFAULT_DEVICE
-    from ..run.blueprint import draw
-    from ..run.checks import Checked
-    from ..run.preflight import JobDevice
+    from ...ops.attention import resolve_attention_backend
+    from ...plan import DEFAULT_DEVICE_MEMORY_GIB
+    from ...plan.step_time import DEFAULT_DEVICE
+    from ..blueprint import draw
+    from ..checks import Checked
+    from ..preflight import JobDevice
 
     backend = resolve_attention_backend(run_cfg.model.attention_backend, "cpu", run_cfg.model.dtype)
     checked = Checked(run_cfg, "cpu", dims, (), backend, compile_blocks=False)
@@ -562,10 +519,10 @@ def rehearse(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..infra.quiet import known_notices
-    from ..model.dims import planned_model_dims
-    from ..objective import micro_batch_inputs
-    from ..packing import Pack, pack_inputs
+    from ...infra.quiet import known_notices
+    from ...model.dims import planned_model_dims
+    from ...objective import micro_batch_inputs
+    from ...packing import Pack, pack_inputs
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -684,8 +641,8 @@ def _built_state(cfg: Config, world_size: int, num_layers: int | None, use: Any)
     """`use(state)` of the checkpoint state of `cfg`'s run built at `world_size` ranks (no step taken)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..infra.quiet import known_notices
-    from ..model.dims import planned_model_dims
+    from ...infra.quiet import known_notices
+    from ...model.dims import planned_model_dims
 
     mesh = ParallelDims.from_config(cfg.parallel, world_size)
     dims, _ = planned_model_dims(cfg)
@@ -756,249 +713,3 @@ def _owned(trainer: Trainer | None, fsdp_params: list[Any]) -> dict[str, list[to
 
 
 # -- the checkpoint's plans -----------------------------------------------------------------------
-
-
-_COORDINATES: dict[int, tuple[Any, dict[int, tuple[int, ...]]]] = {}
-
-
-def _coordinates(mesh: Any) -> dict[int, tuple[int, ...]]:
-    """Rank -> its coordinate in `mesh` (a DeviceMesh; its rank layout is a real tensor)."""
-    cached = _COORDINATES.get(id(mesh))
-    if cached is not None and cached[0] is mesh:
-        return cached[1]
-    layout = mesh.mesh.tolist()
-    out: dict[int, tuple[int, ...]] = {}
-
-    def walk(node: Any, coord: tuple[int, ...]) -> None:
-        if isinstance(node, list):
-            for i, child in enumerate(node):
-                walk(child, (*coord, i))
-        else:
-            out[int(node)] = coord
-
-    walk(layout, ())
-    _COORDINATES[id(mesh)] = (mesh, out)
-    return out
-
-
-def _chunk(shape: torch.Size, mesh_shape: tuple[int, ...], coord: tuple[int, ...], placements: Any) -> tuple:
-    """(offsets, sizes) of the DTensor chunk at mesh coordinate `coord`: `torch.chunk` along each Shard dim."""
-    sizes, offsets = list(shape), [0] * len(shape)
-    for mesh_dim, placement in enumerate(placements):
-        if placement.is_shard():
-            d, n = placement.dim, mesh_shape[mesh_dim]
-            step = -(-sizes[d] // n)
-            begin = min(coord[mesh_dim] * step, sizes[d])
-            size = max(0, min(sizes[d], begin + step) - begin)
-            offsets[d] += begin
-            sizes[d] = size
-    return tuple(offsets), tuple(sizes)
-
-
-def _value_bytes(value: Any, numel: int, optimizer: str) -> int:
-    """Bytes DCP writes for `numel` values of `value`'s kind: torchao's quantized states (`OptimState*`,
-    one moment) by the optimizer kind's `state_bytes`, which counts both."""
-    # The inner tensor itself: `to_local` would dispatch an op per call.
-    local = value._local_tensor if isinstance(value, DTensor) else value
-    if type(local).__name__.startswith("OptimState"):
-        return optimizer_kind(optimizer).state_bytes(numel) // 2
-    return numel * local.dtype.itemsize
-
-
-def _rank_plans(planner: DefaultSavePlanner, local: SavePlan, world: int) -> list[SavePlan]:
-    """Every rank's local plan from rank 0's: a DTensor's chunk moved to each rank's coordinate."""
-    flat = planner.state_dict
-    plans = []
-    for rank in range(world):
-        items = []
-        for item in local.items:
-            value = flat.get(item.index.fqn)
-            if rank == 0 or item.type != WriteItemType.SHARD or not isinstance(value, DTensor):
-                items.append(item)
-                continue
-            coord = _coordinates(value.device_mesh)[rank]
-            offsets, sizes = _chunk(value.shape, tuple(value.device_mesh.shape), coord, value.placements)
-            data = TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-                properties=item.tensor_data.properties,
-                size=item.tensor_data.size,
-            )
-            items.append(WriteItem(index=MetadataIndex(item.index.fqn, offsets), type=item.type, tensor_data=data))
-        plans.append(dataclasses.replace(local, items=items))
-    return plans
-
-
-def plan_save(state: dict[str, Any], optimizer: str) -> SavePlanSummary:
-    """DCP's save plan of `state` on every rank of the default group (no file written).
-
-    Rank 0's local plan is DCP's own (`DefaultSavePlanner.create_local_plan`); the others' are its items
-    with each DTensor chunk at that rank's mesh coordinate; `create_global_plan` then de-duplicates
-    the replicated items and validates that the chunks tile every tensor, as a real save does.
-    """
-    world = dist.get_world_size()
-    planner = DefaultSavePlanner()
-    planner.set_up_planner(state, storage_meta=None, is_coordinator=True)
-    local = planner.create_local_plan()
-    # Rank 0's arithmetic must reproduce DCP's own chunk for it.
-    for item in local.items:
-        value = planner.state_dict.get(item.index.fqn)
-        if item.type == WriteItemType.SHARD and isinstance(value, DTensor):
-            coord = _coordinates(value.device_mesh)[0]
-            offsets, sizes = _chunk(value.shape, tuple(value.device_mesh.shape), coord, value.placements)
-            if tuple(item.tensor_data.chunk.sizes) != sizes or tuple(item.tensor_data.chunk.offsets) != offsets:
-                raise RuntimeError(f"chunk arithmetic disagrees with DCP for {item.index.fqn}")
-    global_plans, metadata = planner.create_global_plan(_rank_plans(planner, local, world))
-    items, nbytes, writers = [], [], {}
-    for rank, plan in enumerate(global_plans):
-        items.append(len(plan.items))
-        total = 0
-        for item in plan.items:
-            writers[(item.index.fqn, tuple(item.index.offset or ()))] = rank
-            if item.tensor_data is not None:
-                numel = math.prod(item.tensor_data.chunk.sizes)
-                total += _value_bytes(planner.state_dict[item.index.fqn], numel, optimizer)
-        nbytes.append(total)
-    tensors = sum(1 for v in planner.state_dict.values() if isinstance(v, torch.Tensor))
-    return SavePlanSummary(world, items, nbytes, metadata, tensors, len(planner.state_dict) - tensors, writers)
-
-
-@dataclass
-class LoadPlanSummary:
-    """DCP's load plan on every rank of a run resuming a checkpoint saved at another world size."""
-
-    saved_world_size: int
-    world_size: int
-    reads_per_rank: list[int]
-    bytes_per_rank: list[int]
-    files_per_rank: list[int]
-    # Keys of the loading run's state found in the checkpoint, and those missing from it.
-    keys: int
-    missing: list[str]
-    # Tensor bytes the checkpoint holds (its save plan's, all ranks together).
-    saved_bytes: int = 0
-
-
-def format_load_plan(p: LoadPlanSummary) -> str:
-    """One line per fact of a resume's load plan."""
-    return "\n".join(
-        [
-            f"resume        a checkpoint saved by {p.saved_world_size} ranks ({p.saved_bytes / GIB:.2f} GiB), "
-            f"loaded by {p.world_size}: {p.keys:,} keys found, {len(p.missing)} missing",
-            f"              per rank {min(p.reads_per_rank):,}-{max(p.reads_per_rank):,} reads from "
-            f"{min(p.files_per_rank)}-{max(p.files_per_rank)} files, {min(p.bytes_per_rank) / GIB:.2f}-"
-            f"{max(p.bytes_per_rank) / GIB:.2f} GiB; {sum(p.bytes_per_rank) / GIB:.2f} GiB in all",
-        ]
-    )
-
-
-def plan_load(state: dict[str, Any], save: SavePlanSummary, optimizer: str) -> LoadPlanSummary:
-    """DCP's load plan of `state` from the checkpoint `save` plans, on every rank of the default group.
-
-    Rank 0's plan is `DefaultLoadPlanner.create_local_plan`'s; each other rank's reads come from DCP's
-    `create_read_items_for_chunk_list` for its DTensor chunks. Every rank's chunk of every tensor
-    must be covered exactly by the saved chunks it reads (else `RuntimeError` naming the key). Files:
-    the saving ranks' whose chunks a rank reads.
-    """
-    world, metadata = dist.get_world_size(), save.metadata
-    planner = DefaultLoadPlanner()
-    planner.set_up_planner(state, metadata, is_coordinator=True)
-    planner.create_local_plan()  # DCP's own plan for rank 0: raises on a key the checkpoint lacks
-    flat = planner.state_dict
-    missing = sorted(k for k in flat if k not in metadata.state_dict_metadata)
-    reads, nbytes, files = [], [], []
-    for rank in range(world):
-        count = total = 0
-        touched: set[int] = set()
-        for fqn, value in flat.items():
-            md = metadata.state_dict_metadata.get(fqn)
-            if md is None or not isinstance(value, torch.Tensor):
-                if md is not None:
-                    count += 1
-                    touched.add(save.writers.get((fqn, ()), 0))
-                continue
-            if isinstance(value, DTensor):
-                coord = _coordinates(value.device_mesh)[rank]
-                offsets, sizes = _chunk(value.shape, tuple(value.device_mesh.shape), coord, value.placements)
-            else:
-                offsets, sizes = (0,) * value.dim(), tuple(value.shape)
-            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-            items = create_read_items_for_chunk_list(fqn, md, [chunk]) if math.prod(sizes) else []
-            covered = sum(math.prod(item.lengths) for item in items)
-            if covered != math.prod(sizes):
-                raise RuntimeError(
-                    f"rank {rank}: the checkpoint covers {covered} of {math.prod(sizes)} values of {fqn}"
-                )
-            count += len(items)
-            total += _value_bytes(value, covered, optimizer)
-            for item in items:
-                index = item.storage_index
-                touched.add(save.writers[(index.fqn, tuple(index.offset or ()))])
-        reads.append(count)
-        nbytes.append(total)
-        files.append(len(touched))
-    return LoadPlanSummary(save.world_size, world, reads, nbytes, files, len(flat) - len(missing), missing)
-
-
-# -- printing -------------------------------------------------------------------------------------
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:9.2f} GiB"
-
-
-def format_rehearsal(r: Rehearsal) -> str:
-    """The rehearsal's table beside the plan's rows, its notes, its wall time and a one-line verdict."""
-    m = r.mesh
-    planned = plan_rows(r.plan)
-    lines = [
-        f"rehearsal     {r.world_size} ranks on a fake process group (rank 0's share), FakeTensorMode; "
-        f"mesh dp_replicate={m.dp_replicate} dp_shard={m.dp_shard} sp={m.sp}",
-        f"              {r.num_layers} blocks; {r.rows:,} rows ({r.text_rows:,} text; {origin_words(r.rows_origin)}); "
-        f"{r.micro_batches} of the step's {r.grad_accum} micro-batches rehearsed",
-        "  per rank                                  plan   rehearsed peak    at the step's peak   plan row",
-    ]
-    for c in CATEGORIES:
-        if not (planned[c] or r.category_peaks[c] or r.at_peak[c]):
-            continue
-        lines.append(
-            f"  {c:<30} {_gib(planned[c])}     {_gib(r.category_peaks[c])}     {_gib(r.at_peak[c])}   {_PLAN_ROW[c]}"
-        )
-    lines.append(
-        f"  {'total (reserve aside)':<30} {_gib(r.planned_bytes)}     {_gib(r.device_peak_bytes)}"
-        f"{'':24}peak during: {r.peak_phase}"
-    )
-    if r.save is not None:
-        s = r.save
-        lines.append(
-            f"checkpoint    DCP save plan over {s.world_size} ranks (DefaultSavePlanner, nothing written): "
-            f"{s.files} .distcp files + .metadata; {s.tensors:,} tensors, {s.objects} other entries; per rank "
-            f"{min(s.items_per_rank):,}-{max(s.items_per_rank):,} items, {_gib(min(s.bytes_per_rank)).strip()}-"
-            f"{_gib(max(s.bytes_per_rank)).strip()}; {_gib(s.total_bytes).strip()} in all "
-            f"(plan {_gib(r.plan.checkpoint_bytes).strip()})"
-        )
-    lines += [f"not run as on a GPU: {note}" for note in r.notes]
-    lines.append(
-        f"rehearsal     {r.wall_s:.1f} s wall (" + ", ".join(f"{k} {v:.1f} s" for k, v in r.seconds.items()) + ")"
-    )
-    err = r.plan_error * 100
-    device = r.device_peak_bytes + r.plan.reserve_bytes
-    fits = device <= r.plan.device_bytes
-    lines.append(
-        f"verdict: {'fits' if fits else 'does NOT fit'}: the step peaks at {r.device_peak_bytes / GIB:.2f} GiB "
-        "per rank, "
-        f"{device / GIB:.2f} GiB with the {r.plan.reserve_bytes / GIB:.0f} GiB reserve, of "
-        f"{r.plan.device_gib} GiB; the plan is {err:+.1f} % of it "
-        + ("(within 10 %)" if r.agrees else "(OFF by more than 10 %)" + tiny_model_note(r.plan))
-    )
-    return "\n".join(lines)
-
-
-def tiny_model_note(plan: MemoryPlan) -> str:
-    """Why a disagreement on a tiny model (under `TINY_MODEL_PARAMS`) is no verdict on the plan; empty otherwise."""
-    total = plan.params.total
-    if total >= TINY_MODEL_PARAMS:
-        return ""
-    return (
-        f"; a model of {total:,} parameters is tiny: fixed overheads the plan leaves out (allocator blocks, "
-        "workspaces, small buffers) dominate its few MiB, so rehearse a real size to judge the plan"
-    )
