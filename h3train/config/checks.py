@@ -38,12 +38,36 @@ def check_values(cfg: Config) -> None:
         value = get_key(cfg, key)
         if value not in choices:
             raise ConfigError(f"config key '{key}' is {value!r}; {one_of(value, choices)}")
+    _check_ranges(cfg)
+    _check_model_and_debug(cfg)
+    _check_synthetic(cfg)
+    _validate_cfg(cfg.cfg)
+    _positive(cfg, "checkpoint.every", allow_zero=True)
+    _positive(cfg, "train.spike_factor", allow_zero=True)
+    _positive(cfg, "train.spike_window")
+    _positive(cfg, "train.max_consecutive_skips", allow_zero=True)
+    _positive(cfg, "checkpoint.keep_last", allow_zero=True)
+    # Each dataset of `data.path` is well formed; whether the data source reads it is the source's check.
+    dataset_specs(cfg.data)
+    _validate_lora(cfg.lora)
+    _validate_validation(cfg.validation)
+    _validate_keep_best(cfg)
+    _validate_export(cfg)
+    if not 0.0 <= cfg.train.ema.decay < 1.0:
+        raise ConfigError(f"config key 'train.ema.decay' must be in [0, 1) (0: off), got {cfg.train.ema.decay}")
+    if cfg.validation.use_ema and not cfg.train.ema.decay:
+        raise ConfigError("config key 'validation.use_ema' needs an EMA: set train.ema.decay, e.g. 0.999")
 
-    def positive(key: str, allow_zero: bool = False) -> None:
-        value = get_key(cfg, key)
-        if value < 0 or (value == 0 and not allow_zero):
-            raise ConfigError(f"config key '{key}' must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
+def _positive(cfg: Config, key: str, allow_zero: bool = False) -> None:
+    value = get_key(cfg, key)
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"config key '{key}' must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _check_ranges(cfg: Config) -> None:
+    """The numbers that must be positive (or not negative), the mesh's `dp_shard`, AdamW's betas and the
+    schedule's floor; the older spelling of full recompute against the newer key."""
     for key in (
         "train.steps",
         "train.grad_accum",
@@ -59,7 +83,7 @@ def check_values(cfg: Config) -> None:
         "data.synthetic.text_len",
         "data.synthetic.num_latent_frames",
     ):
-        positive(key)
+        _positive(cfg, key)
     if cfg.model.gradient_checkpointing and cfg.model.activation_checkpointing != "full":
         raise ConfigError(
             "config key 'model.gradient_checkpointing' is the older spelling of model.activation_checkpointing=full; "
@@ -76,13 +100,18 @@ def check_values(cfg: Config) -> None:
         "data.max_rows",
         "data.pack",
     ):
-        positive(key, allow_zero=True)
+        _positive(cfg, key, allow_zero=True)
     if cfg.parallel.dp_shard == 0 or cfg.parallel.dp_shard < -1:
         raise ConfigError(f"config key 'parallel.dp_shard' must be -1 (infer) or > 0, got {cfg.parallel.dp_shard}")
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         raise ConfigError(f"config key 'optim.betas' must be two numbers in [0, 1), got {cfg.optim.betas}")
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError(f"config key 'optim.min_lr_ratio' must be in [0, 1], got {cfg.optim.min_lr_ratio}")
+
+
+def _check_model_and_debug(cfg: Config) -> None:
+    """One model source; `auto`-or-bool keys; the step dump and profile windows; packs against a dump and
+    against a compile the values alone rule out."""
     if cfg.model.pretrained is None and not cfg.model.config:
         raise ConfigError(
             "config key 'model' needs either 'model.pretrained' (a diffusers folder) or "
@@ -114,6 +143,10 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(
             f"config key 'debug.profile_steps' must be [first, last] with 1 <= first <= last, got {list(prof)}"
         )
+
+
+def _check_synthetic(cfg: Config) -> None:
+    """`data.synthetic`'s keyframe anchors and its vision tokens within its text."""
     syn = cfg.data.synthetic
     for anchor in syn.keyframe_anchors:
         if anchor not in ("first", "last"):
@@ -123,22 +156,6 @@ def check_values(cfg: Config) -> None:
             )
     if syn.vision_tokens > syn.text_len:
         raise ConfigError("config key 'data.synthetic.vision_tokens' must not exceed 'data.synthetic.text_len'")
-    _validate_cfg(cfg.cfg)
-    positive("checkpoint.every", allow_zero=True)
-    positive("train.spike_factor", allow_zero=True)
-    positive("train.spike_window")
-    positive("train.max_consecutive_skips", allow_zero=True)
-    positive("checkpoint.keep_last", allow_zero=True)
-    # Each dataset of `data.path` is well formed; whether the data source reads it is the source's check.
-    dataset_specs(cfg.data)
-    _validate_lora(cfg.lora)
-    _validate_validation(cfg.validation)
-    _validate_keep_best(cfg)
-    _validate_export(cfg)
-    if not 0.0 <= cfg.train.ema.decay < 1.0:
-        raise ConfigError(f"config key 'train.ema.decay' must be in [0, 1) (0: off), got {cfg.train.ema.decay}")
-    if cfg.validation.use_ema and not cfg.train.ema.decay:
-        raise ConfigError("config key 'validation.use_ema' needs an EMA: set train.ema.decay, e.g. 0.999")
 
 
 # Seeds feed generators as `seed * constant + offset`: 32 bits leave room for the offsets in 64.

@@ -376,87 +376,67 @@ def plan_memory(
         "fused_norm": fused_norm,
         "adaln_tables": adaln_tables,
     }
-    layers = _dim(dims, "num_layers")
     if policies is None and activation_checkpointing == "auto":
         return choose_policies(dims, **common)
     if policies is None:
-        policies = block_policies(activation_checkpointing, layers)
-    policies = tuple(policies)
+        policies = block_policies(activation_checkpointing, _dim(dims, "num_layers"))
+    return _planned(dims, tuple(policies), activation_checkpointing, **common)
+
+
+def _planned(
+    dims: Mapping[str, Any],
+    policies: tuple[str, ...],
+    activation_checkpointing: str,
+    *,
+    dp_replicate: int,
+    dp_shard: int,
+    sp: int,
+    dtype: str,
+    rows: int,
+    device_memory_gib: float,
+    reserve_gib: float,
+    rows_origin: str,
+    lora: AdapterCounts | None,
+    cpu_offload: bool,
+    ema: bool,
+    text_rows: int,
+    optimizer: str,
+    base_quant: str,
+    grad_accum: int | None,
+    fused_norm: bool,
+    adaln_tables: bool,
+) -> MemoryPlan:
+    """`plan_memory` with one policy per block (`policies`), its arguments checked."""
     counts = parameter_counts(dims)
     shard = dp_shard * sp
     per_rank = -(-counts.total // shard)
     local_rows = -(-rows // sp)
-    b = _DTYPE_BYTES[dtype]
     text_rows = min(max(text_rows, 0), rows)
-    if lora is None:
-        trainable, block_params, block_grads = per_rank, counts.block, counts.block
-        frozen_base = 0
-    else:
-        frozen = counts.total - lora.train_modules
-        base = (frozen - lora.frozen_fp32) * 2 + lora.frozen_fp32 * _FP32
-        if base_quant != "none":
-            # The matrices outside the islands: everything frozen there but the vectors.
-            base -= max(frozen - lora.frozen_fp32 - counts.vectors, 0) * (2 - base_bytes_per_weight(base_quant))
-        trainable, frozen_base = -(-lora.trainable // shard), -(-base // shard)
-        block_params, block_grads = counts.block + lora.block_adapters, lora.block_trainable
+    trainable, frozen_base, block_params, block_grads = _trained_and_frozen(counts, lora, base_quant, shard)
     trainable_bytes, moment_bytes = trainable_state_bytes(counts, trainable, optimizer, lora is None, shard)
-    one_rank = shard == 1
-    # Where the projection is computed from its own shards, its weight and bias stay out of the gathered
-    # block, and a full fine-tune's unsharded block gradient (a LoRA's frozen projection has none).
-    tables = adaln_tables is True and not one_rank and not cpu_offload
-    local_adaln = counts.block_adaln if tables else 0
-    unsharded_block = _unsharded_block_bytes(dims, counts, block_params, b, lora, base_quant, local_adaln)
-    # The block prefetched beside the running one is counted with its projection: the fake-tensor rehearsal,
-    # the plan's referee on a CPU, holds one gathered block where CUDA holds two, and shows the projection's
-    # saving once. Counting it once keeps the plan on the safe side by one projection's weights (0.48 GiB
-    # in bf16 at the released dims), which the rehearsal cannot confirm.
-    prefetched_block = _unsharded_block_bytes(dims, counts, block_params, b, lora, base_quant, 0)
-    gathered_grads = block_grads - (local_adaln if lora is None else 0)
-    plain = one_rank and b == _FP32 and not cpu_offload and lora is None
-    # Across ranks FSDP2 copies a block's unsharded gradient into one buffer of the reduce dtype for the
-    # reduce-scatter and holds it until the next block's post-backward (`step_peak`). On one rank the measured
-    # peaks (`calibration.jsonl`) hold none beside a block's activations.
-    reduce_buffer = 0 if one_rank else gathered_grads * _REDUCE_BYTES
-
-    def unsharded(i: int | None) -> int:
-        """All-gathered parameter bytes. Across ranks: the unit running and the one prefetched. On one rank
-        no block reshards after forward, so every block not yet through its backward stays gathered, with
-        the refiner and the root (`model/fsdp.py`); float32 on one rank trains plain tensors (no copy)."""
-        if plain:
-            return 0
-        if not one_rank:
-            return unsharded_block + prefetched_block
-        rest = (counts.total - layers * counts.block) * b
-        if i is None:
-            return layers * unsharded_block + rest
-        return (i + 1) * unsharded_block + rest if i >= 0 else rest
-
     accum = grad_accum != 1
-    block_grad_shard = -(-block_grads // shard) * (trainable_bytes / max(trainable, 1))
-    # Trainable parameters outside both block stacks, per rank: what reduces before the stack's backward ends.
-    stacks = layers * block_grads + (0 if lora is not None else counts.num_refiner_layers * counts.refiner_block)
-    head_grads = -(-max((lora.trainable if lora is not None else counts.total) - stacks, 0) // shard)
-    if lora is not None and lora.heads_only:
-        acts = heads_activation_bytes(dims, local_rows, sp, text_rows, lora)
-        peak = StepPeak("forward", acts, trainable_bytes if accum else 0, unsharded(None), 0)
-    else:
-        peak = step_peak(
-            dims,
-            local_rows,
-            dtype,
-            policies,
+    peak, unsharded_block = _step_peak_of(
+        dims,
+        counts,
+        policies,
+        _PeakInputs(
+            shard=shard,
             sp=sp,
+            dtype=dtype,
+            local_rows=local_rows,
             text_rows=text_rows,
             lora=lora,
+            base_quant=base_quant,
+            cpu_offload=cpu_offload,
+            adaln_tables=adaln_tables,
             fused_norm=fused_norm,
-            grads_bytes=trainable_bytes,
-            block_grads_bytes=int(block_grad_shard),
-            head_grads_bytes=int(head_grads * trainable_bytes / max(trainable, 1)),
-            grads_resident=accum,
-            unsharded=unsharded,
-            unsharded_block_grads=0 if plain else gathered_grads * b,
-            reduce_buffer=reduce_buffer,
-        )
+            accum=accum,
+            trainable=trainable,
+            trainable_bytes=trainable_bytes,
+            block_params=block_params,
+            block_grads=block_grads,
+        ),
+    )
     full = all(p == "full" for p in policies) and bool(policies)
     return MemoryPlan(
         dp_replicate=dp_replicate,
@@ -497,6 +477,117 @@ def plan_memory(
         gathered_block_bytes=unsharded_block,
         reduce_buffer_bytes=peak.reduce_buffer,
     )
+
+
+def _trained_and_frozen(
+    counts: ParameterCounts, lora: AdapterCounts | None, base_quant: str, shard: int
+) -> tuple[int, int, int, int]:
+    """(trainable parameters per rank, frozen base bytes per rank, parameters of one gathered block, trainable
+    parameters of one block): a full fine-tune trains everything; a LoRA run's base is frozen in bfloat16
+    (its float32 islands aside), a quantized base's matrices at `base_bytes_per_weight`."""
+    if lora is None:
+        return -(-counts.total // shard), 0, counts.block, counts.block
+    frozen = counts.total - lora.train_modules
+    base = (frozen - lora.frozen_fp32) * 2 + lora.frozen_fp32 * _FP32
+    if base_quant != "none":
+        # The matrices outside the islands: everything frozen there but the vectors.
+        base -= max(frozen - lora.frozen_fp32 - counts.vectors, 0) * (2 - base_bytes_per_weight(base_quant))
+    return -(-lora.trainable // shard), -(-base // shard), counts.block + lora.block_adapters, lora.block_trainable
+
+
+@dataclass(frozen=True)
+class _PeakInputs:
+    """What `_step_peak_of` reads of one plan: the mesh's shard group, the rank's rows, the run's kind
+    (LoRA, quantized base, offload, tables, kernels) and its trainable state per rank."""
+
+    shard: int
+    sp: int
+    dtype: str
+    local_rows: int
+    text_rows: int
+    lora: AdapterCounts | None
+    base_quant: str
+    cpu_offload: bool
+    adaln_tables: bool
+    fused_norm: bool
+    accum: bool
+    trainable: int
+    trainable_bytes: int
+    block_params: int
+    block_grads: int
+
+
+def _step_peak_of(
+    dims: Mapping[str, Any], counts: ParameterCounts, policies: tuple[str, ...], x: _PeakInputs
+) -> tuple[StepPeak, int]:
+    """The step's peak (`step_peak`) and the bytes of one all-gathered block, for `policies` and `x`."""
+    layers = _dim(dims, "num_layers")
+    shard, sp, dtype, lora, base_quant, cpu_offload = x.shard, x.sp, x.dtype, x.lora, x.base_quant, x.cpu_offload
+    b = _DTYPE_BYTES[dtype]
+    block_params, block_grads, trainable, trainable_bytes = (
+        x.block_params,
+        x.block_grads,
+        x.trainable,
+        x.trainable_bytes,
+    )
+    local_rows, text_rows, accum = x.local_rows, x.text_rows, x.accum
+    one_rank = shard == 1
+    # Where the projection is computed from its own shards, its weight and bias stay out of the gathered
+    # block, and a full fine-tune's unsharded block gradient (a LoRA's frozen projection has none).
+    tables = x.adaln_tables is True and not one_rank and not cpu_offload
+    local_adaln = counts.block_adaln if tables else 0
+    unsharded_block = _unsharded_block_bytes(dims, counts, block_params, b, lora, base_quant, local_adaln)
+    # The block prefetched beside the running one is counted with its projection: the fake-tensor rehearsal,
+    # the plan's referee on a CPU, holds one gathered block where CUDA holds two, and shows the projection's
+    # saving once. Counting it once keeps the plan on the safe side by one projection's weights (0.48 GiB
+    # in bf16 at the released dims), which the rehearsal cannot confirm.
+    prefetched_block = _unsharded_block_bytes(dims, counts, block_params, b, lora, base_quant, 0)
+    gathered_grads = block_grads - (local_adaln if lora is None else 0)
+    plain = one_rank and b == _FP32 and not cpu_offload and lora is None
+    # Across ranks FSDP2 copies a block's unsharded gradient into one buffer of the reduce dtype for the
+    # reduce-scatter and holds it until the next block's post-backward (`step_peak`). On one rank the measured
+    # peaks (`calibration.jsonl`) hold none beside a block's activations.
+    reduce_buffer = 0 if one_rank else gathered_grads * _REDUCE_BYTES
+
+    def unsharded(i: int | None) -> int:
+        """All-gathered parameter bytes. Across ranks: the unit running and the one prefetched. On one rank
+        no block reshards after forward, so every block not yet through its backward stays gathered, with
+        the refiner and the root (`model/fsdp.py`); float32 on one rank trains plain tensors (no copy)."""
+        if plain:
+            return 0
+        if not one_rank:
+            return unsharded_block + prefetched_block
+        rest = (counts.total - layers * counts.block) * b
+        if i is None:
+            return layers * unsharded_block + rest
+        return (i + 1) * unsharded_block + rest if i >= 0 else rest
+
+    block_grad_shard = -(-block_grads // shard) * (trainable_bytes / max(trainable, 1))
+    # Trainable parameters outside both block stacks, per rank: what reduces before the stack's backward ends.
+    stacks = layers * block_grads + (0 if lora is not None else counts.num_refiner_layers * counts.refiner_block)
+    head_grads = -(-max((lora.trainable if lora is not None else counts.total) - stacks, 0) // shard)
+    if lora is not None and lora.heads_only:
+        acts = heads_activation_bytes(dims, local_rows, sp, text_rows, lora)
+        peak = StepPeak("forward", acts, trainable_bytes if accum else 0, unsharded(None), 0)
+    else:
+        peak = step_peak(
+            dims,
+            local_rows,
+            dtype,
+            policies,
+            sp=sp,
+            text_rows=text_rows,
+            lora=lora,
+            fused_norm=x.fused_norm,
+            grads_bytes=trainable_bytes,
+            block_grads_bytes=int(block_grad_shard),
+            head_grads_bytes=int(head_grads * trainable_bytes / max(trainable, 1)),
+            grads_resident=accum,
+            unsharded=unsharded,
+            unsharded_block_grads=0 if plain else gathered_grads * b,
+            reduce_buffer=reduce_buffer,
+        )
+    return peak, unsharded_block
 
 
 def policy_mixes(layers: int) -> list[tuple[str, ...]]:

@@ -30,7 +30,7 @@ from ..checkpoint import Checkpointer, checkpoint_root, room_needed
 from ..config import Config, dataset_specs
 from ..data.location import INDEX_NAME
 from ..data.mixture import DatasetMixture
-from ..data.source import MicroBatchStream, build_sampler, build_source, load_shared_negative
+from ..data.source import MicroBatchStream, SampleSource, build_sampler, build_source, load_shared_negative
 from ..data.step_plan import StepPlanner
 from ..debug.faults import FaultInjector
 from ..infra.diskspace import check_room
@@ -196,24 +196,7 @@ def _assemble(
     data_errors = EventLog(log_dir / "data_errors.jsonl" if lead else None)
     spike_log = EventLog(log_dir / "loss_spikes.jsonl" if lead else None)
     progress = Progress()
-    source = build_source(
-        cfg,
-        model_config["text_dim"],
-        on_skip=lambda sample_id, reason: data_errors.write(step=progress.step + 1, sample_id=sample_id, reason=reason),
-    )
-    if ctx.is_main and isinstance(source, DatasetMixture):
-        print(source.describe(), flush=True)
-    sampler = build_sampler(source, cfg, ctx.dp_rank, dims.dp)
-    batches = MicroBatchStream(
-        source,
-        sampler,
-        lambda sample, step, slot: micro_batch_inputs(cfg, sample, step, slot, shared_negative),
-        StepPlanner.of(cfg, dims.dp, model_config),
-        cfg.data.prefetch,
-    )
-    if ctx.is_main:
-        for line in samples_lines(cfg, dims.dp, model_config, source):
-            print(line, flush=True)
+    source, batches = _micro_batches(cfg, ctx, model_config, shared_negative, data_errors, progress)
     watch = validation_watch(cfg)
     adapter_files = export_files(cfg, adapter)
     owner = lock.token if lock is not None else ""
@@ -222,15 +205,6 @@ def _assemble(
     faults = FaultInjector(cfg.debug.fault, ctx.rank, keypress_gap_s=SAME_KEYPRESS_S)
     if hooks is None:
         hooks = step_hooks(cfg, ctx.rank, shared_negative=shared_negative)
-    metrics = MetricsLogger(
-        log_dir,
-        ctx.is_main,
-        cfg.logging.wandb,
-        asdict(cfg),
-        cfg.train.steps,
-        progress=cfg.logging.progress,
-        tensorboard=cfg.logging.tensorboard,
-    )
     return TrainingParts(
         blueprint=blueprint,
         ctx=ctx,
@@ -252,10 +226,54 @@ def _assemble(
         spikes=SpikeDetector(cfg.train.spike_factor, cfg.train.spike_window),
         watch=watch,
         preemption=Preemption(),
-        metrics=metrics,
+        metrics=metrics_logger(cfg, log_dir, ctx.is_main),
         adapter_files=adapter_files,
         resume=resume,
         lock=lock,
+    )
+
+
+def _micro_batches(
+    cfg: Config,
+    ctx: ParallelContext,
+    model_config: dict[str, Any],
+    shared_negative: tuple[torch.Tensor, torch.Tensor] | None,
+    data_errors: EventLog,
+    progress: Progress,
+) -> tuple[SampleSource, MicroBatchStream]:
+    """The run's sample source and the stream of its micro-batches for this DP rank, each skipped sample
+    recorded in `data_errors` at the step being trained; rank 0 says what the source and its steps hold."""
+    source = build_source(
+        cfg,
+        model_config["text_dim"],
+        on_skip=lambda sample_id, reason: data_errors.write(step=progress.step + 1, sample_id=sample_id, reason=reason),
+    )
+    if ctx.is_main and isinstance(source, DatasetMixture):
+        print(source.describe(), flush=True)
+    dp = ctx.dims.dp
+    batches = MicroBatchStream(
+        source,
+        build_sampler(source, cfg, ctx.dp_rank, dp),
+        lambda sample, step, slot: micro_batch_inputs(cfg, sample, step, slot, shared_negative),
+        StepPlanner.of(cfg, dp, model_config),
+        cfg.data.prefetch,
+    )
+    if ctx.is_main:
+        for line in samples_lines(cfg, dp, model_config, source):
+            print(line, flush=True)
+    return source, batches
+
+
+def metrics_logger(cfg: Config, log_dir: Path, is_main: bool) -> MetricsLogger:
+    """The run's metrics logger (`logging.wandb`, `logging.tensorboard`, the progress line); rank 0 writes."""
+    return MetricsLogger(
+        log_dir,
+        is_main,
+        cfg.logging.wandb,
+        asdict(cfg),
+        cfg.train.steps,
+        progress=cfg.logging.progress,
+        tensorboard=cfg.logging.tensorboard,
     )
 
 

@@ -275,3 +275,23 @@ def test_the_read_side_imports_nothing_of_encoding() -> None:
     packages = package_graph(import_graph())
     assert "encode" not in packages["data"], sorted(packages["data"])
     assert "data" in packages["encode"]
+
+
+# A room a newcomer reads in one sitting: the longest module and function the house keeps.
+MODULE_LINES, FUNCTION_LINES = 800, 100
+
+
+def test_no_module_or_function_outgrows_the_house() -> None:
+    long_modules, long_functions = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        name = path.relative_to(PACKAGE.parent).as_posix()
+        if len(text.splitlines()) > MODULE_LINES:
+            long_modules.append(f"{name} ({len(text.splitlines())} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > FUNCTION_LINES:
+                    long_functions.append(f"{name}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long_modules, f"modules over {MODULE_LINES} lines: {long_modules}"
+    assert not long_functions, f"functions over {FUNCTION_LINES} lines: {long_functions}"

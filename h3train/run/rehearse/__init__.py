@@ -504,6 +504,39 @@ def _blueprint(
     return draw(checked, mesh, job, device_kind=device_kind, plan_of=plan_of, compile_blocks=False)
 
 
+# What every rehearsal runs another way than the run (`Rehearsal.notes`).
+_NOTES = (
+    "values: the model is built on meta and materialized as the pretrained load allocates it; no weight is read",
+    "micro-batch: built on the host before the fake mode (the layout builders call nonzero), real tensors",
+    "step all-reduce and its copy to the host (the trainer's StepReduction) read values: not run; the step "
+    "is taken as a clipped one (the clip in place: the same memory)",
+)
+
+
+def _rehearsed_micro_batch(cfg: Config, run_cfg: Config, text_dim: int) -> tuple[Any, Any, int, int, str]:
+    """(sample or pack, its inputs, samples in it, its text rows, where it comes from): the longest planned
+    sample (`planned_sample`); with `data.pack`, a pack of copies of it, as many as the budget holds (at least
+    the one), the rows left filled by the longest released-canvas clip that fits them, as a run's packs fill."""
+    from ...objective import micro_batch_inputs
+    from ...packing import Pack, pack_inputs
+
+    sample, text_rows, rows_origin = planned_sample(cfg, text_dim)
+    if not cfg.data.pack:
+        return sample, micro_batch_inputs(run_cfg, sample, step=1, slot=0), 1, text_rows, rows_origin
+    rows = sample.layout.seq_len
+    copies = max(1, cfg.data.pack // rows)
+    members = [sample] * copies
+    items = [micro_batch_inputs(run_cfg, sample, step=1, slot=i) for i in range(copies)]
+    rows_origin = f"data.pack={cfg.data.pack}: {copies} of the {rows_origin}"
+    filler = _filler(run_cfg, cfg.data.pack - rows * copies, text_dim, slot=copies)
+    if filler is not None:
+        members.append(filler[0])
+        items.append(filler[1])
+        rows_origin += f", and a {filler[0].layout.seq_len:,}-row clip"
+    text_rows = text_rows * copies + sum(int(m.text_token_tags.numel()) for m in members[copies:])
+    return Pack(tuple(members)), pack_inputs(items), len(members), text_rows, rows_origin
+
+
 def rehearse(
     cfg: Config,
     world_size: int,
@@ -521,8 +554,7 @@ def rehearse(
 
     from ...infra.quiet import known_notices
     from ...model.dims import planned_model_dims
-    from ...objective import micro_batch_inputs
-    from ...packing import Pack, pack_inputs
+    from ...packing import Pack
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -534,33 +566,10 @@ def rehearse(
     run_cfg = rehearsal_config(cfg, dims)
     # The trainer's step runs `train.grad_accum` micro-batches: those rehearsed.
     run_cfg = dataclasses.replace(run_cfg, train=dataclasses.replace(run_cfg.train, grad_accum=micro_batches))
-    notes = [
-        "values: the model is built on meta and materialized as the pretrained load allocates it; no weight is read",
-        "micro-batch: built on the host before the fake mode (the layout builders call nonzero), real tensors",
-        "step all-reduce and its copy to the host (the trainer's StepReduction) read values: not run; the step "
-        "is taken as a clipped one (the clip in place: the same memory)",
-    ]
+    notes = list(_NOTES)
     optimizer_kind(cfg.optim.name).before_rehearsal()
-    sample, text_rows, rows_origin = planned_sample(cfg, int(dims["text_dim"]))
-    ti = micro_batch_inputs(run_cfg, sample, step=1, slot=0)
-    rows, per_micro = sample.layout.seq_len, 1
-    if cfg.data.pack:
-        # A pack of copies of the longest sample, as many as the budget holds (at least the one), and
-        # the rows left filled by the longest released-canvas clip that fits them, as a run's packs fill.
-        copies = max(1, cfg.data.pack // rows)
-        members = [sample] * copies
-        items = [micro_batch_inputs(run_cfg, sample, step=1, slot=i) for i in range(copies)]
-        rows_origin = f"data.pack={cfg.data.pack}: {copies} of the {rows_origin}"
-        filler = _filler(run_cfg, cfg.data.pack - rows * copies, int(dims["text_dim"]), slot=copies)
-        if filler is not None:
-            members.append(filler[0])
-            items.append(filler[1])
-            rows_origin += f", and a {filler[0].layout.seq_len:,}-row clip"
-        per_micro = len(members)
-        ti = pack_inputs(items)
-        sample = Pack(tuple(members))
-        text_rows = text_rows * copies + sum(int(m.text_token_tags.numel()) for m in members[copies:])
-        rows = sample.seq_len
+    sample, ti, per_micro, text_rows, rows_origin = _rehearsed_micro_batch(cfg, run_cfg, int(dims["text_dim"]))
+    rows = sample.seq_len if isinstance(sample, Pack) else sample.layout.seq_len
 
     def plan_of(setting: Config) -> MemoryPlan:
         # `cfg`'s plan (its evaluation and rendering included) at the rehearsed rows.
@@ -600,17 +609,7 @@ def rehearse(
             tracker.phase = "after the step"
             tracker.refresh()
             seconds["step"] = time.perf_counter() - t
-        summary = None
-        if save_plan:
-            t = time.perf_counter()
-            with mode:
-                state = _checkpoint_state(trainer)
-            summary = plan_save(state, cfg.optim.name)
-            notes.append(
-                "checkpoint: the sampler's position (a few numbers) is left out of the save plan; other ranks' "
-                "chunks from DTensor placement arithmetic, checked by DCP's global-plan validation"
-            )
-            seconds["save plan"] = time.perf_counter() - t
+        summary = _save_plan(trainer, mode, cfg.optim.name, notes, seconds) if save_plan else None
     return Rehearsal(
         world_size=world_size,
         mesh=mesh,
@@ -630,6 +629,23 @@ def rehearse(
         notes=notes,
         seconds=seconds,
     )
+
+
+def _save_plan(
+    trainer: Trainer, mode: Any, optimizer: str, notes: list[str], seconds: dict[str, float]
+) -> SavePlanSummary:
+    """DCP's save plan of `trainer`'s checkpoint (`plan_save`), its state made in the fake `mode`; its note and
+    seconds added to `notes` and `seconds`."""
+    t = time.perf_counter()
+    with mode:
+        state = _checkpoint_state(trainer)
+    summary = plan_save(state, optimizer)
+    notes.append(
+        "checkpoint: the sampler's position (a few numbers) is left out of the save plan; other ranks' "
+        "chunks from DTensor placement arithmetic, checked by DCP's global-plan validation"
+    )
+    seconds["save plan"] = time.perf_counter() - t
+    return summary
 
 
 def _checkpoint_state(trainer: Trainer) -> dict[str, Any]:

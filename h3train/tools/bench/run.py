@@ -19,6 +19,7 @@ from ...model.dims import model_kwargs
 from ...objective import make_training_inputs
 from ...ops.attention import ATTENTION_BACKENDS, unavailable
 from ...plan.report import checkpointing_line, summary
+from ...tasks.sample import TrainingSample
 from ...tasks.synthetic import Clip, clip_sample
 from .flops import peak_tflops_for, step_flops
 from .parity import PARITY_GATE, REFERENCE_BACKEND, Parity, bench_parity
@@ -27,6 +28,7 @@ from .sample import (
     FULL_CLIP,
     REDUCED_CLIP,
     REDUCED_DIMS,
+    Rows,
     _parameter_count,
     rows_of,
     set_backend,
@@ -267,6 +269,85 @@ def _progress(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
+def _device_peak(device: torch.device, peak_tflops: float | None) -> tuple[str, float | None, str]:
+    """(device name, its bf16 peak TFLOP/s, where the peak comes from): `--peak-tflops`, else the table's
+    entry for the CUDA device; none on the CPU."""
+    if device.type != "cuda":
+        return "cpu", peak_tflops, "--peak-tflops" if peak_tflops else "not applicable on CPU"
+    name = torch.cuda.get_device_name(device)
+    if peak_tflops:
+        return name, peak_tflops, "--peak-tflops"
+    table_peak = peak_tflops_for(name)
+    return name, table_peak, f"table entry for '{name}'" if table_peak else "unknown device: pass --peak-tflops"
+
+
+def _run_backend(
+    cfg: Config, res: BackendResult, device: torch.device, repeats: int, rows: int, flops: int, peak: float | None
+) -> None:
+    """`run_case` of one backend into `res`; a backend that cannot run this shape or build is reported
+    there (`res.error`), not fatal."""
+    _progress(f"{res.name}: building the trainer ({cfg.model.config['num_layers']} blocks, {rows:,} rows, {device})")
+    try:
+        run_case(cfg, res, device, repeats, rows, flops, peak)
+    except torch.cuda.OutOfMemoryError as exc:
+        res.status, res.error = "error", f"out of memory: {str(exc).splitlines()[0]}"
+    except Exception as exc:  # noqa: BLE001 - reported with the backend's result
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        res.status, res.error = "error", f"{type(exc).__name__}: {first}"
+    _clear_cuda(device)
+    _progress(f"{res.name}: {res.error or f'{res.step_time_s:.3f} s, sync check {res.sync_check}'}")
+
+
+def _fitting_case(
+    dims: dict[str, Any],
+    fit_blocks: bool,
+    clip: Clip,
+    dtype: str,
+    policy: str,
+    seed: int,
+    memory_gib: float,
+    device: torch.device,
+    notes: list[str],
+) -> tuple[dict[str, Any], plan.MemoryPlan]:
+    """The case's dims and memory plan (`bench_plan`) on `device`; on CUDA with `fit_blocks` (no `--layers`),
+    the most blocks of the same widths that fit `memory_gib`, said in `notes`."""
+    device_kind = device.type if device.type == "cuda" else "cpu"
+
+    def planned(step_dims: dict[str, Any]) -> plan.MemoryPlan:
+        return bench_plan(step_dims, clip, dtype, policy, seed, memory_gib, device_kind)
+
+    step_plan = planned(dims)
+    if not fit_blocks or device_kind != "cuda":
+        return dims, step_plan
+    # An 80 GB card cannot hold the optimizer state of 4 full-width blocks: fewer blocks, same widths.
+    blocks = int(dims["num_layers"])
+    while blocks > 1 and not step_plan.fits:
+        blocks -= 1
+        step_plan = planned({**dims, "num_layers": blocks})
+    if blocks != dims["num_layers"]:
+        notes.append(
+            f"{blocks} of {dims['num_layers']} blocks, the most whose float32 master weights, gradients and "
+            f"AdamW moments fit in {memory_gib:.1f} GiB"
+        )
+        dims = {**dims, "num_layers": blocks}
+    return dims, step_plan
+
+
+def _layout_fields(clip: Clip, sample: TrainingSample, rows: Rows) -> dict[str, Any]:
+    """The benchmarked sample's layout as the report records it: the clip in pixels, its latents, its rows."""
+    return {
+        "task": "fl2va",
+        "keyframes": ["first", "last"],
+        **asdict(clip),
+        "latent_frames": sample.geometry.num_latent_frames,
+        "latent_height": sample.geometry.latent_height,
+        "latent_width": sample.geometry.latent_width,
+        "audio_latents": sample.geometry.num_audio_latents,
+        **asdict(rows),
+        "target_video": rows.video - rows.keyframe,
+    }
+
+
 def run_bench(
     *,
     reduced: bool = False,
@@ -313,48 +394,18 @@ def run_bench(
     sample = clip_sample(clip, int(dims["text_dim"]), seed)
     rows = rows_of(make_training_inputs(sample, torch.Generator().manual_seed(seed), TimestepConfig(), LossWeights()))
 
-    if plan_only:
-        memory_gib = device_memory_gib or plan.DEFAULT_DEVICE_MEMORY_GIB
-    elif cuda:
-        memory_gib = torch.cuda.get_device_properties(device).total_memory / GIB
-    else:
-        memory_gib = device_memory_gib or plan.DEFAULT_DEVICE_MEMORY_GIB
-    device_kind = "cuda" if cuda or plan_only else "cpu"
+    memory_gib = (
+        torch.cuda.get_device_properties(device).total_memory / GIB
+        if cuda
+        else device_memory_gib or plan.DEFAULT_DEVICE_MEMORY_GIB
+    )
     policy = CHECKPOINTING[gradient_checkpointing]
-
-    def planned(step_dims: dict[str, Any]) -> plan.MemoryPlan:
-        return bench_plan(step_dims, clip, dtype_name, policy, seed, memory_gib, device_kind)
-
-    step_plan = planned(dims)
-    if layers is None and device_kind == "cuda":
-        # An 80 GB card cannot hold the optimizer state of 4 full-width blocks: fewer blocks, same widths.
-        blocks = int(dims["num_layers"])
-        while blocks > 1 and not step_plan.fits:
-            blocks -= 1
-            step_plan = planned({**dims, "num_layers": blocks})
-        if blocks != dims["num_layers"]:
-            notes.append(
-                f"{blocks} of {dims['num_layers']} blocks, the most whose float32 master weights, gradients and "
-                f"AdamW moments fit in {memory_gib:.1f} GiB"
-            )
-            dims = {**dims, "num_layers": blocks}
+    dims, step_plan = _fitting_case(dims, layers is None, clip, dtype_name, policy, seed, memory_gib, device, notes)
     if not step_plan.fits:
         notes.append(f"the plan does not fit {memory_gib:.1f} GiB: {summary(step_plan)}")
     flops = step_flops(dims, rows)
 
-    if cuda:
-        device_name = torch.cuda.get_device_name(device)
-        table_peak = peak_tflops_for(device_name)
-        peak, peak_source = (
-            (peak_tflops, "--peak-tflops")
-            if peak_tflops
-            else (
-                table_peak,
-                f"table entry for '{device_name}'" if table_peak else "unknown device: pass --peak-tflops",
-            )
-        )
-    else:
-        device_name, peak, peak_source = "cpu", peak_tflops, "--peak-tflops" if peak_tflops else "not applicable on CPU"
+    device_name, peak, peak_source = _device_peak(device, peak_tflops)
 
     report = BenchReport(
         device=device_name,
@@ -364,17 +415,7 @@ def run_bench(
         gradient_checkpointing=checkpointing_line(step_plan),
         model={k: (list(v) if isinstance(v, tuple) else v) for k, v in dims.items()},
         parameters=_parameter_count(dims),
-        layout={
-            "task": "fl2va",
-            "keyframes": ["first", "last"],
-            **asdict(clip),
-            "latent_frames": sample.geometry.num_latent_frames,
-            "latent_height": sample.geometry.latent_height,
-            "latent_width": sample.geometry.latent_width,
-            "audio_latents": sample.geometry.num_audio_latents,
-            **asdict(rows),
-            "target_video": rows.video - rows.keyframe,
-        },
+        layout=_layout_fields(clip, sample, rows),
         flops={**asdict(flops), "total": flops.total, "counted": "matmuls; fwd + bwd; recompute not counted"},
         peak_tflops=peak,
         peak_tflops_source=peak_source,
@@ -394,18 +435,8 @@ def run_bench(
     results = {n: BackendResult(name=n, backend=ATTENTION_BACKENDS[n].diffusers) for n in names}
     with tempfile.TemporaryDirectory(prefix="h3train-bench-") as tmp:
         for name in names:
-            res = results[name]
-            _progress(f"{name}: building the trainer ({dims['num_layers']} blocks, {rows.seq_len:,} rows, {device})")
             cfg = trainer_config(dims, clip, dtype_name, policy, name, seed, Path(tmp) / name)
-            try:
-                run_case(cfg, res, device, repeats, rows.seq_len, flops.total, peak)
-            except torch.cuda.OutOfMemoryError as exc:
-                res.status, res.error = "error", f"out of memory: {str(exc).splitlines()[0]}"
-            except Exception as exc:  # a backend that cannot run this shape or build is reported, not fatal
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                res.status, res.error = "error", f"{type(exc).__name__}: {first}"
-            _clear_cuda(device)
-            _progress(f"{name}: {res.error or f'{res.step_time_s:.3f} s, sync check {res.sync_check}'}")
+            _run_backend(cfg, results[name], device, repeats, rows.seq_len, flops.total, peak)
         if any(n != REFERENCE_BACKEND for n in names):
             parity = bench_parity(reduced, dims, clip, names, device, seed, Path(tmp) / "parity", gate)
             report.parity, report.parity_model = parity.results, parity.model
