@@ -11,8 +11,8 @@ was trained on. `trainer_state.json` records it under `lora_base`:
 
 The model config is recorded beside it (`model_config`) and checked as for any resume.
 
-`trained_base_state` gives the base weights as the run computed with them: every weight outside the
-float32 islands rounded to bfloat16 (`BASE_DTYPE`), returned in float32.
+`as_trained` gives a base weight as the run computed with it: outside the float32 islands rounded to
+bfloat16 (`BASE_DTYPE`), returned in float32; `random_base_state` the whole seeded random base so.
 """
 
 from __future__ import annotations

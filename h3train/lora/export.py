@@ -89,7 +89,8 @@ _QKV = ("attn.to_q", "attn.to_k", "attn.to_v")
 
 
 def adapter_groups(adapters: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """Module path -> {factor (`names.FACTORS`): tensor}; a name that is no adapter parameter is an error."""
+    """Module path -> {factor (a kind's `factors`, `names.split_factor`): tensor}; a name that is no adapter
+    parameter is an error."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in adapters.items():
         split = split_factor(key)

@@ -8,7 +8,7 @@ in float32.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from ..config import Config
 from ..errors import ConfigError
 from ..parallel.shards import fill_from_full
 from .adaln import accumulate_adaln_in_float32
+from .adapter import ModelTransform
 from .dims import default_subfolder, model_config_dict
 from .quant import fill_quantized
 
@@ -70,6 +71,21 @@ def store_trainable(model: MiniMaxH3Transformer3DModel, dtype: torch.dtype) -> N
     for name, param in model.named_parameters():
         if param.requires_grad and not name.startswith(islands):
             param.data = param.data.to(dtype)
+
+
+def apply_transforms(
+    transformer: MiniMaxH3Transformer3DModel,
+    cfg: Config,
+    transforms: Sequence[ModelTransform],
+    trainable_dtype: torch.dtype,
+) -> MiniMaxH3Transformer3DModel:
+    """The bare transformer made the one a run trains, before any wrapper or sharding: each of `transforms`
+    applied in order (adapters, a quantized base), then the trainable parameters stored in `trainable_dtype`
+    (`optim.weights_dtype`). The builder and the traffic count both make it here."""
+    for each in transforms:
+        each(transformer, cfg)
+    store_trainable(transformer, trainable_dtype)
+    return transformer
 
 
 def meta_transformer(dims: dict[str, Any]) -> MiniMaxH3Transformer3DModel:

@@ -43,7 +43,7 @@ def _refiner_note(plan: MemoryPlan) -> str:
 
 
 def _grads_note(plan: MemoryPlan) -> str:
-    """The gradient line's note when the total counts only part of them (`backward_grads_bytes`)."""
+    """The gradient line's note when the total counts only part of them (`MemoryPlan.peak_grads_bytes`)."""
     if plan.peak_grads_bytes is None or plan.cpu_offload:
         return ""
     return f"  (grad_accum 1: {_gib(plan.peak_grads_bytes).strip()} of them in the total, beside the backward's peak)"

@@ -196,19 +196,16 @@ class StepTraffic:
 
 
 def planned_transformer(cfg: Config) -> nn.Module:
-    """The transformer `cfg` trains, on the meta device, as `run.assemble.wrap_and_shard` makes it before
-    sharding: the planned dims (`planned_model_dims`), the config's transforms (adapters, a quantized base)
-    and the trainable parameters stored in `optim.weights_dtype`."""
+    """The transformer `cfg` trains, on the meta device, made as the builder makes it before sharding
+    (`model.build.apply_transforms`) on the planned dims (`planned_model_dims`)."""
     from ..lora.transforms import model_transforms
-    from ..model.build import meta_transformer, store_trainable
+    from ..model.build import apply_transforms, meta_transformer
     from ..model.dims import planned_model_dims
     from ..optim.kinds import weights_dtype
 
-    transformer = meta_transformer(planned_model_dims(cfg)[0])
-    for transform in model_transforms(cfg):
-        transform(transformer, cfg)
-    store_trainable(transformer, weights_dtype(cfg.optim))
-    return transformer
+    return apply_transforms(
+        meta_transformer(planned_model_dims(cfg)[0]), cfg, model_transforms(cfg), weights_dtype(cfg.optim)
+    )
 
 
 def served_projections(cfg: Config, dims: ParallelDims, transformer: nn.Module) -> list[nn.Module | None]:

@@ -41,12 +41,12 @@ from ..lora.names import pretrained_key
 from ..lora.transforms import model_transforms
 from ..model.adapter import ModelAdapter, ModelTransform
 from ..model.build import (
+    apply_transforms,
     build_meta_model,
     build_model,
     load_pretrained_shards,
     materialize,
     pretrained_folder,
-    store_trainable,
 )
 from ..model.dims import model_dims
 from ..model.fsdp import apply_fsdp, shards_nothing
@@ -363,9 +363,7 @@ def wrap_and_shard(
     transformer = build_meta_model(cfg) if from_meta else build_model(cfg, cfg.train.seed)
     with known_notices():
         transformer.set_attention_backend(blueprint.attention_backend)
-    for transform in transforms:
-        transform(transformer, cfg)
-    store_trainable(transformer, weights_dtype(cfg.optim))
+    apply_transforms(transformer, cfg, transforms, weights_dtype(cfg.optim))
     model = SequenceParallelH3(
         transformer,
         SequenceParallel(ctx.sp_group),
