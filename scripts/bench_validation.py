@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from h3train.config import load_config  # noqa: E402
 from h3train.data.components import TINY_TEXT_HIDDEN, write_tiny_components  # noqa: E402
-from h3train.data.synth import write_synthetic_dataset  # noqa: E402
+from h3train.data.synthetic_dataset import write_synthetic_dataset  # noqa: E402
 from h3train.encode.media import moving_pattern  # noqa: E402
 from h3train.render.pipeline import denoise  # noqa: E402
 from h3train.run.assemble import build_trainer  # noqa: E402

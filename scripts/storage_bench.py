@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from h3train.data.dataset import CachedDataset  # noqa: E402
 from h3train.data.dataset_index import open_index  # noqa: E402
 from h3train.data.prefetch import Prefetcher  # noqa: E402
-from h3train.data.shards import write_shards  # noqa: E402
-from h3train.data.synth import write_synthetic_dataset  # noqa: E402
+from h3train.data.shard_files import write_shards  # noqa: E402
+from h3train.data.synthetic_dataset import write_synthetic_dataset  # noqa: E402
 
 from helpers.s3 import FaultProxy, S3Server, applied_environ  # noqa: E402
 

@@ -34,7 +34,7 @@ in the folder) into `trainer_state.json`, so a run folder copied elsewhere (new 
 
 from __future__ import annotations
 
-from .layout import (
+from .folders import (
     DIGESTS_FIELD,
     METADATA_FILE,
     MODEL_PREFIX,

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..errors import CheckpointError
 from ..infra.digest import ALGORITHM, digest_file
 from ..infra.objects import LISTING, Folder, RemoteDir
-from .layout import DIGESTS_FIELD, METADATA_FILE, STATE_FILE, committed_checkpoints, is_complete, read_trainer_state
+from .folders import DIGESTS_FIELD, METADATA_FILE, STATE_FILE, committed_checkpoints, is_complete, read_trainer_state
 
 
 def complete_checkpoints(root: Folder) -> list[Folder]:

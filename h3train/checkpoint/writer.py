@@ -3,7 +3,7 @@
 In a folder a save is written to `.tmp-step_N` and committed by its rename to `step_N`. On object storage
 (`checkpoint.dir` a URL, `infra/objects.py`), which has no rename, a save is written under `step_N/`
 through DCP's fsspec writer and committed by its record, `trainer_state.json`, written last in one PUT:
-a step prefix without it is never listed (`layout.committed_checkpoints`), so a save cut short is never
+a step prefix without it is never listed (`folders.committed_checkpoints`), so a save cut short is never
 resumed; pruning deletes the record first."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ..infra.diskspace import free_bytes, human_bytes, no_space
 from ..infra.objects import LISTING, Folder, RemoteDir
 from ..infra.runlock import OWNER_NAME, mark_owned, owned_by_another
 from ..parallel.dims import new_group
-from .layout import (
+from .folders import (
     DIGESTS_FIELD,
     METADATA_FILE,
     STATE_FILE,

@@ -84,7 +84,7 @@ def compile_line(blueprint: Blueprint) -> str:
     A packed run says how its packs attend when compiled (one varlen call each); `model.compile: true`
     with packs this torch cannot compile is the one-line `ConfigError` of `resolve_compile`.
     """
-    from ..config.checks import packed_compile_missing
+    from ..config.values import packed_compile_missing
 
     cfg = blueprint.cfg
     given = str(cfg.model.compile).lower()
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     if args.rehearse:
         from ..run.rehearse import rehearse
-        from ..run.rehearse.report import format_rehearsal
+        from ..run.rehearse.formatting import format_rehearsal
 
         print(format_rehearsal(rehearse(cfg, world)))
     refuse_over_plan(plan, "cuda", cfg.train.ignore_memory_plan)

@@ -1,5 +1,5 @@
 """`h3train encode MANIFEST --components DIR --out DIR [--shards TARGET]`: clips into a cached dataset, alone or
-under torchrun, and with `--shards` into shards at a folder or URL too (`data/shards.py`).
+under torchrun, and with `--shards` into shards at a folder or URL too (`data/shard_files.py`).
 
 Exit codes: 0 at least one sample of the manifest is in the dataset; 1 none is (the reasons in
 errors.jsonl); 130 Ctrl-C, the samples written so far kept for a rerun to go on from.
@@ -194,14 +194,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _split_pairs(out: str, target: str) -> list[tuple[Path, str]]:
     """(dataset folder, its shard target) of the encoded dataset and of its held-out split."""
-    from ..encode.run import HELDOUT_NAME
+    from ..encode.manifest_run import HELDOUT_NAME
 
     return [(Path(out), target), (Path(out) / HELDOUT_NAME, f"{target.rstrip('/')}/{HELDOUT_NAME}")]
 
 
 def _check_shard_targets(target: str, out: str) -> None:
     """Before any encoding: `--shards` holds no dataset yet and lies outside `--out` (one line naming it)."""
-    from ..data.shards import check_shard_target
+    from ..data.shard_files import check_shard_target
     from ..data.storage import is_url
     from ..errors import ConfigError
 
@@ -216,7 +216,7 @@ def _check_shard_targets(target: str, out: str) -> None:
 def _write_shard_copies(out: str, target: str, shard_bytes: int) -> None:
     """Rank 0, once every rank has written its samples: the dataset and its held-out split into shards."""
     from ..data.location import INDEX_NAME
-    from ..data.shards import write_shards
+    from ..data.shard_files import write_shards
 
     for folder, split_target in _split_pairs(out, target):
         if (folder / INDEX_NAME).is_file():

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from ..data.components import check_components_folder
 
     components = check_components_folder(components)
-    from ..run.generate import RELEASED_SHAPE, announce, default_device, generate, read_requests, request_partition
+    from ..run.rendering import RELEASED_SHAPE, announce, default_device, generate, read_requests, request_partition
 
     flags = {"seed": args.seed, "frames": args.frames, "resolution": args.resolution}
     shape = default_shape(source) if source is not None else None

@@ -17,7 +17,7 @@ def add_arguments(parser: Parser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..tools.plot import plot_metrics
+    from ..tools.curves import plot_metrics
 
     print(f"wrote {plot_metrics(args.metrics, args.out)}")
     return 0

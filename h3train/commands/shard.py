@@ -1,5 +1,5 @@
 """`h3train shard DIR --out OUT`: copy a dataset folder's samples into shards of a few GB, with an index that
-names each sample's shard, offset and length (`data.shards.write_shards`)."""
+names each sample's shard, offset and length (`data.shard_files.write_shards`)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def add_arguments(parser: Parser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data.shards import write_shards
+    from ..data.shard_files import write_shards
 
     done = write_shards(args.dir, args.out, int(args.shard_gb * 1e9))
     print(

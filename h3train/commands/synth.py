@@ -43,7 +43,7 @@ def add_arguments(parser: Parser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data.synth import write_synthetic_dataset
+    from ..data.synthetic_dataset import write_synthetic_dataset
 
     task, text_dim = args.task or DEFAULT_TASK, args.text_dim or DEFAULT_TEXT_DIM
     if args.config is not None:
@@ -67,7 +67,7 @@ def _from_config(args: argparse.Namespace) -> tuple[str, int]:
     plans). A `--task` or `--text-dim` that differs would write data the config refuses."""
     from ..config import load_config
     from ..errors import ConfigError
-    from ..model.dims import planned_model_dims
+    from ..model.architecture import planned_model_dims
 
     cfg = load_config(args.config, [])
     dims, note = planned_model_dims(cfg)

@@ -12,7 +12,6 @@ loads and runs both.
 
 from __future__ import annotations
 
-from .checks import SEED_MAX, TIMEOUT_MAX_S, DatasetSpec, check_values, dataset_specs, measures_held_out_loss
 from .load import TEXT_OR_LIST_KEYS, anchor_sample_paths, config_layers, load_config, parse_overrides, to_yaml
 from .schema import (
     SAMPLE_FIELDS,
@@ -44,6 +43,7 @@ from .schema import (
     register_entry,
     sample_key,
 )
+from .values import SEED_MAX, TIMEOUT_MAX_S, DatasetSpec, check_values, dataset_specs, measures_held_out_loss
 
 __all__ = [
     "ModelConfig",

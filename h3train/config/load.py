@@ -1,6 +1,6 @@
 """Loading a config: YAML layers over the schema's defaults, `key=value` overrides, one spelling per setting.
 
-Every error is a one-line `ConfigError` naming the key; the loaded config is checked (`checks.check_values`).
+Every error is a one-line `ConfigError` naming the key; the loaded config is checked (`values.check_values`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..errors import NEAR, ConfigError, did_you_mean, did_you_mean_each
-from .checks import AUTO_KEYS, auto_choice_error, check_values
 from .schema import SAMPLE_FIELDS, SAMPLES_KEY, Config, get_key, leaf_types, sample_key
+from .values import AUTO_KEYS, auto_choice_error, check_values
 
 
 def _schema() -> DictConfig:

@@ -33,7 +33,7 @@ class ModelConfig:
     attention_backend: str = "native"
     # Regional torch.compile of each transformer block, with `compile_backend` (inductor, aot_eager, ...):
     # auto (on for bfloat16 compute on CUDA; off in float32 and on the CPU) | true | false
-    # (`config.checks.resolve_compile`). With `data.pack` each pack then attends in one varlen call: CUDA,
+    # (`config.values.resolve_compile`). With `data.pack` each pack then attends in one varlen call: CUDA,
     # bfloat16 and torch >= 2.10 only (`auto` is off elsewhere, `true` refused). One of `auto`, `true`, `false`.
     compile: str | bool = "auto"
     # The `torch.compile` backend of `compile`.
@@ -463,7 +463,7 @@ class Config:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
 
 
-# The values of each enumerated key. Those of an extension table (`lora.kind`: `lora/kinds.py`,
+# The values of each enumerated key. Those of an extension table (`lora.kind`: `lora/adapter_kinds.py`,
 # `optim.name`: `optim/kinds.py`, `data.source`: `data/source.py`, `model.attention_backend`:
 # `ops/attention.py`) are listed here so the config validates alone; each table registers its entries
 # (`register_entry`), so a kind added from outside the package is a valid choice, and a test holds the

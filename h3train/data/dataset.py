@@ -135,7 +135,7 @@ class CachedDataset:
         return self._lengths
 
     def path(self, index: int) -> SampleLocation:
-        """Where sample `index` lies: its file, or its bytes in a shard (`data/shards.py`), here or on object
+        """Where sample `index` lies: its file, or its bytes in a shard (`data/shard_files.py`), here or on object
         storage (`data/storage.py`)."""
         entry = self.entries[index]
         at = location_of(self.folder, entry)

@@ -91,7 +91,7 @@ class _FolderPaths:
 
 def write_index(folder: str | os.PathLike) -> list[IndexEntry]:
     """Rebuild `index.jsonl` from every `*.safetensors` file and every sample of each shard (`*.h3shard`,
-    `data/shards.py`) under `folder` (headers only), and the compact index beside it (`index_table.py`).
+    `data/shard_files.py`) under `folder` (headers only), and the compact index beside it (`index_table.py`).
 
     A subfolder with an `index.jsonl` of its own is another dataset (the encoder's held-out split):
     its files are left out. Files are listed in sorted relative-path order so the index, and with it

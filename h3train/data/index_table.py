@@ -75,7 +75,7 @@ _HASH_BLOCK = 1 << 20
 class IndexEntry:
     """One line of `index.jsonl`. `file` is relative to the dataset folder; `seq_len` is the packed length.
 
-    A sample in a shard (`data/shards.py`) is the `length` bytes of `file` from byte `offset`, the bytes its
+    A sample in a shard (`data/shard_files.py`) is the `length` bytes of `file` from byte `offset`, the bytes its
     own sample file would hold; `length` -1: the sample is the whole of `file` (`offset` 0).
     """
 

@@ -1,7 +1,7 @@
 """Where a dataset's bytes lie: the names of its files, a sample's place (its own file, or its bytes in a
 shard), and a shard's header, which lists its samples.
 
-A shard (`.h3shard`, written by `data/shards.py`) holds many samples back to back, each the unchanged
+A shard (`.h3shard`, written by `data/shard_files.py`) holds many samples back to back, each the unchanged
 bytes of its sample file. Its layout (little-endian):
 
     bytes 0-7      magic `H3SHARD\\n`
@@ -84,7 +84,7 @@ def shard_header_bytes(samples: list[tuple[str, int, int]], inputs: dict[str, An
 @dataclass(frozen=True)
 class SampleLocation:
     """Where a sample's bytes lie: the whole of the file `path` (`length` -1), or the `length` bytes of a
-    shard (`data/shards.py`) from byte `offset`, the bytes the sample's own file would hold. With a
+    shard (`data/shard_files.py`) from byte `offset`, the bytes the sample's own file would hold. With a
     `store` (a dataset on object storage, `data/storage.py`) `path` is the object's path in the dataset."""
 
     path: Path

@@ -1,7 +1,7 @@
 """Datasets on object storage: `data.path` as a URL (`s3://bucket/prefix`), read through fsspec.
 
 A dataset at a URL is the folder layout of a local one (`index.jsonl`, the sample files or shards,
-`data/shards.py`) as objects. A start reads one object, the index: `dataset_folder(url)` keeps a copy of
+`data/shard_files.py`) as objects. A start reads one object, the index: `dataset_folder(url)` keeps a copy of
 `index.jsonl` in a local folder of its own (under `H3TRAIN_CACHE`, default `~/.cache/h3train`), fetched
 again only when the object's size or ETag changed (one HEAD), and the compact index is built there as
 beside any index (`format.open_index`); the folder's `remote.json` names the URL. Every later step of a

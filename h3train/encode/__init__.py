@@ -50,7 +50,7 @@ from .clip import (
     encode_video_latents,
     torchaudio_available,
 )
-from .run import (
+from .manifest_run import (
     ERRORS_NAME,
     HELDOUT_NAME,
     INPUTS_SUFFIX,

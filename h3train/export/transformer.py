@@ -11,7 +11,7 @@ and renamed into place only once complete, so `--out` never holds a mix of two e
 export leaves nothing behind; one killed midway leaves its sibling, which the next export of the same
 `--out` removes once its writer's process is gone. A non-empty `--out` is refused unless `overwrite`,
 which replaces the folder whole: the old one is removed only after the new one is complete and in
-place. LoRA checkpoints take the same path (`h3train/export/adapter.py` writes into the
+place. LoRA checkpoints take the same path (`h3train/export/adapter_formats.py` writes into the
 temporary folder), and so does `--ema`, which writes the EMA weights in place of the trained ones.
 
 `h3train export` also takes a run folder (its `logging.dir`): `checkpoint_to_export` picks the newest
@@ -208,10 +208,10 @@ def export_checkpoint(
     A full checkpoint becomes a diffusers transformer folder. A LoRA checkpoint becomes a LoRA file
     in `fmt` (`diffusers`, the default, or `comfyui`) named `name` (default: the format's own file
     name), or with `merge` a transformer folder with the adapters folded in
-    (`h3train/export/adapter.py`; `base` points at a moved pretrained base).
+    (`h3train/export/adapter_formats.py`; `base` points at a moved pretrained base).
     `ema`: the EMA weights (component `ema`, same FQNs as `model`) in place of the trained ones.
     """
-    from .adapter import FORMATS, is_lora_checkpoint, trained_partition
+    from .adapter_formats import FORMATS, is_lora_checkpoint, trained_partition
 
     checkpoint, out = location(checkpoint), Path(out)
     if not is_complete(checkpoint):
@@ -281,7 +281,7 @@ def _kind(lora: bool, fmt: str, merge: bool, ema: bool) -> str:
     elif merge:
         kind = "diffusers transformer folder, the LoRA merged into its base"
     else:
-        from .adapter import FORMATS
+        from .adapter_formats import FORMATS
 
         kind = FORMATS[fmt]
     return kind + (" (EMA weights)" if ema else "")
@@ -304,7 +304,7 @@ def _write_lora_export(
     name: str | None,
 ) -> str | None:
     """Write a LoRA checkpoint's export into `out`; the LoRA file's name, or None for a merged folder."""
-    from .adapter import read_trained, write_lora_export
+    from .adapter_formats import read_trained, write_lora_export
 
     reader = NamingReader(checkpoint)
     metadata = reader.read_metadata().state_dict_metadata

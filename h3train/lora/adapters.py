@@ -3,7 +3,7 @@
 `LoraTransform` is the model transform `model_transforms(cfg)` returns when `lora.rank > 0`. On the
 bare transformer, before the sequence-parallel wrapper and FSDP2, it:
 
-1. adds one peft adapter (`ADAPTER_NAME`) of the configured kind (`kinds.ADAPTER_KINDS`) on the Linear layers
+1. adds one peft adapter (`ADAPTER_NAME`) of the configured kind (`adapter_kinds.ADAPTER_KINDS`) on the Linear layers
    `lora.target_modules` selects; peft freezes every other parameter;
 2. unfreezes the `lora.train_modules` (trained in full, float32 master weights);
 3. stores the frozen base in bfloat16 except the `_keep_in_fp32_modules` islands, which stay float32
@@ -62,8 +62,8 @@ from ..model.adapter import AdapterCounts
 from ..model.build import fp32_island_names, meta_transformer, pretrained_folder
 from ..model.quant import quantize_base
 from ..parallel.shards import fill_from_full
+from .adapter_kinds import config_kind, record_kind, zero_factors
 from .base import BASE_DTYPE, BASE_KEY, base_record, check_same_base, read_record
-from .kinds import config_kind, record_kind, zero_factors
 from .names import ADAPTER_NAME, MAGNITUDE, export_name, is_adapter_param, split_factor
 from .targets import resolve_targets, resolve_train_modules
 

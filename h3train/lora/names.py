@@ -12,12 +12,12 @@ diffusers LoRA file after its `transformer.` prefix.
 
 Which parameters are an adapter's goes by the adapter's name, not by any one adapter kind's
 parameter names, so every peft adapter kind is named the same way; the readers that take a file name
-apart (`split_factor`) know the parameter names of every registered kind (`kinds.adapter_factors`).
+apart (`split_factor`) know the parameter names of every registered kind (`adapter_kinds.adapter_factors`).
 """
 
 from __future__ import annotations
 
-from .kinds import MAGNITUDE, adapter_factors
+from .adapter_kinds import MAGNITUDE, adapter_factors
 
 ADAPTER_NAME = "default"
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import Config
 from ..errors import ConfigError, did_you_mean_each
-from ..model.dims import planned_model_dims
+from ..model.architecture import planned_model_dims
 
 
 def selects(entry: str, name: str) -> bool:

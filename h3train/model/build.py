@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..parallel.shards import fill_from_full
 from .adaln import accumulate_adaln_in_float32
 from .adapter import ModelTransform
-from .dims import default_subfolder, model_config_dict
+from .architecture import default_subfolder, model_config_dict
 from .quant import fill_quantized
 
 

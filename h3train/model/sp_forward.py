@@ -44,7 +44,7 @@ processor reads everything it needs from its arguments, so the block traces as o
 sequence compiles where it attends in one varlen call (CUDA, bfloat16, torch >= 2.10:
 `ops.attention.packed_attention_path`): the call reads only the offsets tensor, its count of samples
 dynamic, so a new pack composition runs the same graph; per-sample attention would guard on each
-sample's length, and `model.compile` is refused with packs elsewhere (`config.checks.resolve_compile`).
+sample's length, and `model.compile` is refused with packs elsewhere (`config.values.resolve_compile`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Parameter and per-rank memory arithmetic for a full fine-tune, as `h3train check` prints it.
 
-Pure functions over the transformer's constructor kwargs (`h3train.model.dims.model_dims(cfg)`) and
+Pure functions over the transformer's constructor kwargs (`h3train.model.architecture.model_dims(cfg)`) and
 the mesh sizes: nothing here builds a model or touches a process group, so the plan can be
 printed on a laptop for a 64-GPU job.
 
@@ -81,7 +81,7 @@ from .inputs import (
     render_components_line,
     samples_lines,
 )
-from .report import format_plan, summary, verdict
+from .printout import format_plan, summary, verdict
 from .step_time import (
     DEFAULT_DEVICE,
     DEVICE_KINDS,

@@ -23,7 +23,7 @@ def _dim(dims: Mapping[str, Any], key: str) -> int:
     try:
         return int(dims[key])
     except KeyError:
-        raise ValueError(f"model dims lack '{key}': pass h3train.model.dims.model_dims(cfg)") from None
+        raise ValueError(f"model dims lack '{key}': pass h3train.model.architecture.model_dims(cfg)") from None
 
 
 def cuda_fused_rms_norm() -> bool:

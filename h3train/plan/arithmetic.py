@@ -329,7 +329,7 @@ def plan_memory(
 ) -> MemoryPlan:
     """Per-rank memory of an AdamW fine-tune on a resolved `(dp_replicate, dp_shard, sp)` mesh.
 
-    `dims` are the constructor kwargs with defaults filled in (`h3train.model.dims.model_dims`);
+    `dims` are the constructor kwargs with defaults filled in (`h3train.model.architecture.model_dims`);
     `dtype` is the compute dtype (`model.dtype`); `activation_checkpointing` is
     `model.activation_checkpointing`: one of `BLOCK_POLICIES` for every block, or `auto`, the least
     recompute whose peak fits the device less the reserve (`choose_policies`); `policies` gives one per
@@ -734,7 +734,7 @@ def lora_fit_lines(dims: Mapping[str, Any], plan: MemoryPlan, clip: str = "FL2VA
     for label, ranks, sp in LORA_REFERENCE_SETUPS:
         sp = math.gcd(sp, heads)
         setups.append((f"{label} (sp={sp})", 1, ranks // sp, sp))
-    from ..model.dims import model_defaults
+    from ..model.architecture import model_defaults
 
     # Seconds of the released canvas mean something only for the released architecture.
     released = all(dims.get(k) == v for k, v in model_defaults().items() if not str(k).startswith("_"))

@@ -28,7 +28,7 @@ from .arithmetic import (
     plan_memory,
     trainable_state_bytes,
 )
-from .report import _gib
+from .printout import _gib
 
 
 def config_rows(cfg: Config) -> tuple[int, str]:
@@ -188,7 +188,7 @@ def estimate(
 
 def _vae_bytes(cfg: Config) -> int:
     """Bytes of the two VAEs that render `validation.samples` (float32), 0 when their folder is not readable here."""
-    from ..render.memory import component_bytes
+    from ..render.footprint import component_bytes
     from ..render.requests import text_encoder_dtype
 
     found = component_bytes(cfg.validation.components, text_encoder_dtype(cfg).itemsize)
@@ -302,8 +302,8 @@ def checkpoint_bytes(dims: Mapping[str, Any], cfg: Config, lora: AdapterCounts |
 
 
 def render_components_line(cfg: Config) -> str:
-    """The plan's line for the VAEs and text encoder of `validation.samples` (`h3train/render/memory.py`)."""
-    from ..render.memory import component_bytes
+    """The plan's line for the VAEs and text encoder of `validation.samples` (`h3train/render/footprint.py`)."""
+    from ..render.footprint import component_bytes
     from ..render.requests import text_encoder_dtype
 
     found = component_bytes(cfg.validation.components, text_encoder_dtype(cfg).itemsize)
@@ -346,7 +346,7 @@ def refuse_over_plan(plan: MemoryPlan, device_type: str, ignored: bool) -> None:
     if plan.fits or device_type != "cuda" or ignored:
         return
     from ..errors import ConfigError
-    from .report import fixes
+    from .printout import fixes
 
     fix = fixes(plan)
     raise ConfigError(

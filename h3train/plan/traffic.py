@@ -199,8 +199,8 @@ def planned_transformer(cfg: Config) -> nn.Module:
     """The transformer `cfg` trains, on the meta device, made as the builder makes it before sharding
     (`model.build.apply_transforms`) on the planned dims (`planned_model_dims`)."""
     from ..lora.transforms import model_transforms
+    from ..model.architecture import planned_model_dims
     from ..model.build import apply_transforms, meta_transformer
-    from ..model.dims import planned_model_dims
     from ..optim.kinds import weights_dtype
 
     return apply_transforms(
@@ -354,7 +354,7 @@ def planned_policies(cfg: Config, dims: ParallelDims, num_layers: int) -> tuple[
     mode = cfg.model.activation_checkpointing
     if mode != "auto":
         return (mode,) * num_layers
-    from ..model.dims import planned_model_dims
+    from ..model.architecture import planned_model_dims
     from .inputs import estimate
 
     return tuple(estimate(planned_model_dims(cfg)[0], dims, cfg, device="cuda").policies)

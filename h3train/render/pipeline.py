@@ -36,7 +36,7 @@ from ..data.stand_in import AUDIO_SHIFT, VIDEO_SHIFT
 from ..encode.media import FPS, write_video
 from ..infra.quiet import diffusers_log_level
 from ..tasks.table import DENOISE_BLOCKS_MODULE, SAMPLE_TASKS
-from .conditioning import Conditioning
+from .request_encoding import Conditioning
 
 
 def core_step(task: str) -> type:

@@ -73,7 +73,7 @@ def detect_source(path: str | Path) -> WeightsSource:
     marked = STEP_DIR.match(path.name) or (path / STATE_FILE).exists() or (path / METADATA_FILE).exists()
     if marked or (path / CONFIG_FILE).is_file():
         from ..checkpoint import is_complete, read_trainer_state
-        from ..export.adapter import trained_partition
+        from ..export.adapter_formats import trained_partition
         from ..export.transformer import checkpoint_to_export
 
         checkpoint, chosen = checkpoint_to_export(path)

@@ -40,6 +40,7 @@ from ..infra.runlock import RunLock
 from ..lora.names import pretrained_key
 from ..lora.transforms import model_transforms
 from ..model.adapter import ModelAdapter, ModelTransform
+from ..model.architecture import model_dims
 from ..model.build import (
     apply_transforms,
     build_meta_model,
@@ -48,7 +49,6 @@ from ..model.build import (
     materialize,
     pretrained_folder,
 )
-from ..model.dims import model_dims
 from ..model.fsdp import apply_fsdp, shards_nothing
 from ..model.quant import check_base_quant
 from ..model.sp_forward import SequenceParallelH3
@@ -60,7 +60,7 @@ from ..plan import checkpoint_bytes, samples_lines
 from ..train.adapter_files import AdapterFiles
 from ..train.dump import StepDump
 from ..train.events import EventLog, Progress, SpikeDetector
-from ..train.faults import FaultHook
+from ..train.fault_hook import FaultHook
 from ..train.guard import ValidationWatch
 from ..train.hooks import TrainerHook
 from ..train.metrics import MetricsLogger
@@ -411,7 +411,7 @@ def _create_synthetic_dataset(cfg: Config, ctx: ParallelContext, text_dim: int) 
     # Rank 0 alone looks: a rank that looked after rank 0 had written the index would skip the barrier
     # its peers wait in. Whether there is a barrier is the config's to say, the same on every rank.
     if ctx.is_main and not (Path(spec.path) / INDEX_NAME).is_file():
-        from ..data.synth import write_synthetic_dataset
+        from ..data.synthetic_dataset import write_synthetic_dataset
 
         write_synthetic_dataset(
             spec.path,

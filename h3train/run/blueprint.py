@@ -1,7 +1,7 @@
 """A start's decisions, made once: the `Blueprint` every builder of a run's parts reads.
 
 A start decides, from its config, its mesh and the device every rank agreed on (`preflight.agree_job_device`),
-whether the blocks compile (`config.checks.resolve_compile`), which attention backend runs, whether the AdaLN
+whether the blocks compile (`config.values.resolve_compile`), which attention backend runs, whether the AdaLN
 tables are served (`plan.tables.choose_tables` under `auto` on CUDA), the memory plan of the setting it takes
 (`preflight.run_plan`), and what each block recomputes (the plan's choice under `auto` on CUDA). `draw` makes
 each of these decisions once; nothing downstream re-derives one from `cfg`: the model builder, the trainer's
@@ -113,7 +113,7 @@ def draw(
     if compile_blocks is None:
         compile_blocks = checked.compile_blocks if kind == checked.device_kind else None
     if compile_blocks is None:
-        from ..config.checks import resolve_compile
+        from ..config.values import resolve_compile
 
         compile_blocks = resolve_compile(cfg, kind)
     return Blueprint(

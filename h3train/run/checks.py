@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..config import Config, dataset_specs, measures_held_out_loss
-from ..config.checks import resolve_compile
+from ..config.values import resolve_compile
 from ..data.dataset import index_entries
 from ..data.dataset_index import location_of, resolve_in_folder
 from ..data.location import INDEX_NAME
@@ -33,7 +33,7 @@ from ..data.storage import is_url, planning_folder
 from ..debug.faults import parse_faults
 from ..errors import ConfigError, DatasetError, one_of
 from ..lora.targets import meta_model, resolve_targets, resolve_train_modules
-from ..model.dims import check_model_kwargs, model_dims, planned_model_dims, pretrained_config_file
+from ..model.architecture import check_model_kwargs, model_dims, planned_model_dims, pretrained_config_file
 from ..ops.attention import resolve_attention_backend
 from ..optim.kinds import optimizer_kind
 from ..render.requests import validate_samples
@@ -114,7 +114,7 @@ def _check_lora(cfg: Config) -> None:
     lora = cfg.lora
     if lora.rank == 0:
         return
-    from ..lora.kinds import config_kind
+    from ..lora.adapter_kinds import config_kind
     from ..model.quant import check_base_quant
 
     config_kind(lora).check(lora)
@@ -135,7 +135,7 @@ def _check_lora(cfg: Config) -> None:
         adapter_values(model, cfg)
     if export:
         # Whether each format of `checkpoint.export` holds these adapters, from their shapes alone.
-        from ..export.adapter import check_save_formats
+        from ..export.adapter_formats import check_save_formats
         from ..lora.names import export_name, is_adapter_param
 
         shapes = {export_name(n): torch.zeros(p.shape) for n, p in model.named_parameters() if is_adapter_param(n)}

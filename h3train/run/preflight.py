@@ -24,7 +24,7 @@ from ..data.mixture import dataset_key
 from ..data.source import data_source
 from ..data.storage import is_url, planning_folder
 from ..errors import ConfigError, DatasetError
-from ..model.dims import planned_model_dims
+from ..model.architecture import planned_model_dims
 from ..parallel.dims import ParallelDims
 from ..plan import MemoryPlan
 from .checks import Checked, check, check_inputs

@@ -7,7 +7,7 @@ prefix (the prompt and, for FL2VA, the two keyframes' Qwen3-VL vision blocks, 1,
 5 s clip on the same canvas is 124 pixel frames: 37 latent frames, 207 audio latents. As FL2VA packs
 them (first and last keyframes, 1,008 rows each; stereo audio) they are 113,126 and 41,774 rows.
 
-The synthetic data (`data/synth.py`), the memory plan (`plan/`), the rehearsal, the base-prediction store
+The synthetic data (`data/synthetic_dataset.py`), the memory plan (`plan/`), the rehearsal, the base-prediction store
 and the configs' tests read them here; a test holds them to diffusers' frame rules and layout builders
 (`tests/unit/test_released_clips.py`).
 """

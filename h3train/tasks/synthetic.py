@@ -5,7 +5,7 @@ only when `task.name` trains fl2va samples, text-only ones otherwise. Sample `i`
 `(seed, i)`, so every rank that asks for it gets the same tensors.
 
 Made in memory, packed, all of the one geometry `data.synthetic` sets: a stand-in for a real run's
-shapes (bench, plan, step measurements). `data/synth.py` writes a cached dataset instead, whose
+shapes (bench, plan, step measurements). `data/synthetic_dataset.py` writes a cached dataset instead, whose
 samples vary in geometry and conditioning to exercise every layout and the file format.
 """
 

@@ -4,7 +4,7 @@ Two kinds of task, as in diffusers' MiniMax-H3 pipeline:
 
 - a **sample task** (`SAMPLE_TASKS`) is what one clip is: `t2va` (prompt only), `fl2va` (first /
   last keyframes) or `ref2va` (image / video / audio references). It fixes its conditioning kind
-  (`conditioning.py`: the manifest fields, the encoder's recipe, the layout builder), the partition
+  (`tasks/conditioning.py`: the manifest fields, the encoder's recipe, the layout builder), the partition
   inference serves it from and the core denoise block that renders it;
 - a **training task** (`TRAINING_TASKS`, `task.name`) is which sample tasks a run trains on and
   which released partition (`transformer` or `transformer_ref`) it fine-tunes. diffusers runs
@@ -12,7 +12,7 @@ Two kinds of task, as in diffusers' MiniMax-H3 pipeline:
   one partition only helps the tasks inference routes to it.
 
 A new task is one entry here (and, for a sample task with a new kind of conditioning, that kind in
-`conditioning.py`).
+`tasks/conditioning.py`).
 This module imports nothing from h3train, so the config, the data and the renderer can all read it.
 """
 

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from ..data.step_plan import StepPlanner, attention_rows, mean_imbalance
-from ..model.dims import model_defaults
+from ..model.architecture import model_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_ref2va.yaml"
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  data.pack={budget:,} + balance  imbalance mean {100 * packed[0]:5.1f} %, worst {100 * packed[1]:5.1f} %")
     ratio = float("nan")
     if args.train_steps:
-        from ..data.synth import write_synthetic_dataset
+        from ..data.synthetic_dataset import write_synthetic_dataset
 
         with tempfile.TemporaryDirectory(prefix="h3train-balance-") as tmp:
             write_synthetic_dataset(Path(tmp) / "data", task="mixed", num_samples=64, text_dim=16)

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..config import LossWeights, TimestepConfig
-from ..model.dims import model_kwargs
+from ..model.architecture import model_kwargs
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import TrainingInputs, compute_loss, make_training_inputs
 from ..parallel.collectives import CollectiveCounts

@@ -75,7 +75,7 @@ from typing import Any
 import torch
 
 from h3train.config import check_values, load_config
-from h3train.model.dims import model_kwargs, planned_model_dims
+from h3train.model.architecture import model_kwargs, planned_model_dims
 from h3train.model.quant import INTEGER_CODES_SHARD
 from h3train.optim.kinds import state_bytes, state_bytes_per_value
 from h3train.parallel.dims import ParallelDims

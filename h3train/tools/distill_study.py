@@ -13,7 +13,7 @@ from h3train.config import CfgConfig, LossWeights, TimestepConfig
 from h3train.data.dataset import CachedDataset
 from h3train.data.dataset_index import write_index
 from h3train.data.sample_file import CachedSample, write_sample
-from h3train.data.synth import _presentation_tags
+from h3train.data.synthetic_dataset import _presentation_tags
 from h3train.objective import compute_loss, make_training_inputs, masked_mse
 from h3train.tasks.layout import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 from h3train.tasks.sample import TrainingSample

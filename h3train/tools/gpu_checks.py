@@ -77,12 +77,12 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, check_values
-from ..model.dims import model_kwargs
+from ..model.architecture import model_kwargs
 from ..parallel import averaging
 from ..parallel.shards import local_tensor
 from ..tasks.synthetic import Clip
 from . import bench
-from .bench.sample import CHECK_CLIP, CHECK_DIMS
+from .bench.case_setup import CHECK_CLIP, CHECK_DIMS
 
 PASSED, FAILED, SKIPPED, NOT_RUN = "passed", "failed", "skipped", "not run"
 

@@ -25,13 +25,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import LossWeights, TimestepConfig
-from ..model.dims import model_kwargs
+from ..model.architecture import model_kwargs
 from ..objective import make_training_inputs
 from ..plan.calibration import CudaPoint
 from ..tasks.synthetic import Clip, clip_sample
 from .bench import rows_of
+from .bench.cases import CHECKPOINTING, BackendResult, _clear_cuda, bench_plan, run_case, trainer_config
 from .bench.flops import peak_tflops_for, step_flops
-from .bench.run import CHECKPOINTING, BackendResult, _clear_cuda, bench_plan, run_case, trainer_config
 
 # (blocks, frames, `--gradient-checkpointing`, compile): the policies and lengths the plan chooses between.
 CASES: tuple[tuple[int, int, str, bool], ...] = (

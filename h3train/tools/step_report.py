@@ -66,7 +66,7 @@ import torch.distributed as dist
 import h3train
 from h3train.checkpoint.writer import PLAN_CACHING
 from h3train.config import SyntheticDataConfig, load_config
-from h3train.model.dims import model_defaults
+from h3train.model.architecture import model_defaults
 from h3train.objective import micro_batch_inputs
 from h3train.parallel.collectives import count_collectives
 from h3train.parallel.dims import free_port

@@ -13,7 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ..export.adapter import write_save_files
+from ..export.adapter_formats import write_save_files
 
 
 class AdapterFiles:

@@ -1,7 +1,7 @@
 """`validation.samples`: render each request with the live model every `sample_every` steps (and at start).
 
 Before the first step, global rank 0 encodes the requests that are not cached yet with the encoder's
-components on the CPU (`conditioning.py`), writes them under `<logging.dir>/samples/requests/` and
+components on the CPU (`render/request_encoding.py`), writes them under `<logging.dir>/samples/requests/` and
 drops the text encoder; every rank then reads them. The VAEs stay loaded on the CPU on every rank and
 visit the accelerator only while a clip is decoded.
 
@@ -33,7 +33,8 @@ from tqdm import tqdm
 from ..config import Config
 from ..data.sampler import assigned_indices
 from ..errors import ConfigError, H3TrainError
-from ..render.conditioning import (
+from ..render.pipeline import LiveTransformer, decode, denoise, fresh_path, render_line, render_pipeline, write_clip
+from ..render.request_encoding import (
     Conditioning,
     encode_request,
     encode_settings,
@@ -41,7 +42,6 @@ from ..render.conditioning import (
     request_digest,
     save_conditioning,
 )
-from ..render.pipeline import LiveTransformer, decode, denoise, fresh_path, render_line, render_pipeline, write_clip
 from ..render.requests import KEY, parse_requests, text_encoder_dtype
 from .hooks import TrainerHook, TrainerView
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from h3train.cli import main
 from h3train.commands import process
 from h3train.config import load_config
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 from h3train.encode.manifest import ManifestError, read_manifest
 from h3train.parallel.dims import free_port
 
@@ -169,7 +169,7 @@ def test_launch_script_checks_first_one_line_exit_2(name: str, inputs: Path, tmp
 
 
 def test_check_plans_from_a_lone_config_json_without_the_dataset(tmp_path: Path, capsys) -> None:
-    from h3train.model.dims import model_defaults
+    from h3train.model.architecture import model_defaults
 
     (tmp_path / "H3" / "transformer").mkdir(parents=True)
     small = {"num_layers": 3, "num_attention_heads": 8}
@@ -233,7 +233,7 @@ def test_plot_bad_metrics_file_is_one_line(content: bytes | None, needle: str, t
 
 
 def test_plot_skips_null_values(tmp_path: Path) -> None:
-    from h3train.tools.plot import _series, read_metrics
+    from h3train.tools.curves import _series, read_metrics
 
     metrics = tmp_path / "metrics.jsonl"
     rows = [

@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from h3train.cli import main
 from h3train.config import LossWeights, TimestepConfig
 from h3train.model import quant
-from h3train.model.dims import model_kwargs
+from h3train.model.architecture import model_kwargs
 from h3train.model.sp_forward import SequenceParallelH3
 from h3train.objective import compute_loss, make_training_inputs
 from h3train.parallel.ulysses import SequenceParallel

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from h3train.config import load_config
-from h3train.model.dims import model_kwargs
+from h3train.model.architecture import model_kwargs
 from h3train.parallel.dims import ParallelDims
 from h3train.plan import GIB, estimate
 from h3train.plan.step_time import DEFAULT_DEVICE, rates_of_kind

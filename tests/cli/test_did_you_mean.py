@@ -121,7 +121,7 @@ def test_a_choice_near_nothing_gets_no_guess() -> None:
 
 def test_the_extension_tables_name_the_nearest_kind() -> None:
     from h3train.debug.faults import parse_faults
-    from h3train.lora.kinds import config_kind
+    from h3train.lora.adapter_kinds import config_kind
     from h3train.ops.attention import resolve_attention_backend
     from h3train.optim.kinds import optimizer_kind
 
@@ -294,7 +294,7 @@ def test_an_encode_preset_key_names_the_nearest(tmp_path: Path) -> None:
 def test_a_bench_backend_names_the_nearest() -> None:
     import torch
 
-    from h3train.tools.bench.run import select_backends
+    from h3train.tools.bench.cases import select_backends
 
     cpu = torch.device("cpu")
     assert _message(select_backends, "native,mth", cpu, "float32").endswith("(did you mean 'math'?)")

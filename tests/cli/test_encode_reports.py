@@ -16,8 +16,8 @@ from PIL import Image
 from h3train.cli import main
 from h3train.data.components import write_tiny_components
 from h3train.data.dataset_index import read_index
+from h3train.encode.manifest_run import SHORTEST_RENDERED
 from h3train.encode.media import FPS, moving_pattern, write_video
-from h3train.encode.run import SHORTEST_RENDERED
 
 # Small canvases keep the VAEs cheap; every clip is kept however short (--min-seconds 0).
 FLAGS = ["--short-edge", "32", "--max-pixels", str(32 * 64), "--reference-short-edge", "32", "--min-seconds", "0",

@@ -255,7 +255,7 @@ def test_a_bad_window_flag_is_one_line_naming_it(flags: list[str], message: str,
 
 
 def test_only_the_encoders_own_samples_of_earlier_windows_are_removed(tmp_path: Path) -> None:
-    from h3train.encode.run import _drop_earlier_windows
+    from h3train.encode.manifest_run import _drop_earlier_windows
 
     def write(sample_id: str, clip: str | None) -> None:
         (tmp_path / f"{sample_id}.safetensors").write_bytes(b"sample")

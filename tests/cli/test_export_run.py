@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from h3train.cli import main
-from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
+from h3train.lora.files import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
 
 from helpers.launch import checkpoint_dir, run_cli, tiny_args, train
 from helpers.paths import ROOT

@@ -13,7 +13,7 @@ from h3train.cli import main
 from h3train.config import load_config
 from h3train.data.dataset_index import read_index
 from h3train.data.location import INDEX_NAME
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 from h3train.errors import DatasetError
 from h3train.run.preflight import check_indexes
 

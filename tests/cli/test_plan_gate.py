@@ -12,7 +12,7 @@ import pytest
 
 from h3train.config import load_config
 from h3train.errors import ConfigError
-from h3train.model.dims import model_dims, planned_model_dims
+from h3train.model.architecture import model_dims, planned_model_dims
 from h3train.parallel.dims import ParallelDims
 from h3train.plan import (
     GIB,
@@ -101,7 +101,7 @@ def test_check_plans_checkpoint_staging_in_host_memory_per_rank_and_node(tmp_pat
 
 def _tiny_dataset(tmp_path: Path) -> tuple[Path, list[int]]:
     from h3train.data.dataset import CachedDataset
-    from h3train.data.synth import write_synthetic_dataset
+    from h3train.data.synthetic_dataset import write_synthetic_dataset
 
     folder = write_synthetic_dataset(tmp_path / "data", task="fl2va", num_samples=8, seed=0, text_dim=16)
     return Path(folder), CachedDataset(folder, "fl2va").lengths

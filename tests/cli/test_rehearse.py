@@ -24,8 +24,8 @@ import torch
 from h3train.config import load_config
 from h3train.errors import ConfigError
 from h3train.run.rehearse import EMA, GRADS, OPTIM, TOLERANCE, UNSHARDED, WEIGHTS, plan_rows, rehearse, rehearse_resume
+from h3train.run.rehearse.formatting import format_rehearsal
 from h3train.run.rehearse.memtrack import StorageTracker
-from h3train.run.rehearse.report import format_rehearsal
 
 from helpers.paths import ROOT
 

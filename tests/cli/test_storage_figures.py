@@ -15,8 +15,8 @@ import pytest
 
 from h3train.config import load_config
 from h3train.data.sample_file import write_sample
-from h3train.data.synth import released_sample
-from h3train.model.dims import model_kwargs
+from h3train.data.synthetic_dataset import released_sample
+from h3train.model.architecture import model_kwargs
 
 from helpers.launch import run_cli
 from helpers.paths import ROOT

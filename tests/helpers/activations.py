@@ -16,8 +16,8 @@ from h3train.config import load_config
 from h3train.data.source import build_source
 from h3train.infra.quiet import known_notices
 from h3train.lora.transforms import model_transforms
+from h3train.model.architecture import model_dims
 from h3train.model.build import build_model, fp32_island_names
-from h3train.model.dims import model_dims
 from h3train.model.quant import INTEGER_CODES_SHARD
 from h3train.model.sp_forward import SequenceParallelH3
 from h3train.objective import micro_batch_inputs

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from h3train.data.index_table import COMPACT_NAME
 from h3train.data.location import INDEX_NAME
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny_fl2va.yaml"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 
 
 @pytest.fixture(scope="module")

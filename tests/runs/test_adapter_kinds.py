@@ -30,10 +30,10 @@ from safetensors.torch import load_file
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.lora.adapters import adapter_config, add_adapters, lora_counts, trainable_state_dict
-from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME, comfyui_state_dict, save_diffusers_lora
+from h3train.lora.files import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME, comfyui_state_dict, save_diffusers_lora
 from h3train.lora.names import export_name
+from h3train.model.architecture import model_dims
 from h3train.model.build import build_model
-from h3train.model.dims import model_dims
 from h3train.plan import checkpoint_bytes
 
 from helpers.launch import (

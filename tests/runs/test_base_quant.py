@@ -114,7 +114,7 @@ def test_quantize_base_leaves_islands_adapters_and_trained_modules() -> None:
 @pytest.mark.parametrize("kind", ["none", "int8", "float8"])
 def test_plan_counts_the_base_the_model_holds(kind: str) -> None:
     from h3train.lora.adapters import add_adapters
-    from h3train.model.dims import model_dims
+    from h3train.model.architecture import model_dims
     from h3train.parallel.dims import ParallelDims
     from h3train.plan import estimate
 

@@ -22,9 +22,9 @@ from h3train.checkpoint import complete_checkpoints, read_trainer_state, step_of
 from h3train.cli import main
 from h3train.config import load_config
 from h3train.errors import ConfigError
-from h3train.export.adapter import SAVE_FOLDER
+from h3train.export.adapter_formats import SAVE_FOLDER
 from h3train.lora.base import random_base_state
-from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
+from h3train.lora.files import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
 from h3train.run.checks import check
 from h3train.train.adapter_files import AdapterFiles
 

@@ -14,7 +14,7 @@ from h3train.checkpoint import read_trainer_state
 from h3train.cli import main
 from h3train.data.dataset_index import read_index
 from h3train.data.sample_file import DIGESTS_KEY, METADATA_KEY, read_cached_sample
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 from h3train.errors import SampleError
 from h3train.infra.digest import digest_file
 

@@ -28,9 +28,9 @@ from h3train.cli import main
 from h3train.config import load_config
 from h3train.data.location import SAMPLE_SUFFIX
 from h3train.data.sample_file import read_cached_sample
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 from h3train.infra.quiet import known_notices
-from h3train.tools.plot import metrics_figure
+from h3train.tools.curves import metrics_figure
 from h3train.train.hooks import TrainerHook, TrainerView
 from h3train.train.metrics import MEMORY_KEY, TENSORBOARD_DIR, format_duration
 

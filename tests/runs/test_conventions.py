@@ -26,7 +26,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3Mod
 
 from h3train.config import CfgConfig, LossWeights, TimestepConfig, load_config
 from h3train.data.sample_file import CachedSample
-from h3train.data.synth import synthetic_sample
+from h3train.data.synthetic_dataset import synthetic_sample
 from h3train.objective import make_training_inputs, micro_batch_inputs
 from h3train.tasks.layout import PATCH_SIZE
 from h3train.tasks.synthetic import SyntheticSource
@@ -211,8 +211,8 @@ def _pretrained_run(tmp_path, dataset_task: str, *overrides: str) -> list[str]:
 
     import yaml
 
-    from h3train.data.synth import write_synthetic_dataset
-    from h3train.model.dims import model_config_dict
+    from h3train.data.synthetic_dataset import write_synthetic_dataset
+    from h3train.model.architecture import model_config_dict
 
     tiny = load_config(TINY_FL2VA, [])
     dims = model_config_dict(tiny)

@@ -123,7 +123,7 @@ def test_offloaded_gradients_clip_by_a_norm_on_another_device(tmp_path, monkeypa
 
 
 def test_check_counts_the_offloaded_state_in_host_memory() -> None:
-    from h3train.model.dims import model_dims
+    from h3train.model.architecture import model_dims
     from h3train.plan import estimate, format_plan
 
     # Offloaded, FSDP2 gathers the AdaLN projections too (the tables are not computed where they live):

@@ -17,7 +17,7 @@ from h3train.checkpoint import complete_checkpoints, verify_file_digests
 from h3train.config import load_config
 from h3train.errors import ConfigError
 from h3train.infra.diskspace import check_room, free_bytes, no_space
-from h3train.model.dims import model_dims
+from h3train.model.architecture import model_dims
 from h3train.plan import checkpoint_bytes
 
 from helpers.launch import checkpoint_tensor_bytes, on_small_disk, read_metrics, torchrun_error_line

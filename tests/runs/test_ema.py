@@ -7,8 +7,8 @@ import torch
 
 from h3train.cli import main
 from h3train.config import load_config
+from h3train.model.architecture import model_dims
 from h3train.model.build import build_model
-from h3train.model.dims import model_dims
 from h3train.plan import checkpoint_bytes
 
 from helpers.launch import checkpoint_tensor_bytes, checkpoint_tensors, read_metrics, run_forked
@@ -100,7 +100,7 @@ def test_ema_resumes_bitwise(tmp_path) -> None:
 
 
 def test_validation_can_use_the_ema_weights(tmp_path) -> None:
-    from h3train.data.synth import write_synthetic_dataset
+    from h3train.data.synthetic_dataset import write_synthetic_dataset
 
     data = tmp_path / "heldout"
     write_synthetic_dataset(data, task="fl2va", num_samples=2, seed=3, text_dim=16)

@@ -25,8 +25,8 @@ from h3train.config import load_config, schema
 from h3train.data import source
 from h3train.errors import ConfigError
 from h3train.lora import kinds
-from h3train.lora.export import DIFFUSERS_WEIGHT_NAME
-from h3train.model.dims import model_dims
+from h3train.lora.files import DIFFUSERS_WEIGHT_NAME
+from h3train.model.architecture import model_dims
 from h3train.ops import attention
 from h3train.optim import kinds as optim
 from h3train.plan import checkpoint_bytes

@@ -247,7 +247,7 @@ def test_wandb_that_hangs_holds_no_rank_under_torchrun_sp2(tmp_path) -> None:
 def test_a_stop_signal_while_a_step_validates_stops_on_that_steps_save(tmp_path) -> None:
     """SIGTERM to one rank after step 2's all-reduce, while it validates: both ranks save step 2 and stop,
     without training step 3 (and saving again)."""
-    from h3train.data.synth import write_synthetic_dataset
+    from h3train.data.synthetic_dataset import write_synthetic_dataset
 
     heldout = write_synthetic_dataset(tmp_path / "heldout", task="fl2va", num_samples=3, seed=7, text_dim=16)
     run = tmp_path / "run"

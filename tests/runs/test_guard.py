@@ -9,7 +9,7 @@ import pytest
 from h3train.checkpoint import complete_checkpoints, step_of
 from h3train.cli import main
 from h3train.config import GuardConfig, load_config
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 from h3train.errors import ConfigError
 from h3train.train.guard import GUARD_EXIT, ValidationWatch
 

@@ -29,7 +29,7 @@ from h3train.lora.adapters import (
     init_adapters,
     trainable_state_dict,
 )
-from h3train.lora.export import (
+from h3train.lora.files import (
     COMFYUI_PREFIX,
     DIFFUSERS_WEIGHT_NAME,
     comfyui_state_dict,

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from h3train.checkpoint import read_trainer_state
 from h3train.cli import main
 from h3train.config import load_config
-from h3train.lora.export import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
-from h3train.model.dims import model_dims
+from h3train.lora.files import COMFYUI_WEIGHT_NAME, DIFFUSERS_WEIGHT_NAME
+from h3train.model.architecture import model_dims
 from h3train.plan import checkpoint_bytes
 
 from helpers.launch import checkpoint_dir, checkpoint_tensor_bytes, dump_dir, read_metrics, run_forked, tiny_args

@@ -9,7 +9,7 @@ import math
 from h3train.config import load_config
 from h3train.run.assemble import build_trainer
 from h3train.train.dump import StepDump
-from h3train.train.faults import FaultHook
+from h3train.train.fault_hook import FaultHook
 from h3train.train.hooks import MicroBatchEvent, TrainerHook, TrainerView
 
 from helpers.paths import TINY_FL2VA

@@ -14,7 +14,7 @@ from h3train.config import DatasetSpec, dataset_specs, load_config
 from h3train.data.mixture import DatasetMixture, epoch_draws
 from h3train.data.sampler import DistributedSampler
 from h3train.data.source import build_sampler, build_source
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 from h3train.errors import ConfigError
 
 from helpers.launch import read_metrics, tiny_args

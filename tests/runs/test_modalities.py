@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from h3train.cli import main
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 
 from helpers.launch import read_metrics
 from helpers.paths import ROOT, TINY_FL2VA

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from h3train.data.dataset_index import open_index
-from h3train.data.shards import write_shards
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.shard_files import write_shards
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 from h3train.data.trained_samples import trained_samples
 
 from helpers.launch import read_metrics, run_cli, run_env, run_forked, tiny_args

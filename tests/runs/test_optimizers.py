@@ -14,8 +14,8 @@ import torch
 
 from h3train.cli import main
 from h3train.config import load_config
+from h3train.model.architecture import model_dims
 from h3train.model.build import build_meta_model, store_trainable
-from h3train.model.dims import model_dims
 from h3train.optim.kinds import build_optimizer, state_bytes, state_bytes_per_value, weights_dtype
 from h3train.optim.lowbit import QUANT_BLOCK, BF16AdamW, stochastic_round_bf16, torchao_missing
 from h3train.parallel.dims import ParallelDims

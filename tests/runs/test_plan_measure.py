@@ -25,7 +25,7 @@ import os
 import pytest
 import torch
 
-from h3train.model.dims import model_dims
+from h3train.model.architecture import model_dims
 from h3train.parallel.shards import local_tensor
 from h3train.plan import estimate
 

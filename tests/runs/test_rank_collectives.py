@@ -20,7 +20,7 @@ import pytest
 from h3train.config import load_config
 from h3train.data.dataset import CachedDataset
 from h3train.data.sampler import DistributedSampler
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 from h3train.objective import text_dropped
 
 from helpers.launch import read_metrics, run_forked, tiny_args

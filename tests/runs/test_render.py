@@ -336,7 +336,7 @@ def test_requests_are_cached_and_re_encoded_only_when_their_inputs_change(tmp_pa
     import os
 
     from h3train.encode import build_pipeline
-    from h3train.render.conditioning import (
+    from h3train.render.request_encoding import (
         encode_request,
         encode_settings,
         load_conditioning,

@@ -1,7 +1,7 @@
 """A start makes each of its decisions once (`run/blueprint.py`), and every part reads them from the blueprint.
 
 Counted over a whole start: the memory plan (`plan.estimate`), the compile decision
-(`config.checks.resolve_compile`) and the adapter kind's check (`AdapterKind.check`), wherever a caller
+(`config.values.resolve_compile`) and the adapter kind's check (`AdapterKind.check`), wherever a caller
 looks them up. On CUDA with `auto` tables and recompute (drawn here on a CPU, at the released 16-GPU
 config), each table setting's memory plan is computed once, and the run's plan, policies and tables are
 the chosen setting's.
@@ -19,7 +19,7 @@ import pytest
 
 from h3train.cli import main
 from h3train.config import load_config
-from h3train.lora.kinds import ADAPTER_KINDS
+from h3train.lora.adapter_kinds import ADAPTER_KINDS
 
 from helpers.launch import tiny_args
 from helpers.paths import ROOT
@@ -47,7 +47,7 @@ def counts(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
     import h3train.commands.check  # noqa: F401 - loaded, so that its names are counted too
     import h3train.run.assemble  # noqa: F401
     import h3train.train.trainer  # noqa: F401
-    from h3train.config.checks import resolve_compile
+    from h3train.config.values import resolve_compile
     from h3train.plan import estimate
 
     found: collections.Counter = collections.Counter()

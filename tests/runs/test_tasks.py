@@ -23,11 +23,11 @@ from h3train.config import load_config
 from h3train.data import sample_file as data_format
 from h3train.data.dataset import CachedDataset
 from h3train.data.dataset_index import read_index
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 from h3train.encode.manifest import ManifestError, read_manifest
 from h3train.errors import ConfigError
-from h3train.export.adapter import trained_partition
-from h3train.lora.export import DIFFUSERS_WEIGHT_NAME
+from h3train.export.adapter_formats import trained_partition
+from h3train.lora.files import DIFFUSERS_WEIGHT_NAME
 from h3train.render.pipeline import core_step
 from h3train.render.requests import _frames
 from h3train.tasks import table

@@ -17,12 +17,12 @@ from h3train.data.dataset_index import write_index
 from h3train.data.location import INDEX_NAME, SAMPLE_SUFFIX
 from h3train.data.sample_file import read_header
 from h3train.data.sampler import assigned_indices
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 from h3train.model.build import build_model
 from h3train.objective import make_training_inputs
 from h3train.plan import base_predictions_line
 from h3train.run.assemble import build_trainer
-from h3train.tools.plot import metrics_figure
+from h3train.tools.curves import metrics_figure
 from h3train.train.validation import HeldOutLoss, heldout_generator, sigma_label
 
 from helpers.launch import read_metrics, run_forked

@@ -13,8 +13,8 @@ from torch.overrides import TorchFunctionMode
 
 from h3train.config import LossWeights, TimestepConfig, load_config
 from h3train.model import adaln
+from h3train.model.architecture import model_kwargs
 from h3train.model.build import build_meta_model, build_model
-from h3train.model.dims import model_kwargs
 from h3train.objective import make_training_inputs
 from h3train.tasks.synthetic import clip_sample
 from h3train.tools import bench

@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-from h3train.model.dims import model_kwargs
+from h3train.model.architecture import model_kwargs
 from h3train.ops import attention
 from h3train.tools import bench
 from h3train.tools.bench import parity

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from h3train.model.dims import model_kwargs
+from h3train.model.architecture import model_kwargs
 from h3train.plan.calibration import TOLERANCE, CudaPoint, load_points
 from h3train.tasks.synthetic import Clip
-from h3train.tools.bench.run import CHECKPOINTING, bench_plan, trainer_config
+from h3train.tools.bench.cases import CHECKPOINTING, bench_plan, trainer_config
 
 POINTS = load_points()
 

@@ -141,7 +141,7 @@ def test_full_size_ref2va_cfg_config_loads_and_fits(tmp_path) -> None:
 
     from diffusers import MiniMaxH3Transformer3DModel
 
-    from h3train.model.dims import model_dims
+    from h3train.model.architecture import model_dims
     from h3train.parallel.dims import ParallelDims
     from h3train.plan import estimate
 

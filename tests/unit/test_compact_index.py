@@ -16,7 +16,7 @@ from h3train.data.dataset_index import open_index, read_index
 from h3train.data.index_table import COMPACT_NAME, IndexTable, Lengths, sha256_of_file
 from h3train.data.location import INDEX_NAME
 from h3train.data.sampler import DistributedSampler
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 from h3train.errors import DatasetError
 from h3train.infra import atomic
 from h3train.tasks.table import TRAINING_TASKS

@@ -13,7 +13,7 @@ import pytest
 
 from h3train.cli import main
 from h3train.config import Config, load_config
-from h3train.config.checks import resolve_compile, torch_varlen_available
+from h3train.config.values import resolve_compile, torch_varlen_available
 from h3train.train.trainer import Trainer
 
 from helpers.launch import tiny_args, tiny_overrides

@@ -13,7 +13,7 @@ import h3train.data.sample_file as fmt
 import h3train.infra.atomic as atomic
 from h3train.data.dataset_index import read_index, write_index
 from h3train.data.sample_file import METADATA_KEY, CachedSample, read_cached_sample, read_sample, write_sample
-from h3train.data.synth import synthetic_sample
+from h3train.data.synthetic_dataset import synthetic_sample
 from h3train.errors import DatasetError, SampleError
 
 # ref2va sample 4 of the synthetic cycle: audio, video with soundtrack, image, silent video, image.

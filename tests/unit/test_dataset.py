@@ -14,7 +14,7 @@ from h3train.data.dataset import CachedDataset
 from h3train.data.dataset_index import read_index, write_index
 from h3train.data.prefetch import Prefetcher
 from h3train.data.sampler import DistributedSampler
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 from h3train.errors import DatasetError, SampleError
 
 N = 23  # not a multiple of any DP size used here, so epochs straddle micro-batches

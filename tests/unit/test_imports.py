@@ -179,7 +179,7 @@ def test_the_config_schema_imports_only_errors() -> None:
     """Every module reads the config; were it to import any of them back, that would be a cycle."""
     graph = import_graph()
     package = {name for name in graph if name == "h3train.config" or name.startswith("h3train.config.")}
-    assert {"h3train.config.schema", "h3train.config.load", "h3train.config.checks"} <= package
+    assert {"h3train.config.schema", "h3train.config.load", "h3train.config.values"} <= package
     assert set().union(*(graph[name] for name in package)) - package == {"h3train.errors"}
     assert graph["h3train.config.schema"] == set()
 
@@ -195,7 +195,7 @@ def test_the_plan_arithmetic_reads_neither_a_config_nor_data() -> None:
             reached.add(name)
             todo.append(name)
     assert not {name for name in reached if name.startswith("h3train.data")}
-    assert "h3train.plan.inputs" not in reached and "h3train.plan.report" not in reached
+    assert "h3train.plan.inputs" not in reached and "h3train.plan.printout" not in reached
 
 
 # The floors of the house, top first. A package imports only its own floor and those below it, and no

@@ -16,7 +16,7 @@ import torch
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
 
 from h3train.data.sample_file import CachedSample
-from h3train.data.synth import synthetic_sample
+from h3train.data.synthetic_dataset import synthetic_sample
 from h3train.tasks.conditioning import ReferenceLatents
 
 from helpers.pipeline import check_against_pipeline

@@ -12,7 +12,7 @@ import pytest
 
 from h3train.checkpoint.run_config import write_resolved_config
 from h3train.config import WandbConfig
-from h3train.tools.plot import plot_metrics
+from h3train.tools.curves import plot_metrics
 from h3train.train.metrics import MetricsLogger
 
 
@@ -430,7 +430,7 @@ def test_tensorboard_failure_warns_once_and_the_jsonl_goes_on(tmp_path: Path, mo
 
 
 def test_smoothing_is_a_debiased_exponential_average_that_skips_gaps() -> None:
-    from h3train.tools.plot import SMOOTHING, smoothed
+    from h3train.tools.curves import SMOOTHING, smoothed
 
     values = [4.0, 2.0, math.nan, 8.0, 1.0]
     got = smoothed(values)
@@ -461,7 +461,7 @@ def _resumed_log(tmp_path: Path) -> Path:
 def test_plot_draws_smoothed_over_raw_lr_resumes_and_held_out_points(tmp_path: Path) -> None:
     from matplotlib.colors import to_rgba
 
-    from h3train.tools.plot import metrics_figure, smoothed
+    from h3train.tools.curves import metrics_figure, smoothed
 
     path = _resumed_log(tmp_path)
     rows = [r for r in _read(path) if "kind" not in r]
@@ -489,7 +489,7 @@ def test_plot_draws_smoothed_over_raw_lr_resumes_and_held_out_points(tmp_path: P
 def test_plot_under_cfg_puts_flow_matching_beside_held_out_and_the_objective_on_its_own_axis(
     tmp_path: Path,
 ) -> None:
-    from h3train.tools.plot import metrics_figure
+    from h3train.tools.curves import metrics_figure
 
     with _logger(tmp_path) as logger:
         for step in range(1, 5):
@@ -524,7 +524,7 @@ def test_plot_under_cfg_puts_flow_matching_beside_held_out_and_the_objective_on_
 
 
 def test_plot_loss_curves_smooth_each_modality_over_the_steps_that_have_it() -> None:
-    from h3train.tools.plot import loss_curves, smoothed
+    from h3train.tools.curves import loss_curves, smoothed
 
     audio = [0.9, None, 0.5, None, None, 0.3, 0.1]
     rows = [
@@ -545,7 +545,7 @@ def test_plot_loss_curves_smooth_each_modality_over_the_steps_that_have_it() -> 
 
 
 def test_plot_legends_sit_outside_the_axes(tmp_path: Path) -> None:
-    from h3train.tools.plot import metrics_figure
+    from h3train.tools.curves import metrics_figure
 
     fig = metrics_figure(_resumed_log(tmp_path))
     fig.canvas.draw()
@@ -558,7 +558,7 @@ def test_plot_legends_sit_outside_the_axes(tmp_path: Path) -> None:
 
 
 def test_plot_marks_a_gap_in_the_steps_as_a_resume() -> None:
-    from h3train.tools.plot import resume_steps
+    from h3train.tools.curves import resume_steps
 
     rows = [{"step": s} for s in (1, 2, 3, 7, 8)] + [{"step": 9, "resumed": True}, {"step": 10}]
     assert resume_steps(rows) == [6, 8]

@@ -13,7 +13,7 @@ import torch
 from diffusers import MiniMaxH3Transformer3DModel
 
 from h3train.config import load_config
-from h3train.model.dims import model_dims
+from h3train.model.architecture import model_dims
 from h3train.plan import (
     GIB,
     block_activation_row_bytes,
@@ -22,7 +22,7 @@ from h3train.plan import (
     parameter_counts,
     plan_memory,
 )
-from h3train.plan.report import checkpointing_line
+from h3train.plan.printout import checkpointing_line
 from h3train.tasks.released import LONGEST_GEOMETRY, LONGEST_ROWS, SHORT_ROWS
 
 from helpers.paths import ROOT
@@ -342,7 +342,7 @@ def test_cluster_configs_keep_the_global_batch(pretrained_folder: Path) -> None:
 def test_cluster_configs_plan_without_the_model_folder_but_train_needs_it(tmp_path: Path) -> None:
     """Away from the folder the plan is the released architecture's; training refuses to start."""
     from h3train.errors import ConfigError
-    from h3train.model.dims import planned_model_dims
+    from h3train.model.architecture import planned_model_dims
     from h3train.run.preflight import preflight
 
     cfg = _load_cluster_config("h3_a100_16gpu.yaml", tmp_path)
@@ -366,7 +366,7 @@ def test_estimate_uses_the_synthetic_geometry() -> None:
 
 def test_estimate_uses_the_longest_cached_sample(tmp_path: Path) -> None:
     from h3train.data.dataset import CachedDataset
-    from h3train.data.synth import write_synthetic_dataset
+    from h3train.data.synthetic_dataset import write_synthetic_dataset
     from h3train.parallel.dims import ParallelDims
 
     write_synthetic_dataset(tmp_path / "data", task="fl2va", num_samples=6, seed=0, text_dim=16)

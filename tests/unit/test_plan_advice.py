@@ -10,8 +10,8 @@ import pytest
 from diffusers import MiniMaxH3Transformer3DModel
 
 from h3train.plan import format_plan, plan_memory, verdict
-from h3train.plan.report import fixes, origin_words
-from h3train.run.rehearse.report import TINY_MODEL_PARAMS, tiny_model_note
+from h3train.plan.printout import fixes, origin_words
+from h3train.run.rehearse.formatting import TINY_MODEL_PARAMS, tiny_model_note
 from h3train.tasks.released import LONGEST_ROWS
 
 

@@ -1,4 +1,4 @@
-"""Shards (`data/shards.py`): a dataset's samples copied unchanged into a few files, each found by its index
+"""Shards (`data/shard_files.py`): a dataset's samples copied unchanged into a few files, each found by its index
 line's shard, offset and length, and read exactly as its own file would be.
 
 One synthetic dataset of mixed tasks is sharded into shards of a few samples each; every sample read from
@@ -19,8 +19,8 @@ from h3train.data.dataset import CachedDataset
 from h3train.data.dataset_index import index_problems, open_index, rebuild_index, write_index
 from h3train.data.location import INDEX_NAME, SHARD_SUFFIX, read_shard_header, shard_samples
 from h3train.data.sample_file import read_cached_sample
-from h3train.data.shards import write_shards
-from h3train.data.synth import write_synthetic_dataset
+from h3train.data.shard_files import write_shards
+from h3train.data.synthetic_dataset import write_synthetic_dataset
 from h3train.errors import DatasetError, SampleError
 
 from helpers.launch import read_metrics, run_cli, tiny_args

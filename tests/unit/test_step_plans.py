@@ -103,7 +103,7 @@ def test_plans_do_not_depend_on_the_rank_that_computes_them() -> None:
 
 def test_check_plans_packs_names_the_imbalance_and_refuses_a_sample_over_the_budget(tmp_path, capsys) -> None:
     from h3train.cli import main
-    from h3train.data.synth import write_synthetic_dataset
+    from h3train.data.synthetic_dataset import write_synthetic_dataset
 
     from helpers.paths import ROOT
 
@@ -135,9 +135,9 @@ def test_check_plans_packs_names_the_imbalance_and_refuses_a_sample_over_the_bud
 
 def test_check_rehearses_a_pack_at_the_budget(tmp_path) -> None:
     from h3train.config import load_config
-    from h3train.data.synth import write_synthetic_dataset
+    from h3train.data.synthetic_dataset import write_synthetic_dataset
     from h3train.run.rehearse import rehearse
-    from h3train.run.rehearse.report import format_rehearsal
+    from h3train.run.rehearse.formatting import format_rehearsal
 
     from helpers.paths import ROOT
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from h3train.config import Config, load_config
-from h3train.model.dims import model_defaults, planned_model_dims
+from h3train.model.architecture import model_defaults, planned_model_dims
 from h3train.parallel.collectives import wire_bytes
 from h3train.parallel.dims import ParallelDims
 from h3train.plan import parameter_counts

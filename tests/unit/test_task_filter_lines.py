@@ -12,7 +12,7 @@ from h3train.data.dataset_index import write_index
 from h3train.data.location import SAMPLE_SUFFIX
 from h3train.data.sample_file import write_sample
 from h3train.data.source import left_out_lines
-from h3train.data.synth import synthetic_sample
+from h3train.data.synthetic_dataset import synthetic_sample
 
 from helpers.launch import run_cli
 from helpers.paths import TINY_FL2VA

@@ -553,7 +553,7 @@ def rehearse(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ...infra.quiet import known_notices
-    from ...model.dims import planned_model_dims
+    from ...model.architecture import planned_model_dims
     from ...packing import Pack
 
     seconds: dict[str, float] = {}
@@ -658,7 +658,7 @@ def _built_state(cfg: Config, world_size: int, num_layers: int | None, use: Any)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ...infra.quiet import known_notices
-    from ...model.dims import planned_model_dims
+    from ...model.architecture import planned_model_dims
 
     mesh = ParallelDims.from_config(cfg.parallel, world_size)
     dims, _ = planned_model_dims(cfg)

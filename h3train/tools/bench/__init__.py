@@ -68,10 +68,9 @@ model FLOPs and is not counted. MFU = FLOPs / step time / peak.
 
 from __future__ import annotations
 
-from .flops import PEAK_BF16_TFLOPS, StepFlops, peak_tflops_for, step_flops
-from .parity import FLOAT32_KERNEL, PARITY_GATE, REFERENCE_BACKEND, Parity, ParityRun, backend_parity, bench_parity
-from .report import bench_command, format_report, report_from_args, write_json
-from .run import (
+from .bench_report import bench_command, format_report, report_from_args, write_json
+from .case_setup import FULL_CLIP, REDUCED_CLIP, REDUCED_DIMS, Rows, build_bench_model, rows_of, set_backend
+from .cases import (
     DEFAULT_CPU_BACKENDS,
     DEFAULT_CUDA_BACKENDS,
     DEFAULT_REPEATS,
@@ -83,7 +82,8 @@ from .run import (
     select_backends,
     trainer_config,
 )
-from .sample import FULL_CLIP, REDUCED_CLIP, REDUCED_DIMS, Rows, build_bench_model, rows_of, set_backend
+from .flops import PEAK_BF16_TFLOPS, StepFlops, peak_tflops_for, step_flops
+from .parity import FLOAT32_KERNEL, PARITY_GATE, REFERENCE_BACKEND, Parity, ParityRun, backend_parity, bench_parity
 from .timing import Clock, SyncError, TimedStep, timed_step
 
 __all__ = [

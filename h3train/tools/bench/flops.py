@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...plan.step_time import PEAK_BF16_TFLOPS, peak_tflops_for
-from .sample import Rows
+from .case_setup import Rows
 
 __all__ = ["PEAK_BF16_TFLOPS", "StepFlops", "peak_tflops_for", "step_flops"]
 

@@ -49,7 +49,7 @@ import torch
 from ...ops.attention import ATTENTION_BACKENDS
 from ...parallel.shards import local_tensor
 from ...tasks.synthetic import Clip
-from .sample import set_backend
+from .case_setup import set_backend
 
 #: The default backend: every backend's error is counted in units of its error.
 REFERENCE_BACKEND = "native"
@@ -202,7 +202,7 @@ def model_summary(dims: dict[str, Any], clip: Clip, rows: int | None, why: str) 
 
 def _config(dims: dict[str, Any], clip: Clip, dtype: str, seed: int, root: Path) -> Any:
     """The bench's trainer config of `dims` on `clip` in `dtype`, native attention, nothing recomputed."""
-    from .sample import trainer_config
+    from .case_setup import trainer_config
 
     return trainer_config(dims, clip, dtype, "none", REFERENCE_BACKEND, seed, root / dtype)
 
@@ -296,8 +296,8 @@ def bench_parity(
     full-width one would not fit beside the bench, nor would its math kernel's S x S scores)."""
     if reduced:
         return backend_parity(dims, clip, backends, device, seed, root, gate, "the bench's model")
-    from ...model.dims import model_kwargs
-    from .sample import CHECK_CLIP, CHECK_DIMS
+    from ...model.architecture import model_kwargs
+    from .case_setup import CHECK_CLIP, CHECK_DIMS
 
     why = "the GPU checks' model: the full-width float32 step does not fit beside the bench"
     return backend_parity(model_kwargs(CHECK_DIMS), CHECK_CLIP, backends, device, seed, root, gate, why)

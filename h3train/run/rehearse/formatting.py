@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...plan import GIB, MemoryPlan
-from ...plan.report import origin_words
+from ...plan.printout import origin_words
 from . import BATCH, CATEGORIES, EMA, GRADS, OPTIM, OTHER, UNSHARDED, WEIGHTS, Rehearsal, plan_rows
 from .memtrack import TRANSIENT
 

@@ -278,7 +278,7 @@ class Generator:
         from ..data.components import encode_preset, load_components
         from ..encode import build_pipeline
         from ..encode.media import MediaError
-        from ..render.conditioning import encode_request, encode_settings
+        from ..render.request_encoding import encode_request, encode_settings
 
         short_edge = reference_short_edge or (encode_preset(self.components) or {}).get("reference_short_edge", 2048)
         components = load_components(self.components, self.device, self.dtype)

@@ -11,7 +11,7 @@ import torch
 from diffusers import MiniMaxH3Transformer3DModel
 
 from ...config import Config, check_values
-from ...model.dims import model_kwargs
+from ...model.architecture import model_kwargs
 from ...objective import TrainingInputs
 from ...ops.attention import ATTENTION_BACKENDS
 from ...tasks.synthetic import Clip, clip_data

@@ -15,15 +15,13 @@ import torch
 from ... import plan
 from ...config import Config, LossWeights, TimestepConfig
 from ...errors import ConfigError, did_you_mean
-from ...model.dims import model_kwargs
+from ...model.architecture import model_kwargs
 from ...objective import make_training_inputs
 from ...ops.attention import ATTENTION_BACKENDS, unavailable
-from ...plan.report import checkpointing_line, summary
+from ...plan.printout import checkpointing_line, summary
 from ...tasks.sample import TrainingSample
 from ...tasks.synthetic import Clip, clip_sample
-from .flops import peak_tflops_for, step_flops
-from .parity import PARITY_GATE, REFERENCE_BACKEND, Parity, bench_parity
-from .sample import (
+from .case_setup import (
     CHECKPOINTING,
     FULL_CLIP,
     REDUCED_CLIP,
@@ -34,6 +32,8 @@ from .sample import (
     set_backend,
     trainer_config,
 )
+from .flops import peak_tflops_for, step_flops
+from .parity import PARITY_GATE, REFERENCE_BACKEND, Parity, bench_parity
 from .timing import Clock, SyncError, timed_step
 
 GIB = 1024**3
@@ -73,7 +73,7 @@ class BenchReport:
     mode: str
     dtype: str
     precision: str
-    # What the blocks recompute (`plan.report.checkpointing_line`).
+    # What the blocks recompute (`plan.printout.checkpointing_line`).
     gradient_checkpointing: str
     model: dict[str, Any]
     parameters: int

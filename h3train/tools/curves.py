@@ -10,7 +10,7 @@ Under CFG (rows with `loss_video_fm`) the loss panel draws the flow-matching los
 `loss_audio_fm`: the console's `video=` / `audio=`) beside the held-out loss, which is flow matching
 too, and the calibrated objective the step trains on (`loss_video`, `loss_audio`, an order of magnitude
 larger) gets an axis of its own below it, with its held-out counterpart (`val/loss_*_cfg`).
-Usage: `python -m h3train.tools.plot runs/x/metrics.jsonl runs/x/metrics.png`.
+Usage: `python -m h3train.tools.curves runs/x/metrics.jsonl runs/x/metrics.png`.
 """
 
 from __future__ import annotations
@@ -294,10 +294,10 @@ def _draw(ax: Any, key: str, curve: Curve, **style: Any) -> Line2D:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m h3train.tools.plot METRICS_JSONL OUT_PNG`; exit code 2 with one line on bad input."""
+    """`python -m h3train.tools.curves METRICS_JSONL OUT_PNG`; exit code 2 with one line on bad input."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m h3train.tools.plot METRICS_JSONL OUT_PNG", file=sys.stderr)
+        print("usage: python -m h3train.tools.curves METRICS_JSONL OUT_PNG", file=sys.stderr)
         return 2
     try:
         out = plot_metrics(args[0], args[1])

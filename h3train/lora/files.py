@@ -4,7 +4,7 @@ Every function takes the adapter as a state dict under the names `peft.get_peft_
 gives (`transformer_blocks.0.attn.to_q.lora_A.weight`, `....lokr_w1`; `adapters.trainable_state_dict`
 returns it) and the adapter's recorded peft config as a dict (`adapters.adapter_config`), so it works
 the same on a live model and on a checkpoint's contents. The adapter's output is scaled by
-`lora_alpha / rank`. What each kind is written as (its `kinds.ADAPTER_KINDS` entry's `file_parts`,
+`lora_alpha / rank`. What each kind is written as (its `adapter_kinds.ADAPTER_KINDS` entry's `file_parts`,
 `fc1_rows`, `fuse_qkv`):
 
 | kind | diffusers format (`transformer.` + peft names)    | ComfyUI format (`diffusion_model.` + original names)    |
@@ -58,8 +58,8 @@ from torch import nn
 
 from ..infra.atomic import atomic_save_file
 from ..tasks.table import PARTITIONS, SAMPLE_TASKS, TRAINING_TASKS
+from .adapter_kinds import record_kind
 from .adapters import peft_config_from_record, peft_metadata
-from .kinds import record_kind
 from .names import export_name, is_adapter_param, split_factor
 
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"

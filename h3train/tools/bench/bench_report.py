@@ -11,9 +11,9 @@ import torch
 
 from ...infra.atomic import atomic_write_text
 from ...tasks.synthetic import Clip
+from .case_setup import FULL_CLIP, REDUCED_CLIP
+from .cases import DEFAULT_REPEATS, GIB, BenchReport, run_bench
 from .parity import REFERENCE_BACKEND
-from .run import DEFAULT_REPEATS, GIB, BenchReport, run_bench
-from .sample import FULL_CLIP, REDUCED_CLIP
 
 
 def _fmt(value: float | None, spec: str, missing: str = "n/a") -> str:

@@ -1,7 +1,7 @@
 """`h3train export` of a LoRA checkpoint: the diffusers format, the ComfyUI format, or merged weights.
 
-Every adapter kind (`adapters.KINDS`: LoRA, DoRA, LoKr, LoHa) exports the same way; which format holds
-which kind, and under which names, is `export.py`'s table. A format that cannot hold the checkpoint's
+Every adapter kind (`lora.adapter_kinds.ADAPTER_KINDS`: LoRA, DoRA, LoKr, LoHa) exports the same way; which format holds
+which kind, and under which names, is `lora/files.py`'s table. A format that cannot hold the checkpoint's
 adapter (LoHa in the diffusers format, LoKr on to_q / to_k / to_v in the ComfyUI one) is a one-line
 `UsageError` pointing to the formats that can; `--merge` takes every kind.
 
@@ -44,8 +44,9 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError, ConfigError, UsageError
+from ..lora.adapter_kinds import record_kind
 from ..lora.base import as_trained, folder_digest, island_prefixes, random_base_state, read_record
-from ..lora.export import (
+from ..lora.files import (
     COMFYUI_WEIGHT_NAME,
     DIFFUSERS_WEIGHT_NAME,
     adapter_groups,
@@ -53,7 +54,6 @@ from ..lora.export import (
     save_comfyui_lora,
     save_diffusers_lora,
 )
-from ..lora.kinds import record_kind
 from ..lora.names import export_name, split_factor
 from ..tasks.table import PARTITIONS, TRAINING_TASKS
 
@@ -253,7 +253,7 @@ def _write_merged(
     base: Path | None,
 ) -> None:
     from ..infra.atomic import apply_file_mode, atomic_save_file, atomic_write_text
-    from ..lora.export import merge_adapters
+    from ..lora.files import merge_adapters
     from ..model.build import meta_transformer
 
     model_config = state["model_config"]

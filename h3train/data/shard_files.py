@@ -5,7 +5,7 @@ and open. A shard holds the samples of a stretch of the index, a few GB, back to
 names each sample's shard, offset and length (`IndexEntry.offset`, `.length`), so reading a sample is
 one ranged read of exactly its bytes, and the bytes are those its own file held: the same header,
 metadata and digests, checked as a file's are. What the encoder records of a sample's inputs and settings
-beside its file (`<id>.inputs.json`, `encode/run.py`) goes into the shard's header.
+beside its file (`<id>.inputs.json`, `encode/manifest_run.py`) goes into the shard's header.
 
 The file layout and the reading of a shard's header are in `data/location.py`.
 
