@@ -10,7 +10,7 @@ apart: attention and the prompt refiner run block-diagonally over the samples' o
 (`SequenceParallelH3.forward`'s `segments` / `text_segments`), and each sample's timestep indices
 point at its own rows of the AdaLN table.
 
-Which samples share a pack, and which rank trains it, is the step planner's (`data/step_plan.py`).
+Which samples share a pack, and which rank trains it, is the step composer's (`data/step_composition.py`).
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ class PackedInputs:
     (`pack_forward_rows`), the second under the negative prefix when the run has CFG on. `samples`:
     each sample's `TrainingInputs` without forward rows (targets, masks, weights, sigma, guidance,
     id). `rows`: how the rows split. There is no pack-wide sigma, weight or guidance: each is a sample's.
-    `step_samples`: the most samples a micro-batch of the step holds on any rank (the step planner's
-    `StepPlan.largest_micro_batch`; the pack's own count where no plan is shared).
+    `step_samples`: the most samples a micro-batch of the step holds on any rank (the step composer's
+    `StepComposition.largest_micro_batch`; the pack's own count where no plan is shared).
     """
 
     model_inputs: dict[str, torch.Tensor]

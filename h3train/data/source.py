@@ -5,7 +5,7 @@ packed length of every sample, for bucketing and planning, known without reading
 `DATA_SOURCES` holds the kinds `data.source` names, each saying how its samples are made, which sample
 tasks it holds (the partition check) and its longest sample (the memory plan, the rehearsal);
 `build_source` makes the configured one (several `data.path` datasets are one `DatasetMixture`). The
-trainer, the planner, validation and preflight all take theirs from it, and `build_sampler` the
+trainer, the composer, validation and preflight all take theirs from it, and `build_sampler` the
 sampler that draws from it.
 
 The loop does not index a source itself: it asks a **micro-batch stream** for micro-batch `micro`
@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from ..tasks.sample import TrainingSample
 from .prefetch import Prefetcher
 from .sampler import DistributedSampler
-from .step_plan import StepPlan, StepPlanner, StepStats, step_stats
+from .step_composition import StepComposer, StepComposition, StepStats, step_stats
 from .storage import dataset_folder, has_index, is_dataset_dir
 
 if TYPE_CHECKING:
@@ -321,7 +321,7 @@ MakeInputs = Callable[[TrainingSample, int, int], "TrainingInputs"]
 class MicroBatchStream:
     """Micro-batches of an indexable source in the sampler's order, read and noised ahead of the loop.
 
-    Each step's samples are planned by `planner` (`data/step_plan.py`): the step's window of the global
+    Each step's samples are planned by `composer` (`data/step_composition.py`): the step's window of the global
     order, and which slots of it this DP rank trains in each micro-batch, one sample each or packed.
     A sample's slot in the window and the step seed its noise, so a micro-batch is the same whatever
     the prefetch depth, the rank or the pack it lands in. The checkpointed state is the sampler's
@@ -334,17 +334,17 @@ class MicroBatchStream:
         source: SampleSource,
         sampler: DistributedSampler,
         make_inputs: MakeInputs,
-        planner: StepPlanner,
+        composer: StepComposer,
         depth: int,
     ) -> None:
-        """`planner` plans the steps of `sampler`'s DP size, `planner.grad_accum` micro-batches a rank."""
-        if planner.dp != sampler.dp_size:
-            raise ValueError(f"the planner plans for {planner.dp} DP ranks, the sampler draws for {sampler.dp_size}")
+        """`composer` plans the steps of `sampler`'s DP size, `composer.grad_accum` micro-batches a rank."""
+        if composer.dp != sampler.dp_size:
+            raise ValueError(f"the composer plans for {composer.dp} DP ranks, the sampler draws for {sampler.dp_size}")
         self.source = source
         self.sampler = sampler
         self.make_inputs = make_inputs
-        self.planner = planner
-        self.grad_accum = planner.grad_accum
+        self.composer = composer
+        self.grad_accum = composer.grad_accum
         self.depth = max(1, depth)
         self._lengths = source.lengths
         self._prefetcher: Prefetcher | None = None
@@ -355,31 +355,31 @@ class MicroBatchStream:
     def _rows_at(self, position: int) -> int:
         return int(self._lengths[self.sampler.global_index(position)])
 
-    def plan(self, start: int) -> StepPlan:
-        """The plan of the step that starts at global position `start` (the same on every rank)."""
-        return self.planner.plan(start, self._rows_at, self.sampler.global_index, self.sampler.epoch_length)
+    def compose(self, start: int) -> StepComposition:
+        """The composition of the step that starts at global position `start` (the same on every rank)."""
+        return self.composer.compose(start, self._rows_at, self.sampler.global_index, self.sampler.epoch_length)
 
     def _positions(self, step: int, micro: int) -> Iterator[_At]:
         """Every micro-batch this rank trains from micro-batch `micro` of step `step` on, with its step's plan."""
         start = self.sampler.position
         while True:
-            plan = self.plan(start)
+            composition = self.compose(start)
             for m in range(micro, self.grad_accum):
-                yield _At(step, m, plan)
-            start, step, micro = plan.end, step + 1, 0
+                yield _At(step, m, composition)
+            start, step, micro = composition.end, step + 1, 0
 
     def _load(self, at: _At) -> tuple[Any, TrainingInputs]:
         # On the prefetch thread: reading and noising stay off the training thread.
-        slots = at.plan.slots(self.sampler.dp_rank, at.micro)
-        samples = [self.source[self.sampler.global_index(at.plan.start + slot)] for slot in slots]
+        slots = at.composition.slots(self.sampler.dp_rank, at.micro)
+        samples = [self.source[self.sampler.global_index(at.composition.start + slot)] for slot in slots]
         items = [self.make_inputs(sample, at.step, slot) for sample, slot in zip(samples, slots, strict=True)]
-        if not self.planner.budget:
+        if not self.composer.budget:
             return samples[0], items[0]
         from ..packing import Pack, pack_inputs
 
-        packed = pack_inputs(items, at.plan.largest_micro_batch)
+        packed = pack_inputs(items, at.composition.largest_micro_batch)
         rows = packed.rows.longest
-        if len(samples) > 1 and rows > self.planner.budget:
+        if len(samples) > 1 and rows > self.composer.budget:
             # The plan read the index's lengths; a sample `data.on_error=skip` put in place of an
             # unreadable one, or a longer negative prompt, can make the pack longer.
             logger.warning(
@@ -387,7 +387,7 @@ class MicroBatchStream:
                 at.step,
                 "+".join(s.sample_id for s in samples),
                 rows,
-                self.planner.budget,
+                self.composer.budget,
             )
         return Pack(tuple(samples)), packed
 
@@ -400,15 +400,15 @@ class MicroBatchStream:
             self._items = iter(self._prefetcher)
         assert self._items is not None
         at, item = next(self._items)
-        assert (at.step, at.micro, at.plan.origin) == (step, micro, self.sampler.position), (
-            f"prefetcher delivered micro-batch {at.micro} of step {at.step} at position {at.plan.origin}, the "
+        assert (at.step, at.micro, at.composition.origin) == (step, micro, self.sampler.position), (
+            f"prefetcher delivered micro-batch {at.micro} of step {at.step} at position {at.composition.origin}, the "
             f"training loop expects micro-batch {micro} of step {step} at position {self.sampler.position}"
         )
-        if self._stats_of != (step, at.plan.origin):
-            self._step_stats = step_stats(self.planner, at.plan, self._rows_at, self.sampler.epoch_length)
-            self._stats_of = (step, at.plan.origin)
+        if self._stats_of != (step, at.composition.origin):
+            self._step_stats = step_stats(self.composer, at.composition, self._rows_at, self.sampler.epoch_length)
+            self._stats_of = (step, at.composition.origin)
         if micro == self.grad_accum - 1:
-            self.sampler.position = at.plan.end
+            self.sampler.position = at.composition.end
         return item
 
     def step_stats(self) -> StepStats:
@@ -434,4 +434,4 @@ class _At(NamedTuple):
 
     step: int
     micro: int
-    plan: StepPlan
+    composition: StepComposition

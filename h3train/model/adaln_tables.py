@@ -32,7 +32,7 @@ backend's averaging.
 Every rank issues the same collectives whatever its samples: the embeddings are padded to R rows
 (`table_rows`), a bound the host knows without asking the other ranks: a sample carries at most
 `TIMESTEPS_PER_SAMPLE` distinct timesteps, and a pack at most that many per sample of the step's
-largest micro-batch, which the step planner knows for every rank. A padding row's table row is never read.
+largest micro-batch, which the step composer knows for every rank. A padding row's table row is never read.
 
 Not served here, and gathered by FSDP2 as before: a DoRA-adapted projection (its weight norm needs the
 whole weight), CPU offload, and a shard group of one rank. `norm_out`'s projection (2 x hidden rows) is
@@ -198,7 +198,7 @@ def _exchange(layers: Sequence[nn.Module], x: torch.Tensor, group: TableGroup) -
 
 def table_rows(samples: int) -> int:
     """R: the rows every rank of a shard group exchanges in one forward whose micro-batches hold at most
-    `samples` samples on any rank (one unpacked; a pack's, the step planner's largest)."""
+    `samples` samples on any rank (one unpacked; a pack's, the step composer's largest)."""
     return TIMESTEPS_PER_SAMPLE * samples
 
 

@@ -384,7 +384,7 @@ class SequenceParallelH3(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The ten `model.forward` arguments; a packed sequence (`pack_forward_rows`) adds each sample's
         packed length `segments` and text length `text_segments`, in sample order, and `pack_samples`, the
-        most samples a micro-batch of this step holds on any rank (the step planner's: the AdaLN tables'
+        most samples a micro-batch of this step holds on any rank (the step composer's: the AdaLN tables'
         exchange is sized by it, `adaln_tables.table_rows`)."""
         m, sp = self.transformer, self.sp
         seq_len = position_ids.shape[0]

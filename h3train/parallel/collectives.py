@@ -194,7 +194,7 @@ def process_group(group: object) -> ProcessGroup:
 
 
 def mesh_groups(ctx: ParallelContext) -> dict[str, ProcessGroup]:
-    """A run's process groups by the names the traffic plan gives them (`plan.traffic`), the first name of
+    """A run's process groups by the names the traffic count gives them (`plan.traffic`), the first name of
     a group several names share first: `sp`, `dp_shard_sp` (the FSDP2 shard group), `dp_replicate`,
     `dp` and `world` (the default group)."""
     dims = ctx.dims

@@ -361,14 +361,14 @@ def samples_lines(cfg: Config, dp: int, dims: Mapping[str, Any], source: Any = N
 
     `samples`: samples per step (the mean and range over the first `steps` steps of the sampler's order
     for a packed run) and steps per epoch. `balance` (two or more DP ranks): the mean per-step imbalance of
-    the config as set (`data/step_plan.py`: the costliest rank's compute over the ranks' mean, less 1),
+    the config as set (`data/step_composition.py`: the costliest rank's compute over the ranks' mean, less 1),
     and, when the run does not pack and balance, what `data.pack` + `data.balance` would give. `source` is
     the run's (built here from `cfg` when None); no lines for a source whose data is not here.
     """
     import numpy as np
 
     from ..data.source import build_sampler, build_source, data_source
-    from ..data.step_plan import StepPlanner, outlook
+    from ..data.step_composition import StepComposer, outlook
 
     if source is None:
         if data_source(cfg).reads_folders and not all(is_dataset_dir(s.path) for s in dataset_specs(cfg.data)):
@@ -378,8 +378,8 @@ def samples_lines(cfg: Config, dp: int, dims: Mapping[str, Any], source: Any = N
     sampler = build_sampler(source, cfg, 0, dp)
     rows_at = lambda p: int(lengths[sampler.global_index(p)])  # noqa: E731
     accum, budget = cfg.train.grad_accum, cfg.data.pack
-    planner = StepPlanner.of(cfg, dp, dims)
-    seen = outlook(planner, rows_at, sampler.global_index, sampler.epoch_length, steps)
+    composer = StepComposer.of(cfg, dp, dims)
+    seen = outlook(composer, rows_at, sampler.global_index, sampler.epoch_length, steps)
     # Past the planned steps the count is the epoch over the mean samples per step: still a count of steps.
     steps_per_epoch = round(seen.steps_per_epoch)
     per_epoch = f"{steps_per_epoch:,}" if seen.exact else f"about {steps_per_epoch:,}"
@@ -409,7 +409,7 @@ def samples_lines(cfg: Config, dp: int, dims: Mapping[str, Any], source: Any = N
         if not (budget and cfg.data.balance):
             advice_budget = budget or int(np.max(lengths))
             advised = replace(
-                planner, budget=advice_budget, balance=True, global_batch=planner.global_batch if budget else 0
+                composer, budget=advice_budget, balance=True, global_batch=composer.global_batch if budget else 0
             )
             other = outlook(advised, rows_at, sampler.global_index, sampler.epoch_length, steps)
             line += f"; data.pack={advice_budget} + data.balance=true would give {100 * other.imbalance:.1f} %"

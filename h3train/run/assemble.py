@@ -31,7 +31,7 @@ from ..config import Config, dataset_specs
 from ..data.location import INDEX_NAME
 from ..data.mixture import DatasetMixture
 from ..data.source import MicroBatchStream, SampleSource, build_sampler, build_source, load_shared_negative
-from ..data.step_plan import StepPlanner
+from ..data.step_composition import StepComposer
 from ..debug.faults import FaultInjector
 from ..infra.diskspace import check_room
 from ..infra.objects import Folder, RemoteDir
@@ -255,7 +255,7 @@ def _micro_batches(
         source,
         build_sampler(source, cfg, ctx.dp_rank, dp),
         lambda sample, step, slot: micro_batch_inputs(cfg, sample, step, slot, shared_negative),
-        StepPlanner.of(cfg, dp, model_config),
+        StepComposer.of(cfg, dp, model_config),
         cfg.data.prefetch,
     )
     if ctx.is_main:

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..checkpoint import AttributeState, Checkpointer, ModelState, OptimizerState, ScheduleState
 from ..config import Config
 from ..data.source import SampleSource
-from ..data.step_plan import StepStats
+from ..data.step_composition import StepStats
 from ..debug.faults import FaultInjector
 from ..infra.runlock import RunLock
 from ..model.adapter import ModelAdapter

@@ -49,7 +49,7 @@ from ..checkpoint import (
     verify_file_digests,
 )
 from ..config import Config, to_yaml
-from ..data.step_plan import batch_layout, global_batch_change
+from ..data.step_composition import batch_layout, global_batch_change
 from ..errors import CheckpointError, ConfigError, H3TrainError, UsageError
 from ..infra.atomic import set_aside
 from ..infra.objects import Folder, location

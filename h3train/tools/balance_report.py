@@ -1,6 +1,6 @@
 """How evenly the DP ranks work, unpacked against packed and balanced, and what packing gains in rows/s.
 
-1. **Imbalance of the cost model** (`data/step_plan.py`): a fixed-seed dataset whose packed lengths
+1. **Imbalance of the cost model** (`data/step_composition.py`): a fixed-seed dataset whose packed lengths
    spread 1x to 8x (5,000 to 40,000 rows, the released model's range of clips), planned for `--steps`
    steps at `--dp` ranks and `--grad-accum` micro-batches per rank, once one sample per micro-batch in
    the sampler's order and once with `data.pack` (the longest sample's rows per micro-batch) and
@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..data.step_plan import StepPlanner, attention_rows, mean_imbalance
+from ..data.step_composition import StepComposer, attention_rows, mean_imbalance
 from ..model.architecture import model_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     s0 = attention_rows(model_defaults())
     budget = max(lengths)
     rows_at = lambda p: lengths[p % len(lengths)]  # noqa: E731
-    unpacked = mean_imbalance(StepPlanner(args.dp, args.grad_accum, s0=s0), rows_at, args.steps)
-    packed = mean_imbalance(StepPlanner(args.dp, args.grad_accum, budget, True, s0), rows_at, args.steps)
+    unpacked = mean_imbalance(StepComposer(args.dp, args.grad_accum, s0=s0), rows_at, args.steps)
+    packed = mean_imbalance(StepComposer(args.dp, args.grad_accum, budget, True, s0), rows_at, args.steps)
     print(f"cost model: rows + rows^2 / {s0:,.0f} (the released architecture); lengths 5,000 to 40,000 rows")
     print(f"{args.dp} ranks x {args.grad_accum} micro-batches, {args.steps} steps:")
     print(

@@ -17,7 +17,7 @@ from typing import IO, Any
 
 import torch.distributed as dist
 
-from ..data.step_plan import batch_layout
+from ..data.step_composition import batch_layout
 from ..data.trained_samples import ATTEMPTS_FILE, FOLDER, begin_attempt, end_torn_line
 from ..errors import TrainingError
 from ..packing import members

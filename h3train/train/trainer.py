@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint import complete_checkpoints, step_dir_name, step_of
 from ..checkpoint.run_config import write_resolved_config
 from ..config import Config, to_yaml
-from ..data.step_plan import StepStats, batch_layout
+from ..data.step_composition import StepStats, batch_layout
 from ..errors import TrainingError
 from ..model.fsdp import requires_all_reduce
 from ..model.sp_forward import SequenceParallelH3

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ...config import Config
-from ...data.step_plan import StepStats
+from ...data.step_composition import StepStats
 from ...errors import ConfigError, UsageError
 from ...optim.kinds import optimizer_kind
 from ...parallel.dims import ParallelContext, ParallelDims

@@ -10,7 +10,7 @@ attend block-diagonally, so a pack costs the sum of its samples' costs, not the 
 consumes the samples at positions `[start, start + count)`, its *window*; slot `i` of the window (the
 sample at `start + i`) draws its noise as slot `i` (`objective.step_generator`), whichever rank and
 micro-batch it lands in. Every rank trains `grad_accum` micro-batches, so every rank issues the same
-collectives, and every rank computes the whole step's plan from the same inputs, so all agree on it
+collectives, and every rank computes the whole step's composition from the same inputs, so all agree on it
 without a collective:
 
 - unpacked, unbalanced: the window is `dp * grad_accum` samples, slot `micro * dp + rank` on rank
@@ -25,7 +25,7 @@ without a collective:
   to its longest prefix that can.
 
 A sample longer than the budget (`data.pack_oversize=alone`) trains as a micro-batch of its own;
-`refuse` is checked before training, on the source's longest sample (`run/checks.py`). The plan
+`refuse` is checked before training, on the source's longest sample (`run/checks.py`). The composition
 depends on the order, the lengths, the position and the mesh's `dp` alone: the checkpointed state
 stays the sampler's global position, so a run resumed under another DP size continues the same
 global order from the same sample.
@@ -59,7 +59,7 @@ def sample_cost(rows: int, s0: float) -> float:
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class StepComposition:
     """One optimizer step's samples: the window `[start, start + count)` of the global order and,
     per DP rank and micro-batch, the window slots trained there (in pack order)."""
 
@@ -90,7 +90,7 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
-class StepPlanner:
+class StepComposer:
     """How steps are planned: `budget` rows per micro-batch (0: one sample each), `balance` by cost,
     and with a budget at most `global_batch` samples a step (0: as many as the packs' rows hold)."""
 
@@ -102,8 +102,8 @@ class StepPlanner:
     global_batch: int = 0
 
     @classmethod
-    def of(cls, cfg: Config, dp: int, dims: Mapping[str, Any]) -> StepPlanner:
-        """The planner of a run of `cfg` at `dp` DP ranks: `data.pack` rows per micro-batch, `data.balance` by
+    def of(cls, cfg: Config, dp: int, dims: Mapping[str, Any]) -> StepComposer:
+        """The composer of a run of `cfg` at `dp` DP ranks: `data.pack` rows per micro-batch, `data.balance` by
         the cost model of the architecture `dims`, `train.global_batch` samples a packed step."""
         train = cfg.train
         return cls(dp, train.grad_accum, cfg.data.pack, cfg.data.balance, attention_rows(dims), train.global_batch)
@@ -116,20 +116,20 @@ class StepPlanner:
     def cost(self, rows: int) -> float:
         return sample_cost(rows, self.s0)
 
-    def plan(
+    def compose(
         self,
         start: int,
         rows_at: Callable[[int], int],
         sample_at: Callable[[int], int] | None = None,
         epoch_length: int = 0,
-    ) -> StepPlan:
+    ) -> StepComposition:
         """The step planned from global position `start`; `rows_at(p)` is the packed length of the sample
         at position `p`, `sample_at(p)` its index in the source, `epoch_length` the order's positions per
         epoch (0: not known; then neither bound below applies).
 
         No step reaches into the next epoch, where the order is another permutation and could hand it
         a sample it already holds: an epoch's tail too short to give every micro-batch a sample is
-        passed over (`StepPlan.skipped`), so those samples train in other epochs. A packed step also
+        passed over (`StepComposition.skipped`), so those samples train in other epochs. A packed step also
         never holds a sample twice: its window ends before a sample it already holds and at the
         epoch's end.
         """
@@ -155,13 +155,13 @@ class StepPlanner:
                     low, bins = mid, found
             rows = rows[:low]
         assert bins is not None
-        return StepPlan(start, len(rows), self._to_ranks(bins, rows), skipped)
+        return StepComposition(start, len(rows), self._to_ranks(bins, rows), skipped)
 
-    def _unpacked(self, start: int, rows_at: Callable[[int], int], skipped: int) -> StepPlan:
+    def _unpacked(self, start: int, rows_at: Callable[[int], int], skipped: int) -> StepComposition:
         """One sample per micro-batch: the window's samples are the micro-batches, dealt as packs are."""
         count = self.micro_batches
         rows = [rows_at(start + i) for i in range(count)] if self.balance else [0] * count
-        return StepPlan(start, count, self._to_ranks([[slot] for slot in range(count)], rows), skipped)
+        return StepComposition(start, count, self._to_ranks([[slot] for slot in range(count)], rows), skipped)
 
     def _window(
         self, start: int, rows_at: Callable[[int], int], sample_at: Callable[[int], int] | None, epoch_length: int
@@ -247,11 +247,11 @@ class StepPlanner:
             load[rank] += bin_cost[b]
         return tuple(tuple(tuple(bins[b]) for b in sorted(r, key=lambda b: bins[b][0])) for r in ranks)
 
-    def rank_costs(self, plan: StepPlan, rows_at: Callable[[int], int]) -> list[float]:
+    def rank_costs(self, composition: StepComposition, rows_at: Callable[[int], int]) -> list[float]:
         """Each rank's cost in `plan` (the sum over its micro-batches of their samples' costs)."""
         return [
-            sum(self.cost(rows_at(plan.start + slot)) for micro in rank for slot in micro)
-            for rank in plan.micro_batches
+            sum(self.cost(rows_at(composition.start + slot)) for micro in rank for slot in micro)
+            for rank in composition.micro_batches
         ]
 
 
@@ -301,20 +301,20 @@ def imbalance(costs: Sequence[float]) -> float:
 
 
 def mean_imbalance(
-    planner: StepPlanner, rows_at: Callable[[int], int], steps: int, start: int = 0
+    composer: StepComposer, rows_at: Callable[[int], int], steps: int, start: int = 0
 ) -> tuple[float, float]:
-    """(mean, worst) per-step `imbalance` of `planner`'s plans over `steps` steps from position `start`."""
+    """(mean, worst) per-step `imbalance` of `composer`'s compositions over `steps` steps from position `start`."""
     seen = []
     for _ in range(steps):
-        plan = planner.plan(start, rows_at)
-        seen.append(imbalance(planner.rank_costs(plan, rows_at)))
-        start = plan.end
+        composition = composer.compose(start, rows_at)
+        seen.append(imbalance(composer.rank_costs(composition, rows_at)))
+        start = composition.end
     return sum(seen) / len(seen), max(seen)
 
 
 @dataclass(frozen=True)
 class StepStats:
-    """What one step's plan trains: `samples` over every DP rank, `fill` the share of the packs' rows
+    """What one step's composition trains: `samples` over every DP rank, `fill` the share of the packs' rows
     the samples take (`rows / (dp * grad_accum * budget)`; None unpacked), `imbalance` of the ranks'
     costs (`max / mean - 1`), `epoch` the epochs of the order done after it (None: not known)."""
 
@@ -324,14 +324,21 @@ class StepStats:
     epoch: float | None = None
 
 
-def step_stats(planner: StepPlanner, plan: StepPlan, rows_at: Callable[[int], int], epoch_length: int = 0) -> StepStats:
-    """`StepStats` of `plan` (the same on every rank: it reads the plan and the lengths only)."""
+def step_stats(
+    composer: StepComposer, composition: StepComposition, rows_at: Callable[[int], int], epoch_length: int = 0
+) -> StepStats:
+    """`StepStats` of `composition` (the same on every rank: it reads the composition and the lengths only)."""
     fill = None
-    if planner.budget:
-        rows = sum(min(rows_at(plan.start + s), planner.budget) for rank in plan.micro_batches for m in rank for s in m)
-        fill = rows / (planner.micro_batches * planner.budget)
-    epoch = plan.end / epoch_length if epoch_length else None
-    return StepStats(plan.count, fill, imbalance(planner.rank_costs(plan, rows_at)), epoch)
+    if composer.budget:
+        rows = sum(
+            min(rows_at(composition.start + s), composer.budget)
+            for rank in composition.micro_batches
+            for m in rank
+            for s in m
+        )
+        fill = rows / (composer.micro_batches * composer.budget)
+    epoch = composition.end / epoch_length if epoch_length else None
+    return StepStats(composition.count, fill, imbalance(composer.rank_costs(composition, rows_at)), epoch)
 
 
 @dataclass(frozen=True)
@@ -355,7 +362,7 @@ class Outlook:
 
 
 def outlook(
-    planner: StepPlanner,
+    composer: StepComposer,
     rows_at: Callable[[int], int],
     sample_at: Callable[[int], int],
     epoch_length: int,
@@ -364,13 +371,13 @@ def outlook(
     """Plan up to `steps` steps from position 0 (stopping after the first epoch when it ends sooner)."""
     stats, start = [], 0
     while len(stats) < steps and start < epoch_length:
-        plan = planner.plan(start, rows_at, sample_at, epoch_length)
-        if plan.start >= epoch_length:
+        composition = composer.compose(start, rows_at, sample_at, epoch_length)
+        if composition.start >= epoch_length:
             # The epoch's tail was passed over: its steps are all counted.
-            start = plan.start
+            start = composition.start
             break
-        stats.append(step_stats(planner, plan, rows_at))
-        start = plan.end
+        stats.append(step_stats(composer, composition, rows_at))
+        start = composition.end
     exact = start >= epoch_length
     counts = [s.samples for s in stats]
     mean = sum(counts) / len(counts)

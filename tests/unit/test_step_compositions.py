@@ -1,4 +1,5 @@
-"""Step plans (`data/step_plan.py`): which samples each DP rank trains in each micro-batch, packed and balanced."""
+"""Step compositions (`data/step_composition.py`): which samples each DP rank trains in each micro-batch,
+packed and balanced."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 import pytest
 
 from h3train.data.sampler import DistributedSampler
-from h3train.data.step_plan import StepPlanner, attention_rows, imbalance, sample_cost
+from h3train.data.step_composition import StepComposer, attention_rows, imbalance, sample_cost
 
 pytestmark = pytest.mark.one_lane
 
@@ -20,10 +21,10 @@ def _lengths(n: int, seed: int = 0, low: int = 1_000, spread: float = 8.0) -> li
     return [int(low * rng.uniform(1.0, spread)) for _ in range(n)]
 
 
-def _steps(planner: StepPlanner, rows_at, steps: int, start: int = 0):
+def _steps(composer: StepComposer, rows_at, steps: int, start: int = 0):
     plans = []
     for _ in range(steps):
-        plans.append(planner.plan(start, rows_at))
+        plans.append(composer.compose(start, rows_at))
         start += plans[-1].count
     return plans
 
@@ -38,8 +39,8 @@ def test_the_cost_model_is_the_released_models_flops() -> None:
 def test_unpacked_unbalanced_plans_are_the_samplers_order() -> None:
     dp, accum = 3, 2
     sampler = DistributedSampler(40, 0, dp, seed=5)
-    planner = StepPlanner(dp, accum)
-    plan = planner.plan(12, lambda p: 100)
+    composer = StepComposer(dp, accum)
+    plan = composer.compose(12, lambda p: 100)
     assert plan.count == dp * accum
     for rank in range(dp):
         for micro in range(accum):
@@ -56,8 +57,8 @@ def test_unpacked_unbalanced_plans_are_the_samplers_order() -> None:
 @pytest.mark.parametrize(("budget", "balance"), [(0, True), (8_000, False), (8_000, True), (16_000, True)])
 def test_every_sample_of_the_order_trains_once_within_budget(budget: int, balance: bool) -> None:
     lengths = _lengths(500)
-    planner = StepPlanner(4, 2, budget, balance, S0)
-    plans = _steps(planner, lambda p: lengths[p % 500], 60)
+    composer = StepComposer(4, 2, budget, balance, S0)
+    plans = _steps(composer, lambda p: lengths[p % 500], 60)
     position = 0
     for plan in plans:
         assert plan.start == position
@@ -75,29 +76,29 @@ def test_packing_and_balance_even_out_the_ranks() -> None:
     lengths = _lengths(2_000, seed=1)
     rows_at = lambda p: lengths[p % len(lengths)]  # noqa: E731
 
-    def mean_imbalance(planner: StepPlanner) -> float:
-        plans = _steps(planner, rows_at, 200)
-        return sum(imbalance(planner.rank_costs(plan, rows_at)) for plan in plans) / len(plans)
+    def mean_imbalance(composer: StepComposer) -> float:
+        plans = _steps(composer, rows_at, 200)
+        return sum(imbalance(composer.rank_costs(plan, rows_at)) for plan in plans) / len(plans)
 
-    unpacked = mean_imbalance(StepPlanner(4, 1, s0=S0))
-    balanced = mean_imbalance(StepPlanner(4, 1, 16_000, True, S0))
+    unpacked = mean_imbalance(StepComposer(4, 1, s0=S0))
+    balanced = mean_imbalance(StepComposer(4, 1, 16_000, True, S0))
     assert unpacked > 0.35
     assert balanced < 0.10
-    assert mean_imbalance(StepPlanner(4, 1, 16_000, False, S0)) > balanced
+    assert mean_imbalance(StepComposer(4, 1, 16_000, False, S0)) > balanced
 
 
 def test_a_sample_over_the_budget_trains_alone() -> None:
     lengths = [500, 3_000, 400, 600, 700, 800, 900, 100]
-    planner = StepPlanner(2, 1, 2_000, True, S0)
-    plan = planner.plan(0, lambda p: lengths[p])
+    composer = StepComposer(2, 1, 2_000, True, S0)
+    plan = composer.compose(0, lambda p: lengths[p])
     alone = [micro for rank in plan.micro_batches for micro in rank if 1 in micro]
     assert alone == [(1,)]
 
 
 def test_plans_do_not_depend_on_the_rank_that_computes_them() -> None:
     lengths = _lengths(300, seed=2)
-    first = _steps(StepPlanner(2, 3, 9_000, True, S0), lambda p: lengths[p % 300], 20)
-    again = _steps(StepPlanner(2, 3, 9_000, True, S0), lambda p: lengths[p % 300], 20)
+    first = _steps(StepComposer(2, 3, 9_000, True, S0), lambda p: lengths[p % 300], 20)
+    again = _steps(StepComposer(2, 3, 9_000, True, S0), lambda p: lengths[p % 300], 20)
     assert first == again
 
 

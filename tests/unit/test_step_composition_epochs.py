@@ -9,7 +9,7 @@ import pytest
 
 from h3train.cli import main
 from h3train.data.sampler import DistributedSampler
-from h3train.data.step_plan import StepPlanner, batch_layout, global_batch_change, outlook
+from h3train.data.step_composition import StepComposer, batch_layout, global_batch_change, outlook
 
 from helpers.paths import TINY_FL2VA
 
@@ -22,11 +22,11 @@ def _order(num: int, seed: int = 3, lengths: list[int] | None = None, parts=None
     return sampler, (lambda p: lengths[sampler.global_index(p)]), sampler.global_index
 
 
-def _trained(planner: StepPlanner, sampler, rows_at, sample_at, steps: int) -> list[list[int]]:
+def _trained(composer: StepComposer, sampler, rows_at, sample_at, steps: int) -> list[list[int]]:
     """The source indices each of `steps` steps trains, planned as the run's stream plans them."""
     out, start = [], 0
     for _ in range(steps):
-        plan = planner.plan(start, rows_at, sample_at, sampler.epoch_length)
+        plan = composer.compose(start, rows_at, sample_at, sampler.epoch_length)
         assert plan.origin == start
         slots = [s for rank in plan.micro_batches for micro in rank for s in micro]
         assert sorted(slots) == list(range(plan.count))
@@ -37,7 +37,7 @@ def _trained(planner: StepPlanner, sampler, rows_at, sample_at, steps: int) -> l
 
 def test_a_pack_budget_larger_than_the_data_trains_each_sample_once_a_step() -> None:
     sampler, rows_at, sample_at = _order(34)
-    steps = _trained(StepPlanner(1, 2, budget=100_000), sampler, rows_at, sample_at, 5)
+    steps = _trained(StepComposer(1, 2, budget=100_000), sampler, rows_at, sample_at, 5)
     for samples in steps:
         assert len(samples) == 34 and len(set(samples)) == 34
 
@@ -47,16 +47,16 @@ def test_packed_steps_never_straddle_an_epoch_nor_repeat_a_sample(balance: bool)
     rng = random.Random(0)
     lengths = [rng.randint(50, 400) for _ in range(50)]
     sampler, rows_at, sample_at = _order(50, lengths=lengths)
-    planner = StepPlanner(2, 2, budget=900, balance=balance)
+    composer = StepComposer(2, 2, budget=900, balance=balance)
     start, epochs = 0, set()
     for _ in range(40):
-        plan = planner.plan(start, rows_at, sample_at, sampler.epoch_length)
+        plan = composer.compose(start, rows_at, sample_at, sampler.epoch_length)
         first, last = plan.start // 50, (plan.end - 1) // 50
         assert first == last, "a step reached into the next epoch"
         samples = [sample_at(plan.start + s) for r in plan.micro_batches for m in r for s in m]
         assert len(samples) == len(set(samples))
         # A skipped tail is shorter than the step's micro-batches.
-        assert plan.skipped < planner.micro_batches
+        assert plan.skipped < composer.micro_batches
         epochs.add(first)
         start = plan.end
     assert len(epochs) > 3
@@ -67,40 +67,40 @@ def test_unpacked_steps_never_straddle_an_epoch_nor_repeat_a_sample(balance: boo
     # 10 samples, 4 micro-batches a step: the third step of each epoch would take its last 2 samples and
     # 2 of the next epoch's order, which may be the same samples. That tail is passed over instead.
     sampler, rows_at, sample_at = _order(10)
-    planner = StepPlanner(2, 2, balance=balance)
-    steps = _trained(planner, sampler, rows_at, sample_at, 12)
+    composer = StepComposer(2, 2, balance=balance)
+    steps = _trained(composer, sampler, rows_at, sample_at, 12)
     assert all(len(samples) == 4 == len(set(samples)) for samples in steps)
     start = 0
     for _ in range(12):
-        plan = planner.plan(start, rows_at, sample_at, sampler.epoch_length)
+        plan = composer.compose(start, rows_at, sample_at, sampler.epoch_length)
         assert plan.start // 10 == (plan.end - 1) // 10, "a step reached into the next epoch"
         assert plan.skipped in (0, 2)
         start = plan.end
     # Two steps an epoch: positions 8 and 9 of every epoch are passed over.
-    assert outlook(planner, rows_at, sample_at, sampler.epoch_length).steps_per_epoch == 2
+    assert outlook(composer, rows_at, sample_at, sampler.epoch_length).steps_per_epoch == 2
 
 
 def test_a_dataset_drawn_twice_an_epoch_still_trains_each_sample_once_a_step() -> None:
     # One dataset of 10 samples repeated twice: every epoch holds each sample twice.
     sampler, rows_at, sample_at = _order(10, parts=[(10, 20)])
-    for samples in _trained(StepPlanner(1, 1, budget=10_000), sampler, rows_at, sample_at, 12):
+    for samples in _trained(StepComposer(1, 1, budget=10_000), sampler, rows_at, sample_at, 12):
         assert len(samples) == len(set(samples)) and len(samples) <= 10
 
 
 def test_global_batch_fixes_the_samples_of_a_packed_step() -> None:
     sampler, rows_at, sample_at = _order(200)
-    steps = _trained(StepPlanner(2, 2, budget=1_000, global_batch=12), sampler, rows_at, sample_at, 10)
+    steps = _trained(StepComposer(2, 2, budget=1_000, global_batch=12), sampler, rows_at, sample_at, 10)
     assert [len(s) for s in steps] == [12] * 10
     # Rows that do not fit the packs cut the step short: 4 packs of 300 rows hold 12 samples of 100.
-    steps = _trained(StepPlanner(2, 2, budget=300, global_batch=16), sampler, rows_at, sample_at, 3)
+    steps = _trained(StepComposer(2, 2, budget=300, global_batch=16), sampler, rows_at, sample_at, 3)
     assert [len(s) for s in steps] == [12] * 3
 
 
 def test_outlook_counts_the_steps_of_an_epoch() -> None:
     sampler, rows_at, sample_at = _order(34)
-    seen = outlook(StepPlanner(1, 2, budget=100_000), rows_at, sample_at, sampler.epoch_length)
+    seen = outlook(StepComposer(1, 2, budget=100_000), rows_at, sample_at, sampler.epoch_length)
     assert seen.exact and seen.steps_per_epoch == 1 and seen.samples_min == seen.samples_max == 34
-    seen = outlook(StepPlanner(2, 1, budget=350, balance=True), rows_at, sample_at, sampler.epoch_length)
+    seen = outlook(StepComposer(2, 1, budget=350, balance=True), rows_at, sample_at, sampler.epoch_length)
     assert seen.exact and seen.samples_max <= 6 and seen.steps_per_epoch == seen.steps
 
 
