@@ -31,7 +31,6 @@ from ..config import Config, dataset_specs
 from ..data.location import INDEX_NAME
 from ..data.mixture import DatasetMixture
 from ..data.source import MicroBatchStream, SampleSource, build_sampler, build_source, load_shared_negative
-from ..data.step_composition import StepComposer
 from ..debug.faults import FaultInjector
 from ..infra.diskspace import check_room
 from ..infra.objects import Folder, RemoteDir
@@ -196,7 +195,7 @@ def _assemble(
     data_errors = EventLog(log_dir / "data_errors.jsonl" if lead else None)
     spike_log = EventLog(log_dir / "loss_spikes.jsonl" if lead else None)
     progress = Progress()
-    source, batches = _micro_batches(cfg, ctx, model_config, shared_negative, data_errors, progress)
+    source, batches = _micro_batches(blueprint, ctx, model_config, shared_negative, data_errors, progress)
     watch = validation_watch(cfg)
     adapter_files = export_files(cfg, adapter)
     owner = lock.token if lock is not None else ""
@@ -234,7 +233,7 @@ def _assemble(
 
 
 def _micro_batches(
-    cfg: Config,
+    blueprint: Blueprint,
     ctx: ParallelContext,
     model_config: dict[str, Any],
     shared_negative: tuple[torch.Tensor, torch.Tensor] | None,
@@ -242,7 +241,9 @@ def _micro_batches(
     progress: Progress,
 ) -> tuple[SampleSource, MicroBatchStream]:
     """The run's sample source and the stream of its micro-batches for this DP rank, each skipped sample
-    recorded in `data_errors` at the step being trained; rank 0 says what the source and its steps hold."""
+    recorded in `data_errors` at the step being trained, composed as `blueprint` says; rank 0 says what the
+    source and its steps hold."""
+    cfg = blueprint.cfg
     source = build_source(
         cfg,
         model_config["text_dim"],
@@ -255,7 +256,7 @@ def _micro_batches(
         source,
         build_sampler(source, cfg, ctx.dp_rank, dp),
         lambda sample, step, slot: micro_batch_inputs(cfg, sample, step, slot, shared_negative),
-        StepComposer.of(cfg, dp, model_config),
+        blueprint.composer,
         cfg.data.prefetch,
     )
     if ctx.is_main:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import Config
+from ..data.step_composition import StepComposer
 from ..parallel.dims import ParallelDims
 from ..plan import MemoryPlan
 from ..plan.step_time import Rates, rates_of_kind
@@ -36,8 +37,9 @@ class Blueprint:
     or `cpu`, whose kernels the plan models; `job`: the memory and card every rank plans against.
     `model_dims`: the transformer's constructor arguments. `memory_plan`: the plan of the setting taken;
     `policies`: one activation-checkpointing policy per block (`plan.BLOCK_POLICIES`); `compile_blocks`:
-    whether each block is compiled; `attention_backend`: the diffusers backend name; `tables`: both table
-    settings' estimates where `auto` weighed them on CUDA, else None.
+    whether each block is compiled; `attention_backend`: the diffusers backend name; `composer`: what each
+    step's samples are and where they train (`data.step_composition`); `tables`: both table settings'
+    estimates where `auto` weighed them on CUDA, else None.
     """
 
     cfg: Config
@@ -50,6 +52,7 @@ class Blueprint:
     policies: tuple[str, ...]
     compile_blocks: bool
     attention_backend: str
+    composer: StepComposer
     tables: TablesChoice | None = None
 
     def start_lines(self) -> list[str]:
@@ -127,6 +130,7 @@ def draw(
         policies=policies,
         compile_blocks=compile_blocks,
         attention_backend=checked.attention_backend,
+        composer=StepComposer.of(cfg, mesh.dp, checked.model_dims),
         tables=tables,
     )
 
