@@ -52,7 +52,7 @@ from ..model.fsdp import apply_fsdp, shards_nothing
 from ..model.quant import check_base_quant
 from ..model.sp_forward import SequenceParallelH3
 from ..objective import micro_batch_inputs
-from ..optim.kinds import build_optimizer, build_scheduler, weights_dtype
+from ..optim.kinds import build_optimizer, build_scheduler
 from ..parallel.dims import ParallelContext, ParallelDims, init_distributed
 from ..parallel.ulysses import SequenceParallel
 from ..plan import checkpoint_bytes, samples_lines
@@ -364,7 +364,7 @@ def wrap_and_shard(
     transformer = build_meta_model(cfg) if from_meta else build_model(cfg, cfg.train.seed)
     with known_notices():
         transformer.set_attention_backend(blueprint.attention_backend)
-    apply_transforms(transformer, cfg, transforms, weights_dtype(cfg.optim))
+    apply_transforms(transformer, cfg, transforms, blueprint.trainable_dtype)
     model = SequenceParallelH3(
         transformer,
         SequenceParallel(ctx.sp_group),

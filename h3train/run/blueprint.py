@@ -3,8 +3,9 @@
 A start decides, from its config, its mesh and the device every rank agreed on (`preflight.agree_job_device`),
 whether the blocks compile (`config.values.resolve_compile`), which attention backend runs, whether the AdaLN
 tables are served (`plan.tables.choose_tables` under `auto` on CUDA), the memory plan of the setting it takes
-(`preflight.run_plan`), and what each block recomputes (the plan's choice under `auto` on CUDA). `draw` makes
-each of these decisions once; nothing downstream re-derives one from `cfg`: the model builder, the trainer's
+(`preflight.run_plan`), what each block recomputes (the plan's choice under `auto` on CUDA), the dtype the
+trainable parameters are kept in, and how each step's samples are composed. `draw` makes each of these
+decisions once; nothing downstream re-derives one from `cfg`: the model builder, the trainer's
 start-up lines, `h3train check`, the rehearsal and the benches take them from the record.
 
 The config-level decisions (compile, attention backend) are taken by `preflight`, before any process group, so
@@ -18,8 +19,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..config import Config
 from ..data.step_composition import StepComposer
+from ..optim.kinds import weights_dtype
 from ..parallel.dims import ParallelDims
 from ..plan import MemoryPlan
 from ..plan.step_time import Rates, rates_of_kind
@@ -37,7 +41,9 @@ class Blueprint:
     or `cpu`, whose kernels the plan models; `job`: the memory and card every rank plans against.
     `model_dims`: the transformer's constructor arguments. `memory_plan`: the plan of the setting taken;
     `policies`: one activation-checkpointing policy per block (`plan.BLOCK_POLICIES`); `compile_blocks`:
-    whether each block is compiled; `attention_backend`: the diffusers backend name; `composer`: what each
+    whether each block is compiled; `attention_backend`: the diffusers backend name; `trainable_dtype`: what
+    the trainable parameters are stored in outside diffusers' float32 islands (`optim.weights_dtype`; the
+    blocks compute in `model.dtype`, the islands in float32); `composer`: what each
     step's samples are and where they train (`data.step_composition`); `tables`: both table settings'
     estimates where `auto` weighed them on CUDA, else None.
     """
@@ -52,6 +58,7 @@ class Blueprint:
     policies: tuple[str, ...]
     compile_blocks: bool
     attention_backend: str
+    trainable_dtype: torch.dtype
     composer: StepComposer
     tables: TablesChoice | None = None
 
@@ -130,6 +137,7 @@ def draw(
         policies=policies,
         compile_blocks=compile_blocks,
         attention_backend=checked.attention_backend,
+        trainable_dtype=weights_dtype(cfg.optim),
         composer=StepComposer.of(cfg, mesh.dp, checked.model_dims),
         tables=tables,
     )
