@@ -24,7 +24,7 @@ from h3train.cli import main
 from h3train.data.components import write_tiny_components
 from h3train.render.side_by_side import bar_height, halves
 from h3train.render.weights import detect_source
-from h3train.run import generate as generate_module
+from h3train.run import rendering as generate_module
 from h3train.run.rendering import TRACK_TITLES, Generator, Rendered, read_requests, request_partition
 
 from helpers.launch import run_cli, run_forked, train

@@ -33,14 +33,15 @@ def float64_adapters() -> None:
     summed over micro-batches in another order at another layout, agree to float64 rounding."""
     import torch
 
-    import h3train.run.assemble as assemble
+    import h3train.model.build as build
 
     def store_trainable(model: Any, dtype: torch.dtype) -> None:
         for param in model.parameters():
             if param.requires_grad:
                 param.data = param.data.to(torch.float64)
 
-    assemble.store_trainable = store_trainable
+    # The builder stores the trainable parameters through `build.apply_transforms`.
+    build.store_trainable = store_trainable
 
 
 def table_steps(config: str, runs: dict[str, list[str]]) -> dict[str, tuple[StepRecord, bool, set[str]]]:

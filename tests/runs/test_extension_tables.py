@@ -24,7 +24,7 @@ from h3train.cli import main
 from h3train.config import load_config, schema
 from h3train.data import source
 from h3train.errors import ConfigError
-from h3train.lora import kinds
+from h3train.lora import adapter_kinds
 from h3train.lora.files import DIFFUSERS_WEIGHT_NAME
 from h3train.model.architecture import model_dims
 from h3train.ops import attention
@@ -50,7 +50,7 @@ TINY_LORA = ROOT / "configs" / "tiny_lora.yaml"
 # -- the outside kinds: what a user writes ----------------------------------------------------------
 
 
-class RsLoraKind(kinds.LoraKind):
+class RsLoraKind(adapter_kinds.LoraKind):
     name = "rslora"
     label = "rsLoRA"
     reads_init_from = False  # a LoRA file's scale is alpha / r
@@ -81,9 +81,9 @@ class AmsgradKind(optim.OptimizerKind):
 
 
 def test_config_choices_are_the_tables() -> None:
-    assert config.choices("lora.kind") == kinds.kind_choices() == ("lora", "lokr", "loha")
+    assert config.choices("lora.kind") == adapter_kinds.kind_choices() == ("lora", "lokr", "loha")
     assert config.choices("optim.name") == tuple(optim.OPTIMIZER_KINDS)
-    assert set(kinds.ADAPTER_KINDS) == {"lora", "dora", "lokr", "loha"}
+    assert set(adapter_kinds.ADAPTER_KINDS) == {"lora", "dora", "lokr", "loha"}
     assert config.choices("model.attention_backend") == attention.CONFIG_CHOICES
     assert config.choices("data.source") == tuple(source.DATA_SOURCES) == ("synthetic", "cached")
 
@@ -91,11 +91,11 @@ def test_config_choices_are_the_tables() -> None:
 @pytest.fixture(scope="module")
 def registered() -> Iterator[None]:
     """The outside kinds in the tables for this module's tests; the tables as they were afterwards."""
-    saved = (dict(kinds.ADAPTER_KINDS), dict(optim.OPTIMIZER_KINDS), dict(schema._CHOICES))
-    kinds.register_adapter_kind(RsLoraKind())
+    saved = (dict(adapter_kinds.ADAPTER_KINDS), dict(optim.OPTIMIZER_KINDS), dict(schema._CHOICES))
+    adapter_kinds.register_adapter_kind(RsLoraKind())
     optim.register_optimizer_kind(AmsgradKind())
     yield
-    for table, before in zip((kinds.ADAPTER_KINDS, optim.OPTIMIZER_KINDS, schema._CHOICES), saved, strict=True):
+    for table, before in zip((adapter_kinds.ADAPTER_KINDS, optim.OPTIMIZER_KINDS, schema._CHOICES), saved, strict=True):
         table.clear()
         table.update(before)
 
@@ -134,13 +134,13 @@ def trained(runs: Runs) -> Path:
 def test_outside_kinds_train_with_their_own_state(registered, trained: Path) -> None:
     cfg = load_config(TINY_LORA, KINDS)
     assert cfg.lora.kind == "rslora" and cfg.optim.name == "adamw_amsgrad"
-    assert kinds.config_kind(cfg.lora).label == "rsLoRA"
+    assert adapter_kinds.config_kind(cfg.lora).label == "rsLoRA"
     rows = [m for m in read_metrics(trained) if m.get("kind") is None]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     ckpt = checkpoint_dir(trained, 3)
     record = json.loads((ckpt / "trainer_state.json").read_text())["lora"]
     assert record["peft_type"] == "LORA" and record["use_rslora"] is True
-    assert kinds.record_kind(record).name == "rslora"
+    assert adapter_kinds.record_kind(record).name == "rslora"
     state = checkpoint_tensors(ckpt, "optim.state.")
     model = checkpoint_tensors(ckpt, "model.")
     assert any(k.endswith("max_exp_avg_sq") for k in state), "the AMSGrad moment is not in the checkpoint"

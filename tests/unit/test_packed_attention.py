@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from h3train.cli import main
-from h3train.config import checks as config_checks
 from h3train.config import load_config
+from h3train.config import values as config_checks
 from h3train.config.values import packed_compile_missing, resolve_compile
 from h3train.errors import ConfigError
 from h3train.ops import attention
