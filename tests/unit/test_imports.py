@@ -295,3 +295,13 @@ def test_no_module_or_function_outgrows_the_house() -> None:
                     long_functions.append(f"{name}:{node.lineno} {node.name} ({lines} lines)")
     assert not long_modules, f"modules over {MODULE_LINES} lines: {long_modules}"
     assert not long_functions, f"functions over {FUNCTION_LINES} lines: {long_functions}"
+
+
+def test_no_two_rooms_share_a_file_name() -> None:
+    """A module's file name says which room it is: `checks.py` or `report.py` in two packages would not."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(path.relative_to(PACKAGE.parent).as_posix())
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, shared
