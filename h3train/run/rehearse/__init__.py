@@ -2,7 +2,8 @@
 
 No GPU, no weights, no memory: a fake process group of N ranks (this process is rank 0) and torch's
 `FakeTensorMode`, whose tensors have shapes, dtypes and storages of the real sizes but no data.
-What runs is the trainer's own code, on rank 0's share of the work:
+What runs is the trainer's own code, on rank 0's share of the work, as a CUDA run at the plan's default
+card decides it (its `run.blueprint.Blueprint`: tables, memory plan, each block's recompute), built here:
 
 - the model as `assemble.build_sharded_model` builds it from a pretrained folder: the transformer on
   `meta` with its transforms (adapters, quantized base), the Ulysses wrapper with its checkpointing,
