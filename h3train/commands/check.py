@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
             plan_of=plan_of,
         )
         print(format_layouts(found, world, rates, per_node), flush=True)
-    for line in samples_lines(cfg, dims.dp, model_dims) if not notes else []:
+    for line in samples_lines(cfg, blueprint.composer, model_dims) if not notes else []:
         print(line)
     if args.rehearse:
         from ..run.rehearse import rehearse

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..config import Config, dataset_specs
 from ..data.location import INDEX_NAME
+from ..data.step_composition import StepComposer
 from ..data.storage import has_index, is_dataset_dir
 from ..model.adapter import AdapterCounts
 from ..tasks.released import LONGEST_GEOMETRY, LONGEST_ROWS, TEXT_ROWS
@@ -356,8 +357,11 @@ def refuse_over_plan(plan: MemoryPlan, device_type: str, ignored: bool) -> None:
     )
 
 
-def samples_lines(cfg: Config, dp: int, dims: Mapping[str, Any], source: Any = None, steps: int = 100) -> list[str]:
-    """What the run's steps train, planned over the data as indexed: `h3train check`'s and the start's lines.
+def samples_lines(
+    cfg: Config, composer: StepComposer, dims: Mapping[str, Any], source: Any = None, steps: int = 100
+) -> list[str]:
+    """What the run's steps train, composed by the start's `composer` (its blueprint's) over the data as
+    indexed: `h3train check`'s and the start's lines.
 
     `samples`: samples per step (the mean and range over the first `steps` steps of the sampler's order
     for a packed run) and steps per epoch. `balance` (two or more DP ranks): the mean per-step imbalance of
@@ -368,8 +372,9 @@ def samples_lines(cfg: Config, dp: int, dims: Mapping[str, Any], source: Any = N
     import numpy as np
 
     from ..data.source import build_sampler, build_source, data_source
-    from ..data.step_composition import StepComposer, outlook
+    from ..data.step_composition import outlook
 
+    dp = composer.dp
     if source is None:
         if data_source(cfg).reads_folders and not all(is_dataset_dir(s.path) for s in dataset_specs(cfg.data)):
             return []
@@ -378,7 +383,6 @@ def samples_lines(cfg: Config, dp: int, dims: Mapping[str, Any], source: Any = N
     sampler = build_sampler(source, cfg, 0, dp)
     rows_at = lambda p: int(lengths[sampler.global_index(p)])  # noqa: E731
     accum, budget = cfg.train.grad_accum, cfg.data.pack
-    composer = StepComposer.of(cfg, dp, dims)
     seen = outlook(composer, rows_at, sampler.global_index, sampler.epoch_length, steps)
     # Past the planned steps the count is the epoch over the mean samples per step: still a count of steps.
     steps_per_epoch = round(seen.steps_per_epoch)

@@ -260,7 +260,7 @@ def _micro_batches(
         cfg.data.prefetch,
     )
     if ctx.is_main:
-        for line in samples_lines(cfg, dp, model_config, source):
+        for line in samples_lines(cfg, blueprint.composer, model_config, source):
             print(line, flush=True)
     return source, batches
 
