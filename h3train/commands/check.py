@@ -162,7 +162,6 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(source := build_source(cfg), DatasetMixture):
             print(source.describe())
     from ..plan import (
-        dropped_line,
         format_layouts,
         format_plan,
         format_step,
@@ -176,11 +175,8 @@ def run(args: argparse.Namespace) -> int:
     if blueprint.tables is not None:
         print(tables_line(blueprint.tables))
     cfg, plan = blueprint.cfg, blueprint.memory_plan
-    from ..data.source import left_out_lines
-
-    for line in [*left_out_lines(cfg), dropped_line(cfg)]:
-        if line:
-            print(line)
+    for line in blueprint.data_lines():
+        print(line)
     print(format_plan(plan), flush=True)
     if plan.fits:
         step = planned_step(cfg, dims, plan, model_dims, rates, ranks_per_node=per_node)

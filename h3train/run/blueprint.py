@@ -65,14 +65,20 @@ class Blueprint:
     def start_lines(self) -> list[str]:
         """What rank 0 prints of the blueprint at start: the tables' choice where `auto` weighed it, the
         memory plan's verdict and what the data's filters leave out."""
-        from ..data.source import left_out_lines
-        from ..plan import dropped_line, summary
+        from ..plan import summary
         from ..plan.tables import tables_line
 
         plan = self.memory_plan
         lines = [tables_line(self.tables)] if self.tables is not None and self.tables.given == "auto" else []
         lines.append(f"memory plan: {summary(plan)} ({plan.rows_origin})")
-        return lines + [line for line in (*left_out_lines(self.cfg), dropped_line(self.cfg)) if line]
+        return lines + self.data_lines()
+
+    def data_lines(self) -> list[str]:
+        """What the data's filters leave out of the run (`task.name`'s sample tasks, `data.max_rows`)."""
+        from ..data.source import left_out_lines
+        from ..plan import dropped_line
+
+        return [line for line in (*left_out_lines(self.cfg), dropped_line(self.cfg)) if line]
 
     def announce(self, is_main: bool | None = None) -> None:
         """Print `start_lines` (rank 0; default: `RANK` 0) and, on a GPU, refuse a run over its memory plan
@@ -120,8 +126,8 @@ def draw(
     )
     layers = int(checked.model_dims["num_layers"])
     policies = _policies(cfg, kind, plan, layers)
-    if compile_blocks is None:
-        compile_blocks = checked.compile_blocks if kind == checked.device_kind else None
+    if compile_blocks is None and kind == checked.device_kind:
+        compile_blocks = checked.compile_blocks
     if compile_blocks is None:
         from ..config.values import resolve_compile
 
